@@ -1,0 +1,257 @@
+"""``TieredCache``: one conversation's KV cache, as a ``transformers.Cache``.
+
+The only module that imports transformers. It adapts a model and a conversation to the store
+and holds no policy:
+
+* ``describe_model(model)`` checks that the model is a decoder-only, full-attention model and
+  computes its fingerprint (architecture fields of its config, dtype, and a digest of a sample of
+  its weights), cached per model object until a parameter changes.
+* ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
+* ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
+  waits for them and assembles its keys and values only when the model first touches layer ``i``
+  (``update``, ``keys``, crop...), so restores overlap with the prefill of earlier layers.
+  ``commit(sequences)`` hands the KV back to the store.
+
+Generation details handled here:
+* beam search and ``num_return_sequences`` expand the batch after the cache was filled: a batch-1
+  layer is repeated to the incoming batch on its first update;
+* assisted decoding (``prompt_lookup_num_tokens``, assistant models) re-feeds the whole prompt on
+  its first forward in transformers 5.x whatever the cache holds, and announces itself through
+  ``activate_past_recording``; the cache then drops what it restored, so the prompt is recomputed
+  once and the output stays exact.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from .transfer import Job
+
+if TYPE_CHECKING:
+    from .store import TieredStore
+
+# Config fields that do not change the keys and values a model computes.
+_CONFIG_FIELDS_IGNORED = frozenset({
+    "_name_or_path", "name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+    "use_cache", "return_dict", "output_attentions", "output_hidden_states", "id2label", "label2id",
+    "_attn_implementation", "_attn_implementation_autoset", "_experts_implementation", "_commit_hash",
+    "tokenizer_class", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "problem_type", "prefix", "finetuning_task",
+    "chunk_size_feed_forward", "tie_word_embeddings", "torchscript", "pruned_heads",
+})
+_SAMPLES_PER_PARAM = 16
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    fingerprint: bytes
+    num_layers: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+_model_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], ModelInfo]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _weights_state(model: torch.nn.Module) -> tuple[Any, ...]:
+    # In-place writes (load_state_dict, training steps) bump a parameter's version counter.
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def describe_model(model: Any) -> ModelInfo:
+    """Validate ``model`` for tierkv and return its fingerprint and shape facts."""
+    config = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"expected a transformers model (a torch.nn.Module with a .config), got {type(model).__name__}")
+    state = _weights_state(model)
+    cached = _model_cache.get(model)
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tierkv supports decoder-only "
+                         "full-attention models (Llama, Qwen2, GPT-2, Mistral...)")
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        raise ValueError(f"{type(model).__name__} does not use a standard KV cache (recurrent or custom state); "
+                         "tierkv supports decoder-only full-attention models")
+    text_config = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports full-attention layers only "
+                         "for now (for Mistral-like configs, set sliding_window=None if the model was trained "
+                         "without it)")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("the model has no parameters to fingerprint")
+    dtype = params[0].dtype
+    device = params[0].device
+    h = xxhash.xxh3_128()
+    fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    with torch.no_grad():
+        samples = []
+        for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            flat = p.detach().reshape(-1)
+            idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_PARAM, flat.numel()), device=flat.device)
+            samples.append(flat[idx.long()].float())
+        h.update(torch.cat(samples).cpu().numpy().tobytes())
+    info = ModelInfo(fingerprint=h.digest(), num_layers=len(layer_types), device=device, dtype=dtype)
+    _model_cache[model] = (state, info)
+    return info
+
+
+def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
+    """A ``(1, L)`` integer tensor as int64 numpy ids, or a clear error."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
+                        "use tokenizer(..., return_tensors='pt').input_ids")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"{what} must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"{what} must have shape (1, L), one conversation, got {tuple(input_ids.shape)}; "
+                         "call store.open once per conversation")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"{what} is empty; pass at least one token")
+    ids = input_ids[0].detach().cpu().numpy().astype(np.int64, copy=False)
+    if (ids < 0).any():
+        raise ValueError(f"{what} holds negative token ids; pass the tokenizer's ids")
+    return ids
+
+
+def sequence_ids_of(sequences: Any) -> np.ndarray:
+    """Row 0 of the ids ``generate`` returned, ``(k, L')``: every row starts with the prompt."""
+    if not isinstance(sequences, torch.Tensor):
+        raise TypeError(f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}")
+    if sequences.dim() != 2 or sequences.shape[0] < 1:
+        raise ValueError(f"commit() takes ids of shape (1, L'), got {tuple(sequences.shape)}")
+    return token_ids_of(sequences[:1], "sequences")
+
+
+class TieredLayer(DynamicLayer):
+    """One layer of a ``TieredCache``: a ``DynamicLayer`` whose restored prefix arrives as jobs."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Job[torch.Tensor], int]] | None = None
+        self._pending_len = 0
+        self._layer_idx = 0
+        super().__init__()
+
+    # Materialize on any access, so transformers code reading `.keys` directly sees the prefix.
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self._pending is not None:
+            self._materialize()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self._pending is not None:
+            self._materialize()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._values = value
+
+    def restore(self, layer_idx: int, blocks: list[tuple[Job[torch.Tensor], int]]) -> None:
+        self._layer_idx = layer_idx
+        self._pending = blocks
+        self._pending_len = sum(n for _, n in blocks)
+        self.is_initialized = True
+
+    def _materialize(self) -> None:
+        blocks, self._pending = self._pending, None
+        assert blocks is not None
+        i = self._layer_idx
+        tensors = [(job.wait(), n) for job, n in blocks]
+        self.device = tensors[0][0].device
+        self._keys = torch.cat([t[i, 0, :, :n] for t, n in tensors], dim=1).unsqueeze(0)
+        self._values = torch.cat([t[i, 1, :, :n] for t, n in tensors], dim=1).unsqueeze(0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_initialized:
+            keys = self.keys
+            if keys is not None and keys.numel() and keys.shape[0] == 1 and key_states.shape[0] > 1:
+                # A restored batch-1 prefix meeting beams or several return sequences.
+                self.batch_repeat_interleave(key_states.shape[0])
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        if self._pending is not None:
+            return self._pending_len
+        return super().get_seq_length()
+
+    def reset(self) -> None:
+        self._pending = None
+        super().reset()
+
+
+class TieredCache(Cache):
+    """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``."""
+
+    def __init__(self, *, store: "TieredStore", info: ModelInfo, input_ids: np.ndarray, root: bytes,
+                 session: str | None, tenant: str | None,
+                 blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int]) -> None:
+        layers = [TieredLayer() for _ in range(info.num_layers)]
+        super().__init__(layers=layers)
+        self._store = store
+        self.model_info = info
+        self.input_ids = input_ids
+        self.root = root
+        self.session = session
+        self.tenant = tenant
+        self.restored_from = dict(restored_from)
+        self.restored_tokens = sum(restored_from.values())
+        if blocks:
+            for i, layer in enumerate(layers):
+                layer.restore(i, blocks)
+
+    def __repr__(self) -> str:
+        return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "
+                f"restored_from={self.restored_from})")
+
+    def commit(self, sequences: torch.Tensor) -> int:
+        """Hand this cache's KV for ``sequences`` (the ids ``generate`` returned) to the store.
+
+        The cache holds ``L' - 1`` (or ``L'``) of the ``L'`` ids. Returns the number of tokens whose
+        KV the store now has for this conversation.
+        """
+        return self._store._commit(self, sequences)
+
+    def activate_past_recording(self) -> None:
+        # transformers calls this only when assisted decoding starts; see the module docstring.
+        if self.get_seq_length() > 0:
+            self._store._discard_restore(self)
+            for layer in self.layers:
+                layer.reset()
+            self.restored_tokens = 0
+            self.restored_from = {k: 0 for k in self.restored_from}
+        super().activate_past_recording()
+
+    # -- for the store ---------------------------------------------------------------------------
+    def batch_rows(self) -> int:
+        keys = self.layers[0].keys
+        return 1 if keys is None or keys.numel() == 0 else int(keys.shape[0])
+
+    def block_tensor(self, start: int, end: int) -> torch.Tensor:
+        """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim)."""
+        return torch.stack([
+            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
+        ]).contiguous()

@@ -1,0 +1,164 @@
+"""The on-disk record of one block. Pure: bytes in, bytes out, no I/O.
+
+Layout (little-endian)::
+
+    b"TKVB" | u32 header_len | msgpack header | payload | u64 xxh3_64(all bytes before it)
+
+The header carries the format version, the block's key and parent, tenant, model fingerprint,
+dtype, shape, token ids and a commit sequence number. The payload is the raw KV tensor bytes,
+shape ``(layers, 2, kv_heads, tokens, head_dim)`` with head_dim innermost, so a reader maps it
+straight into a tensor (``decode`` returns a memoryview into the caller's buffer, no copy).
+
+``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason;
+``decode_header`` reads only the header, for rebuilding an index without touching payloads.
+No pickle, no torch: a record written by any version of tierkv can be rejected safely.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+
+FORMAT_VERSION = 1
+MAGIC = b"TKVB"
+_PREFIX = struct.Struct("<4sI")
+_CHECKSUM = struct.Struct("<Q")
+
+#: Element sizes of the dtypes a KV cache may have; names are torch's without the prefix.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class CorruptRecord(ValueError):
+    """A record that must not be served: bad magic, length, checksum, version or fields."""
+
+
+@dataclass(slots=True, frozen=True)
+class RecordHeader:
+    key: bytes
+    parent: bytes
+    tenant: str | None
+    fingerprint: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    token_ids: bytes  # little-endian int64, as hashing.token_bytes
+    seq: int
+    version: int = FORMAT_VERSION
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids) // 8
+
+    @property
+    def payload_nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def _pack_header(h: RecordHeader) -> bytes:
+    return msgpack.packb(
+        {
+            "v": h.version,
+            "key": h.key,
+            "parent": h.parent,
+            "tenant": h.tenant,
+            "fp": h.fingerprint,
+            "dtype": h.dtype,
+            "shape": list(h.shape),
+            "ids": h.token_ids,
+            "seq": h.seq,
+        },
+        use_bin_type=True,
+    )
+
+
+def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> bytes:
+    """Serialize one record. ``payload`` must be ``header.payload_nbytes`` long."""
+    if header.dtype not in ITEMSIZE:
+        raise ValueError(f"dtype {header.dtype!r} cannot be stored; supported: {sorted(ITEMSIZE)}")
+    view = memoryview(payload).cast("B")
+    if view.nbytes != header.payload_nbytes:
+        raise ValueError(f"payload is {view.nbytes} bytes but shape {header.shape} of {header.dtype} needs {header.payload_nbytes}")
+    head = _pack_header(header)
+    prefix = _PREFIX.pack(MAGIC, len(head))
+    h = xxhash.xxh3_64()
+    h.update(prefix)
+    h.update(head)
+    h.update(view)
+    return b"".join((prefix, head, view, _CHECKSUM.pack(h.intdigest())))
+
+
+def record_size(header: RecordHeader) -> int:
+    """The exact length ``encode`` produces for ``header``, without building the record."""
+    return _PREFIX.size + len(_pack_header(header)) + header.payload_nbytes + _CHECKSUM.size
+
+
+def _parse_header(buf: memoryview) -> tuple[RecordHeader, int]:
+    if buf.nbytes < _PREFIX.size + _CHECKSUM.size:
+        raise CorruptRecord(f"record truncated: {buf.nbytes} bytes")
+    magic, head_len = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptRecord("not a tierkv block record (bad magic)")
+    end = _PREFIX.size + head_len
+    if end + _CHECKSUM.size > buf.nbytes:
+        raise CorruptRecord("record truncated inside its header")
+    try:
+        raw = msgpack.unpackb(buf[_PREFIX.size : end], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CorruptRecord(f"unreadable header: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CorruptRecord("header is not a map")
+    version = raw.get("v")
+    if version != FORMAT_VERSION:
+        raise CorruptRecord(f"format version {version!r}, this tierkv reads {FORMAT_VERSION}")
+    try:
+        header = RecordHeader(
+            key=bytes(raw["key"]),
+            parent=bytes(raw["parent"]),
+            tenant=raw["tenant"],
+            fingerprint=bytes(raw["fp"]),
+            dtype=str(raw["dtype"]),
+            shape=tuple(int(d) for d in raw["shape"]),
+            token_ids=bytes(raw["ids"]),
+            seq=int(raw["seq"]),
+            version=version,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptRecord(f"header field missing or malformed: {exc}") from None
+    if header.dtype not in ITEMSIZE or len(header.token_ids) % 8:
+        raise CorruptRecord("header has an unknown dtype or ragged token ids")
+    if header.tenant is not None and not isinstance(header.tenant, str):
+        raise CorruptRecord("header tenant is not a string")
+    return header, end
+
+
+def decode_header(buf: bytes | memoryview) -> RecordHeader:
+    """The header alone, with structural checks but no checksum (cheap; payload untouched)."""
+    header, end = _parse_header(memoryview(buf).cast("B"))
+    if end + header.payload_nbytes + _CHECKSUM.size != memoryview(buf).nbytes:
+        raise CorruptRecord("record length does not match its header")
+    return header
+
+
+def decode(buf: bytes | memoryview) -> tuple[RecordHeader, memoryview]:
+    """Header and a zero-copy view of the payload, after verifying length and checksum."""
+    view = memoryview(buf).cast("B")
+    header, end = _parse_header(view)
+    stop = end + header.payload_nbytes
+    if stop + _CHECKSUM.size != view.nbytes:
+        raise CorruptRecord(f"record is {view.nbytes} bytes, its header says {stop + _CHECKSUM.size}")
+    (stored,) = _CHECKSUM.unpack_from(view, stop)
+    if xxhash.xxh3_64_intdigest(view[:stop]) != stored:
+        raise CorruptRecord("checksum mismatch")
+    return header, view[end:stop]

@@ -1,0 +1,519 @@
+"""``TieredStore``: the block index, the LRU policy, and every move between tiers.
+
+Protocol of one conversation turn::
+
+    cache = store.open(model, input_ids, session=..., tenant=...)   # restore the longest prefix
+    out = model.generate(input_ids, past_key_values=cache, ...)
+    cache.commit(out)                                                # hand new blocks over
+
+* ``open`` walks the chain of block keys of ``input_ids``: whole blocks while their keys hit and
+  their stored token ids agree, then the stored continuation (a partial tail, or a block that
+  diverges later) that shares the most leading tokens, capped at ``L - 1`` tokens. Each block is
+  fetched as a job from wherever it rests and promoted to the device tier.
+* ``commit`` stores the blocks the store lacks: into the device tier (demoting the least recently
+  used blocks device -> host -> dropped), and, with a disk tier, through to disk by the
+  background writer. Blocks are immutable, so each is written once and leaving a memory tier
+  never costs a write.
+* Memory tiers are exclusive (a block rests on the device or in the host tier); the disk tier
+  is inclusive. A block rests in some tier or is not in the index at all.
+* A block is visible on disk only after its write transaction committed; until then it stays
+  in host memory (its eviction from the host waits for the write) and is served from there.
+* Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
+  still references, from every tier.
+
+Policy works on keys and sizes; tensors pass through opaquely between tiers and the copy engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
+from .codec import CorruptRecord, RecordHeader, record_size
+from .hashing import block_key, chain_keys, root_key
+from .index import BlockMeta, DiskState, Index, Tier
+from .tiers import DeviceTier, DiskTier, HostTier
+from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
+from .transfer import BackgroundWriter, CopyEngine, Job, resolve_device
+from .units import format_bytes, parse_bytes
+
+logger = logging.getLogger("tierkv")
+_UNSET: Any = object()
+
+
+def _session_id(tenant: str | None, session: str) -> bytes:
+    # Names are data: msgpack keeps ("a\0b", "c") and ("a", "b\0c") apart.
+    return xxhash.xxh3_128_digest(msgpack.packb(["session", tenant, session], use_bin_type=True))
+
+
+def _check_name(value: object, what: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class TieredStore:
+    """A hierarchical KV-cache store: device, host and (optionally) LMDB disk tiers."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = "kvstore/", device: object = None,
+                 device_budget: int | str = "2GiB", host_budget: int | str = "16GiB",
+                 disk_budget: int | str = "256GiB", block_size: int = 256) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size must be an int number of tokens, got {type(block_size).__name__}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}; 256 is a good default")
+        self.block_size = block_size
+        self.device = resolve_device(device)
+        budgets = {name: parse_bytes(value, name) for name, value in
+                   (("device_budget", device_budget), ("host_budget", host_budget), ("disk_budget", disk_budget))}
+        self._engine = CopyEngine(self.device)
+        self._device = DeviceTier(budgets["device_budget"], self.device)
+        self._host = HostTier(budgets["host_budget"], pinned=self.device.type == "cuda")
+        self._disk: DiskTier | None = None
+        self._writer: BackgroundWriter[DiskOp] | None = None
+        if path is not None:
+            self._disk = DiskTier(path, budgets["disk_budget"], block_size)
+            self._writer = BackgroundWriter(self._disk.apply, name="tierkv-disk-writer", size_of=op_size)
+        self._index = Index()
+        self._lock = threading.RLock()
+        self._pending_writes: dict[bytes, Job[None]] = {}
+        self._clock = 0
+        self._closed = False
+        self._hits = {t.value: 0 for t in Tier}
+        self._misses = 0
+        self._evictions = 0
+        self._corrupt = 0
+        self._disk_errors = 0
+        if self._disk is not None:
+            self._load_index()
+        logger.info("tierkv store opened: path=%s device=%s budgets device=%s host=%s disk=%s, %d blocks found",
+                    path, self.device, format_bytes(self._device.budget), format_bytes(self._host.budget),
+                    format_bytes(budgets["disk_budget"]) if path is not None else "none", len(self._index.blocks))
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
+
+    def flush(self) -> None:
+        """Block until every queued move and disk write is done and durable."""
+        self._check_open()
+        if self._writer is not None:
+            self._writer.flush()
+        with self._lock:
+            self._reap(wait=True)
+            if self._disk is not None:
+                self._disk.sync()
+
+    def close(self) -> None:
+        """Flush, then release every tier. Closing twice is harmless."""
+        if self._closed:
+            return
+        self.flush()
+        with self._lock:
+            self._closed = True
+            if self._writer is not None:
+                self._writer.close()
+            if self._disk is not None:
+                self._disk.close()
+            self._device.clear()
+            self._host.clear()
+
+    # -- the public turn ------------------------------------------------------------------------
+    def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
+        """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``."""
+        self._check_open()
+        _check_name(session, "session")
+        _check_name(tenant, "tenant")
+        info = describe_model(model)
+        if info.device.type != self.device.type:
+            raise ValueError(f"the model is on {info.device} but this store's device tier is {self.device}; "
+                             f"move the model with model.to({str(self.device)!r}) or create the store with "
+                             f"device={str(info.device)!r}")
+        ids = token_ids_of(input_ids)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            root = root_key(info.fingerprint, tenant)
+            blocks: list[tuple[Job[Any], int]] = []
+            restored_from = {t.value: 0 for t in Tier}
+            for meta, n in self._match(root, ids):
+                fetched = self._fetch(meta, info.fingerprint)
+                if fetched is None:
+                    break
+                job, tier = fetched
+                blocks.append((job, n))
+                restored_from[tier.value] += n
+            restored = sum(restored_from.values())
+            for tier, n in restored_from.items():
+                self._hits[tier] += n
+            self._misses += len(ids) - restored
+        return TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
+                           blocks=blocks, restored_from=restored_from)
+
+    def _match(self, root: bytes, ids: np.ndarray) -> list[tuple[BlockMeta, int]]:
+        """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens."""
+        limit = len(ids) - 1
+        plan: list[tuple[BlockMeta, int]] = []
+        pos, parent, B = 0, root, self.block_size
+        while pos < limit:
+            if len(ids) - pos >= B:
+                meta = self._index.blocks.get(block_key(parent, ids[pos:pos + B]))
+                if meta is not None and meta.n_tokens == B and np.array_equal(meta.token_ids, ids[pos:pos + B]):
+                    plan.append((meta, B))
+                    parent, pos = meta.key, pos + B
+                    continue
+            best, best_n = None, 0
+            for child in self._index.children(parent, int(ids[pos])):
+                n = _common_prefix(child.token_ids, ids[pos:])
+                if n > best_n:
+                    best, best_n = child, n
+            if best is not None:
+                plan.append((best, best_n))
+                pos += best_n
+            break
+        if pos > limit:
+            meta, n = plan.pop()
+            if n - (pos - limit) > 0:
+                plan.append((meta, n - (pos - limit)))
+        return plan
+
+    def _fetch(self, meta: BlockMeta, fingerprint: bytes) -> tuple[Job[Any], Tier] | None:
+        """Start bringing one block to the device; promote it at rest. None if it is unreadable."""
+        self._touch(meta)
+        if meta.resident is Tier.DEVICE:
+            tensor = self._device.get(meta.key)
+            return Job.completed(tensor), Tier.DEVICE
+        if meta.resident is Tier.HOST:
+            job = self._engine.to_device(self._host.get(meta.key))
+            self._promote(meta, job)
+            return job, Tier.HOST
+        if meta.disk is DiskState.PENDING:
+            self._pending_writes[meta.key].wait()
+            self._reap()
+        try:
+            assert self._disk is not None
+            header, host_tensor = self._disk.load(meta.key, self._host.empty)
+            self._check_header(header, meta, fingerprint)
+        except (CorruptRecord, KeyError) as exc:
+            self._corrupt += 1
+            logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be recomputed", exc)
+            self._drop(meta)
+            return None
+        job = self._engine.to_device(host_tensor)
+        self._promote(meta, job, host_tensor)
+        return job, Tier.DISK
+
+    @staticmethod
+    def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:
+        if header.fingerprint != fingerprint:
+            raise CorruptRecord("record belongs to another model fingerprint")
+        if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes():
+            raise CorruptRecord("record's tenant or token ids differ from its index entry")
+
+    def _promote(self, meta: BlockMeta, device_job: Job[Any], host_tensor: Any = None) -> None:
+        """Rest a hit block on the device if it fits there, else in the host tier."""
+        if meta.nbytes <= self._device.budget:
+            tensor = device_job.wait()
+            self._host.pop(meta.key)
+            self._index.set_resident(meta, None)
+            self._make_room(Tier.DEVICE, meta.nbytes)
+            self._device.put(meta.key, tensor)
+            self._index.set_resident(meta, Tier.DEVICE)
+        elif host_tensor is not None and meta.resident is None and meta.nbytes <= self._host.budget:
+            self._make_room(Tier.HOST, meta.nbytes)
+            self._host.put(meta.key, host_tensor)
+            self._index.set_resident(meta, Tier.HOST)
+
+    # -- commit -----------------------------------------------------------------------------------
+    def _commit(self, cache: TieredCache, sequences: Any) -> int:
+        self._check_open()
+        if cache._store is not self:
+            raise ValueError("this cache was opened by another TieredStore; commit it through its own store")
+        seq = sequence_ids_of(sequences)
+        opened = cache.input_ids
+        if len(seq) < len(opened) or not np.array_equal(seq[:len(opened)], opened):
+            raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
+                             "pass the sequences that generate() returned for this cache")
+        n = cache.get_seq_length()
+        if n > len(seq):
+            raise ValueError(f"the cache holds KV for {n} tokens but commit() got only {len(seq)} ids; pass the "
+                             "full sequences that generate() returned")
+        if n < len(seq) - 1:
+            raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
+                             "imply; run generate() (or the model) with this cache before committing")
+        if cache.batch_rows() > 1:
+            # Beams and extra return sequences share only the prompt's KV; generated rows are
+            # not aligned with the returned sequences.
+            n = min(n, len(opened))
+        ids = seq[:n]
+        B = self.block_size
+        with self._lock:
+            self._check_open()
+            self._reap()
+            keys = chain_keys(cache.root, ids, B)
+            spans = [(i * B, (i + 1) * B, k) for i, k in enumerate(keys)]
+            if n % B:
+                start = len(keys) * B
+                spans.append((start, n, block_key(keys[-1] if keys else cache.root, ids[start:])))
+            sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
+            parent = cache.root
+            chain: list[BlockMeta] = []
+            for start, end, key in spans:
+                meta = self._index.blocks.get(key)
+                if meta is None or not np.array_equal(meta.token_ids, ids[start:end]):
+                    if meta is not None:
+                        self._drop(meta)  # a 128-bit collision: the newer block wins
+                    meta = self._store_block(key, parent, cache, ids[start:end], start, end)
+                    if meta is None:
+                        break
+                else:
+                    self._touch(meta)
+                chain.append(meta)
+                parent = key
+            if sid is not None:
+                self._reference(sid, cache.tenant, cache.session, chain)
+            return sum(m.n_tokens for m in chain)
+
+    def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
+                     end: int) -> BlockMeta | None:
+        tensor = cache.block_tensor(start, end)
+        header = RecordHeader(key=key, parent=parent, tenant=cache.tenant, fingerprint=cache.model_info.fingerprint,
+                              dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
+                              token_ids=ids.astype("<i8").tobytes(), seq=self._tick())
+        meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
+                         nbytes=tensor.numel() * tensor.element_size(), record_bytes=record_size(header))
+        self._index.add(meta)
+        if meta.nbytes <= self._device.budget:
+            self._make_room(Tier.DEVICE, meta.nbytes)
+            self._device.put(key, tensor)
+            self._index.set_resident(meta, Tier.DEVICE)
+        elif meta.nbytes <= self._host.budget:
+            host_tensor = self._engine.to_host(tensor).wait()
+            self._make_room(Tier.HOST, meta.nbytes)
+            self._host.put(key, host_tensor)
+            self._index.set_resident(meta, Tier.HOST)
+        if self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget:
+            self._make_room(Tier.DISK, meta.record_bytes)
+            self._pending_writes[key] = self._writer.submit(
+                PutBlock(header, self._engine.to_host(tensor), meta.record_bytes))
+            self._index.set_disk(meta, DiskState.PENDING)
+        if meta.resident is None and meta.disk is DiskState.NONE:
+            self._index.remove(meta.key)
+            self._evictions += 1
+            return None
+        return meta
+
+    def _reference(self, sid: bytes, tenant: str | None, name: str, chain: list[BlockMeta]) -> None:
+        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m)]
+        chain_keys_ = {m.key for m in chain}
+        info = self._index.sessions[sid]
+        # A session's older partial tail under the same prefix is superseded by a longer chain.
+        stale = [self._index.blocks[k] for k in info.keys
+                 if k not in chain_keys_ and self._index.blocks[k].n_tokens < self.block_size]
+        dropped = []
+        for meta in stale:
+            self._index.unref(sid, meta)
+            dropped.append(meta.key)
+            if not meta.sessions:
+                self._drop(meta)
+        if self._writer is not None:
+            if new:
+                self._writer.submit(PutRefs(sid, tenant, name, new))
+            if dropped:
+                self._writer.submit(DropRefs(sid, dropped))
+
+    # -- eviction -----------------------------------------------------------------------------------
+    def _make_room(self, tier: Tier, nbytes: int) -> None:
+        """Evict least-recently-used blocks from ``tier`` until ``nbytes`` more fit its budget."""
+        if tier is Tier.DEVICE:
+            while not self._device.fits(nbytes) and self._index.lru[Tier.DEVICE]:
+                meta = self._index.blocks[next(iter(self._index.lru[Tier.DEVICE]))]
+                tensor = self._device.pop(meta.key)
+                self._index.set_resident(meta, None)
+                self._evictions += 1
+                if meta.nbytes <= self._host.budget:
+                    host_tensor = self._engine.to_host(tensor).wait()
+                    self._make_room(Tier.HOST, meta.nbytes)
+                    self._host.put(meta.key, host_tensor)
+                    self._index.set_resident(meta, Tier.HOST)
+                elif meta.disk is DiskState.NONE:
+                    self._index.remove(meta.key)
+        elif tier is Tier.HOST:
+            while not self._host.fits(nbytes) and self._index.lru[Tier.HOST]:
+                meta = self._index.blocks[next(iter(self._index.lru[Tier.HOST]))]
+                if meta.disk is DiskState.PENDING:
+                    # Until its write commits, this copy is the only readable one.
+                    self._pending_writes[meta.key].wait()
+                    self._reap()
+                self._host.pop(meta.key)
+                self._index.set_resident(meta, None)
+                self._evictions += 1
+                if meta.disk is DiskState.NONE:
+                    self._index.remove(meta.key)
+        else:
+            assert self._disk is not None
+            while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget and self._index.lru[Tier.DISK]:
+                meta = self._index.blocks[next(iter(self._index.lru[Tier.DISK]))]
+                self._evictions += 1
+                self._delete_on_disk([meta])
+                if meta.resident is None:
+                    self._index.remove(meta.key)
+
+    def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
+        keys = []
+        for meta in metas:
+            if meta.disk is not DiskState.NONE:
+                keys.append(meta.key)
+                self._index.set_disk(meta, DiskState.NONE)
+                self._pending_writes.pop(meta.key, None)
+        if keys and self._writer is not None:
+            self._writer.submit(DeleteBlocks(keys))
+
+    def _drop(self, meta: BlockMeta) -> None:
+        """Remove a block from every tier and the index."""
+        if meta.resident is Tier.DEVICE:
+            self._device.pop(meta.key)
+        elif meta.resident is Tier.HOST:
+            self._host.pop(meta.key)
+        self._delete_on_disk([meta])
+        self._index.remove(meta.key)
+
+    def _reap(self, wait: bool = False) -> None:
+        """Record finished disk writes: DURABLE on success; on failure the block stays in memory only."""
+        for key, job in list(self._pending_writes.items()):
+            if not (wait or job.done()):
+                continue
+            del self._pending_writes[key]
+            meta = self._index.blocks.get(key)
+            try:
+                job.wait()
+            except Exception as exc:  # noqa: BLE001 - any write failure degrades to memory-only
+                self._disk_errors += 1
+                logger.warning("tierkv: a disk write failed (%s); the block stays in memory only", exc)
+                if meta is not None:
+                    self._index.set_disk(meta, DiskState.NONE)
+                    if meta.resident is None:
+                        self._index.remove(key)
+                continue
+            if meta is not None and meta.disk is DiskState.PENDING:
+                self._index.set_disk(meta, DiskState.DURABLE)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _touch(self, meta: BlockMeta) -> None:
+        self._index.touch(meta)
+        if self._writer is not None and meta.disk is not DiskState.NONE:
+            self._writer.submit(Touch({meta.key: self._tick()}))
+
+    def _discard_restore(self, cache: TieredCache) -> None:
+        """The cache threw its restored prefix away (assisted decoding): count it as a miss."""
+        with self._lock:
+            for tier, n in cache.restored_from.items():
+                self._hits[tier] -= n
+            self._misses += cache.restored_tokens
+
+    # -- reopen -------------------------------------------------------------------------------------
+    def _load_index(self) -> None:
+        assert self._disk is not None
+        scan = self._disk.scan()
+        if scan.corrupt:
+            self._corrupt += len(scan.corrupt)
+            logger.warning("tierkv: %d unreadable records in %s were dropped", len(scan.corrupt), self._disk.path)
+            assert self._writer is not None
+            self._writer.submit(DeleteBlocks(scan.corrupt))
+        order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, 0), hs[0].seq))
+        for header, size in order:
+            meta = BlockMeta(key=header.key, parent=header.parent, tenant=header.tenant,
+                             token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),
+                             nbytes=header.payload_nbytes, record_bytes=size)
+            if meta.n_tokens == 0:
+                continue
+            self._index.add(meta)
+            self._index.set_disk(meta, DiskState.DURABLE)
+        for sid, (tenant, name, keys) in scan.sessions.items():
+            for key in keys:
+                meta = self._index.blocks.get(key)
+                if meta is not None:
+                    self._index.ref(sid, tenant, name, meta)
+        self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
+        self._make_room(Tier.DISK, 0)
+
+    # -- forget and stats ---------------------------------------------------------------------------
+    def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:
+        """Drop a session's (or a whole tenant's) blocks from every tier; returns blocks removed.
+
+        ``forget(session=s)`` forgets session ``s`` under every tenant, ``forget(session=s,
+        tenant=t)`` only under ``t``; blocks another live session still references stay.
+        ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
+        """
+        self._check_open()
+        if session is None and tenant is _UNSET:
+            raise ValueError("forget() needs session=... and/or tenant=...")
+        _check_name(session, "session")
+        if tenant is not _UNSET:
+            _check_name(tenant, "tenant")
+        removed = 0
+        with self._lock:
+            self._check_open()
+            self._reap()
+            sids = [sid for sid, info in self._index.sessions.items()
+                    if (session is None or info.name == session) and (tenant is _UNSET or info.tenant == tenant)]
+            for sid in sids:
+                info = self._index.sessions.pop(sid)
+                keys = list(info.keys)
+                for key in keys:
+                    meta = self._index.blocks[key]
+                    meta.sessions.discard(sid)
+                    if not meta.sessions:
+                        self._drop(meta)
+                        removed += 1
+                if self._writer is not None:
+                    self._writer.submit(DropRefs(sid, keys, drop_session=True))
+            if session is None:
+                for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
+                    self._drop(meta)
+                    removed += 1
+        return removed
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes, budgets and blocks per tier; hit tokens per tier; misses, evictions, corrupt records."""
+        with self._lock:
+            if not self._closed:
+                self._reap()
+            disk_budget = self._disk.budget if self._disk is not None else 0
+            return {
+                "device": {"bytes": self._device.used, "budget": self._device.budget, "blocks": len(self._device)},
+                "host": {"bytes": self._host.used, "budget": self._host.budget, "blocks": len(self._host)},
+                "disk": {"bytes": self._index.bytes[Tier.DISK], "budget": disk_budget,
+                         "blocks": self._index.count(Tier.DISK)},
+                "hits": dict(self._hits),
+                "misses": self._misses,
+                "evictions": self._evictions,
+                "corrupt": self._corrupt,
+                "disk_errors": self._disk_errors,
+                "pending_writes": len(self._pending_writes),
+                "sessions": len(self._index.sessions),
+            }
+

@@ -1,0 +1,238 @@
+"""Moves between tiers, as jobs: submit, then ``done()`` to poll or ``wait()`` to block.
+
+``Job`` is the one handle every move returns (vLLM's ``transfer_async``/``get_finished`` shape).
+A job completes exactly once, with a value or an exception; ``wait`` re-raises the exception.
+
+``CopyEngine`` copies block tensors between the device and host:
+  * CUDA: each copy runs on a dedicated stream that first waits on the compute stream (a copy
+    that skips this reads half-written KV), into pinned host memory for D2H; the job is an event
+    that ``done()`` queries without blocking.
+  * CPU: device and host are the same memory, so a move hands the immutable tensor over and the
+    job is complete at once. The interface does not change between the two.
+
+``BackgroundWriter`` owns one thread that drains a queue in batches and hands each batch to a
+function (the disk tier's write transaction); each submitted item gets a job that completes when
+its batch did. ``flush()`` waits for everything submitted before it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+_PENDING = object()
+
+
+class Job(Generic[T]):
+    """A move in flight. Thread-safe; completes once."""
+
+    __slots__ = ("_event", "_value", "_error", "_poll", "_lock")
+
+    def __init__(self, poll: Callable[[], bool] | None = None) -> None:
+        self._event = threading.Event()
+        self._value: Any = _PENDING
+        self._error: BaseException | None = None
+        # A poll function turns an external completion signal (a CUDA event) into done().
+        self._poll = poll
+        self._lock = threading.Lock()
+
+    @classmethod
+    def completed(cls, value: T) -> "Job[T]":
+        job: Job[T] = cls()
+        job.set_result(value)
+        return job
+
+    def set_result(self, value: T) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._value = value
+                self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._error = error
+                self._event.set()
+
+    def done(self) -> bool:
+        if self._event.is_set():
+            return True
+        return self._poll is not None and self._poll()
+
+    def wait(self, timeout: float | None = None) -> T:
+        if not self._event.wait(timeout):
+            raise TimeoutError("move did not complete in time")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _CudaCopyJob(Job[torch.Tensor]):
+    """A copy whose completion is a CUDA event recorded after it on its stream."""
+
+    __slots__ = ("_cuda_event", "_tensor")
+
+    def __init__(self, cuda_event: torch.cuda.Event, tensor: torch.Tensor) -> None:
+        super().__init__(poll=self._query)
+        self._cuda_event = cuda_event
+        self._tensor = tensor
+
+    def _query(self) -> bool:
+        if self._cuda_event.query():
+            self.set_result(self._tensor)
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if not self._event.is_set():
+            self._cuda_event.synchronize()
+            self.set_result(self._tensor)
+        return super().wait(timeout)
+
+
+def resolve_device(device: object) -> torch.device:
+    """The hot tier's device: ``None`` means CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)  # type: ignore[arg-type]
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"device={device!r} is not a device; pass None, 'cpu', 'cuda' or 'cuda:N'") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device type {resolved.type!r} is not supported; pass None, 'cpu', 'cuda' or 'cuda:N'")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; pass device=None or 'cpu'")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+class CopyEngine:
+    """Device <-> host copies of block tensors, asynchronous on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self._d2h = torch.cuda.Stream(device)
+            self._h2d = torch.cuda.Stream(device)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: "torch.cuda.Stream") -> Job[torch.Tensor]:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        # The caching allocator must not hand src's or dst's memory to another tensor before the
+        # copy on this side stream has finished.
+        if src.is_cuda:
+            src.record_stream(stream)
+        if dst.is_cuda:
+            dst.record_stream(stream)
+        return _CudaCopyJob(event, dst)
+
+    def to_host(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
+        if not tensor.is_cuda:
+            return Job.completed(tensor)
+        dst = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return self._copy(tensor, dst, self._d2h)
+
+    def to_device(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
+        if not self.is_cuda:
+            return Job.completed(tensor if tensor.device == self.device else tensor.to(self.device))
+        dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        return self._copy(tensor, dst, self._h2d)
+
+
+class BackgroundWriter(Generic[T]):
+    """One thread applying queued items in batches; each item's job completes with its batch.
+
+    ``apply(batch)`` returns one entry per item: ``None`` for success or the exception that item
+    failed with. An exception raised by ``apply`` itself fails the whole batch.
+    """
+
+    def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
+                 max_batch: int = 64, max_batch_bytes: int = 64 << 20,
+                 size_of: Callable[[T], int] = lambda item: 0) -> None:
+        self._apply = apply
+        self._max_batch = max_batch
+        self._max_batch_bytes = max_batch_bytes
+        self._size_of = size_of
+        self._queue: queue.Queue[tuple[T, Job[None]] | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: T) -> Job[None]:
+        if self._closed:
+            raise RuntimeError("the background writer is closed")
+        job: Job[None] = Job()
+        self._queue.put((item, job))
+        return job
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every item submitted before this call has been applied."""
+        if self._closed:
+            return
+        self.submit_marker().wait(timeout)
+
+    def submit_marker(self) -> Job[None]:
+        job: Job[None] = Job()
+        self._queue.put((_MARKER, job))  # type: ignore[arg-type]
+        return job
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            entry = self._queue.get()
+            if entry is None:
+                return
+            batch = [entry]
+            nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
+            stop = False
+            while len(batch) < self._max_batch and nbytes < self._max_batch_bytes:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                if nxt[0] is not _MARKER:
+                    nbytes += self._size_of(nxt[0])
+            self._run_batch(batch)
+            if stop:
+                return
+
+    def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
+        items = [item for item, _ in batch if item is not _MARKER]
+        try:
+            results: Sequence[BaseException | None] = self._apply(items) if items else []
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting job
+            results = [exc] * len(items)
+        it = iter(results)
+        for item, job in batch:
+            if item is _MARKER:
+                job.set_result(None)
+                continue
+            error = next(it)
+            if error is None:
+                job.set_result(None)
+            else:
+                job.set_error(error)
+
+
+_MARKER: Any = object()

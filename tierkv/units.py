@@ -1,0 +1,63 @@
+"""Byte quantities given by users: ``2GiB``, ``"512MiB"``, ``1.5e9``.
+
+``parse_bytes(value, name)`` is the only entry point. KiB/MiB/GiB/TiB are powers of 1024,
+KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions are allowed and rounded
+down to whole bytes. Anything else raises with the accepted forms in the message.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_FORMS = 'an int of bytes, or a string like "512MiB", "1.5GB", "2GiB" (units B, KB/MB/GB/TB, KiB/MiB/GiB/TiB)'
+
+
+def parse_bytes(value: object, name: str = "budget") -> int:
+    """Return ``value`` as a whole number of bytes, or raise ``ValueError``/``TypeError``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {_FORMS}; got the bool {value!r}")
+    if isinstance(value, int):
+        number: float = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of bytes; got {value!r}. Use {_FORMS}.")
+        number = value
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match is None:
+            if value.strip().startswith("-"):
+                raise ValueError(f"{name} must not be negative; got {value!r}. Use 0 to keep nothing at rest in this tier.")
+            raise ValueError(f"cannot read {name}={value!r} as a byte count; use {_FORMS}")
+        unit = match.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(f"unknown byte unit {match.group(2)!r} in {name}={value!r}; use {_FORMS}")
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise TypeError(f"{name} must be {_FORMS}; got {type(value).__name__}")
+    if number < 0:
+        raise ValueError(f"{name} must not be negative; got {value!r}. Use 0 to keep nothing at rest in this tier.")
+    return int(number)
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable form for logs and tables (powers of 1024)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
