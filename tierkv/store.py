@@ -26,6 +26,7 @@ Policy works on keys and sizes; tensors pass through opaquely between tiers and 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -290,9 +291,11 @@ class TieredStore:
                     self._touch(meta)
                 chain.append(meta)
                 parent = key
+            # Under small budgets a later block of this commit may have evicted an earlier one.
+            kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
             if sid is not None:
-                self._reference(sid, cache.tenant, cache.session, chain)
-            return sum(m.n_tokens for m in chain)
+                self._reference(sid, cache.tenant, cache.session, kept)
+            return sum(m.n_tokens for m in kept)
 
     def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
                      end: int) -> BlockMeta | None:
@@ -326,7 +329,9 @@ class TieredStore:
     def _reference(self, sid: bytes, tenant: str | None, name: str, chain: list[BlockMeta]) -> None:
         new = [m.key for m in chain if self._index.ref(sid, tenant, name, m)]
         chain_keys_ = {m.key for m in chain}
-        info = self._index.sessions[sid]
+        info = self._index.sessions.get(sid)
+        if info is None:
+            return
         # A session's older partial tail under the same prefix is superseded by a longer chain.
         stale = [self._index.blocks[k] for k in info.keys
                  if k not in chain_keys_ and self._index.blocks[k].n_tokens < self.block_size]
@@ -484,7 +489,9 @@ class TieredStore:
                 info = self._index.sessions.pop(sid)
                 keys = list(info.keys)
                 for key in keys:
-                    meta = self._index.blocks[key]
+                    meta = self._index.blocks.get(key)
+                    if meta is None:
+                        continue
                     meta.sessions.discard(sid)
                     if not meta.sessions:
                         self._drop(meta)

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random decoder-only models of several architectures, built offline."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+hf_logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+VOCAB = 512
+
+# Per architecture, the config fields that make a 2-layer model with small heads.
+_SHAPES: dict[str, dict[str, object]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=None),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+}
+ARCHITECTURES = list(_SHAPES)
+
+
+def make_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random causal LM of ``model_type``, eval mode, float32, CPU."""
+    fields = {"vocab_size": VOCAB, **_SHAPES[model_type], **overrides}
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[..., torch.nn.Module]:
+    """Factory ``tiny_model(model_type="llama", seed=0, **config_overrides)``, memoised per arguments."""
+    built: dict[tuple, torch.nn.Module] = {}
+
+    def get(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:
+        key = (model_type, seed, tuple(sorted(overrides.items())))
+        if key not in built:
+            built[key] = make_model(model_type, seed, **overrides)
+        return built[key]
+
+    return get
+
+
+def random_ids(length: int, seed: int = 0, low: int = 3) -> torch.Tensor:
+    """``(1, length)`` token ids, reproducible, avoiding the low special ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (1, length), generator=g)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="run the long soak tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long soak: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,310 @@
+"""Integration exactness: a conversation through tierkv equals plain transformers, token for token.
+
+Scenarios (every expectation exact):
+* every architecture x every tier: three turns through ``store.open`` / ``generate`` /
+  ``commit`` equal the same turns with a reused ``DynamicCache`` and with no cache, while the
+  budgets force the restored blocks to rest on the device, in the host tier or on disk; the
+  restored token counts and their tier are asserted exactly;
+* restart: a store committed, flushed and closed is reopened in a new Python process, which
+  restores from disk and generates exactly; its commits are then restored again here;
+* both keyword forms ``past_key_values=cache`` and ``cache=cache``;
+* generation modes through a restored cache (greedy, sampling, beam search, beams with several
+  return sequences, prompt lookup, an assistant model): same sequences and same logits as the
+  plain run, then ``commit`` and a following exact turn;
+* logits of a forward through a restored cache equal a full forward.
+
+Arithmetic the expectations rest on: after ``commit(out)`` with ``out`` of length ``L'`` the
+store holds ``L' - 1`` tokens of that conversation (for beams: the ``L`` prompt tokens, the only
+KV the beams share), so the next ``open`` of a longer input of length ``L`` restores
+``min(L' - 1, L - 1)`` tokens. ``BLOCK`` is small so that every turn has full blocks and a
+partial tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import ARCHITECTURES, make_model, random_ids
+from tierkv import TieredCache, TieredStore
+
+BLOCK = 8
+NEW = 5
+PROMPT = 21  # 2 full blocks + a partial tail of 5
+USER = (6, 7, 5)  # "user" tokens appended before turns 2, 3, 4
+
+# Budgets that force where restored blocks rest. (device has no disk tier; host and disk do.)
+TIERS: dict[str, dict[str, Any]] = {
+    "device": dict(device_budget="1GiB", host_budget="1GiB", disk=False),
+    "host": dict(device_budget=0, host_budget="1GiB", disk=True),
+    "disk": dict(device_budget=0, host_budget=0, disk=True),
+}
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def new_store(tmp_path: Path, tier: str, name: str = "kv") -> TieredStore:
+    spec = TIERS[tier]
+    path = tmp_path / name if spec["disk"] else None
+    return TieredStore(path, device="cpu", device_budget=spec["device_budget"], host_budget=spec["host_budget"],
+                       block_size=BLOCK)
+
+
+def only(tier: str, n: int) -> dict[str, int]:
+    """``restored_from`` with all ``n`` tokens from ``tier``."""
+    return {"device": 0, "host": 0, "disk": 0, tier: n}
+
+
+def user_tokens(turn: int, seed: int = 100) -> torch.Tensor:
+    return random_ids(USER[turn], seed + turn)
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def assert_tokens_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(actual, expected), f"{what}:\n tierkv {actual.tolist()}\n plain  {expected.tolist()}"
+
+
+def assert_opened(cache: TieredCache, tier: str, n: int) -> None:
+    assert isinstance(cache, TieredCache)
+    assert cache.restored_tokens == n
+    assert cache.restored_from == only(tier, n)
+
+
+def assert_holds(cache: TieredCache, out: torch.Tensor) -> None:
+    """After generate the cache holds KV for every id but the last one."""
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+# -- 1. three turns, every architecture, every tier -------------------------------------------------
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_three_turns_equal_plain_generate(tiny_model, tmp_path: Path, arch: str, tier: str) -> None:
+    model = tiny_model(arch)
+    reused = DynamicCache(config=model.config)
+    ids = random_ids(PROMPT, seed=1)
+    expected_restored = 0
+    hits = misses = 0
+    with new_store(tmp_path, tier) as store:
+        for turn in range(3):
+            no_cache = greedy(model, ids)
+            with_reused = greedy(model, ids, past_key_values=reused)
+            assert_tokens_equal(with_reused, no_cache, f"{arch} turn {turn}: reused DynamicCache vs no cache")
+
+            cache = store.open(model, ids, session="alice")
+            assert_opened(cache, tier, expected_restored)
+            out = greedy(model, ids, past_key_values=cache)
+            assert_tokens_equal(out, no_cache, f"{arch}/{tier} turn {turn}")
+            assert_holds(cache, out)
+            assert cache.commit(out) == out.shape[1] - 1
+
+            hits += expected_restored
+            misses += ids.shape[1] - expected_restored
+            stats = store.stats()
+            assert stats["hits"] == only(tier, hits)
+            assert stats["misses"] == misses
+            # A zero budget keeps nothing at rest in that tier.
+            if TIERS[tier]["device_budget"] == 0:
+                assert stats["device"]["bytes"] == 0 and stats["device"]["blocks"] == 0
+            if TIERS[tier]["host_budget"] == 0:
+                assert stats["host"]["bytes"] == 0 and stats["host"]["blocks"] == 0
+            # The next turn: the whole conversation so far, plus a few new user tokens.
+            next_ids = torch.cat([out, user_tokens(turn)], dim=1)
+            expected_restored = min(out.shape[1] - 1, next_ids.shape[1] - 1)
+            ids = next_ids
+    # Three turns of 5 new tokens each on top of the prompt and user tokens.
+    assert hits == (PROMPT + NEW - 1) + (PROMPT + 2 * NEW + USER[0] - 1)
+
+
+# -- 2. restart in a new process ------------------------------------------------------------------
+RESTART_SCRIPT = Path(__file__).with_name("_restart_child.py")
+
+
+def test_restart_in_new_process_restores_from_disk(tiny_model, tmp_path: Path) -> None:
+    path = tmp_path / "kv"
+    budgets = dict(device="cpu", device_budget="1GiB", host_budget="1GiB", block_size=BLOCK)
+    conversations: dict[str, torch.Tensor] = {}
+    # Two turns per architecture in this process, then flush and close.
+    store = TieredStore(path, **budgets)
+    for arch in ARCHITECTURES:
+        model = tiny_model(arch)
+        ids = random_ids(PROMPT, seed=2)
+        for turn in range(2):
+            cache = store.open(model, ids, session=f"s-{arch}")
+            out = greedy(model, ids, past_key_values=cache)
+            assert_tokens_equal(out, greedy(model, ids), f"{arch} turn {turn} before restart")
+            assert cache.commit(out) == out.shape[1] - 1
+            ids = torch.cat([out, user_tokens(turn, seed=200)], dim=1)
+        conversations[arch] = ids
+    store.flush()
+    store.close()
+
+    spec = {"path": str(path), "block_size": BLOCK, "new_tokens": NEW, "session_prefix": "s-",
+            "conversations": {arch: ids[0].tolist() for arch, ids in conversations.items()}}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # a different hash() than ours must not matter
+    proc = subprocess.run([sys.executable, str(RESTART_SCRIPT), str(spec_file)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(lines[0].removeprefix("RESULT "))
+    assert report["corrupt"] == 0
+
+    total = 0
+    outs: dict[str, torch.Tensor] = {}
+    for arch in ARCHITECTURES:
+        got = report["results"][arch]
+        ids = conversations[arch]
+        n = ids.shape[1] - USER[1] - 1  # the turn-2 output, less its last token
+        total += n
+        assert (arch, got["restored_tokens"], got["restored_from"]) == (arch, n, only("disk", n))
+        plain_here = greedy(tiny_model(arch), ids)
+        assert got["plain"] == plain_here[0].tolist(), f"{arch}: the child rebuilt another model"
+        assert got["tierkv"] == got["plain"], f"{arch}: output after restart differs from plain generate"
+        assert got["seq_length"] == len(got["tierkv"]) - 1
+        assert got["committed"] == len(got["tierkv"]) - 1
+        outs[arch] = torch.tensor([got["tierkv"]])
+    assert report["hits"] == only("disk", total)
+
+    # What the child committed survives its close: restore it once more here, from disk.
+    with TieredStore(path, **budgets) as store:
+        for arch in ARCHITECTURES:
+            model = tiny_model(arch)
+            ids = torch.cat([outs[arch], user_tokens(2, seed=200)], dim=1)
+            cache = store.open(model, ids, session=f"s-{arch}")
+            assert_opened(cache, "disk", outs[arch].shape[1] - 1)
+            out = greedy(model, ids, past_key_values=cache)
+            assert_tokens_equal(out, greedy(model, ids), f"{arch} after the second reopen")
+            assert_holds(cache, out)
+
+
+# -- 3. keyword forms -----------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["past_key_values", "cache"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cache_keyword_forms(tiny_model, tmp_path: Path, arch: str, form: str) -> None:
+    model = tiny_model(arch)
+    ids = random_ids(PROMPT, seed=3)
+    with new_store(tmp_path, "host") as store:
+        expected_restored = 0
+        for turn in range(3):
+            cache = store.open(model, ids, session="kw")
+            assert_opened(cache, "host", expected_restored)
+            out = greedy(model, ids, **{form: cache})
+            assert_tokens_equal(out, greedy(model, ids), f"{arch} {form}= turn {turn}")
+            # The cache was the one generate used: it grew to the whole output.
+            assert_holds(cache, out)
+            assert cache.commit(out) == out.shape[1] - 1
+            expected_restored = out.shape[1] - 1
+            ids = torch.cat([out, user_tokens(turn, seed=300)], dim=1)
+
+
+# -- 4. generation modes through a restored cache ------------------------------------------------
+MODES: dict[str, dict[str, Any]] = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=0, top_p=1.0),
+    "beam": dict(do_sample=False, num_beams=3),
+    "beam_2_sequences": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "prompt_lookup": dict(do_sample=False, prompt_lookup_num_tokens=3),
+    "assistant": dict(do_sample=False),  # assistant_model added per run
+}
+SEED = 1234
+
+
+def run_mode(model: torch.nn.Module, arch: str, mode: str, ids: torch.Tensor, **cache_kw: Any) -> Any:
+    kwargs = dict(MODES[mode])
+    if mode == "assistant":
+        # A fresh assistant per run: assisted generation adapts its assistant's settings.
+        kwargs["assistant_model"] = make_model(arch, seed=1)
+    torch.manual_seed(SEED)
+    return model.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True,
+                          **kwargs, **cache_kw)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "falcon"])
+def test_generation_modes_with_restored_cache(tiny_model, tmp_path: Path, arch: str, mode: str) -> None:
+    model = tiny_model(arch)
+    with new_store(tmp_path, "disk") as store:
+        ids = random_ids(PROMPT, seed=4)
+        cache = store.open(model, ids, session="modes")
+        out = greedy(model, ids, past_key_values=cache)
+        assert cache.commit(out) == out.shape[1] - 1
+
+        # The user quotes an earlier span: its last bigram occurs earlier, so prompt lookup has
+        # candidates to propose.
+        ids = torch.cat([out, ids[:, 3:9]], dim=1)
+        plain = run_mode(model, arch, mode, ids)
+        cache = store.open(model, ids, session="modes")
+        assert_opened(cache, "disk", out.shape[1] - 1)
+        got = run_mode(model, arch, mode, ids, past_key_values=cache)
+        assert_tokens_equal(got.sequences, plain.sequences, f"{arch} {mode}")
+        rows = MODES[mode].get("num_return_sequences", 1)
+        assert got.sequences.shape[0] == rows
+        assert len(got.logits) == len(plain.logits) > 0
+        for step, (a, b) in enumerate(zip(got.logits, plain.logits)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{arch} {mode} step {step}: {m}")
+        assert_holds(cache, got.sequences)
+        if mode == "sample":
+            # Guard: the sample is not simply the greedy answer, so equal seeds were needed.
+            assert not torch.equal(got.sequences, greedy(model, ids))
+
+        # Beams share only the prompt's KV; every other mode leaves the whole output's.
+        stored = ids.shape[1] if "num_beams" in MODES[mode] else got.sequences.shape[1] - 1
+        assert cache.commit(got.sequences) == stored
+
+        ids = torch.cat([got.sequences[:1], user_tokens(1, seed=400)], dim=1)
+        cache = store.open(model, ids, session="modes")
+        assert_opened(cache, "disk", stored)
+        out = greedy(model, ids, past_key_values=cache)
+        assert_tokens_equal(out, greedy(model, ids), f"{arch} turn after {mode}")
+        assert_holds(cache, out)
+        assert cache.commit(out) == out.shape[1] - 1
+
+
+# -- 5. logits ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logits_through_restored_cache_equal_full_forward(tiny_model, tmp_path: Path, arch: str, tier: str) -> None:
+    model = tiny_model(arch)
+    with new_store(tmp_path, tier) as store:
+        ids = random_ids(PROMPT, seed=5)
+        cache = store.open(model, ids)
+        out = greedy(model, ids, past_key_values=cache)
+        assert cache.commit(out) == out.shape[1] - 1
+
+        ids = torch.cat([out, user_tokens(0, seed=500)], dim=1)
+        L = ids.shape[1]
+        cache = store.open(model, ids)
+        n = cache.restored_tokens
+        assert_opened(cache, tier, out.shape[1] - 1)
+        with torch.no_grad():
+            full = model(ids).logits
+            part = model(ids[:, n:], past_key_values=cache).logits
+            alone = model(ids[:, n:]).logits
+        assert part.shape == (1, L - n, full.shape[-1])
+        torch.testing.assert_close(part[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(part, full[:, n:], rtol=1e-5, atol=1e-5)
+        # Guard: the restored prefix matters, so the comparison above can fail.
+        assert (alone[:, -1] - full[:, -1]).abs().max() > 1e-2
+        assert cache.get_seq_length() == L
+
+        # A cache filled by a plain forward holds all L tokens; the next turn restores them all.
+        assert cache.commit(ids) == L
+        longer = torch.cat([ids, user_tokens(1, seed=500)], dim=1)
+        cache = store.open(model, longer)
+        assert_opened(cache, tier, L)
+        got = greedy(model, longer, past_key_values=cache)
+        assert_tokens_equal(got, greedy(model, longer), f"{arch}/{tier} after a forward-filled commit")
+

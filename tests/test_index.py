@@ -1,0 +1,403 @@
+"""tierkv.index.Index: continuation lookup, byte accounting per tier, exact LRU orders, and
+session references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.index import BlockMeta, DiskState, Index, SessionInfo, Tier
+
+ROOT = b"R" * 16
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def meta(n: int, *, parent: bytes = ROOT, ids: list[int] | None = None, nbytes: int = 100,
+         record_bytes: int = 150, tenant: str | None = None) -> BlockMeta:
+    return BlockMeta(key=key(n), parent=parent, tenant=tenant,
+                     token_ids=np.array(ids if ids is not None else [n, n + 1], dtype=np.int64),
+                     nbytes=nbytes, record_bytes=record_bytes)
+
+
+def lru(idx: Index, tier: Tier) -> list[bytes]:
+    return list(idx.lru[tier])
+
+
+def verify_tier(idx: Index, tier: Tier, expected: list[BlockMeta]) -> None:
+    """The tier's LRU order is exactly ``expected`` and its bytes are their sum."""
+    assert lru(idx, tier) == [m.key for m in expected]
+    size = (lambda m: m.record_bytes) if tier is Tier.DISK else (lambda m: m.nbytes)
+    assert idx.bytes[tier] == sum(size(m) for m in expected)
+    assert idx.count(tier) == len(expected)
+
+
+def children(idx: Index, parent: bytes, first: int) -> set[bytes]:
+    return {m.key for m in idx.children(parent, first)}
+
+
+# -- blocks ----------------------------------------------------------------------------------------
+def test_empty_index() -> None:
+    idx = Index()
+    assert idx.blocks == {}
+    assert idx.sessions == {}
+    for tier in Tier:
+        verify_tier(idx, tier, [])
+    assert list(idx.children(ROOT, 1)) == []
+    assert idx.remove(key(1)) is None
+
+
+def test_block_meta_defaults() -> None:
+    m = meta(1, ids=[4, 5, 6])
+    assert m.resident is None
+    assert m.disk is DiskState.NONE
+    assert m.sessions == set()
+    assert m.n_tokens == 3
+    assert meta(2).sessions is not m.sessions
+
+
+def test_add_does_not_place() -> None:
+    idx = Index()
+    m = meta(1)
+    idx.add(m)
+    assert idx.blocks == {key(1): m}
+    for tier in Tier:
+        verify_tier(idx, tier, [])
+
+
+def test_children_by_parent_and_first_token() -> None:
+    idx = Index()
+    a = meta(1, ids=[7, 8, 9])
+    b = meta(2, ids=[7, 100])  # same parent, same first token: a divergence inside the block
+    c = meta(3, ids=[8, 8])  # same parent, other first token
+    d = meta(4, parent=key(1), ids=[7, 1])  # a continuation of a
+    for m in (a, b, c, d):
+        idx.add(m)
+    assert children(idx, ROOT, 7) == {key(1), key(2)}
+    assert children(idx, ROOT, 8) == {key(3)}
+    assert children(idx, ROOT, 9) == set()
+    assert children(idx, key(1), 7) == {key(4)}
+    assert children(idx, key(1), 8) == set()
+    assert children(idx, key(2), 7) == set()
+    assert all(isinstance(m, BlockMeta) for m in idx.children(ROOT, 7))
+    assert {id(m) for m in idx.children(ROOT, 7)} == {id(a), id(b)}
+
+
+def test_children_first_token_accepts_numpy_ints() -> None:
+    idx = Index()
+    idx.add(meta(1, ids=[2**40, 3]))
+    assert children(idx, ROOT, int(np.int64(2**40))) == {key(1)}
+    assert children(idx, ROOT, np.int64(2**40)) == {key(1)}  # type: ignore[arg-type]
+
+
+def test_remove_returns_meta_and_clears_children() -> None:
+    idx = Index()
+    a = meta(1, ids=[7, 8])
+    b = meta(2, ids=[7, 9])
+    idx.add(a)
+    idx.add(b)
+    assert idx.remove(key(1)) is a
+    assert children(idx, ROOT, 7) == {key(2)}
+    assert key(1) not in idx.blocks
+    assert idx.remove(key(2)) is b
+    assert children(idx, ROOT, 7) == set()
+    assert idx._children == {}  # no empty buckets left behind
+    assert idx.remove(key(2)) is None
+
+
+def test_remove_frees_bytes_and_lru_everywhere() -> None:
+    idx = Index()
+    a, b = meta(1, nbytes=10, record_bytes=11), meta(2, nbytes=20, record_bytes=22)
+    for m in (a, b):
+        idx.add(m)
+    idx.set_resident(a, Tier.DEVICE)
+    idx.set_disk(a, DiskState.DURABLE)
+    idx.set_resident(b, Tier.HOST)
+    idx.set_disk(b, DiskState.PENDING)
+    idx.remove(key(1))
+    verify_tier(idx, Tier.DEVICE, [])
+    verify_tier(idx, Tier.HOST, [b])
+    verify_tier(idx, Tier.DISK, [b])
+    assert a.resident is None and a.disk is DiskState.NONE
+    idx.remove(key(2))
+    for tier in Tier:
+        verify_tier(idx, tier, [])
+
+
+def test_remove_drops_the_key_from_sessions() -> None:
+    idx = Index()
+    a, b = meta(1), meta(2)
+    idx.add(a)
+    idx.add(b)
+    idx.ref(b"s1", None, "alice", a)
+    idx.ref(b"s1", None, "alice", b)
+    idx.ref(b"s2", None, "bob", a)
+    idx.remove(key(1))
+    assert idx.sessions[b"s1"].keys == {key(2)}
+    assert idx.sessions[b"s2"].keys == set()
+
+
+# -- placement and byte accounting ------------------------------------------------------------------
+def test_set_resident_accounts_bytes_and_membership() -> None:
+    idx = Index()
+    a, b, c = meta(1, nbytes=10), meta(2, nbytes=200), meta(3, nbytes=3000)
+    for m in (a, b, c):
+        idx.add(m)
+    idx.set_resident(a, Tier.DEVICE)
+    idx.set_resident(b, Tier.DEVICE)
+    idx.set_resident(c, Tier.HOST)
+    verify_tier(idx, Tier.DEVICE, [a, b])
+    verify_tier(idx, Tier.HOST, [c])
+    verify_tier(idx, Tier.DISK, [])
+    assert a.resident is Tier.DEVICE and c.resident is Tier.HOST
+
+    idx.set_resident(a, Tier.HOST)  # demote: memory tiers are exclusive
+    verify_tier(idx, Tier.DEVICE, [b])
+    verify_tier(idx, Tier.HOST, [c, a])  # arrives as most recently used
+
+    idx.set_resident(b, None)
+    verify_tier(idx, Tier.DEVICE, [])
+    assert b.resident is None
+
+
+def test_set_resident_to_the_same_tier_keeps_position_and_bytes() -> None:
+    idx = Index()
+    a, b = meta(1, nbytes=10), meta(2, nbytes=20)
+    idx.add(a)
+    idx.add(b)
+    idx.set_resident(a, Tier.DEVICE)
+    idx.set_resident(b, Tier.DEVICE)
+    idx.set_resident(a, Tier.DEVICE)
+    verify_tier(idx, Tier.DEVICE, [a, b])
+    idx.set_resident(b, None)
+    idx.set_resident(b, None)
+    verify_tier(idx, Tier.DEVICE, [a])
+
+
+def test_set_disk_accounts_record_bytes() -> None:
+    idx = Index()
+    a, b = meta(1, nbytes=10, record_bytes=15), meta(2, nbytes=20, record_bytes=25)
+    idx.add(a)
+    idx.add(b)
+    idx.set_disk(a, DiskState.PENDING)
+    verify_tier(idx, Tier.DISK, [a])
+    assert a.disk is DiskState.PENDING
+    idx.set_disk(b, DiskState.DURABLE)
+    verify_tier(idx, Tier.DISK, [a, b])
+    idx.set_disk(a, DiskState.DURABLE)  # pending -> durable: no second count, same position
+    verify_tier(idx, Tier.DISK, [a, b])
+    assert a.disk is DiskState.DURABLE
+    idx.set_disk(a, DiskState.NONE)
+    verify_tier(idx, Tier.DISK, [b])
+    idx.set_disk(a, DiskState.NONE)
+    verify_tier(idx, Tier.DISK, [b])
+    assert idx.bytes[Tier.DEVICE] == idx.bytes[Tier.HOST] == 0
+
+
+def test_disk_is_inclusive_of_memory_tiers() -> None:
+    idx = Index()
+    a = meta(1, nbytes=10, record_bytes=15)
+    idx.add(a)
+    idx.set_resident(a, Tier.DEVICE)
+    idx.set_disk(a, DiskState.DURABLE)
+    verify_tier(idx, Tier.DEVICE, [a])
+    verify_tier(idx, Tier.DISK, [a])
+    idx.set_resident(a, None)
+    verify_tier(idx, Tier.DEVICE, [])
+    verify_tier(idx, Tier.DISK, [a])
+
+
+# -- LRU order ---------------------------------------------------------------------------------------
+def test_touch_orders_exactly() -> None:
+    idx = Index()
+    m1, m2, m3 = meta(1), meta(2), meta(3)
+    k1, k2, k3 = key(1), key(2), key(3)
+    for m in (m1, m2, m3):
+        idx.add(m)
+        idx.set_resident(m, Tier.DEVICE)
+    assert list(idx.lru[Tier.DEVICE]) == [k1, k2, k3]
+    idx.touch(m1)
+    assert list(idx.lru[Tier.DEVICE]) == [k2, k3, k1]
+    idx.touch(m2)
+    assert list(idx.lru[Tier.DEVICE]) == [k3, k1, k2]
+    idx.touch(m2)
+    assert list(idx.lru[Tier.DEVICE]) == [k3, k1, k2]
+    idx.touch(m3)
+    idx.touch(m1)
+    assert list(idx.lru[Tier.DEVICE]) == [k2, k3, k1]
+
+
+def test_touch_moves_in_memory_tier_and_disk_together() -> None:
+    idx = Index()
+    ms = [meta(i) for i in range(1, 5)]
+    for m in ms:
+        idx.add(m)
+        idx.set_disk(m, DiskState.DURABLE)
+    idx.set_resident(ms[0], Tier.HOST)
+    idx.set_resident(ms[2], Tier.HOST)
+    idx.set_resident(ms[1], Tier.DEVICE)
+    assert lru(idx, Tier.DISK) == [key(1), key(2), key(3), key(4)]
+    idx.touch(ms[0])
+    assert lru(idx, Tier.HOST) == [key(3), key(1)]
+    assert lru(idx, Tier.DISK) == [key(2), key(3), key(4), key(1)]
+    assert lru(idx, Tier.DEVICE) == [key(2)]
+    idx.touch(ms[3])  # on disk only
+    assert lru(idx, Tier.DISK) == [key(2), key(3), key(1), key(4)]
+    assert lru(idx, Tier.HOST) == [key(3), key(1)]
+    idx.touch(ms[1])
+    assert lru(idx, Tier.DISK) == [key(3), key(1), key(4), key(2)]
+    assert lru(idx, Tier.DEVICE) == [key(2)]
+
+
+def test_touch_of_an_unplaced_block_is_a_no_op() -> None:
+    idx = Index()
+    a, b = meta(1), meta(2)
+    idx.add(a)
+    idx.add(b)
+    idx.set_resident(b, Tier.DEVICE)
+    idx.touch(a)
+    verify_tier(idx, Tier.DEVICE, [b])
+    verify_tier(idx, Tier.HOST, [])
+    verify_tier(idx, Tier.DISK, [])
+
+
+def test_eviction_order_after_mixed_use() -> None:
+    idx = Index()
+    ms = {i: meta(i, nbytes=i) for i in range(1, 8)}
+    for m in ms.values():
+        idx.add(m)
+        idx.set_resident(m, Tier.DEVICE)
+    for i in (4, 2, 6, 4, 1):
+        idx.touch(ms[i])
+    assert lru(idx, Tier.DEVICE) == [key(3), key(5), key(7), key(2), key(6), key(4), key(1)]
+    # evicting the two coldest to host keeps their relative order there
+    for k in lru(idx, Tier.DEVICE)[:2]:
+        idx.set_resident(idx.blocks[k], Tier.HOST)
+    assert lru(idx, Tier.DEVICE) == [key(7), key(2), key(6), key(4), key(1)]
+    assert lru(idx, Tier.HOST) == [key(3), key(5)]
+    assert idx.bytes[Tier.DEVICE] == 7 + 2 + 6 + 4 + 1
+    assert idx.bytes[Tier.HOST] == 3 + 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["res", "disk", "touch", "remove", "add"]),
+                          st.integers(min_value=0, max_value=5),
+                          st.sampled_from([Tier.DEVICE, Tier.HOST, None]),
+                          st.sampled_from(list(DiskState))), max_size=60))
+def test_accounting_matches_a_model(ops: list[tuple[str, int, Tier | None, DiskState]]) -> None:
+    """For every sequence of operations, bytes and LRU order equal a simple reference model."""
+    idx = Index()
+    model_lru: dict[Tier, list[bytes]] = {t: [] for t in Tier}
+    where: dict[bytes, Tier | None] = {}
+    disk: dict[bytes, DiskState] = {}
+    sizes: dict[bytes, tuple[int, int]] = {}
+    for op, n, tier, state in ops:
+        k = key(n)
+        present = k in idx.blocks
+        if op == "add" and not present:
+            idx.add(meta(n, nbytes=n * 10 + 1, record_bytes=n * 10 + 5))
+            where[k], disk[k], sizes[k] = None, DiskState.NONE, (n * 10 + 1, n * 10 + 5)
+        elif not present:
+            continue
+        elif op == "res":
+            idx.set_resident(idx.blocks[k], tier)
+            if where[k] is not tier:
+                if where[k] is not None:
+                    model_lru[where[k]].remove(k)  # type: ignore[index]
+                if tier is not None:
+                    model_lru[tier].append(k)
+                where[k] = tier
+        elif op == "disk":
+            idx.set_disk(idx.blocks[k], state)
+            if (disk[k] is DiskState.NONE) != (state is DiskState.NONE):
+                if state is DiskState.NONE:
+                    model_lru[Tier.DISK].remove(k)
+                else:
+                    model_lru[Tier.DISK].append(k)
+            disk[k] = state
+        elif op == "touch":
+            idx.touch(idx.blocks[k])
+            for t in (where[k], Tier.DISK if disk[k] is not DiskState.NONE else None):
+                if t is not None:
+                    model_lru[t].remove(k)
+                    model_lru[t].append(k)
+        elif op == "remove":
+            idx.remove(k)
+            for t in Tier:
+                if k in model_lru[t]:
+                    model_lru[t].remove(k)
+            del where[k], disk[k], sizes[k]
+    for t in Tier:
+        assert lru(idx, t) == model_lru[t]
+        pick = 1 if t is Tier.DISK else 0
+        assert idx.bytes[t] == sum(sizes[k][pick] for k in model_lru[t])
+        assert idx.bytes[t] >= 0
+
+
+# -- sessions ----------------------------------------------------------------------------------------
+def test_ref_creates_session_and_reports_new_references() -> None:
+    idx = Index()
+    a, b = meta(1), meta(2)
+    idx.add(a)
+    idx.add(b)
+    assert idx.ref(b"s1", "acme", "alice", a) is True
+    assert idx.ref(b"s1", "acme", "alice", a) is False
+    assert idx.ref(b"s1", "acme", "alice", b) is True
+    info = idx.sessions[b"s1"]
+    assert isinstance(info, SessionInfo)
+    assert (info.tenant, info.name, info.keys) == ("acme", "alice", {key(1), key(2)})
+    assert a.sessions == {b"s1"} and b.sessions == {b"s1"}
+
+
+def test_blocks_shared_between_sessions() -> None:
+    idx = Index()
+    shared, own = meta(1), meta(2)
+    idx.add(shared)
+    idx.add(own)
+    assert idx.ref(b"s1", None, "alice", shared) is True
+    assert idx.ref(b"s2", None, "bob", shared) is True
+    assert idx.ref(b"s2", None, "bob", own) is True
+    assert shared.sessions == {b"s1", b"s2"}
+    assert own.sessions == {b"s2"}
+    assert idx.sessions[b"s1"].keys == {key(1)}
+    assert idx.sessions[b"s2"].keys == {key(1), key(2)}
+    assert (idx.sessions[b"s2"].tenant, idx.sessions[b"s2"].name) == (None, "bob")
+
+
+def test_unref_drops_both_sides() -> None:
+    idx = Index()
+    a, b = meta(1), meta(2)
+    idx.add(a)
+    idx.add(b)
+    idx.ref(b"s1", None, "alice", a)
+    idx.ref(b"s1", None, "alice", b)
+    idx.ref(b"s2", None, "bob", a)
+    idx.unref(b"s1", a)
+    assert a.sessions == {b"s2"}
+    assert idx.sessions[b"s1"].keys == {key(2)}
+    assert idx.sessions[b"s2"].keys == {key(1)}
+    idx.unref(b"s1", a)  # twice is harmless
+    idx.unref(b"nobody", b)  # unknown session is harmless
+    assert b.sessions == {b"s1"}
+    assert idx.sessions[b"s1"].keys == {key(2)}
+    assert idx.ref(b"s1", None, "alice", a) is True  # a dropped reference can be made again
+
+
+def test_sessions_do_not_affect_placement() -> None:
+    idx = Index()
+    a = meta(1, nbytes=10)
+    idx.add(a)
+    idx.set_resident(a, Tier.DEVICE)
+    idx.ref(b"s1", None, "alice", a)
+    idx.unref(b"s1", a)
+    verify_tier(idx, Tier.DEVICE, [a])
+
+
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST, Tier.DISK])
+def test_tier_values(tier: Tier) -> None:
+    assert Tier(tier.value) is tier
+    assert {t.value for t in Tier} == {"device", "host", "disk"}

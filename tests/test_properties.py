@@ -1,0 +1,123 @@
+"""Property test: any sequence of open / generate / commit / forget / flush / reopen, over any
+budgets, restores KV equal to recomputation and never exceeds a budget."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from transformers import DynamicCache
+
+from conftest import VOCAB, make_model
+from tierkv import TieredStore
+
+MODEL = make_model("llama", seed=0)
+BLOCK = 4
+# Conversations overlap through a few shared openings, so sharing, divergence and tails all occur.
+OPENINGS = [torch.arange(3, 3 + n).unsqueeze(0) for n in (0, 5, 9)]
+
+
+def recomputed_kv(ids: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache()
+    with torch.no_grad():
+        MODEL(ids, past_key_values=cache)
+    return cache
+
+
+class StoreMachine(RuleBasedStateMachine):
+    conversations = Bundle("conversations")
+
+    @initialize(device_blocks=st.integers(0, 4), host_blocks=st.integers(0, 4),
+                disk=st.sampled_from([None, 0, 6, 10**9]))
+    def start(self, device_blocks: int, host_blocks: int, disk: int | None) -> None:
+        # One full block of this model: 2 layers x (K, V) x 2 heads x BLOCK tokens x 16 dims x 4 bytes.
+        block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
+        self.dir = tempfile.mkdtemp(prefix="tierkv-prop-")
+        self.kwargs = dict(device_budget=device_blocks * block_bytes, host_budget=host_blocks * block_bytes,
+                           disk_budget=(disk * block_bytes * 2 if disk is not None else 0), block_size=BLOCK)
+        self.path = self.dir if disk is not None else None
+        self.store = TieredStore(self.path, **self.kwargs)
+        self.turns = 0
+
+    def teardown(self) -> None:
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    fresh = st.builds(
+        lambda opening, tail, session, tenant: (torch.cat([OPENINGS[opening], torch.tensor([tail])], dim=1),
+                                                session, tenant),
+        st.integers(0, len(OPENINGS) - 1), st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=9),
+        st.sampled_from(["a", "b", "c"]), st.sampled_from([None, "t1"]))
+
+    def _turn(self, conv, extra: list[int], new_tokens: int):
+        ids, session, tenant = conv
+        cache = self.store.open(MODEL, ids, session=session, tenant=tenant)
+        n = cache.restored_tokens
+        assert 0 <= n <= ids.shape[1] - 1
+        assert sum(cache.restored_from.values()) == n
+        if n:
+            reference = recomputed_kv(ids[:, :n])
+            for layer, ref in zip(cache.layers, reference.layers):
+                torch.testing.assert_close(layer.keys, ref.keys, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(layer.values, ref.values, rtol=1e-5, atol=1e-5)
+        out = MODEL.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+        plain = MODEL.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        assert torch.equal(out, plain)
+        stored = cache.commit(out)
+        assert 0 <= stored <= out.shape[1] - 1
+        self.turns += 1
+        return (torch.cat([out, torch.tensor([extra])], dim=1), session, tenant)
+
+    @rule(target=conversations, conv=fresh, extra=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6),
+          new_tokens=st.integers(1, 3))
+    def first_turn(self, conv, extra: list[int], new_tokens: int):
+        return self._turn(conv, extra, new_tokens)
+
+    @rule(target=conversations, conv=conversations, extra=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6),
+          new_tokens=st.integers(1, 3))
+    def next_turn(self, conv, extra: list[int], new_tokens: int):
+        return self._turn(conv, extra, new_tokens)
+
+    @rule(target=conversations, conv=conversations, cut=st.integers(1, 12), extra=st.lists(
+        st.integers(3, VOCAB - 1), min_size=1, max_size=4))
+    def edited_turn(self, conv, cut: int, extra: list[int]):
+        ids, session, tenant = conv
+        ids = torch.cat([ids[:, :max(1, ids.shape[1] - cut)], torch.tensor([extra])], dim=1)
+        return self._turn((ids, session, tenant), [3], 1)
+
+    @rule(session=st.sampled_from([None, "a", "b", "c"]), tenant=st.sampled_from(["unset", None, "t1"]))
+    def forget(self, session: str | None, tenant: str | None) -> None:
+        if session is None and tenant == "unset":
+            return
+        kwargs = {} if tenant == "unset" else {"tenant": tenant}
+        removed = self.store.forget(session=session, **kwargs)
+        assert removed >= 0
+
+    @rule(reopen=st.booleans())
+    def persist(self, reopen: bool) -> None:
+        self.store.flush()
+        assert self.store.stats()["pending_writes"] == 0
+        if reopen and self.path is not None:
+            self.store.close()
+            self.store = TieredStore(self.path, **self.kwargs)
+
+    @invariant()
+    def budgets_hold(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        stats = self.store.stats()
+        for tier in ("device", "host", "disk"):
+            assert stats[tier]["bytes"] <= stats[tier]["budget"], (tier, stats)
+        if self.path is None:
+            assert stats["disk"] == {"bytes": 0, "budget": 0, "blocks": 0}
+
+
+StoreMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+test_store_machine = StoreMachine.TestCase

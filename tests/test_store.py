@@ -1,0 +1,757 @@
+"""Behaviour of ``TieredStore`` by scenario: sharing, edits, partial tails, the ``L - 1`` cap,
+``forget``, fingerprints, budgets, exact LRU orders, reopening, stats, misuse and threads.
+
+Every scenario runs a tiny random llama with ``block_size=8`` and compares each greedy output with
+plain ``model.generate`` without a cache. Expectations are exact: restored token counts, block
+counts, bytes, and eviction orders, checked through small ``verify_*`` helpers (vLLM's style).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterable
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+from conftest import VOCAB, make_model, random_ids
+from tierkv import TieredCache, TieredStore
+from tierkv.hashing import block_key, chain_keys
+from tierkv.index import Tier
+
+B = 8  # tokens per block in every scenario
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def cat(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts, dim=1)
+
+
+def diverging(ids: torch.Tensor, p: int, length: int, seed: int) -> torch.Tensor:
+    """``ids[:, :p]`` followed by ``length`` new tokens whose first differs from ``ids[0, p]``."""
+    tail = random_ids(length, seed)
+    if p < ids.shape[1] and int(tail[0, 0]) == int(ids[0, p]):
+        tail[0, 0] = int(ids[0, p]) + 1 if int(ids[0, p]) + 1 < VOCAB else 3
+    return cat(ids[:, :p], tail)
+
+
+def distinct_block(i: int) -> torch.Tensor:
+    """Eight ids that form one full block; first tokens differ across ``i`` so that no block is a
+    stored continuation of another one's prefix."""
+    ids = random_ids(B, 500 + i)
+    ids[0, 0] = 10 + i
+    return ids
+
+
+def full_block_bytes(model: torch.nn.Module, n_tokens: int = B) -> int:
+    c = model.config
+    item = next(model.parameters()).element_size()
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * n_tokens * c.head_dim * item
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, new: int, cache: TieredCache | None = None) -> torch.Tensor:
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+
+
+def verify_open(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, *, session: str | None = None,
+                tenant: str | None = None, expect: int | None = None,
+                expect_from: dict[str, int] | None = None) -> TieredCache:
+    cache = store.open(model, ids, session=session, tenant=tenant)
+    assert isinstance(cache, TieredCache)
+    assert set(cache.restored_from) == {"device", "host", "disk"}
+    assert sum(cache.restored_from.values()) == cache.restored_tokens
+    assert 0 <= cache.restored_tokens <= ids.shape[1] - 1
+    assert cache.get_seq_length() == cache.restored_tokens
+    if expect is not None:
+        assert cache.restored_tokens == expect
+    if expect_from is not None:
+        assert cache.restored_from == expect_from
+    return cache
+
+
+def verify_generate(model: torch.nn.Module, ids: torch.Tensor, cache: TieredCache, new: int) -> torch.Tensor:
+    out = generate(model, ids, new, cache)
+    assert torch.equal(out, generate(model, ids, new))
+    assert cache.get_seq_length() == out.shape[1] - 1
+    return out
+
+
+def turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, *, session: str | None = None,
+         tenant: str | None = None, new: int = 4, expect: int | None = None,
+         expect_stored: int | None = None) -> tuple[TieredCache, torch.Tensor]:
+    """One conversation turn: open, generate (checked against no cache), commit."""
+    cache = verify_open(store, model, ids, session=session, tenant=tenant, expect=expect)
+    out = verify_generate(model, ids, cache, new)
+    stored = cache.commit(out)
+    if expect_stored is not None:
+        assert stored == expect_stored
+    return cache, out
+
+
+def verify_budgets(store: TieredStore) -> dict:
+    with store._lock:  # one consistent view while other threads use the store
+        return _verify_budgets(store)
+
+
+def _verify_budgets(store: TieredStore) -> dict:
+    stats = store.stats()
+    for tier in ("device", "host", "disk"):
+        assert 0 <= stats[tier]["bytes"] <= stats[tier]["budget"], (tier, stats)
+    assert stats["device"]["bytes"] == store._device.used == store._index.bytes[Tier.DEVICE]
+    assert stats["host"]["bytes"] == store._host.used == store._index.bytes[Tier.HOST]
+    assert stats["device"]["blocks"] == len(store._index.lru[Tier.DEVICE])
+    assert stats["host"]["blocks"] == len(store._index.lru[Tier.HOST])
+    return stats
+
+
+def disk_records(path) -> dict[bytes, int]:
+    """Key -> record length of every block in a closed store's LMDB environment."""
+    env = lmdb.open(str(path), max_dbs=8, readonly=True, lock=False, subdir=True)
+    try:
+        db = env.open_db(b"blocks", create=False)
+        with env.begin(db=db) as txn:
+            return {bytes(k): len(v) for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+def keys_of(root: bytes, ids: torch.Tensor) -> list[bytes]:
+    """Keys of the blocks a commit of exactly ``ids`` stores: full blocks, then a partial tail."""
+    flat = ids[0].numpy()
+    keys = chain_keys(root, flat, B)
+    if len(flat) % B:
+        keys.append(block_key(keys[-1] if keys else root, flat[len(keys) * B:]))
+    return keys
+
+
+def names(order: Iterable[bytes], named: dict[bytes, str]) -> list[str]:
+    return [named[k] for k in order]
+
+
+# -- 1. sharing ------------------------------------------------------------------------------------
+def test_sessions_of_a_tenant_share_a_system_prompt_stored_once(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    system = random_ids(24, 100)
+    user_a, user_b = random_ids(13, 101), random_ids(11, 102)
+    assert int(user_a[0, 0]) != int(user_b[0, 0])
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache_a, out_a = turn(store, model, cat(system, user_a), session="A", expect=0, expect_stored=40)
+        # B restores exactly the three system-prompt blocks, nothing of A's user turn.
+        cache_b = verify_open(store, model, cat(system, user_b), session="B", expect=24,
+                              expect_from={"device": 24, "host": 0, "disk": 0})
+        out_b = verify_generate(model, cat(system, user_b), cache_b, 4)
+        assert cache_b.commit(out_b) == 38
+        store.flush()
+        stats = store.stats()
+        # A: 5 full blocks; B: 4 full + a 6-token tail, 3 of them shared with A.
+        assert stats["device"]["blocks"] == 7
+        assert stats["device"]["bytes"] == 6 * full_block_bytes(model) + full_block_bytes(model, 6)
+        assert stats["disk"]["blocks"] == 7
+        assert len(store._index.blocks) == 7
+        shared = chain_keys(cache_a.root, system[0].numpy(), B)
+        assert cache_b.root == cache_a.root
+        assert [len(store._index.blocks[k].sessions) for k in shared] == [2, 2, 2]
+        assert set(keys_of(cache_a.root, out_a[:, :40])) | set(keys_of(cache_b.root, out_b[:, :38])) == set(
+            store._index.blocks)
+
+        # Another tenant sees nothing, not even with identical ids, and shares nothing.
+        for tenant in ("acme", ""):
+            cache = verify_open(store, model, cat(system, user_b), session="B", tenant=tenant, expect=0)
+            verify_generate(model, cat(system, user_b), cache, 4)
+        _, out_acme = turn(store, model, cat(system, user_b), session="B", tenant="acme", expect=0, expect_stored=38)
+        assert store.stats()["device"]["blocks"] == 7 + 5
+        # ... while within that tenant its own system prompt is shared again.
+        turn(store, model, cat(system, user_a), session="C", tenant="acme", expect=24)
+        # The default tenant still restores its own conversation in full.
+        verify_open(store, model, out_b, session="B", expect=38)
+
+
+# -- 2. edited conversations -----------------------------------------------------------------------
+@pytest.mark.parametrize("p", [0, 5, 16, 19, 31, 32, 35, 39])
+def test_an_edited_conversation_restores_exactly_the_common_prefix(tiny_model, tmp_path, p):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, random_ids(36, 7), session="s", expect_stored=39)  # 4 blocks + 7-token tail
+        edited = diverging(out, p, 12, seed=1000 + p)
+        assert int(edited[0, p]) != int(out[0, p])
+        cache = verify_open(store, model, edited, session="s2", expect=p)
+        verify_generate(model, edited, cache, 4)
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 20, 24, 39, 40])
+def test_a_prefix_of_the_stored_conversation_restores_all_but_its_last_token(tiny_model, tmp_path, length):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, random_ids(36, 8), session="s", expect_stored=39)
+        extended = cat(out, random_ids(3, 9))  # past everything stored: all 39 stored tokens
+        cache = verify_open(store, model, extended, expect=39)
+        verify_generate(model, extended, cache, 2)
+        prefix = out[:, :length]
+        cache = verify_open(store, model, prefix, expect=length - 1)
+        verify_generate(model, prefix, cache, 3)
+
+
+# -- 3. partial tails --------------------------------------------------------------------------------
+def test_a_returning_session_restores_its_partial_tail_and_a_longer_tail_supersedes_it(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, out1 = turn(store, model, random_ids(19, 11), session="s", new=2, expect=0, expect_stored=20)
+        root = store.open(model, out1, session="probe").root
+        k0, k1, tail1 = keys_of(root, out1[:, :20])
+        assert store._index.blocks[tail1].n_tokens == 4
+        assert set(store._index.blocks) == {k0, k1, tail1}
+
+        # The same tail, in the same block: 4 tokens are superseded by 7.
+        ids2 = cat(out1, random_ids(2, 12))
+        _, out2 = turn(store, model, ids2, session="s", new=1, expect=20, expect_stored=23)
+        *_, tail2 = keys_of(root, out2[:, :23])
+        assert store._index.blocks[tail2].n_tokens == 7
+        assert set(store._index.blocks) == {k0, k1, tail2}
+        assert store.stats()["device"]["blocks"] == 3
+
+        # The tail fills its block and spills into the next: the 7-token tail goes as well.
+        ids3 = cat(out2, random_ids(6, 13))
+        _, out3 = turn(store, model, ids3, session="s", new=4, expect=23, expect_stored=33)
+        keys3 = keys_of(root, out3[:, :33])
+        assert len(keys3) == 5 and store._index.blocks[keys3[-1]].n_tokens == 1
+        assert set(store._index.blocks) == set(keys3)
+        store.flush()
+        assert store.stats()["disk"]["blocks"] == 5
+    # Superseded tails are gone from disk too, and a reopened store restores the newest tail.
+    assert set(disk_records(path)) == set(keys3)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert set(store._index.blocks) == set(keys3)
+        ids4 = cat(out3, random_ids(3, 14))
+        cache = verify_open(store, model, ids4, session="s", expect=33,
+                            expect_from={"device": 0, "host": 0, "disk": 33})
+        verify_generate(model, ids4, cache, 2)
+
+
+def test_a_partial_tail_another_session_references_outlives_its_supersession(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        ids1 = random_ids(19, 21)
+        _, out1 = turn(store, model, ids1, session="s", new=2, expect=0, expect_stored=20)
+        _, out1t = turn(store, model, ids1, session="t", new=2, expect=18, expect_stored=20)
+        assert torch.equal(out1, out1t)
+        root = store.open(model, out1, session="probe").root
+        k0, k1, tail1 = keys_of(root, out1[:, :20])
+        assert len(store._index.blocks[tail1].sessions) == 2
+
+        _, out2 = turn(store, model, cat(out1, random_ids(2, 22)), session="s", new=1, expect=20, expect_stored=23)
+        tail2 = keys_of(root, out2[:, :23])[-1]
+        assert set(store._index.blocks) == {k0, k1, tail1, tail2}
+        assert len(store._index.blocks[tail1].sessions) == 1  # t's alone now
+
+        # t diverges after out1's 21st token, which s's newer tail holds: 21 restore.
+        other = diverging(cat(out1, random_ids(2, 22)), 21, 1, seed=23)
+        _, out3 = turn(store, model, other, session="t", new=1, expect=21, expect_stored=22)
+        tail3 = keys_of(root, out3[:, :22])[-1]
+        assert tail3 != tail2
+        assert set(store._index.blocks) == {k0, k1, tail2, tail3}
+
+
+# -- 4. the L - 1 cap -------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [1, 5, 8, 16, 20])
+def test_opening_exactly_the_committed_ids_restores_all_but_the_last(tiny_model, tmp_path, length):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        ids = random_ids(length, 30 + length)
+        _, out = turn(store, model, ids, session="s", new=1, expect=0, expect_stored=length)
+        for _ in range(2):  # a hit does not change what the next open sees
+            cache = verify_open(store, model, ids, session="s", expect=length - 1,
+                                expect_from={"device": length - 1, "host": 0, "disk": 0})
+            verify_generate(model, ids, cache, 3)
+        cache = verify_open(store, model, out, session="s", expect=length)
+        verify_generate(model, out, cache, 3)
+
+
+# -- 5. forget ---------------------------------------------------------------------------------------
+def test_forget_drops_a_session_or_a_tenant_from_every_tier_and_keeps_shared_blocks(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    full = full_block_bytes(model)
+    system = random_ids(24, 40)
+    conv_a, conv_b = cat(system, random_ids(28, 41)), cat(system, random_ids(20, 42))  # 52 and 44 tokens
+    assert int(conv_a[0, 24]) != int(conv_b[0, 24])
+    with TieredStore(path, device="cpu", device_budget=2 * full, host_budget=3 * full, block_size=B) as store:
+        _, out_b = turn(store, model, conv_b, session="B", new=1, expect_stored=44)  # 5 blocks + 4-token tail
+        turn(store, model, conv_a, session="C", tenant="acme", new=1, expect_stored=52)  # 6 blocks + tail
+        cache_a, out_a = turn(store, model, conv_a, session="A", new=1, expect=24, expect_stored=52)
+        store.flush()
+        root = cache_a.root
+        keys_a, keys_b = keys_of(root, conv_a), keys_of(root, conv_b)
+        only_a = [k for k in keys_a if k not in keys_b]
+        assert len(only_a) == 4 and len(keys_b) == 6
+        assert len(store._index.blocks) == 4 + 6 + 7
+        # A's own blocks rest in both memory tiers and on disk before they are forgotten.
+        assert {store._index.blocks[k].resident for k in only_a} == {Tier.DEVICE, Tier.HOST}
+        assert all(k in store._index.lru[Tier.DISK] for k in only_a)
+        before = verify_budgets(store)
+
+        assert store.forget(session="nobody") == 0
+        assert store.forget(session="B", tenant="acme") == 0  # B lives in the default tenant
+        assert store.forget(session="A") == 4
+        for k in only_a:
+            assert k not in store._index.blocks
+            assert k not in store._device and k not in store._host
+            assert k not in store._index.lru[Tier.DISK]
+        assert all(len(store._index.blocks[k].sessions) == 1 for k in keys_b)
+        assert store.forget(session="A") == 0
+        assert store.forget(tenant="acme") == 7
+        after = verify_budgets(store)
+        assert after["disk"]["blocks"] == before["disk"]["blocks"] - 11 == 6
+        assert after["device"]["blocks"] + after["host"]["blocks"] <= 6
+        store.flush()
+    assert set(disk_records(path)) == set(keys_b)
+
+    with TieredStore(path, device="cpu", device_budget=2 * full, host_budget=3 * full, block_size=B) as store:
+        assert set(store._index.blocks) == set(keys_b)
+        cache = verify_open(store, model, out_a, session="A", expect=24)  # the shared system prompt only
+        verify_generate(model, out_a, cache, 2)
+        cache = verify_open(store, model, out_b, session="B", expect=44)
+        verify_generate(model, out_b, cache, 2)
+        cache = verify_open(store, model, out_a, session="C", tenant="acme", expect=0)
+        verify_generate(model, out_a, cache, 2)
+        # Session references survive the reopen: B's blocks are now its alone.
+        assert store.forget(session="B") == 6
+        stats = store.stats()
+        assert [stats[t]["blocks"] for t in ("device", "host", "disk")] == [0, 0, 0]
+        assert [stats[t]["bytes"] for t in ("device", "host", "disk")] == [0, 0, 0]
+    assert disk_records(path) == {}
+
+
+def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        turn(store, model, random_ids(20, 45), tenant="t", new=1, expect_stored=20)  # no session: 3 blocks
+        turn(store, model, random_ids(9, 46), session="x", tenant="t", new=1, expect_stored=9)  # 2 blocks
+        turn(store, model, random_ids(9, 46), session="x", new=1, expect_stored=9)  # default tenant: 2 blocks
+        assert store.forget(session="x", tenant="t") == 2
+        assert store.forget(tenant="t") == 3
+        assert store.forget(tenant="t") == 0
+        assert store.stats()["device"]["blocks"] == 2
+        assert store.forget(tenant=None) == 2
+        assert store.stats()["device"]["blocks"] == 0
+
+
+# -- 6. fingerprints ---------------------------------------------------------------------------------
+def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    others = {
+        "seed 1": tiny_model("llama", 1),
+        "float64": make_model("llama", 0).to(torch.float64),
+        "bfloat16": make_model("llama", 0).to(torch.bfloat16),
+    }
+    ids = random_ids(30, 50)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", expect_stored=33)
+        blocks = 5
+        for name, other in others.items():
+            cache = verify_open(store, other, out, session="s", expect=0)
+            out_other = verify_generate(other, out, cache, 3)
+            assert cache.commit(out_other) == 36, name
+            blocks += 5
+            assert store.stats()["device"]["blocks"] == blocks, name
+            verify_open(store, other, out_other, session="s", expect=36)
+        # Nothing the others stored is served to the first model, nor replaced its blocks.
+        cache = verify_open(store, model, out, session="s", expect=33)
+        verify_generate(model, out, cache, 3)
+
+
+def test_weights_changed_in_place_never_reuse_blocks(tiny_model, tmp_path):
+    model = make_model("llama", 0)
+    ids = random_ids(20, 51)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", expect_stored=23)
+        verify_open(store, model, out, session="s", expect=23)
+        model.load_state_dict(tiny_model("llama", 2).state_dict())
+        cache = verify_open(store, model, out, session="s", expect=0)
+        verify_generate(model, out, cache, 3)
+
+
+# -- 7. budgets --------------------------------------------------------------------------------------
+def _many_conversations(store: TieredStore, model: torch.nn.Module, seed: int) -> list[tuple[int, int]]:
+    """30 turns over 10 sessions of random lengths; budgets checked after every open and commit.
+    Returns, per returning turn, (restored, tokens the session stored last time)."""
+    rng = random.Random(seed)
+    last: dict[str, tuple[torch.Tensor, int]] = {}
+    returning = []
+    for i in range(30):
+        session = f"s{rng.randrange(10)}"
+        if session in last:
+            out, stored = last[session]
+            ids = cat(out, random_ids(rng.randint(2, 12), 10_000 + i))
+        else:
+            ids, stored = random_ids(rng.randint(3, 40), 10_000 + i), 0
+        cache = verify_open(store, model, ids, session=session)
+        verify_budgets(store)
+        if session in last:
+            assert cache.restored_tokens <= stored
+            returning.append((cache.restored_tokens, stored))
+        out = verify_generate(model, ids, cache, rng.randint(1, 4))
+        stored = cache.commit(out)
+        assert 0 <= stored <= out.shape[1] - 1
+        last[session] = (out, stored)
+        verify_budgets(store)
+    assert len(returning) >= 10
+    return returning
+
+
+def test_budgets_hold_in_every_tier_through_many_conversations(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", device_budget=3 * full, host_budget=5 * full, disk_budget=12 * 4400,
+                     block_size=B) as store:
+        _many_conversations(store, model, seed=1)
+        store.flush()
+        stats = verify_budgets(store)
+        assert stats["evictions"] > 0
+        assert stats["disk"]["blocks"] > 0
+    # The disk tier's accounting is what LMDB holds.
+    records = disk_records(path)
+    assert len(records) == stats["disk"]["blocks"]
+    assert sum(records.values()) == stats["disk"]["bytes"] <= 12 * 4400
+
+
+def test_zero_memory_budgets_pass_every_block_to_disk(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", device_budget=0, host_budget="0MiB", block_size=B) as store:
+        returning = _many_conversations(store, model, seed=2)
+        assert returning == [(stored, stored) for _, stored in returning]  # nothing lost: disk is big
+        stats = store.stats()
+        assert stats["device"] == {"bytes": 0, "budget": 0, "blocks": 0}
+        assert stats["host"] == {"bytes": 0, "budget": 0, "blocks": 0}
+        assert stats["hits"]["device"] == stats["hits"]["host"] == 0
+        assert stats["hits"]["disk"] == sum(r for r, _ in returning) > 0
+
+
+def test_without_a_disk_tier_evicted_blocks_are_dropped_and_restores_shrink(tiny_model):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    with TieredStore(None, device="cpu", device_budget=3 * full, host_budget=5 * full, block_size=B) as store:
+        returning = _many_conversations(store, model, seed=3)
+        stats = store.stats()
+        assert stats["disk"] == {"bytes": 0, "budget": 0, "blocks": 0}
+        assert stats["device"]["bytes"] + stats["host"]["bytes"] <= 8 * full
+        assert len(store._index.blocks) == stats["device"]["blocks"] + stats["host"]["blocks"]
+        assert stats["evictions"] > 0
+        assert any(restored < stored for restored, stored in returning)
+
+
+def test_without_a_disk_tier_a_long_conversation_beyond_memory_keeps_its_newest_blocks(tiny_model):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    with TieredStore(None, device="cpu", device_budget=1 * full, host_budget=2 * full, block_size=B) as store:
+        ids = random_ids(48, 60)
+        cache, out = turn(store, model, ids, session="s", new=1, expect_stored=48)
+        keys = keys_of(cache.root, ids)
+        # The newest three of six blocks remain; the first is gone, so nothing restores.
+        assert list(store._index.lru[Tier.DEVICE]) == keys[5:]
+        assert list(store._index.lru[Tier.HOST]) == keys[3:5]
+        assert set(store._index.blocks) == set(keys[3:])
+        assert store.stats()["evictions"] == 5 + 3
+        cache = verify_open(store, model, out, session="s", expect=0)
+        verify_generate(model, out, cache, 2)
+
+
+def test_zero_budgets_without_a_disk_tier_keep_nothing(tiny_model):
+    model = tiny_model("llama")
+    with TieredStore(None, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        ids = random_ids(20, 61)
+        cache, out = turn(store, model, ids, session="s", expect=0, expect_stored=0)
+        stats = store.stats()
+        for tier in ("device", "host", "disk"):
+            assert stats[tier] == {"bytes": 0, "budget": 0, "blocks": 0}
+        assert stats["evictions"] == 1  # the first block could rest nowhere; the chain stops there
+        assert store._index.blocks == {}
+        turn(store, model, cat(out, random_ids(3, 62)), session="s", expect=0, expect_stored=0)
+
+
+# -- 8, 9. exact LRU order, and its rebuild on reopen -------------------------------------------
+def _lru_scenario(store: TieredStore, model: torch.nn.Module) -> tuple[dict[bytes, str], list[torch.Tensor]]:
+    blocks = [distinct_block(i) for i in range(6)]
+    named: dict[bytes, str] = {}
+    root = None
+
+    def commit(i: int) -> None:
+        nonlocal root
+        cache, _ = turn(store, model, blocks[i], session=f"s{i}", new=1, expect=0, expect_stored=B)
+        root = cache.root
+        named[keys_of(root, blocks[i])[0]] = f"c{i}"
+
+    def reopen(i: int, tier: str) -> None:
+        ids = cat(blocks[i], random_ids(2, 600 + i))
+        expect_from = {"device": 0, "host": 0, "disk": 0} | {tier: B}
+        cache = verify_open(store, model, ids, session=f"s{i}", expect=B, expect_from=expect_from)
+        verify_generate(model, ids, cache, 1)
+
+    def verify(device: list[str], host: list[str], evictions: int) -> None:
+        assert names(store._index.lru[Tier.DEVICE], named) == device
+        assert names(store._index.lru[Tier.HOST], named) == host
+        stats = verify_budgets(store)
+        assert stats["evictions"] == evictions
+
+    for i in range(3):
+        commit(i)
+    verify(["c0", "c1", "c2"], [], 0)
+    commit(3)
+    verify(["c1", "c2", "c3"], ["c0"], 1)
+    commit(4)
+    verify(["c2", "c3", "c4"], ["c0", "c1"], 2)
+    reopen(1, "host")  # promoted: pushes c2, the device's least recently used, down
+    verify(["c3", "c4", "c1"], ["c0", "c2"], 3)
+    reopen(3, "device")  # touched in place
+    verify(["c4", "c1", "c3"], ["c0", "c2"], 3)
+    commit(5)  # c4 goes down and c0, the host's oldest, leaves memory
+    verify(["c1", "c3", "c5"], ["c2", "c4"], 5)
+    reopen(0, "disk")
+    verify(["c3", "c5", "c0"], ["c4", "c1"], 7)
+    reopen(2, "disk")
+    verify(["c5", "c0", "c2"], ["c1", "c3"], 9)
+    # The disk tier is inclusive: every block, in last-use order.
+    assert names(store._index.lru[Tier.DISK], named) == ["c4", "c1", "c3", "c5", "c0", "c2"]
+    return named, blocks
+
+
+def test_lru_eviction_order_is_exact(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    with TieredStore(tmp_path / "kv", device="cpu", device_budget=3 * full, host_budget=2 * full,
+                     block_size=B) as store:
+        _lru_scenario(store, model)
+
+
+def test_reopen_rebuilds_the_index_in_last_use_order(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", device_budget=3 * full, host_budget=2 * full, block_size=B) as store:
+        named, blocks = _lru_scenario(store, model)
+        before = list(store._index.lru[Tier.DISK])
+        sizes = {k: store._index.blocks[k].record_bytes for k in before}
+    with TieredStore(path, device="cpu", device_budget=3 * full, host_budget=2 * full, block_size=B) as store:
+        assert names(store._index.lru[Tier.DISK], named) == names(before, named)
+        assert list(store._index.lru[Tier.DEVICE]) == list(store._index.lru[Tier.HOST]) == []
+        assert store.stats()["disk"]["bytes"] == sum(sizes.values())
+    # A smaller disk budget on reopen evicts the least recently used first.
+    budget = sum(sizes[k] for k in before[2:])
+    with TieredStore(path, device="cpu", disk_budget=budget, block_size=B) as store:
+        assert names(store._index.lru[Tier.DISK], named) == names(before[2:], named)
+        assert store.stats()["evictions"] == 2
+        for i, block in enumerate(blocks):
+            ids = cat(block, random_ids(2, 700 + i))
+            expect = 0 if f"c{i}" in names(before[:2], named) else B
+            cache = verify_open(store, model, ids, expect=expect)
+            verify_generate(model, ids, cache, 1)
+
+
+# -- 10. stats ---------------------------------------------------------------------------------------
+def _verify_stats_shape(stats: dict) -> None:
+    assert {"device", "host", "disk", "hits", "misses", "evictions", "corrupt"} <= set(stats)
+    for tier in ("device", "host", "disk"):
+        assert set(stats[tier]) == {"bytes", "budget", "blocks"}
+    assert set(stats["hits"]) == {"device", "host", "disk"}
+    values = [*(stats[t][f] for t in ("device", "host", "disk") for f in ("bytes", "budget", "blocks")),
+              *stats["hits"].values(), stats["misses"], stats["evictions"], stats["corrupt"]]
+    assert all(type(v) is int for v in values), stats
+
+
+def test_stats_count_hits_per_tier_in_tokens_misses_and_evictions(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    with TieredStore(tmp_path / "kv", device="cpu", device_budget="4KiB", host_budget=4096, disk_budget="1MB",
+                     block_size=B) as store:
+        stats = store.stats()
+        _verify_stats_shape(stats)
+        assert stats == stats | {
+            "device": {"bytes": 0, "budget": 4096, "blocks": 0},
+            "host": {"bytes": 0, "budget": 4096, "blocks": 0},
+            "disk": {"bytes": 0, "budget": 10**6, "blocks": 0},
+            "hits": {"device": 0, "host": 0, "disk": 0}, "misses": 0, "evictions": 0, "corrupt": 0}
+        assert full_block_bytes(model) == 4096
+        blocks = [distinct_block(i) for i in range(3)]
+        for block in blocks:
+            turn(store, model, block, new=1, expect=0, expect_stored=B)
+        # c2 on the device, c1 in the host tier, c0 on disk only.
+        stats = store.stats()
+        assert stats["evictions"] == 3 and stats["misses"] == 24
+        assert [stats[t]["blocks"] for t in ("device", "host", "disk")] == [1, 1, 3]
+        for i, tier, evictions in ((2, "device", 3), (1, "host", 4), (0, "disk", 6)):
+            ids = cat(blocks[i], random_ids(3, 800 + i))
+            cache = verify_open(store, model, ids, expect=B, expect_from={"device": 0, "host": 0, "disk": 0} | {tier: B})
+            verify_generate(model, ids, cache, 2)
+            assert store.stats()["evictions"] == evictions
+        store.flush()
+        stats = store.stats()
+        _verify_stats_shape(stats)
+        assert stats["hits"] == {"device": 8, "host": 8, "disk": 8}
+        assert stats["misses"] == 24 + 3 * 3
+        assert stats["corrupt"] == 0
+        assert stats["device"] == {"bytes": 4096, "budget": 4096, "blocks": 1}
+        assert stats["host"] == {"bytes": 4096, "budget": 4096, "blocks": 1}
+        assert stats["disk"]["blocks"] == 3 and 3 * 4096 < stats["disk"]["bytes"] <= 10**6
+
+
+def test_stats_without_a_disk_tier_report_zeros_for_disk(tiny_model):
+    with TieredStore(None, device="cpu", device_budget="1.5GB", host_budget="512MiB", block_size=B) as store:
+        stats = store.stats()
+        _verify_stats_shape(stats)
+        assert stats["device"]["budget"] == 1_500_000_000
+        assert stats["host"]["budget"] == 512 * 1024**2
+        assert stats["disk"] == {"bytes": 0, "budget": 0, "blocks": 0}
+
+
+# -- 11. misuse ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "error", "word"), [
+    ({"device_budget": "2GX"}, ValueError, "MiB"),
+    ({"host_budget": "lots"}, ValueError, "MiB"),
+    ({"disk_budget": -1}, ValueError, "Use 0"),
+    ({"device_budget": "-5MiB"}, ValueError, "Use 0"),
+    ({"host_budget": [1]}, TypeError, "MiB"),
+    ({"block_size": 0}, ValueError, ">= 1"),
+    ({"block_size": -1}, ValueError, ">= 1"),
+    ({"block_size": 2.5}, TypeError, "int"),
+    ({"block_size": True}, TypeError, "int"),
+    ({"block_size": "8"}, TypeError, "int"),
+])
+def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
+    with pytest.raises(error) as info:
+        TieredStore(tmp_path / "kv", device="cpu", **{"block_size": B, **kwargs})
+    assert word in str(info.value)
+
+
+@pytest.mark.parametrize(("make_ids", "error", "word"), [
+    (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
+    (lambda: random_ids(6).float(), TypeError, "integer"),
+    (lambda: random_ids(6).bool(), TypeError, "integer"),
+    (lambda: torch.cat([random_ids(6), random_ids(6, 1)]), ValueError, "(1, L)"),
+    (lambda: random_ids(6)[0], ValueError, "(1, L)"),
+    (lambda: random_ids(6)[:, :0], ValueError, "at least one token"),
+    (lambda: random_ids(6) * -1, ValueError, "tokenizer"),
+])
+def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(error) as info:
+            store.open(tiny_model("llama"), make_ids(), session="s")
+        assert word in str(info.value)
+        assert store.stats()["misses"] == 0
+
+
+def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
+    model = tiny_model("llama")
+    ids = random_ids(6)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        for kwargs in ({"session": 5}, {"session": b"s"}, {"tenant": 7}, {"tenant": ("a",)}):
+            with pytest.raises(TypeError, match="must be a str"):
+                store.open(model, ids, **kwargs)
+        with pytest.raises(ValueError, match="session=") as info:
+            store.forget()
+        with pytest.raises(TypeError, match="must be a str"):
+            store.forget(session=3)
+        with pytest.raises(TypeError, match="must be a str"):
+            store.forget(tenant=3)
+        with pytest.raises(ValueError, match="sliding_window=None"):
+            store.open(tiny_model("mistral", sliding_window=16), ids)
+        config = AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128)
+        t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
+        with pytest.raises(ValueError, match="decoder-only") as info:
+            store.open(t5, ids)
+        assert "encoder-decoder" in str(info.value)
+        with pytest.raises(TypeError, match="transformers model"):
+            store.open(torch.nn.Linear(2, 2), ids)
+        assert store.stats()["sessions"] == 0 and store.stats()["misses"] == 0
+
+
+def test_bad_commits_raise_with_a_remedy(tiny_model):
+    model = tiny_model("llama")
+    ids = random_ids(12, 70)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match="run generate"):
+            cache.commit(ids)  # nothing computed yet
+        out = verify_generate(model, ids, cache, 3)
+        with pytest.raises(ValueError, match="start with"):
+            cache.commit(diverging(out, 4, 11, seed=71))
+        with pytest.raises(ValueError, match="start with"):
+            cache.commit(out[:, :8])
+        with pytest.raises(ValueError, match="run generate"):
+            cache.commit(cat(out, random_ids(2, 72)))
+        with pytest.raises(TypeError, match="LongTensor"):
+            cache.commit(out[0].tolist())
+        assert store.stats()["device"]["blocks"] == 0  # no failed commit stored anything
+        assert cache.commit(out) == 14
+        assert store.stats()["device"]["blocks"] == 2
+        with TieredStore(None, device="cpu", block_size=B) as other:
+            with pytest.raises(ValueError, match="own store"):
+                other._commit(cache, out)
+
+
+def test_a_closed_store_refuses_every_operation(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    ids = random_ids(10, 73)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        out = verify_generate(model, ids, cache, 2)
+    # Leaving the `with` block closed the store.
+    for call in (lambda: store.open(model, ids, session="s"), lambda: cache.commit(out),
+                 lambda: store.forget(session="s"), store.flush):
+        with pytest.raises(ValueError, match="closed") as info:
+            call()
+        assert "new TieredStore" in str(info.value)
+    store.close()  # closing twice is harmless
+    # The disk tier was released: the directory reopens, holding nothing since nothing was committed.
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as again:
+        assert again.stats()["disk"]["blocks"] == 0
+
+
+# -- 12. threads -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("blocks_in_memory", [None, (3, 5)])
+def test_threads_share_one_store(tiny_model, tmp_path, blocks_in_memory):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    budgets = {} if blocks_in_memory is None else {
+        "device_budget": blocks_in_memory[0] * full, "host_budget": blocks_in_memory[1] * full}
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+    restored: dict[int, list[tuple[int, int]]] = {}
+
+    def run(worker: int) -> None:
+        try:
+            start.wait(timeout=60)
+            ids, stored, seen = random_ids(13 + worker, 900 + worker), 0, []
+            for t in range(3):
+                cache = verify_open(store, model, ids, session=f"w{worker}")
+                seen.append((cache.restored_tokens, stored))
+                verify_budgets(store)
+                out = verify_generate(model, ids, cache, 3)
+                stored = cache.commit(out)
+                verify_budgets(store)
+                ids = cat(out, random_ids(5, 950 + 10 * worker + t))
+            restored[worker] = seen
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B, **budgets) as store:
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        if errors:
+            raise errors[0]
+        assert sorted(restored) == [0, 1, 2, 3]
+        for seen in restored.values():
+            assert seen[0] == (0, 0)
+            assert all(r <= s for r, s in seen)
+        if blocks_in_memory is None:  # nothing evicted: each turn restores all its last commit
+            assert restored == {w: [(0, 0), (15 + w, 15 + w), (23 + w, 23 + w)] for w in range(4)}
+        store.flush()
+        verify_budgets(store)
