@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierkv.hashing
@@ -263,6 +263,7 @@ def test_block_size_changes_keys() -> None:
 
 
 # -- token id containers --------------------------------------------------------------------------
+@settings(deadline=None)
 @given(token_lists)
 def test_token_id_containers_give_the_same_key(ids: list[int]) -> None:
     root = root_key(FP, None)

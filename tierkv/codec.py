@@ -122,24 +122,25 @@ def _parse_header(buf: memoryview) -> tuple[RecordHeader, int]:
     version = raw.get("v")
     if version != FORMAT_VERSION:
         raise CorruptRecord(f"format version {version!r}, this tierkv reads {FORMAT_VERSION}")
-    try:
-        header = RecordHeader(
-            key=bytes(raw["key"]),
-            parent=bytes(raw["parent"]),
-            tenant=raw["tenant"],
-            fingerprint=bytes(raw["fp"]),
-            dtype=str(raw["dtype"]),
-            shape=tuple(int(d) for d in raw["shape"]),
-            token_ids=bytes(raw["ids"]),
-            seq=int(raw["seq"]),
-            version=version,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptRecord(f"header field missing or malformed: {exc}") from None
-    if header.dtype not in ITEMSIZE or len(header.token_ids) % 8:
+    names = ("key", "parent", "fp", "ids", "dtype", "shape", "seq", "tenant")
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise CorruptRecord(f"header fields missing or malformed: {missing} absent")
+    fields = {n: raw[n] for n in names}
+    if not all(isinstance(fields[n], bytes) for n in ("key", "parent", "fp", "ids")):
+        raise CorruptRecord("header fields missing or malformed: key, parent, fp and ids must be bytes")
+    shape, seq = fields["shape"], fields["seq"]
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**40 for d in shape):
+        raise CorruptRecord("header fields missing or malformed: shape must list non-negative ints")
+    if type(seq) is not int or seq < 0:
+        raise CorruptRecord("header fields missing or malformed: seq must be a non-negative int")
+    if fields["dtype"] not in ITEMSIZE or len(fields["ids"]) % 8:
         raise CorruptRecord("header has an unknown dtype or ragged token ids")
-    if header.tenant is not None and not isinstance(header.tenant, str):
+    if fields["tenant"] is not None and not isinstance(fields["tenant"], str):
         raise CorruptRecord("header tenant is not a string")
+    header = RecordHeader(key=fields["key"], parent=fields["parent"], tenant=fields["tenant"],
+                          fingerprint=fields["fp"], dtype=fields["dtype"], shape=tuple(shape),
+                          token_ids=fields["ids"], seq=seq, version=version)
     return header, end
 
 

@@ -91,6 +91,7 @@ class TieredStore:
         self._index = Index()
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
+        self._stamps: dict[bytes, int] = {}
         self._clock = 0
         self._closed = False
         self._hits = {t.value: 0 for t in Tier}
@@ -118,6 +119,8 @@ class TieredStore:
     def flush(self) -> None:
         """Block until every queued move and disk write is done and durable."""
         self._check_open()
+        with self._lock:
+            self._write_stamps()
         if self._writer is not None:
             self._writer.flush()
         with self._lock:
@@ -294,7 +297,8 @@ class TieredStore:
             # Under small budgets a later block of this commit may have evicted an earlier one.
             kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
             if sid is not None:
-                self._reference(sid, cache.tenant, cache.session, kept)
+                self._reference(sid, cache.tenant, cache.session, cache.root, ids, kept)
+            self._write_stamps()
             return sum(m.n_tokens for m in kept)
 
     def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
@@ -326,15 +330,23 @@ class TieredStore:
             return None
         return meta
 
-    def _reference(self, sid: bytes, tenant: str | None, name: str, chain: list[BlockMeta]) -> None:
+    def _reference(self, sid: bytes, tenant: str | None, name: str, root: bytes, ids: np.ndarray,
+                   chain: list[BlockMeta]) -> None:
         new = [m.key for m in chain if self._index.ref(sid, tenant, name, m)]
-        chain_keys_ = {m.key for m in chain}
         info = self._index.sessions.get(sid)
         if info is None:
             return
-        # A session's older partial tail under the same prefix is superseded by a longer chain.
-        stale = [self._index.blocks[k] for k in info.keys
-                 if k not in chain_keys_ and self._index.blocks[k].n_tokens < self.block_size]
+        # A partial tail of this session is superseded when the new chain covers all its tokens
+        # after the same parent; tails of other branches or other models stay.
+        in_chain = {m.key for m in chain}
+        offsets = {root: 0, **{m.key: (i + 1) * self.block_size for i, m in enumerate(chain)}}
+        stale = []
+        for key in info.keys:
+            meta = self._index.blocks[key]
+            start = offsets.get(meta.parent)
+            if (key not in in_chain and meta.n_tokens < self.block_size and start is not None
+                    and np.array_equal(ids[start:start + meta.n_tokens], meta.token_ids)):
+                stale.append(meta)
         dropped = []
         for meta in stale:
             self._index.unref(sid, meta)
@@ -430,7 +442,16 @@ class TieredStore:
     def _touch(self, meta: BlockMeta) -> None:
         self._index.touch(meta)
         if self._writer is not None and meta.disk is not DiskState.NONE:
-            self._writer.submit(Touch({meta.key: self._tick()}))
+            self._stamps[meta.key] = self._tick()
+
+    def _write_stamps(self) -> None:
+        """Queue last-use stamps for the LRU order a reopen rebuilds; one small write per turn."""
+        if self._stamps and self._writer is not None:
+            stamps = {k: v for k, v in self._stamps.items()
+                      if k in self._index.blocks and self._index.blocks[k].disk is not DiskState.NONE}
+            self._stamps = {}
+            if stamps:
+                self._writer.submit(Touch(stamps))
 
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): count it as a miss."""
@@ -448,7 +469,9 @@ class TieredStore:
             logger.warning("tierkv: %d unreadable records in %s were dropped", len(scan.corrupt), self._disk.path)
             assert self._writer is not None
             self._writer.submit(DeleteBlocks(scan.corrupt))
-        order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, 0), hs[0].seq))
+        # Stamps and sequence numbers come from one clock: a block never used since its commit
+        # ranks by its commit.
+        order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, hs[0].seq), hs[0].seq))
         for header, size in order:
             meta = BlockMeta(key=header.key, parent=header.parent, tenant=header.tenant,
                              token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),

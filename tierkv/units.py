@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -23,6 +24,7 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_MAX_BYTES = 2**63 - 1
 _FORMS = 'an int of bytes, or a string like "512MiB", "1.5GB", "2GiB" (units B, KB/MB/GB/TB, KiB/MiB/GiB/TiB)'
 
 
@@ -31,7 +33,7 @@ def parse_bytes(value: object, name: str = "budget") -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be {_FORMS}; got the bool {value!r}")
     if isinstance(value, int):
-        number: float = value
+        number: float | Decimal = value
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number of bytes; got {value!r}. Use {_FORMS}.")
@@ -45,11 +47,15 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         unit = match.group(2).lower()
         if unit not in _UNITS:
             raise ValueError(f"unknown byte unit {match.group(2)!r} in {name}={value!r}; use {_FORMS}")
-        number = float(match.group(1)) * _UNITS[unit]
+        # Decimal, not float: "2.01KB" is 2010 bytes, not 2009.
+        number = Decimal(match.group(1)) * _UNITS[unit]
     else:
         raise TypeError(f"{name} must be {_FORMS}; got {type(value).__name__}")
     if number < 0:
         raise ValueError(f"{name} must not be negative; got {value!r}. Use 0 to keep nothing at rest in this tier.")
+    if number > _MAX_BYTES:
+        raise ValueError(f"{name}={value!r} is larger than any machine's storage ({_MAX_BYTES} bytes); "
+                         f"use {_FORMS}")
     return int(number)
 
 

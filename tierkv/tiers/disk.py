@@ -110,12 +110,17 @@ class DiskTier:
         self.env = lmdb.open(self.path, map_size=_INITIAL_MAP, max_dbs=8, writemap=True,
                              subdir=True, readahead=False)
         try:
+            # Another program's LMDB environment is refused before anything is written to it.
+            try:
+                self._meta = self.env.open_db(b"meta", create=fresh)
+            except (lmdb.NotFoundError, lmdb.IncompatibleError):
+                raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
+                                 "pass a new or empty directory") from None
+            self._check_meta(fresh, block_size)
             self._blocks = self.env.open_db(b"blocks")
             self._sessions = self.env.open_db(b"sessions")
             self._refs = self.env.open_db(b"refs")
             self._atime = self.env.open_db(b"atime")
-            self._meta = self.env.open_db(b"meta")
-            self._check_meta(fresh, block_size)
         except BaseException:
             self.env.close()
             raise

@@ -1,0 +1,113 @@
+"""Time to first token of a returning session: tierkv (restored from each tier) against
+recomputation and against the floor, a ready DynamicCache that already holds the prefix.
+
+All policies run interleaved in one process, repeated, and are reported as median ratios to
+the floor and to recomputation measured side by side (absolute times on shared machines are noise).
+
+    python -m benchmarks.ttft                  # 1k-token session, two model shapes
+    python -m benchmarks.ttft --tokens 256 --repeats 3 --shapes small   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+
+from tierkv import TieredStore
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+hf_logging.set_verbosity_error()
+
+SHAPES = {
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "larger": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                   num_key_value_heads=4),
+}
+
+
+def build(shape: str) -> torch.nn.Module:
+    config = AutoConfig.for_model("llama", vocab_size=4096, max_position_embeddings=8192, **SHAPES[shape])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def first_token_seconds(model: torch.nn.Module, ids: torch.Tensor, make_cache) -> float:
+    start = time.perf_counter()
+    cache = make_cache()
+    model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+    return time.perf_counter() - start
+
+
+def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[str, float]:
+    model = build(shape)
+    ids = torch.randint(3, 4096, (1, tokens), generator=torch.Generator().manual_seed(1))
+    prefix = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :-1], cache=prefix)
+
+    tmp = tempfile.mkdtemp(prefix="tierkv-ttft-")
+    stores = {
+        "device": TieredStore(None, device_budget="8GiB", host_budget="8GiB", block_size=block_size),
+        "host": TieredStore(None, device_budget=0, host_budget="8GiB", block_size=block_size),
+        "disk": TieredStore(tmp, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size),
+    }
+    for store in stores.values():
+        cache = store.open(model, ids)
+        out = model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+        cache.commit(out)
+    stores["disk"].close()
+    # A restart: a new store on the same directory. Its budgets keep nothing in memory, so every
+    # open below reads the blocks from LMDB (through the OS page cache, as a warm restart would).
+    stores["disk"] = TieredStore(tmp, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size)
+
+    policies = {
+        "recompute": lambda: None,
+        "floor (ready DynamicCache)": None,
+        "tierkv device": lambda: stores["device"].open(model, ids),
+        "tierkv host": lambda: stores["host"].open(model, ids),
+        "tierkv disk (after restart)": lambda: stores["disk"].open(model, ids),
+    }
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for name, make in policies.items():
+            if make is None:
+                ready = copy.deepcopy(prefix)  # outside the timed region: the floor holds it already
+                t = first_token_seconds(model, ids, lambda: ready)
+            else:
+                t = first_token_seconds(model, ids, make)
+            times[name].append(t)
+    for store in stores.values():
+        store.close()
+    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args()
+    for shape in args.shapes:
+        med = run_shape(shape, args.tokens, args.repeats, args.block_size)
+        floor = med["floor (ready DynamicCache)"]
+        recompute = med["recompute"]
+        print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}), "
+              f"returning session of {args.tokens} tokens, median of {args.repeats}")
+        print(f"| policy | TTFT / floor | TTFT / recompute |")
+        print(f"|---|---|---|")
+        for name, t in med.items():
+            print(f"| {name} | {t / floor:.2f} | {t / recompute:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,574 @@
+"""tierkv.tiers: byte-budgeted memory tiers, and the LMDB disk tier (writes through ``apply``,
+verified reads, scans for rebuilding the index, map growth, and refusal of foreign directories)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import struct
+from collections.abc import Iterator
+
+import lmdb
+import msgpack
+import pytest
+import torch
+import xxhash
+
+from tierkv.codec import CorruptRecord, RecordHeader, encode, record_size
+from tierkv.hashing import token_bytes
+from tierkv.tiers import DeviceTier, DiskTier, HostTier
+from tierkv.tiers.disk import (
+    DeleteBlocks,
+    DropRefs,
+    PutBlock,
+    PutRefs,
+    ScanResult,
+    Touch,
+    dtype_name,
+    op_size,
+    tensor_bytes,
+)
+from tierkv.tiers.memory import MemoryTier
+from tierkv.transfer import Job
+
+BLOCK = 4  # tokens per block in these tests
+SHAPE = (2, 2, 1, BLOCK, 8)  # layers, k/v, kv_heads, tokens, head_dim
+CPU = torch.device("cpu")
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def sid(n: int) -> bytes:
+    return b"S" + n.to_bytes(15, "big")
+
+
+def block_tensor(n: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
+    """Distinct, exactly representable values per block (also in float16 and bfloat16)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return ((torch.arange(numel, dtype=torch.float32) % 64) * 0.5 + n).reshape(shape).to(dtype)
+
+
+def header_for(n: int, tensor: torch.Tensor, *, parent: bytes | None = None, tenant: str | None = "acme",
+               ids: list[int] | None = None) -> RecordHeader:
+    return RecordHeader(
+        key=key(n), parent=parent if parent is not None else key(n - 1), tenant=tenant, fingerprint=b"fp",
+        dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
+        token_ids=token_bytes(ids if ids is not None else list(range(n * BLOCK, n * BLOCK + BLOCK))), seq=n,
+    )
+
+
+def put_op(n: int, tensor: torch.Tensor | None = None, **kw: object) -> PutBlock:
+    tensor = block_tensor(n) if tensor is None else tensor
+    header = header_for(n, tensor, **kw)  # type: ignore[arg-type]
+    return PutBlock(header, Job.completed(tensor), record_size(header))
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def craft_record(raw_header: dict[str, object], payload: bytes) -> bytes:
+    """A record with any header and a valid checksum: only the header's content is wrong."""
+    head = msgpack.packb(raw_header, use_bin_type=True)
+    body = struct.pack("<4sI", b"TKVB", len(head)) + head + payload
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def raw_put(tier: DiskTier, db_name: bytes, k: bytes, value: bytes) -> None:
+    db = tier.env.open_db(db_name)
+    with tier.env.begin(write=True) as txn:
+        txn.put(k, value, db=db)
+
+
+def raw_get(tier: DiskTier, db_name: bytes, k: bytes) -> bytes | None:
+    db = tier.env.open_db(db_name)
+    with tier.env.begin() as txn:
+        return txn.get(k, db=db)
+
+
+@pytest.fixture
+def disk(tmp_path: pathlib.Path) -> Iterator[DiskTier]:
+    tier = DiskTier(tmp_path / "store", budget=1 << 30, block_size=BLOCK)
+    yield tier
+    tier.close()
+
+
+# -- memory tiers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [lambda b: MemoryTier(b, CPU), lambda b: DeviceTier(b, CPU),
+                                  lambda b: HostTier(b, pinned=False)])
+def test_memory_tier_budget_is_a_hard_cap(make) -> None:  # type: ignore[no-untyped-def]
+    t = torch.zeros(10, dtype=torch.float32)  # 40 bytes
+    tier = make(100)
+    assert tier.used == 0 and len(tier) == 0 and tier.budget == 100
+    assert tier.fits(100) and not tier.fits(101)
+    assert tier.put(key(1), t) is True
+    assert tier.put(key(2), t) is True
+    assert tier.used == 80
+    assert tier.fits(20) and not tier.fits(21)
+    assert tier.put(key(3), t) is False  # would be 120 > 100: refused, not an error
+    assert tier.used == 80 and len(tier) == 2 and key(3) not in tier
+    assert tier.get(key(3)) is None
+    assert tier.put(key(3), torch.zeros(5, dtype=torch.float32)) is True  # exactly 100 fits
+    assert tier.used == 100
+    assert tier.put(key(4), torch.zeros(1, dtype=torch.uint8)) is False
+    assert tier.used == 100
+
+
+def test_memory_tier_put_pop_get_exact_bytes() -> None:
+    tier = MemoryTier(10_000, CPU)
+    a = torch.zeros((3, 5), dtype=torch.float16)  # 30 bytes
+    b = torch.zeros(7, dtype=torch.float64)  # 56 bytes
+    c = torch.zeros((2, 3), dtype=torch.bfloat16)  # 12 bytes
+    for n, t in ((1, a), (2, b), (3, c)):
+        assert tier.put(key(n), t)
+    assert tier.used == 98
+    assert len(tier) == 3
+    assert key(2) in tier and key(9) not in tier
+    assert tier.get(key(1)) is a  # the same immutable tensor, no copy
+    assert tier.pop(key(2)) is b
+    assert tier.used == 42 and len(tier) == 2 and key(2) not in tier
+    assert tier.pop(key(2)) is None
+    assert tier.used == 42
+    tier.clear()
+    assert tier.used == 0 and len(tier) == 0 and tier.get(key(1)) is None
+
+
+def test_memory_tier_refuses_duplicate_key_without_double_counting() -> None:
+    tier = MemoryTier(1000, CPU)
+    first = torch.zeros(4)
+    assert tier.put(key(1), first)
+    assert tier.put(key(1), torch.ones(4)) is False
+    assert tier.used == 16
+    assert tier.get(key(1)) is first
+
+
+def test_memory_tier_budget_zero_keeps_nothing() -> None:
+    tier = MemoryTier(0, CPU)
+    assert tier.put(key(1), torch.zeros(1)) is False
+    assert tier.used == 0 and len(tier) == 0
+
+
+def test_tier_names_and_devices() -> None:
+    assert DeviceTier(1, CPU).name == "device"
+    assert DeviceTier(1, CPU).device == CPU
+    host = HostTier(1, pinned=False)
+    assert host.name == "host" and host.device == CPU and host.pinned is False
+    assert DiskTier.name == "disk"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_host_tier_empty_makes_a_destination(dtype: torch.dtype) -> None:
+    t = HostTier(1, pinned=False).empty((2, 3, 4), dtype)
+    assert t.shape == (2, 3, 4) and t.dtype == dtype and t.device == CPU
+    assert t.is_contiguous() and not t.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_host_tier_pinned_empty() -> None:
+    assert HostTier(1, pinned=True).empty((4,), torch.float16).is_pinned()
+
+
+# -- disk tier: helpers -----------------------------------------------------------------------------
+def test_dtype_name_and_tensor_bytes() -> None:
+    assert dtype_name(torch.float32) == "float32"
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    t = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32)
+    assert bytes(tensor_bytes(t)) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    assert bytes(tensor_bytes(t.T)) == struct.pack("<4f", 1.0, 3.0, 2.0, 4.0)  # row-major of the view
+    assert op_size(put_op(1)) == record_size(header_for(1, block_tensor(1)))
+    assert op_size(DeleteBlocks([key(1)])) == 0
+    assert op_size(Touch({})) == 0
+
+
+# -- disk tier: writes and reads -------------------------------------------------------------------
+def test_fresh_directory(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "new", "nested")
+    tier = DiskTier(path, budget=123, block_size=BLOCK)
+    try:
+        assert os.path.isfile(os.path.join(path, "data.mdb"))
+        assert tier.budget == 123
+        scan = tier.scan()
+        assert isinstance(scan, ScanResult)
+        assert (scan.headers, scan.corrupt, scan.sessions, scan.atime) == ([], [], {}, {})
+        with pytest.raises(KeyError):
+            tier.load(key(1), empty)
+    finally:
+        tier.close()
+
+
+def test_existing_empty_directory_is_accepted(tmp_path: pathlib.Path) -> None:
+    tier = DiskTier(tmp_path, budget=1, block_size=BLOCK)
+    tier.close()
+    assert os.path.isfile(os.path.join(tmp_path, "data.mdb"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_put_then_load_is_exact(disk: DiskTier, dtype: torch.dtype) -> None:
+    tensor = block_tensor(3, dtype)
+    op = put_op(3, tensor)
+    assert disk.apply([op]) == [None]
+    header, loaded = disk.load(key(3), empty)
+    assert header == op.header
+    assert loaded.dtype == dtype and loaded.shape == SHAPE
+    assert torch.equal(loaded, tensor)
+    assert loaded.data_ptr() != tensor.data_ptr()
+
+
+def test_load_fills_the_callers_buffer(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    made: list[torch.Tensor] = []
+
+    def tracking_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        made.append(torch.full(shape, -1.0, dtype=dtype))
+        return made[-1]
+
+    _, loaded = disk.load(key(1), tracking_empty)
+    assert len(made) == 1 and loaded is made[0]
+    assert made[0].shape == SHAPE and made[0].dtype == torch.float32
+    assert torch.equal(loaded, block_tensor(1))
+
+
+def test_non_contiguous_tensor_is_stored_row_major(disk: DiskTier) -> None:
+    base = block_tensor(5, shape=(2, 2, 1, 8, BLOCK))
+    view = base.transpose(-1, -2)  # shape SHAPE, not contiguous
+    assert not view.is_contiguous()
+    disk.apply([put_op(5, view)])
+    _, loaded = disk.load(key(5), empty)
+    assert torch.equal(loaded, view)
+
+
+def test_many_blocks_in_one_batch(disk: DiskTier) -> None:
+    ops = [put_op(n) for n in range(1, 11)]
+    assert disk.apply(ops) == [None] * 10
+    for n in range(1, 11):
+        header, loaded = disk.load(key(n), empty)
+        assert header.seq == n
+        assert torch.equal(loaded, block_tensor(n))
+
+
+def test_load_missing_key_is_a_key_error(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    with pytest.raises(KeyError):
+        disk.load(key(2), empty)
+
+
+def test_reopen_finds_everything(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "store")
+    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    tier.apply([put_op(1), put_op(2, block_tensor(2, torch.bfloat16)), PutRefs(sid(1), "acme", "alice", [key(1)]),
+                Touch({key(1): 7, key(2): 9})])
+    tier.sync()
+    tier.close()
+    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    try:
+        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, torch.bfloat16))
+        scan = tier.scan()
+        assert sorted(h.key for h, _ in scan.headers) == [key(1), key(2)]
+        assert scan.sessions == {sid(1): ("acme", "alice", [key(1)])}
+        assert scan.atime == {key(1): 7, key(2): 9}
+    finally:
+        tier.close()
+
+
+# -- per-op results and atomicity ------------------------------------------------------------------
+def test_failed_tensor_job_fails_only_its_op(disk: DiskTier) -> None:
+    boom = RuntimeError("copy failed")
+    failed: Job[torch.Tensor] = Job()
+    failed.set_error(boom)
+    bad = PutBlock(header_for(2, block_tensor(2)), failed, 0)
+    results = disk.apply([put_op(1), bad, put_op(3)])
+    assert results[0] is None and results[2] is None
+    assert results[1] is boom
+    assert torch.equal(disk.load(key(1), empty)[1], block_tensor(1))
+    assert torch.equal(disk.load(key(3), empty)[1], block_tensor(3))
+    with pytest.raises(KeyError):
+        disk.load(key(2), empty)
+
+
+def test_header_that_does_not_match_its_tensor_fails_only_its_op(disk: DiskTier) -> None:
+    wrong = PutBlock(header_for(2, block_tensor(2)), Job.completed(torch.zeros(3)), 0)
+    results = disk.apply([wrong, put_op(1)])
+    assert isinstance(results[0], ValueError)
+    assert results[1] is None
+    with pytest.raises(KeyError):
+        disk.load(key(2), empty)
+
+
+def test_a_failing_batch_commits_nothing(disk: DiskTier) -> None:
+    with pytest.raises(TypeError, match="unknown disk operation"):
+        disk.apply([put_op(1), Touch({key(1): 3}), "not an op"])  # type: ignore[list-item]
+    with pytest.raises(KeyError):
+        disk.load(key(1), empty)
+    assert disk.scan().atime == {}
+
+
+# -- corruption --------------------------------------------------------------------------------------
+def test_garbage_value_is_corrupt(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    raw_put(disk, b"blocks", key(1), b"garbage bytes, not a record")
+    with pytest.raises(CorruptRecord):
+        disk.load(key(1), empty)
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "checksum"])
+def test_flipped_byte_in_stored_record_is_corrupt(disk: DiskTier, where: str) -> None:
+    disk.apply([put_op(1)])
+    value = bytearray(raw_get(disk, b"blocks", key(1)))  # type: ignore[arg-type]
+    position = {"header": 20, "payload": len(value) - 100, "checksum": len(value) - 1}[where]
+    value[position] ^= 0x10
+    raw_put(disk, b"blocks", key(1), bytes(value))
+    with pytest.raises(CorruptRecord):
+        disk.load(key(1), empty)
+
+
+def test_truncated_stored_record_is_corrupt(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    value = raw_get(disk, b"blocks", key(1))
+    assert value is not None
+    raw_put(disk, b"blocks", key(1), value[:-9])
+    with pytest.raises(CorruptRecord):
+        disk.load(key(1), empty)
+
+
+def test_record_under_another_key_is_corrupt(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    value = raw_get(disk, b"blocks", key(1))
+    assert value is not None
+    raw_put(disk, b"blocks", key(2), value)  # a valid record, but of block 1
+    with pytest.raises(CorruptRecord, match="another key"):
+        disk.load(key(2), empty)
+    scan = disk.scan()
+    assert [h.key for h, _ in scan.headers] == [key(1)]
+    assert scan.corrupt == [key(2)]
+
+
+def test_other_format_version_on_disk_is_corrupt(disk: DiskTier) -> None:
+    tensor = block_tensor(1)
+    header = header_for(1, tensor)
+    v2 = dataclasses.replace(header, version=2)
+    raw_put(disk, b"blocks", key(1), encode(v2, tensor_bytes(tensor)))
+    with pytest.raises(CorruptRecord, match="format version"):
+        disk.load(key(1), empty)
+    assert disk.scan().corrupt == [key(1)]
+
+
+def _raw_header(n: int, **changes: object) -> dict[str, object]:
+    fields: dict[str, object] = {"v": 1, "key": key(n), "parent": key(0), "tenant": None, "fp": b"fp",
+                                 "dtype": "uint8", "shape": [4], "ids": token_bytes([1]), "seq": 1}
+    fields.update(changes)
+    return fields
+
+
+def test_negative_dimensions_on_disk_are_corrupt(disk: DiskTier) -> None:
+    # A checksummed record whose shape no tensor can have must be a miss, not a RuntimeError
+    # from the destination allocation.
+    raw_put(disk, b"blocks", key(1), craft_record(_raw_header(1, shape=[-2, -2]), b"\x01\x02\x03\x04"))
+    with pytest.raises(CorruptRecord):
+        disk.load(key(1), empty)
+
+
+def test_scan_survives_a_hostile_header(disk: DiskTier) -> None:
+    disk.apply([put_op(1)])
+    raw_put(disk, b"blocks", key(2), craft_record(_raw_header(2, seq=float("inf")), b"\x00" * 4))
+    raw_put(disk, b"blocks", key(3), craft_record(_raw_header(3, parent=2**64 - 1), b"\x00" * 4))
+    scan = disk.scan()  # rebuilding the index must not crash on records it cannot read
+    assert [h.key for h, _ in scan.headers] == [key(1)]
+    assert scan.corrupt == [key(2), key(3)]
+
+
+# -- scan ----------------------------------------------------------------------------------------------
+def test_scan_lists_headers_sessions_refs_and_atime(disk: DiskTier) -> None:
+    ops = [put_op(n) for n in (1, 2, 3)]
+    disk.apply(ops)
+    disk.apply([
+        PutRefs(sid(1), "acme", "alice", [key(1), key(2)]),
+        PutRefs(sid(2), None, "bob", [key(1)]),
+        Touch({key(1): 10, key(3): 30}),
+    ])
+    raw_put(disk, b"blocks", key(9), b"junk")
+    scan = disk.scan()
+    assert [(h, size) for h, size in scan.headers] == [(op.header, op.record_bytes) for op in ops]
+    assert scan.corrupt == [key(9)]
+    assert scan.sessions == {sid(1): ("acme", "alice", [key(1), key(2)]), sid(2): (None, "bob", [key(1)])}
+    assert scan.atime == {key(1): 10, key(3): 30}
+
+
+def test_scan_record_bytes_are_the_stored_length(disk: DiskTier) -> None:
+    op = put_op(1)
+    disk.apply([op])
+    ((header, size),) = disk.scan().headers
+    assert size == len(raw_get(disk, b"blocks", key(1)))  # type: ignore[arg-type]
+    assert size == record_size(header) == op.record_bytes
+
+
+def test_touch_overwrites_stamps(disk: DiskTier) -> None:
+    disk.apply([put_op(1), Touch({key(1): 5})])
+    disk.apply([Touch({key(1): 6, key(2): 1})])
+    assert disk.scan().atime == {key(1): 6, key(2): 1}
+    assert raw_get(disk, b"atime", key(1)) == struct.pack("<Q", 6)
+
+
+def test_delete_blocks_removes_records_and_stamps(disk: DiskTier) -> None:
+    disk.apply([put_op(1), put_op(2), put_op(3), Touch({key(1): 1, key(2): 2, key(3): 3})])
+    assert disk.apply([DeleteBlocks([key(1), key(3), key(7)])]) == [None]  # an absent key is harmless
+    scan = disk.scan()
+    assert [h.key for h, _ in scan.headers] == [key(2)]
+    assert scan.atime == {key(2): 2}
+    for n in (1, 3):
+        with pytest.raises(KeyError):
+            disk.load(key(n), empty)
+    assert torch.equal(disk.load(key(2), empty)[1], block_tensor(2))
+
+
+def test_put_refs_accumulate(disk: DiskTier) -> None:
+    disk.apply([PutRefs(sid(1), "t", "s", [key(1)])])
+    disk.apply([PutRefs(sid(1), "t", "s", [key(2), key(1)])])
+    assert disk.scan().sessions == {sid(1): ("t", "s", [key(1), key(2)])}
+
+
+def test_drop_refs(disk: DiskTier) -> None:
+    disk.apply([PutRefs(sid(1), "t", "alice", [key(1), key(2), key(3)]), PutRefs(sid(2), "t", "bob", [key(1)])])
+    disk.apply([DropRefs(sid(1), [key(1), key(3)])])
+    assert disk.scan().sessions == {sid(1): ("t", "alice", [key(2)]), sid(2): ("t", "bob", [key(1)])}
+    disk.apply([DropRefs(sid(1), [key(2)], drop_session=True)])
+    assert disk.scan().sessions == {sid(2): ("t", "bob", [key(1)])}
+    assert raw_get(disk, b"sessions", sid(1)) is None
+    disk.apply([DropRefs(sid(9), [key(1)], drop_session=True)])  # unknown session is harmless
+    assert disk.scan().sessions == {sid(2): ("t", "bob", [key(1)])}
+
+
+def test_ops_apply_in_order_within_a_batch(disk: DiskTier) -> None:
+    results = disk.apply([put_op(1), DeleteBlocks([key(1)]), put_op(2), Touch({key(2): 4}), DeleteBlocks([key(2)]),
+                          put_op(2, block_tensor(20))])
+    assert results == [None] * 6
+    with pytest.raises(KeyError):
+        disk.load(key(1), empty)
+    assert torch.equal(disk.load(key(2), empty)[1], block_tensor(20))
+    assert disk.scan().atime == {}
+
+
+# -- map growth ----------------------------------------------------------------------------------------
+def test_map_grows_past_the_initial_size(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "store")
+    tier = DiskTier(path, budget=1 << 40, block_size=BLOCK)
+    shape = (1, 2, 1, 512, 1024)  # 4 MiB of float32
+    n_blocks = 40  # 160 MiB: more than the initial 64 MiB map
+    try:
+        initial = tier.env.info()["map_size"]
+        assert initial == 64 << 20
+        ops = []
+        for n in range(1, n_blocks + 1):
+            tensor = torch.full(shape, float(n))
+            tensor[0, 0, 0, 0, :4] = torch.tensor([n, -n, n * 2, n * 3], dtype=torch.float32)
+            ops.append(put_op(n, tensor))
+        # one batch beyond the map, then single blocks on a full map
+        assert tier.apply(ops[:30]) == [None] * 30
+        for op in ops[30:]:
+            assert tier.apply([op]) == [None]
+        assert tier.env.info()["map_size"] > initial
+        for n in range(1, n_blocks + 1):
+            _, loaded = tier.load(key(n), empty)
+            assert loaded.shape == shape
+            assert loaded[0, 0, 0, 0, :4].tolist() == [n, -n, n * 2, n * 3]
+            assert loaded[0, 1, 0, 511, 1023].item() == n
+        assert len(tier.scan().headers) == n_blocks
+        tier.sync()
+    finally:
+        tier.close()
+    tier = DiskTier(path, budget=1 << 40, block_size=BLOCK)  # reopened with the small initial map
+    try:
+        _, loaded = tier.load(key(n_blocks), empty)
+        assert loaded[0, 0, 0, 0, :4].tolist() == [n_blocks, -n_blocks, n_blocks * 2, n_blocks * 3]
+        assert tier.apply([put_op(99)]) == [None]
+        assert torch.equal(tier.load(key(99), empty)[1], block_tensor(99))
+    finally:
+        tier.close()
+
+
+# -- refusing foreign or mismatched directories ------------------------------------------------------
+def test_reopen_with_other_block_size_raises_with_remedy(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "store")
+    DiskTier(path, budget=1, block_size=BLOCK).close()
+    with pytest.raises(ValueError) as info:
+        DiskTier(path, budget=1, block_size=BLOCK * 2)
+    assert f"block_size={BLOCK}" in str(info.value)
+    assert "new directory" in str(info.value)
+    DiskTier(path, budget=1, block_size=BLOCK).close()  # the env was released; same size still opens
+
+
+def test_other_store_format_raises_with_remedy(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "store")
+    tier = DiskTier(path, budget=1, block_size=BLOCK)
+    raw_put(tier, b"meta", b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": BLOCK}))
+    tier.close()
+    with pytest.raises(ValueError) as info:
+        DiskTier(path, budget=1, block_size=BLOCK)
+    assert "format 99" in str(info.value)
+    assert "new directory" in str(info.value)
+
+
+def test_non_empty_non_store_directory_raises(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError) as info:
+        DiskTier(tmp_path, budget=1, block_size=BLOCK)
+    assert "not a tierkv store" in str(info.value)
+    assert "empty directory" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # nothing was created there
+
+
+def test_file_path_raises(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "a_file"
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError) as info:
+        DiskTier(path, budget=1, block_size=BLOCK)
+    assert "is a file" in str(info.value)
+    assert "directory" in str(info.value)
+    assert path.read_bytes() == b"x"
+
+
+def _plain_env(path: str, items: dict[bytes, bytes]) -> None:
+    env = lmdb.open(path)
+    with env.begin(write=True) as txn:
+        for k, v in items.items():
+            txn.put(k, v)
+    env.close()
+
+
+def _plain_items(path: str) -> dict[bytes, bytes]:
+    env = lmdb.open(path, readonly=True)
+    try:
+        with env.begin() as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+def test_plain_lmdb_env_raises(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "other")
+    _plain_env(path, {b"hello": b"world"})
+    with pytest.raises(ValueError) as info:
+        DiskTier(path, budget=1, block_size=BLOCK)
+    assert "not a tierkv store" in str(info.value)
+    assert "new or empty directory" in str(info.value)
+
+
+def test_plain_lmdb_env_is_left_untouched(tmp_path: pathlib.Path) -> None:
+    # Refusing someone else's environment must not first create tierkv's sub-databases in it.
+    path = os.path.join(tmp_path, "other")
+    _plain_env(path, {b"hello": b"world"})
+    with pytest.raises(ValueError):
+        DiskTier(path, budget=1, block_size=BLOCK)
+    assert _plain_items(path) == {b"hello": b"world"}
+
+
+def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(tmp_path: pathlib.Path) -> None:
+    path = os.path.join(tmp_path, "other")
+    _plain_env(path, {b"meta": b"some application's own value"})
+    with pytest.raises(ValueError) as info:
+        DiskTier(path, budget=1, block_size=BLOCK)
+    assert "not a tierkv store" in str(info.value)

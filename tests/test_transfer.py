@@ -1,0 +1,437 @@
+"""tierkv.transfer: jobs complete once with a value or an error; the CPU copy engine completes at
+once; the background writer applies items in order, in batches, routes errors to the right jobs,
+and flushes and drains. Threads are synchronised with events, never with sleeps."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from tierkv.transfer import BackgroundWriter, CopyEngine, Job, resolve_device
+
+WAIT = 10.0  # generous upper bound for anything that should happen promptly
+
+
+# -- Job ---------------------------------------------------------------------------------------------
+def test_completed_job() -> None:
+    value = object()
+    job = Job.completed(value)
+    assert job.done() is True
+    assert job.wait() is value
+    assert job.wait(timeout=0) is value
+
+
+def test_completed_with_none_is_done() -> None:
+    job = Job.completed(None)
+    assert job.done() is True
+    assert job.wait(timeout=0) is None
+
+
+def test_pending_job_times_out() -> None:
+    job: Job[int] = Job()
+    assert job.done() is False
+    with pytest.raises(TimeoutError, match="did not complete"):
+        job.wait(timeout=0.01)
+    with pytest.raises(TimeoutError):
+        job.wait(timeout=0)
+    assert job.done() is False
+
+
+def test_set_result_completes_once() -> None:
+    job: Job[str] = Job()
+    job.set_result("first")
+    assert job.done() is True
+    job.set_result("second")
+    job.set_error(RuntimeError("late"))
+    assert job.wait() == "first"
+
+
+def test_error_is_re_raised_as_is() -> None:
+    job: Job[int] = Job()
+    error = OSError(5, "disk on fire")
+    job.set_error(error)
+    assert job.done() is True
+    with pytest.raises(OSError) as info:
+        job.wait(timeout=0)
+    assert info.value is error
+    job.set_result(3)
+    with pytest.raises(OSError):
+        job.wait()
+
+
+def test_completion_from_another_thread_wakes_the_waiter() -> None:
+    job: Job[int] = Job()
+    go = threading.Event()
+
+    def complete() -> None:
+        assert go.wait(WAIT)
+        job.set_result(42)
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    assert job.done() is False
+    go.set()
+    assert job.wait(timeout=WAIT) == 42
+    thread.join(WAIT)
+
+
+def test_poll_turns_an_external_signal_into_done() -> None:
+    signal = {"ready": False}
+    job: Job[int] = Job(poll=lambda: signal["ready"])
+    assert job.done() is False
+    signal["ready"] = True
+    assert job.done() is True
+
+
+def test_only_the_first_of_racing_completions_wins() -> None:
+    for _ in range(20):
+        job: Job[int] = Job()
+        barrier = threading.Barrier(8)
+
+        def complete(i: int) -> None:
+            barrier.wait(WAIT)
+            job.set_result(i)
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        first = job.wait(WAIT)
+        for t in threads:
+            t.join(WAIT)
+        assert first in range(8)
+        assert job.wait(0) == first  # never changes after completion
+
+
+# -- CopyEngine on CPU -----------------------------------------------------------------------------
+@pytest.fixture
+def cpu_engine() -> CopyEngine:
+    return CopyEngine(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_to_host_completes_at_once(cpu_engine: CopyEngine, dtype: torch.dtype) -> None:
+    tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+    job = cpu_engine.to_host(tensor)
+    assert job.done() is True
+    out = job.wait(timeout=0)
+    assert out.device.type == "cpu" and out.dtype == dtype
+    assert torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_to_device_completes_at_once(cpu_engine: CopyEngine, dtype: torch.dtype) -> None:
+    tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+    job = cpu_engine.to_device(tensor)
+    assert job.done() is True
+    out = job.wait(timeout=0)
+    assert out.device == torch.device("cpu") and out.dtype == dtype
+    assert torch.equal(out, tensor)
+
+
+def test_cpu_engine_is_not_cuda(cpu_engine: CopyEngine) -> None:
+    assert cpu_engine.is_cuda is False
+    assert cpu_engine.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip() -> None:
+    engine = CopyEngine(resolve_device("cuda"))
+    tensor = torch.arange(4096, dtype=torch.float16, device="cuda").reshape(4, 1024)
+    host = engine.to_host(tensor).wait(timeout=WAIT)
+    assert host.device.type == "cpu" and host.is_pinned()
+    back = engine.to_device(host).wait(timeout=WAIT)
+    assert back.is_cuda
+    assert torch.equal(back, tensor)
+
+
+# -- resolve_device --------------------------------------------------------------------------------
+def test_resolve_none_is_cuda_when_available_else_cpu() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device(None).type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_resolve_none_is_cpu_here() -> None:
+    assert resolve_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_resolve_cpu(device: object) -> None:
+    assert resolve_device(device) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device", ["nonsense", "cuda:x", "", "gpu"])
+def test_resolve_rejects_non_devices(device: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_device(device)
+    message = str(info.value)
+    assert "is not a device" in message
+    assert "pass None, 'cpu', 'cuda' or 'cuda:N'" in message
+
+
+@pytest.mark.parametrize("device", [3.5, ["cpu"], object()])
+def test_resolve_rejects_wrong_types_as_value_error(device: object) -> None:
+    with pytest.raises(ValueError, match="pass None, 'cpu'"):
+        resolve_device(device)
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_resolve_rejects_unsupported_device_types(device: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_device(device)
+    assert f"device type {device!r} is not supported" in str(info.value)
+    assert "pass None, 'cpu', 'cuda' or 'cuda:N'" in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_resolve_cuda_without_cuda(device: object) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_device(device)
+    assert "CUDA is not available" in str(info.value)
+    assert "pass device=None or 'cpu'" in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resolve_cuda_gets_an_index() -> None:
+    assert resolve_device("cuda").index == torch.cuda.current_device()
+
+
+# -- BackgroundWriter -----------------------------------------------------------------------------------
+class Recorder:
+    """An ``apply`` that records each batch; the first batch can be held until released."""
+
+    def __init__(self, hold_first: bool = False,
+                 result: Callable[[object], BaseException | None] = lambda item: None) -> None:
+        self.batches: list[list[object]] = []
+        self.hold_first = hold_first
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.result = result
+        self.raise_on: dict[int, BaseException] = {}  # batch number -> exception raised by apply
+        self.threads: set[str] = set()
+
+    def __call__(self, items: Sequence[object]) -> list[BaseException | None]:
+        self.batches.append(list(items))
+        self.threads.add(threading.current_thread().name)
+        number = len(self.batches)
+        if number == 1 and self.hold_first:
+            self.started.set()
+            if not self.release.wait(WAIT):
+                raise RuntimeError("test never released the first batch")
+        if number in self.raise_on:
+            raise self.raise_on[number]
+        return [self.result(item) for item in items]
+
+    @property
+    def applied(self) -> list[object]:
+        return [item for batch in self.batches for item in batch]
+
+
+@pytest.fixture
+def writers() -> Iterator[list[BackgroundWriter]]:
+    made: list[BackgroundWriter] = []
+    yield made
+    for w in made:
+        w.close(timeout=WAIT)
+
+
+def start(writers: list[BackgroundWriter], apply: Recorder, **kw: object) -> BackgroundWriter:
+    writer: BackgroundWriter = BackgroundWriter(apply, name=kw.pop("name", "test-writer"), **kw)  # type: ignore[arg-type]
+    writers.append(writer)
+    return writer
+
+
+def test_items_applied_in_submission_order(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec)
+    jobs = [writer.submit(i) for i in range(200)]
+    writer.flush(timeout=WAIT)
+    assert rec.applied == list(range(200))
+    assert all(job.done() for job in jobs)
+    assert [job.wait(0) for job in jobs] == [None] * 200
+
+
+def test_items_from_many_threads_keep_each_threads_order(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec)
+    barrier = threading.Barrier(4)
+
+    def produce(t: int) -> None:
+        barrier.wait(WAIT)
+        for i in range(50):
+            writer.submit((t, i))
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(WAIT)
+    writer.flush(timeout=WAIT)
+    assert sorted(rec.applied) == [(t, i) for t in range(4) for i in range(50)]  # type: ignore[type-var]
+    for t in range(4):
+        assert [i for (tt, i) in rec.applied if tt == t] == list(range(50))  # type: ignore[misc]
+
+
+def test_apply_runs_on_the_named_writer_thread(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec, name="tierkv-test-writer")
+    writer.submit(1)
+    writer.flush(timeout=WAIT)
+    assert rec.threads == {"tierkv-test-writer"}
+
+
+def test_items_queued_while_busy_form_one_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    first = writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = [writer.submit(i) for i in range(1, 6)]
+    assert first.done() is False and not any(job.done() for job in jobs)
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert rec.batches == [["gate"], [1, 2, 3, 4, 5]]
+    assert all(job.done() for job in [first, *jobs])
+
+
+def test_max_batch_caps_items_per_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, max_batch=2)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    for i in range(1, 6):
+        writer.submit(i)
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert rec.batches == [["gate"], [1, 2], [3, 4], [5]]
+
+
+def test_max_batch_bytes_caps_bytes_per_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, max_batch_bytes=10, size_of=lambda item: 4)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    for i in range(1, 6):
+        writer.submit(i)
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    # a batch closes once it holds >= 10 bytes: 4 + 4 + 4
+    assert rec.batches == [["gate"], [1, 2, 3], [4, 5]]
+
+
+def test_one_items_error_reaches_only_its_job(writers: list[BackgroundWriter]) -> None:
+    errors = {"bad": KeyError("bad item"), "worse": ValueError("worse item")}
+    rec = Recorder(hold_first=True, result=lambda item: errors.get(item))  # type: ignore[arg-type]
+    writer = start(writers, rec)
+    gate = writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = {name: writer.submit(name) for name in ("a", "bad", "c", "worse", "e")}
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert rec.batches == [["gate"], ["a", "bad", "c", "worse", "e"]]  # the errors share one batch
+    assert gate.wait(0) is None
+    for name in ("a", "c", "e"):
+        assert jobs[name].wait(0) is None
+    with pytest.raises(KeyError) as info:
+        jobs["bad"].wait(0)
+    assert info.value is errors["bad"]
+    with pytest.raises(ValueError) as info2:
+        jobs["worse"].wait(0)
+    assert info2.value is errors["worse"]
+
+
+def test_an_exception_from_apply_fails_the_whole_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    boom = OSError("transaction failed")
+    rec.raise_on[2] = boom
+    writer = start(writers, rec)
+    gate = writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = [writer.submit(i) for i in range(3)]
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert rec.batches == [["gate"], [0, 1, 2]]
+    assert gate.wait(0) is None
+    for job in jobs:
+        with pytest.raises(OSError) as info:
+            job.wait(0)
+        assert info.value is boom
+    # the thread survives: later items are applied normally
+    later = writer.submit("later")
+    writer.flush(timeout=WAIT)
+    assert later.wait(0) is None
+    assert rec.batches[-1] == ["later"]
+
+
+def test_flush_waits_for_earlier_items(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    first = writer.submit(1)
+    assert rec.started.wait(WAIT)
+    second = writer.submit(2)
+    with pytest.raises(TimeoutError):
+        writer.flush(timeout=0.05)  # item 1 is still being applied: flush must not return
+    assert first.done() is False and second.done() is False
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert first.done() and second.done()
+    assert rec.applied == [1, 2]
+
+
+def test_flush_of_an_idle_writer_applies_nothing(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec)
+    writer.flush(timeout=WAIT)
+    writer.flush(timeout=WAIT)
+    assert rec.batches == []
+
+
+def test_close_drains_queued_items(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec)
+    jobs = [writer.submit(i) for i in range(20)]
+    writer.close(timeout=WAIT)
+    assert rec.applied == list(range(20))
+    assert all(job.done() for job in jobs)
+
+
+def test_close_drains_items_queued_behind_a_busy_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    first = writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = [writer.submit(i) for i in range(3)]
+    writer.close(timeout=0.01)  # the stop request is queued behind the items; the thread is busy
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit("too late")
+    rec.release.set()
+    for job in [first, *jobs]:
+        assert job.wait(timeout=WAIT) is None
+    assert rec.applied == ["gate", 0, 1, 2]
+
+
+def test_submit_after_close_raises(writers: list[BackgroundWriter]) -> None:
+    writer = start(writers, Recorder())
+    writer.close(timeout=WAIT)
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(1)
+
+
+def test_close_twice_and_flush_after_close_are_harmless(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec)
+    writer.submit(1)
+    writer.close(timeout=WAIT)
+    writer.close(timeout=WAIT)
+    writer.flush(timeout=WAIT)  # returns at once: nothing can be pending
+    assert rec.applied == [1]
+
+
+def test_writer_thread_ends_on_close(writers: list[BackgroundWriter]) -> None:
+    writer = start(writers, Recorder(), name="tierkv-ending-writer")
+    assert any(t.name == "tierkv-ending-writer" for t in threading.enumerate())
+    writer.close(timeout=WAIT)
+    assert not any(t.name == "tierkv-ending-writer" for t in threading.enumerate())
