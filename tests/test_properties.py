@@ -118,6 +118,6 @@ class StoreMachine(RuleBasedStateMachine):
             assert stats["disk"] == {"bytes": 0, "budget": 0, "blocks": 0}
 
 
-StoreMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+StoreMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_store_machine = StoreMachine.TestCase

@@ -212,8 +212,9 @@ class TieredStore:
             self._promote(meta, job)
             return job, Tier.HOST
         if meta.disk is DiskState.PENDING:
-            self._pending_writes[meta.key].wait()
-            self._reap()
+            self._settle(meta.key)
+            if self._index.blocks.get(meta.key) is not meta:
+                return None  # its write failed and no memory tier held it
         try:
             assert self._disk is not None
             header, host_tensor = self._disk.load(meta.key, self._host.empty)
@@ -380,8 +381,7 @@ class TieredStore:
                 meta = self._index.blocks[next(iter(self._index.lru[Tier.HOST]))]
                 if meta.disk is DiskState.PENDING:
                     # Until its write commits, this copy is the only readable one.
-                    self._pending_writes[meta.key].wait()
-                    self._reap()
+                    self._settle(meta.key)
                 self._host.pop(meta.key)
                 self._index.set_resident(meta, None)
                 self._evictions += 1
@@ -414,6 +414,16 @@ class TieredStore:
             self._host.pop(meta.key)
         self._delete_on_disk([meta])
         self._index.remove(meta.key)
+
+    def _settle(self, key: bytes) -> None:
+        """Wait for one block's queued write, then record its outcome (failures included)."""
+        job = self._pending_writes.get(key)
+        if job is not None:
+            try:
+                job.wait()
+            except Exception:  # noqa: BLE001 - _reap records and logs the failure
+                pass
+        self._reap()
 
     def _reap(self, wait: bool = False) -> None:
         """Record finished disk writes: DURABLE on success; on failure the block stays in memory only."""
