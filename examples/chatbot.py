@@ -70,9 +70,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=12, help="turns in all, round robin over popular users")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--reply-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--store", default=None, help="disk tier directory (default: a temporary one)")
@@ -89,7 +89,7 @@ def main() -> None:
     system = torch.randint(3, vocab, (1, args.system_tokens), generator=gen)
     kv_per_token = 2 * args.layers * model.config.num_key_value_heads * (args.hidden // model.config.num_attention_heads) * 4
     # Room for about one conversation on the device and two in the host tier: the rest goes down.
-    typical = (args.system_tokens + 6 * 80) * kv_per_token
+    typical = (args.system_tokens + 200) * kv_per_token
     budgets = dict(device_budget=typical, host_budget=2 * typical, disk_budget="4GiB")
     path = args.store or tempfile.mkdtemp(prefix="tierkv-chatbot-")
     print(f"tiny llama: {args.layers} layers, hidden {args.hidden}, KV {kv_per_token} B/token; store at {path}")
@@ -135,7 +135,7 @@ def main() -> None:
         run_turn(turn, f"user{user_idx}")
     stats = store.stats()
     store.close()
-    print(f"\nhit tokens {stats['hits']}, computed tokens {stats['misses']}, evictions {stats['evictions']}")
+    print(f"\nsince the restart: hit tokens {stats['hits']}, computed tokens {stats['misses']}, evictions {stats['evictions']}")
     for tier in ("device", "host", "disk"):
         s = stats[tier]
         print(f"{tier:>6}: {s['blocks']:>4} blocks, {s['bytes'] / 2**20:8.2f} MiB of {s['budget'] / 2**20:.2f} MiB")

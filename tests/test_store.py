@@ -279,7 +279,7 @@ def test_forget_drops_a_session_or_a_tenant_from_every_tier_and_keeps_shared_blo
     system = random_ids(24, 40)
     conv_a, conv_b = cat(system, random_ids(28, 41)), cat(system, random_ids(20, 42))  # 52 and 44 tokens
     assert int(conv_a[0, 24]) != int(conv_b[0, 24])
-    with TieredStore(path, device="cpu", device_budget=2 * full, host_budget=3 * full, block_size=B) as store:
+    with TieredStore(path, device="cpu", device_budget=4 * full, host_budget=3 * full, block_size=B) as store:
         _, out_b = turn(store, model, conv_b, session="B", new=1, expect_stored=44)  # 5 blocks + 4-token tail
         turn(store, model, conv_a, session="C", tenant="acme", new=1, expect_stored=52)  # 6 blocks + tail
         cache_a, out_a = turn(store, model, conv_a, session="A", new=1, expect=24, expect_stored=52)
@@ -388,6 +388,20 @@ def test_weights_changed_in_place_never_reuse_blocks(tiny_model, tmp_path):
         verify_generate(model, out, cache, 3)
 
 
+def test_weights_written_through_data_change_the_fingerprint(tiny_model, tmp_path):
+    # `p.data` writes bypass autograd's version counter: the fingerprint must still see them.
+    model = make_model("llama", 0)
+    ids = random_ids(24, 38)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", expect_stored=27)
+        verify_open(store, model, out, session="s", expect=27)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.mul_(1.5)
+        cache = verify_open(store, model, out, session="s", expect=0)
+        verify_generate(model, out, cache, 3)
+
+
 # -- 7. budgets --------------------------------------------------------------------------------------
 def _many_conversations(store: TieredStore, model: torch.nn.Module, seed: int) -> list[tuple[int, int]]:
     """30 turns over 10 sessions of random lengths; budgets checked after every open and commit.
@@ -459,21 +473,23 @@ def test_without_a_disk_tier_evicted_blocks_are_dropped_and_restores_shrink(tiny
         assert any(restored < stored for restored, stored in returning)
 
 
-def test_without_a_disk_tier_a_long_conversation_beyond_memory_keeps_its_newest_blocks(tiny_model):
+def test_without_a_disk_tier_a_long_conversation_beyond_memory_keeps_its_prefix(tiny_model):
     model = tiny_model("llama")
     full = full_block_bytes(model)
     with TieredStore(None, device="cpu", device_budget=1 * full, host_budget=2 * full, block_size=B) as store:
         ids = random_ids(48, 60)
-        # The commit's own later blocks push its first ones out: the store keeps no usable prefix.
-        cache, out = turn(store, model, ids, session="s", new=1, expect_stored=0)
+        # A commit never evicts its own earlier blocks: the prefix that fits is kept, and the
+        # chain stops at the first block that can rest nowhere (a block without its parent is useless).
+        cache, out = turn(store, model, ids, session="s", new=1, expect_stored=24)
         keys = keys_of(cache.root, ids)
-        # The newest three of six blocks remain; the first is gone, so nothing restores.
-        assert list(store._index.lru[Tier.DEVICE]) == keys[5:]
-        assert list(store._index.lru[Tier.HOST]) == keys[3:5]
-        assert set(store._index.blocks) == set(keys[3:])
-        assert store.stats()["evictions"] == 5 + 3
-        assert store.stats()["sessions"] == 0
-        cache = verify_open(store, model, out, session="s", expect=0)
+        assert list(store._index.lru[Tier.DEVICE]) == keys[:1]
+        # Touched tail first, head last: the tail is the first to leave.
+        assert list(store._index.lru[Tier.HOST]) == [keys[2], keys[1]]
+        assert set(store._index.blocks) == set(keys[:3])
+        assert store.stats()["evictions"] == 1  # block 3, which could rest nowhere
+        assert store.stats()["sessions"] == 1
+        cache = verify_open(store, model, out, session="s", expect=24,
+                            expect_from={"device": 8, "host": 16, "disk": 0})
         verify_generate(model, out, cache, 2)
 
 

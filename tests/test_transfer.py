@@ -435,3 +435,39 @@ def test_writer_thread_ends_on_close(writers: list[BackgroundWriter]) -> None:
     assert any(t.name == "tierkv-ending-writer" for t in threading.enumerate())
     writer.close(timeout=WAIT)
     assert not any(t.name == "tierkv-ending-writer" for t in threading.enumerate())
+
+
+def test_flush_racing_close_returns_once_the_queue_drained(writers: list[BackgroundWriter]) -> None:
+    # close() while a flush() waits behind a busy batch: the flush returns when the writer drained,
+    # never blocks forever behind the stop signal.
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    writer.submit(1)
+    flushed = threading.Event()
+    flusher = threading.Thread(target=lambda: (writer.flush(timeout=WAIT), flushed.set()))
+    flusher.start()
+    closer = threading.Thread(target=writer.close, kwargs={"timeout": WAIT})
+    closer.start()
+    rec.release.set()
+    flusher.join(WAIT)
+    closer.join(WAIT)
+    assert flushed.is_set()
+    assert rec.applied == ["gate", 1]
+
+
+def test_flush_after_close_waits_for_the_drain(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    writer.submit(1)
+    writer.close(timeout=0.01)  # queued stop; the writer is still busy
+    done = threading.Event()
+    flusher = threading.Thread(target=lambda: (writer.flush(timeout=WAIT), done.set()))
+    flusher.start()
+    assert not done.wait(0.05)  # still draining: flush has not returned early
+    rec.release.set()
+    flusher.join(WAIT)
+    assert done.is_set() and rec.applied == ["gate", 1]

@@ -58,24 +58,22 @@ class ModelInfo:
     dtype: torch.dtype
 
 
-_model_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], ModelInfo]]" = (
-    weakref.WeakKeyDictionary())
+@dataclass(slots=True, frozen=True)
+class _Static:
+    """What does not change while a model object lives: architecture facts and sample points."""
+
+    config_digest: bytes
+    num_layers: int
+    sample_idx: tuple[torch.Tensor, ...]  # per parameter, in name order
 
 
-def _weights_state(model: torch.nn.Module) -> tuple[Any, ...]:
-    # In-place writes (load_state_dict, training steps) bump a parameter's version counter.
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+_static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
 
 
-def describe_model(model: Any) -> ModelInfo:
-    """Validate ``model`` for tierkv and return its fingerprint and shape facts."""
+def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"expected a transformers model (a torch.nn.Module with a .config), got {type(model).__name__}")
-    state = _weights_state(model)
-    cached = _model_cache.get(model)
-    if cached is not None and cached[0] == state:
-        return cached[1]
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tierkv supports decoder-only "
                          "full-attention models (Llama, Qwen2, GPT-2, Mistral...)")
@@ -90,26 +88,43 @@ def describe_model(model: Any) -> ModelInfo:
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports full-attention layers only "
                          "for now (for Mistral-like configs, set sliding_window=None if the model was trained "
                          "without it)")
-    params = list(model.parameters())
-    if not params:
+    named = sorted(model.named_parameters(), key=lambda item: item[0])
+    if not named:
         raise ValueError("the model has no parameters to fingerprint")
-    dtype = params[0].dtype
-    device = params[0].device
     h = xxhash.xxh3_128()
     fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
-    h.update(str(dtype).encode())
+    for name, p in named:
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+    idx = tuple(torch.linspace(0, p.numel() - 1, min(_SAMPLES_PER_PARAM, p.numel())).long() for _, p in named)
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample_idx=idx)
+
+
+def describe_model(model: Any) -> ModelInfo:
+    """Validate ``model`` for tierkv and return its fingerprint and shape facts.
+
+    The weight sample is read on every call, so in-place writes (``load_state_dict``, assignments
+    to ``p.data``, training steps) change the fingerprint at once; it costs one small gather per
+    parameter. The config digest and validation are computed once per model object.
+    """
+    static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
+    if static is None:
+        static = _static_facts(model)
+        _static_cache[model] = static
+    params = [p for _, p in sorted(model.named_parameters(), key=lambda item: item[0])]
+    if len(params) != len(static.sample_idx) or any(
+            p.numel() - 1 < int(idx[-1]) for p, idx in zip(params, static.sample_idx)):
+        static = _static_cache[model] = _static_facts(model)  # parameters were replaced or resized
+    device, dtype = params[0].device, params[0].dtype
     with torch.no_grad():
-        samples = []
-        for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            flat = p.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_PARAM, flat.numel()), device=flat.device)
-            samples.append(flat[idx.long()].float())
-        h.update(torch.cat(samples).cpu().numpy().tobytes())
-    info = ModelInfo(fingerprint=h.digest(), num_layers=len(layer_types), device=device, dtype=dtype)
-    _model_cache[model] = (state, info)
-    return info
+        samples = torch.cat([p.detach().reshape(-1)[idx.to(p.device)].to(device=device, dtype=torch.float64)
+                             for p, idx in zip(params, static.sample_idx)])
+    h = xxhash.xxh3_128()
+    h.update(static.config_digest)
+    h.update(str(dtype).encode())
+    h.update(",".join(str(p.dtype) for p in params).encode())
+    h.update(samples.cpu().numpy().tobytes())
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=device, dtype=dtype)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -175,17 +190,30 @@ class TieredLayer(DynamicLayer):
         self._pending_len = sum(n for _, n in blocks)
         self.is_initialized = True
 
-    def _materialize(self) -> None:
+    def _take_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Wait for the restored blocks; this layer's keys and values as (1, H, n, D) views."""
         blocks, self._pending = self._pending, None
         assert blocks is not None
         i = self._layer_idx
         tensors = [(job.wait(), n) for job, n in blocks]
         self.device = tensors[0][0].device
-        self._keys = torch.cat([t[i, 0, :, :n] for t, n in tensors], dim=1).unsqueeze(0)
-        self._values = torch.cat([t[i, 1, :, :n] for t, n in tensors], dim=1).unsqueeze(0)
+        return ([t[i, 0, :, :n].unsqueeze(0) for t, n in tensors],
+                [t[i, 1, :, :n].unsqueeze(0) for t, n in tensors])
+
+    def _materialize(self) -> None:
+        k_parts, v_parts = self._take_parts()
+        self._keys = torch.cat(k_parts, dim=-2)
+        self._values = torch.cat(v_parts, dim=-2)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending is not None and key_states.shape[0] == 1:
+            # The first forward after a restore: one concatenation of the restored blocks and the
+            # new tokens, as DynamicLayer would do with a ready prefix, rather than two.
+            k_parts, v_parts = self._take_parts()
+            self._keys = torch.cat([*k_parts, key_states], dim=-2)
+            self._values = torch.cat([*v_parts, value_states], dim=-2)
+            return self._keys, self._values
         if self.is_initialized:
             keys = self.keys
             if keys is not None and keys.numel() and keys.shape[0] == 1 and key_states.shape[0] > 1:

@@ -40,7 +40,7 @@ import xxhash
 from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
 from .hashing import block_key, chain_keys, root_key
-from .index import BlockMeta, DiskState, Index, Tier
+from .index import BlockMeta, DiskState, Index, SessionInfo, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
 from .transfer import BackgroundWriter, CopyEngine, Job, resolve_device
@@ -92,6 +92,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
         self._stamps: dict[bytes, int] = {}
+        self._pinned: set[bytes] = set()  # blocks the open or commit in progress must keep
         self._clock = 0
         self._closed = False
         self._hits = {t.value: 0 for t in Tier}
@@ -149,7 +150,7 @@ class TieredStore:
         _check_name(session, "session")
         _check_name(tenant, "tenant")
         info = describe_model(model)
-        if info.device.type != self.device.type:
+        if info.device != self.device:
             raise ValueError(f"the model is on {info.device} but this store's device tier is {self.device}; "
                              f"move the model with model.to({str(self.device)!r}) or create the store with "
                              f"device={str(info.device)!r}")
@@ -160,13 +161,21 @@ class TieredStore:
             root = root_key(info.fingerprint, tenant)
             blocks: list[tuple[Job[Any], int]] = []
             restored_from = {t.value: 0 for t in Tier}
-            for meta, n in self._match(root, ids):
-                fetched = self._fetch(meta, info.fingerprint)
-                if fetched is None:
-                    break
-                job, tier = fetched
-                blocks.append((job, n))
-                restored_from[tier.value] += n
+            plan = self._match(root, ids)
+            used: list[BlockMeta] = []
+            self._pinned.update(meta.key for meta, _ in plan)
+            try:
+                for meta, n in plan:
+                    fetched = self._fetch(meta, info.fingerprint)
+                    if fetched is None:
+                        break
+                    job, tier = fetched
+                    blocks.append((job, n))
+                    restored_from[tier.value] += n
+                    used.append(meta)
+            finally:
+                self._pinned.clear()
+            self._touch_chain(used)
             restored = sum(restored_from.values())
             for tier, n in restored_from.items():
                 self._hits[tier] += n
@@ -203,13 +212,15 @@ class TieredStore:
 
     def _fetch(self, meta: BlockMeta, fingerprint: bytes) -> tuple[Job[Any], Tier] | None:
         """Start bringing one block to the device; promote it at rest. None if it is unreadable."""
-        self._touch(meta)
+        if self._index.blocks.get(meta.key) is not meta:
+            return None
         if meta.resident is Tier.DEVICE:
             tensor = self._device.get(meta.key)
             return Job.completed(tensor), Tier.DEVICE
         if meta.resident is Tier.HOST:
-            job = self._engine.to_device(self._host.get(meta.key))
-            self._promote(meta, job)
+            host_tensor = self._host.get(meta.key)
+            job = self._engine.to_device(host_tensor)
+            self._promote(meta, job, host_tensor)
             return job, Tier.HOST
         if meta.disk is DiskState.PENDING:
             self._settle(meta.key)
@@ -235,19 +246,24 @@ class TieredStore:
         if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes():
             raise CorruptRecord("record's tenant or token ids differ from its index entry")
 
-    def _promote(self, meta: BlockMeta, device_job: Job[Any], host_tensor: Any = None) -> None:
-        """Rest a hit block on the device if it fits there, else in the host tier."""
-        if meta.nbytes <= self._device.budget:
-            tensor = device_job.wait()
+    def _promote(self, meta: BlockMeta, device_job: Job[Any], host_tensor: Any) -> None:
+        """Rest a hit block on the device if it fits there, else in the host tier.
+
+        ``host_tensor`` is the block's host copy: from the host tier, or just read from disk.
+        """
+        if meta.resident is Tier.HOST:
+            # Out of the host tier first, so that making room on the device cannot evict it.
             self._host.pop(meta.key)
             self._index.set_resident(meta, None)
-            self._make_room(Tier.DEVICE, meta.nbytes)
-            self._device.put(meta.key, tensor)
+        if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
+            self._device.put(meta.key, device_job.wait())
             self._index.set_resident(meta, Tier.DEVICE)
-        elif host_tensor is not None and meta.resident is None and meta.nbytes <= self._host.budget:
-            self._make_room(Tier.HOST, meta.nbytes)
+        elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
             self._host.put(meta.key, host_tensor)
             self._index.set_resident(meta, Tier.HOST)
+        elif meta.disk is DiskState.NONE:
+            self._evictions += 1
+            self._index.remove(meta.key)  # the restore in progress holds its own reference
 
     # -- commit -----------------------------------------------------------------------------------
     def _commit(self, cache: TieredCache, sequences: Any) -> int:
@@ -283,20 +299,25 @@ class TieredStore:
             sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
             parent = cache.root
             chain: list[BlockMeta] = []
-            for start, end, key in spans:
-                meta = self._index.blocks.get(key)
-                if meta is None or not np.array_equal(meta.token_ids, ids[start:end]):
-                    if meta is not None:
-                        self._drop(meta)  # a 128-bit collision: the newer block wins
-                    meta = self._store_block(key, parent, cache, ids[start:end], start, end)
-                    if meta is None:
-                        break
-                else:
-                    self._touch(meta)
-                chain.append(meta)
-                parent = key
-            # Under small budgets a later block of this commit may have evicted an earlier one.
+            try:
+                # Pinned: a later block of this commit never evicts an earlier one; what does not
+                # fit goes down a tier or, past the last, ends the chain.
+                for start, end, key in spans:
+                    meta = self._index.blocks.get(key)
+                    if meta is None or not np.array_equal(meta.token_ids, ids[start:end]):
+                        if meta is not None:
+                            self._drop(meta)  # a 128-bit collision: the newer block wins
+                        meta = self._store_block(key, parent, cache, ids[start:end], start, end)
+                        if meta is None:
+                            break
+                    self._pinned.add(key)
+                    chain.append(meta)
+                    parent = key
+            finally:
+                self._pinned.clear()
+            # A failed disk write reaped meanwhile can still have removed a block of the chain.
             kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
+            self._touch_chain(kept)
             if sid is not None:
                 self._reference(sid, cache.tenant, cache.session, cache.root, ids, kept)
             self._write_stamps()
@@ -311,19 +332,19 @@ class TieredStore:
         meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=record_size(header))
         self._index.add(meta)
-        if meta.nbytes <= self._device.budget:
-            self._make_room(Tier.DEVICE, meta.nbytes)
+        self._pinned.add(key)
+        host_tensor = None
+        if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
             self._device.put(key, tensor)
             self._index.set_resident(meta, Tier.DEVICE)
-        elif meta.nbytes <= self._host.budget:
+        elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
             host_tensor = self._engine.to_host(tensor).wait()
-            self._make_room(Tier.HOST, meta.nbytes)
             self._host.put(key, host_tensor)
             self._index.set_resident(meta, Tier.HOST)
-        if self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget:
-            self._make_room(Tier.DISK, meta.record_bytes)
-            self._pending_writes[key] = self._writer.submit(
-                PutBlock(header, self._engine.to_host(tensor), meta.record_bytes))
+        if (self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget
+                and self._make_room(Tier.DISK, meta.record_bytes)):
+            source = Job.completed(host_tensor) if host_tensor is not None else self._engine.to_host(tensor)
+            self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
             self._index.set_disk(meta, DiskState.PENDING)
         if meta.resident is None and meta.disk is DiskState.NONE:
             self._index.remove(meta.key)
@@ -333,7 +354,7 @@ class TieredStore:
 
     def _reference(self, sid: bytes, tenant: str | None, name: str, root: bytes, ids: np.ndarray,
                    chain: list[BlockMeta]) -> None:
-        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m)]
+        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m) and m.disk is not DiskState.NONE]
         info = self._index.sessions.get(sid)
         if info is None:
             return
@@ -361,50 +382,62 @@ class TieredStore:
                 self._writer.submit(DropRefs(sid, dropped))
 
     # -- eviction -----------------------------------------------------------------------------------
-    def _make_room(self, tier: Tier, nbytes: int) -> None:
-        """Evict least-recently-used blocks from ``tier`` until ``nbytes`` more fit its budget."""
-        if tier is Tier.DEVICE:
-            while not self._device.fits(nbytes) and self._index.lru[Tier.DEVICE]:
-                meta = self._index.blocks[next(iter(self._index.lru[Tier.DEVICE]))]
-                tensor = self._device.pop(meta.key)
-                self._index.set_resident(meta, None)
-                self._evictions += 1
-                if meta.nbytes <= self._host.budget:
-                    host_tensor = self._engine.to_host(tensor).wait()
-                    self._make_room(Tier.HOST, meta.nbytes)
-                    self._host.put(meta.key, host_tensor)
-                    self._index.set_resident(meta, Tier.HOST)
-                elif meta.disk is DiskState.NONE:
-                    self._index.remove(meta.key)
-        elif tier is Tier.HOST:
-            while not self._host.fits(nbytes) and self._index.lru[Tier.HOST]:
-                meta = self._index.blocks[next(iter(self._index.lru[Tier.HOST]))]
-                if meta.disk is DiskState.PENDING:
-                    # Until its write commits, this copy is the only readable one.
-                    self._settle(meta.key)
-                self._host.pop(meta.key)
-                self._index.set_resident(meta, None)
-                self._evictions += 1
-                if meta.disk is DiskState.NONE:
-                    self._index.remove(meta.key)
-        else:
+    def _victim(self, tier: Tier) -> BlockMeta | None:
+        """The least recently used block of ``tier`` that the call in progress has not pinned."""
+        for key in self._index.lru[tier]:
+            if key not in self._pinned:
+                return self._index.blocks[key]
+        return None
+
+    def _make_room(self, tier: Tier, nbytes: int) -> bool:
+        """Evict least-recently-used blocks from ``tier`` until ``nbytes`` more fit its budget.
+
+        False when the blocks pinned by the open or commit in progress leave too little room.
+        """
+        if tier is Tier.DISK:
             assert self._disk is not None
-            while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget and self._index.lru[Tier.DISK]:
-                meta = self._index.blocks[next(iter(self._index.lru[Tier.DISK]))]
+            while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
+                meta = self._victim(Tier.DISK)
+                if meta is None:
+                    return False
                 self._evictions += 1
                 self._delete_on_disk([meta])
                 if meta.resident is None:
                     self._index.remove(meta.key)
+            return True
+        space = self._device if tier is Tier.DEVICE else self._host
+        while not space.fits(nbytes):
+            meta = self._victim(tier)
+            if meta is None:
+                return False
+            if tier is Tier.HOST and meta.disk is DiskState.PENDING:
+                # Until its write commits, this copy is the only readable one.
+                self._settle(meta.key)
+                continue  # settling may have changed what rests where
+            tensor = space.pop(meta.key)
+            self._index.set_resident(meta, None)
+            self._evictions += 1
+            if tier is Tier.DEVICE and meta.nbytes <= self._host.budget:
+                host_tensor = self._engine.to_host(tensor).wait()
+                # Making room in the host tier may reap a failed write that removed this block.
+                if self._make_room(Tier.HOST, meta.nbytes) and self._index.blocks.get(meta.key) is meta:
+                    self._host.put(meta.key, host_tensor)
+                    self._index.set_resident(meta, Tier.HOST)
+            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
+                self._index.remove(meta.key)
+        return True
 
     def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
-        keys = []
+        keys: list[bytes] = []
+        refs: list[bytes] = []
         for meta in metas:
             if meta.disk is not DiskState.NONE:
                 keys.append(meta.key)
+                refs.extend(sid + meta.key for sid in meta.sessions)
                 self._index.set_disk(meta, DiskState.NONE)
                 self._pending_writes.pop(meta.key, None)
         if keys and self._writer is not None:
-            self._writer.submit(DeleteBlocks(keys))
+            self._writer.submit(DeleteBlocks(keys, refs))
 
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
@@ -454,6 +487,12 @@ class TieredStore:
         if self._writer is not None and meta.disk is not DiskState.NONE:
             self._stamps[meta.key] = self._tick()
 
+    def _touch_chain(self, chain: list[BlockMeta]) -> None:
+        # Tail first, head last: a conversation's head becomes the most recently used, so eviction
+        # takes tails before the prefixes they depend on (a block without its parent is useless).
+        for meta in reversed(chain):
+            self._touch(meta)
+
     def _write_stamps(self) -> None:
         """Queue last-use stamps for the LRU order a reopen rebuilds; one small write per turn."""
         if self._stamps and self._writer is not None:
@@ -491,10 +530,18 @@ class TieredStore:
             self._index.add(meta)
             self._index.set_disk(meta, DiskState.DURABLE)
         for sid, (tenant, name, keys) in scan.sessions.items():
+            # Kept even with no block left, so that forget() still finds and removes it.
+            self._index.sessions.setdefault(sid, SessionInfo(tenant, name))
+            dangling = []
             for key in keys:
                 meta = self._index.blocks.get(key)
                 if meta is not None:
                     self._index.ref(sid, tenant, name, meta)
+                else:
+                    dangling.append(key)
+            if dangling:
+                assert self._writer is not None
+                self._writer.submit(DropRefs(sid, dangling))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 

@@ -166,32 +166,39 @@ class BackgroundWriter(Generic[T]):
         self._size_of = size_of
         self._queue: queue.Queue[tuple[T, Job[None]] | None] = queue.Queue()
         self._closed = False
+        # Orders submissions against close(): nothing is queued behind the stop signal.
+        self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, item: T) -> Job[None]:
-        if self._closed:
-            raise RuntimeError("the background writer is closed")
         job: Job[None] = Job()
-        self._queue.put((item, job))
+        with self._gate:
+            if self._closed:
+                raise RuntimeError("the background writer is closed")
+            self._queue.put((item, job))
         return job
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every item submitted before this call has been applied."""
-        if self._closed:
-            return
-        self.submit_marker().wait(timeout)
-
-    def submit_marker(self) -> Job[None]:
+        """Block until every item submitted before this call has been applied (or the writer
+        has been closed, which drains everything queued before it)."""
         job: Job[None] = Job()
-        self._queue.put((_MARKER, job))  # type: ignore[arg-type]
-        return job
+        with self._gate:
+            if self._closed:
+                job = Job.completed(None)
+            else:
+                self._queue.put((_MARKER, job))
+        if job.done():
+            self._thread.join(timeout)
+        else:
+            job.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:

@@ -60,6 +60,7 @@ class PutBlock:
 @dataclass(slots=True)
 class DeleteBlocks:
     keys: list[bytes]
+    refs: list[bytes] = field(default_factory=list)  # sid + key rows of the sessions that held them
 
 
 @dataclass(slots=True)
@@ -223,6 +224,8 @@ class DiskTier:
             for key in op.keys:
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._atime)
+            for ref in op.refs:
+                txn.delete(ref, db=self._refs)
         elif isinstance(op, PutRefs):
             txn.put(op.sid, msgpack.packb([op.tenant, op.name]), db=self._sessions)
             for key in op.keys:
