@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import lmdb
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSeq2SeqLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
@@ -698,6 +698,12 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
         assert "encoder-decoder" in str(info.value)
         with pytest.raises(TypeError, match="transformers model"):
             store.open(torch.nn.Linear(2, 2), ids)
+        mamba_config = AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
+                                            state_size=4)
+        mamba = AutoModelForCausalLM.from_config(mamba_config).eval()
+        with pytest.raises(ValueError, match="linear_attention") as info:
+            store.open(mamba, ids)
+        assert "full-attention" in str(info.value) and "sliding_window" not in str(info.value)
         assert store.stats()["sessions"] == 0 and store.stats()["misses"] == 0
 
 

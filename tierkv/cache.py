@@ -85,9 +85,10 @@ def _static_facts(model: Any) -> _Static:
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
-        raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports full-attention layers only "
-                         "for now (for Mistral-like configs, set sliding_window=None if the model was trained "
-                         "without it)")
+        hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
+                "sliding_window=None)" if "sliding_attention" in other else "")
+        raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
+                         f"full-attention layers only, for now{hint}")
     named = sorted(model.named_parameters(), key=lambda item: item[0])
     if not named:
         raise ValueError("the model has no parameters to fingerprint")
