@@ -99,6 +99,10 @@ def disk(tmp_path: pathlib.Path) -> Iterator[DiskTier]:
 
 
 # -- memory tiers ----------------------------------------------------------------------------------
+def put(tier: MemoryTier, k: bytes, t: torch.Tensor) -> bool:
+    return tier.put(k, Job.completed(t), t.numel() * t.element_size())
+
+
 @pytest.mark.parametrize("make", [lambda b: MemoryTier(b, CPU), lambda b: DeviceTier(b, CPU),
                                   lambda b: HostTier(b, pinned=False)])
 def test_memory_tier_budget_is_a_hard_cap(make) -> None:  # type: ignore[no-untyped-def]
@@ -106,16 +110,16 @@ def test_memory_tier_budget_is_a_hard_cap(make) -> None:  # type: ignore[no-unty
     tier = make(100)
     assert tier.used == 0 and len(tier) == 0 and tier.budget == 100
     assert tier.fits(100) and not tier.fits(101)
-    assert tier.put(key(1), t) is True
-    assert tier.put(key(2), t) is True
+    assert put(tier, key(1), t) is True
+    assert put(tier, key(2), t) is True
     assert tier.used == 80
     assert tier.fits(20) and not tier.fits(21)
-    assert tier.put(key(3), t) is False  # would be 120 > 100: refused, not an error
+    assert put(tier, key(3), t) is False  # would be 120 > 100: refused, not an error
     assert tier.used == 80 and len(tier) == 2 and key(3) not in tier
     assert tier.get(key(3)) is None
-    assert tier.put(key(3), torch.zeros(5, dtype=torch.float32)) is True  # exactly 100 fits
+    assert put(tier, key(3), torch.zeros(5, dtype=torch.float32)) is True  # exactly 100 fits
     assert tier.used == 100
-    assert tier.put(key(4), torch.zeros(1, dtype=torch.uint8)) is False
+    assert put(tier, key(4), torch.zeros(1, dtype=torch.uint8)) is False
     assert tier.used == 100
 
 
@@ -125,12 +129,12 @@ def test_memory_tier_put_pop_get_exact_bytes() -> None:
     b = torch.zeros(7, dtype=torch.float64)  # 56 bytes
     c = torch.zeros((2, 3), dtype=torch.bfloat16)  # 12 bytes
     for n, t in ((1, a), (2, b), (3, c)):
-        assert tier.put(key(n), t)
+        assert put(tier, key(n), t)
     assert tier.used == 98
     assert len(tier) == 3
     assert key(2) in tier and key(9) not in tier
-    assert tier.get(key(1)) is a  # the same immutable tensor, no copy
-    assert tier.pop(key(2)) is b
+    assert tier.get(key(1)).wait() is a  # the same immutable tensor, no copy
+    assert tier.pop(key(2)).wait() is b
     assert tier.used == 42 and len(tier) == 2 and key(2) not in tier
     assert tier.pop(key(2)) is None
     assert tier.used == 42
@@ -141,15 +145,15 @@ def test_memory_tier_put_pop_get_exact_bytes() -> None:
 def test_memory_tier_refuses_duplicate_key_without_double_counting() -> None:
     tier = MemoryTier(1000, CPU)
     first = torch.zeros(4)
-    assert tier.put(key(1), first)
-    assert tier.put(key(1), torch.ones(4)) is False
+    assert put(tier, key(1), first)
+    assert put(tier, key(1), torch.ones(4)) is False
     assert tier.used == 16
-    assert tier.get(key(1)) is first
+    assert tier.get(key(1)).wait() is first
 
 
 def test_memory_tier_budget_zero_keeps_nothing() -> None:
     tier = MemoryTier(0, CPU)
-    assert tier.put(key(1), torch.zeros(1)) is False
+    assert put(tier, key(1), torch.zeros(1)) is False
     assert tier.used == 0 and len(tier) == 0
 
 

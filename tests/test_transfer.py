@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
-from tierkv.transfer import BackgroundWriter, CopyEngine, Job, resolve_device
+from tierkv.transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
 
 WAIT = 10.0  # generous upper bound for anything that should happen promptly
 
@@ -404,13 +404,37 @@ def test_close_drains_items_queued_behind_a_busy_batch(writers: list[BackgroundW
     first = writer.submit("gate")
     assert rec.started.wait(WAIT)
     jobs = [writer.submit(i) for i in range(3)]
-    writer.close(timeout=0.01)  # the stop request is queued behind the items; the thread is busy
+    closer = threading.Thread(target=writer.close)  # no timeout: drains everything
+    closer.start()
+    while not writer._closed:  # noqa: SLF001 - wait until close() has taken the gate
+        threading.Event().wait(0.001)
     with pytest.raises(RuntimeError, match="closed"):
         writer.submit("too late")
     rec.release.set()
+    closer.join(WAIT)
     for job in [first, *jobs]:
         assert job.wait(timeout=WAIT) is None
     assert rec.applied == ["gate", 0, 1, 2]
+
+
+def test_close_with_a_timeout_abandons_what_is_still_queued(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec)
+    first = writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = [writer.submit(i) for i in range(3)]
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(writer.close(timeout=0.01)))
+    closer.start()
+    assert writer._abandon.wait(WAIT)  # noqa: SLF001 - the timeout expired with the batch in flight
+    rec.release.set()  # the batch in flight completes; what is queued behind it is abandoned
+    closer.join(WAIT)
+    assert result == [3]
+    assert first.wait(WAIT) is None
+    for job in jobs:
+        with pytest.raises(WriteAbandoned):
+            job.wait(WAIT)
+    assert rec.applied == ["gate"]
 
 
 def test_submit_after_close_raises(writers: list[BackgroundWriter]) -> None:
@@ -463,11 +487,15 @@ def test_flush_after_close_waits_for_the_drain(writers: list[BackgroundWriter]) 
     writer.submit("gate")
     assert rec.started.wait(WAIT)
     writer.submit(1)
-    writer.close(timeout=0.01)  # queued stop; the writer is still busy
+    closer = threading.Thread(target=writer.close)
+    closer.start()
+    while not writer._closed:  # noqa: SLF001 - wait until close() has taken the gate
+        threading.Event().wait(0.001)
     done = threading.Event()
     flusher = threading.Thread(target=lambda: (writer.flush(timeout=WAIT), done.set()))
     flusher.start()
     assert not done.wait(0.05)  # still draining: flush has not returned early
     rec.release.set()
     flusher.join(WAIT)
+    closer.join(WAIT)
     assert done.is_set() and rec.applied == ["gate", 1]

@@ -91,6 +91,7 @@ class TieredStore:
         self._index = Index()
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
+        self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
         self._stamps: dict[bytes, int] = {}
         self._pinned: set[bytes] = set()  # blocks the open or commit in progress must keep
         self._clock = 0
@@ -129,19 +130,40 @@ class TieredStore:
             if self._disk is not None:
                 self._disk.sync()
 
-    def close(self) -> None:
-        """Flush, then release every tier. Closing twice is harmless."""
+    def close(self, timeout: float | None = None) -> int:
+        """Flush, then release every tier; returns how many queued block writes were dropped.
+
+        Without a ``timeout`` every queued write is drained first (nothing is dropped). With one,
+        writes still queued when it expires are dropped and logged: those blocks are simply not
+        on disk after a restart and will be recomputed. Closing twice is harmless.
+        """
         if self._closed:
-            return
-        self.flush()
+            return 0
+        if timeout is None:
+            self.flush()
         with self._lock:
+            if self._closed:
+                return 0
+            self._write_stamps()
             self._closed = True
+            dropped = 0
             if self._writer is not None:
-                self._writer.close()
+                abandoned = self._writer.close(timeout)
+                for key in list(self._pending_writes):
+                    meta = self._index.blocks.get(key)
+                    try:
+                        self._pending_writes.pop(key).wait()
+                    except Exception:  # noqa: BLE001 - abandoned or failed: not on disk
+                        dropped += meta is not None
+                if abandoned:
+                    logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
+                                   "will be recomputed after a restart", timeout, dropped)
             if self._disk is not None:
+                self._disk.sync()
                 self._disk.close()
             self._device.clear()
             self._host.clear()
+            return dropped
 
     # -- the public turn ------------------------------------------------------------------------
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
@@ -215,17 +237,18 @@ class TieredStore:
         if self._index.blocks.get(meta.key) is not meta:
             return None
         if meta.resident is Tier.DEVICE:
-            tensor = self._device.get(meta.key)
-            return Job.completed(tensor), Tier.DEVICE
+            return self._device.get(meta.key), Tier.DEVICE
         if meta.resident is Tier.HOST:
-            host_tensor = self._host.get(meta.key)
-            job = self._engine.to_device(host_tensor)
-            self._promote(meta, job, host_tensor)
+            host_job = self._host.get(meta.key)
+            job = self._engine.to_device(host_job)
+            self._promote(meta, job, host_job)
             return job, Tier.HOST
         if meta.disk is DiskState.PENDING:
-            self._settle(meta.key)
-            if self._index.blocks.get(meta.key) is not meta:
-                return None  # its write failed and no memory tier held it
+            # On its way to disk: served from the write's own buffer, not read back half-written.
+            host_job = self._inflight[meta.key]
+            job = self._engine.to_device(host_job)
+            self._promote(meta, job, host_job)
+            return job, Tier.DISK
         try:
             assert self._disk is not None
             header, host_tensor = self._disk.load(meta.key, self._host.empty)
@@ -236,7 +259,7 @@ class TieredStore:
             self._drop(meta)
             return None
         job = self._engine.to_device(host_tensor)
-        self._promote(meta, job, host_tensor)
+        self._promote(meta, job, Job.completed(host_tensor))
         return job, Tier.DISK
 
     @staticmethod
@@ -246,20 +269,21 @@ class TieredStore:
         if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes():
             raise CorruptRecord("record's tenant or token ids differ from its index entry")
 
-    def _promote(self, meta: BlockMeta, device_job: Job[Any], host_tensor: Any) -> None:
-        """Rest a hit block on the device if it fits there, else in the host tier.
+    def _promote(self, meta: BlockMeta, device_job: Job[Any], host_job: Job[Any]) -> None:
+        """Rest a hit block on the device if it fits there, else in the host tier. Never waits:
+        the tiers hold the copies' jobs.
 
-        ``host_tensor`` is the block's host copy: from the host tier, or just read from disk.
+        ``host_job`` is the block's host copy: from the host tier, in flight to disk, or just read.
         """
         if meta.resident is Tier.HOST:
             # Out of the host tier first, so that making room on the device cannot evict it.
             self._host.pop(meta.key)
             self._index.set_resident(meta, None)
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
-            self._device.put(meta.key, device_job.wait())
+            self._device.put(meta.key, device_job, meta.nbytes)
             self._index.set_resident(meta, Tier.DEVICE)
         elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
-            self._host.put(meta.key, host_tensor)
+            self._host.put(meta.key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
         elif meta.disk is DiskState.NONE:
             self._evictions += 1
@@ -333,17 +357,18 @@ class TieredStore:
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=record_size(header))
         self._index.add(meta)
         self._pinned.add(key)
-        host_tensor = None
+        host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
-            self._device.put(key, tensor)
+            self._device.put(key, Job.completed(tensor), meta.nbytes)
             self._index.set_resident(meta, Tier.DEVICE)
         elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
-            host_tensor = self._engine.to_host(tensor).wait()
-            self._host.put(key, host_tensor)
+            host_job = self._engine.to_host(tensor)
+            self._host.put(key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
         if (self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget
                 and self._make_room(Tier.DISK, meta.record_bytes)):
-            source = Job.completed(host_tensor) if host_tensor is not None else self._engine.to_host(tensor)
+            source = host_job if host_job is not None else self._engine.to_host(tensor)
+            self._inflight[key] = source
             self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
             self._index.set_disk(meta, DiskState.PENDING)
         if meta.resident is None and meta.disk is DiskState.NONE:
@@ -410,18 +435,15 @@ class TieredStore:
             meta = self._victim(tier)
             if meta is None:
                 return False
-            if tier is Tier.HOST and meta.disk is DiskState.PENDING:
-                # Until its write commits, this copy is the only readable one.
-                self._settle(meta.key)
-                continue  # settling may have changed what rests where
-            tensor = space.pop(meta.key)
+            # A block whose disk write is still queued leaves at once: until the write commits it
+            # stays readable from the write's own buffer (self._inflight), so eviction never waits.
+            block = space.pop(meta.key)
             self._index.set_resident(meta, None)
             self._evictions += 1
             if tier is Tier.DEVICE and meta.nbytes <= self._host.budget:
-                host_tensor = self._engine.to_host(tensor).wait()
-                # Making room in the host tier may reap a failed write that removed this block.
-                if self._make_room(Tier.HOST, meta.nbytes) and self._index.blocks.get(meta.key) is meta:
-                    self._host.put(meta.key, host_tensor)
+                host_job = self._engine.to_host(block)
+                if self._make_room(Tier.HOST, meta.nbytes):
+                    self._host.put(meta.key, host_job, meta.nbytes)
                     self._index.set_resident(meta, Tier.HOST)
             if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
                 self._index.remove(meta.key)
@@ -436,6 +458,7 @@ class TieredStore:
                 refs.extend(sid + meta.key for sid in meta.sessions)
                 self._index.set_disk(meta, DiskState.NONE)
                 self._pending_writes.pop(meta.key, None)
+                self._inflight.pop(meta.key, None)
         if keys and self._writer is not None:
             self._writer.submit(DeleteBlocks(keys, refs))
 
@@ -448,22 +471,13 @@ class TieredStore:
         self._delete_on_disk([meta])
         self._index.remove(meta.key)
 
-    def _settle(self, key: bytes) -> None:
-        """Wait for one block's queued write, then record its outcome (failures included)."""
-        job = self._pending_writes.get(key)
-        if job is not None:
-            try:
-                job.wait()
-            except Exception:  # noqa: BLE001 - _reap records and logs the failure
-                pass
-        self._reap()
-
     def _reap(self, wait: bool = False) -> None:
         """Record finished disk writes: DURABLE on success; on failure the block stays in memory only."""
         for key, job in list(self._pending_writes.items()):
             if not (wait or job.done()):
                 continue
             del self._pending_writes[key]
+            self._inflight.pop(key, None)
             meta = self._index.blocks.get(key)
             try:
                 job.wait()

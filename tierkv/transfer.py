@@ -123,8 +123,15 @@ class CopyEngine:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: "torch.cuda.Stream") -> Job[torch.Tensor]:
+    def _copy(self, src: "torch.Tensor | Job[torch.Tensor]", dst: torch.Tensor,
+              stream: "torch.cuda.Stream") -> Job[torch.Tensor]:
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if isinstance(src, _CudaCopyJob) and not src.done():
+            # Chain on the copy that produces src, on the GPU, without a host sync.
+            stream.wait_event(src._cuda_event)
+            src = src._tensor
+        elif isinstance(src, Job):
+            src = src.wait()
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -137,17 +144,37 @@ class CopyEngine:
             dst.record_stream(stream)
         return _CudaCopyJob(event, dst)
 
-    def to_host(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
-        if not tensor.is_cuda:
-            return Job.completed(tensor)
-        dst = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return self._copy(tensor, dst, self._d2h)
+    @staticmethod
+    def _meta(src: "torch.Tensor | Job[torch.Tensor]") -> torch.Tensor:
+        if isinstance(src, _CudaCopyJob):
+            return src._tensor
+        return src.wait() if isinstance(src, Job) else src
 
-    def to_device(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
+    def to_host(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
+        """A host copy of ``src`` (a tensor, or the job producing one)."""
         if not self.is_cuda:
-            return Job.completed(tensor if tensor.device == self.device else tensor.to(self.device))
-        dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        return self._copy(tensor, dst, self._h2d)
+            return src if isinstance(src, Job) else Job.completed(src)
+        like = self._meta(src)
+        if not like.is_cuda:
+            return src if isinstance(src, Job) else Job.completed(src)
+        dst = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return self._copy(src, dst, self._d2h)
+
+    def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
+        """A device copy of ``src`` (a tensor, or the job producing one)."""
+        if not self.is_cuda:
+            if isinstance(src, Job):
+                return src
+            return Job.completed(src if src.device == self.device else src.to(self.device))
+        like = self._meta(src)
+        if like.device == self.device:
+            return src if isinstance(src, Job) else Job.completed(src)
+        dst = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        return self._copy(src, dst, self._h2d)
+
+
+class WriteAbandoned(RuntimeError):
+    """A queued write that ``BackgroundWriter.close(timeout)`` gave up on."""
 
 
 class BackgroundWriter(Generic[T]):
@@ -168,6 +195,8 @@ class BackgroundWriter(Generic[T]):
         self._closed = False
         # Orders submissions against close(): nothing is queued behind the stop signal.
         self._gate = threading.Lock()
+        self._abandon = threading.Event()
+        self._abandoned = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -193,13 +222,20 @@ class BackgroundWriter(Generic[T]):
         else:
             job.wait(timeout)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> int:
+        """Stop once everything queued is applied. With a ``timeout``, items still queued when it
+        expires are abandoned (their jobs fail with ``WriteAbandoned``) after the batch in flight;
+        returns how many were abandoned."""
         with self._gate:
             if self._closed:
-                return
+                return 0
             self._closed = True
             self._queue.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abandon.set()
+            self._thread.join()
+        return self._abandoned
 
     def _run(self) -> None:
         while True:
@@ -225,6 +261,14 @@ class BackgroundWriter(Generic[T]):
                 return
 
     def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
+        if self._abandon.is_set():
+            for item, job in batch:
+                if item is _MARKER:
+                    job.set_result(None)
+                else:
+                    self._abandoned += 1
+                    job.set_error(WriteAbandoned("abandoned when the store closed with a timeout"))
+            return
         items = [item for item, _ in batch if item is not _MARKER]
         try:
             results: Sequence[BaseException | None] = self._apply(items) if items else []

@@ -1,13 +1,18 @@
-"""A byte-budgeted map from block key to an immutable tensor, the base of device and host tiers.
+"""A byte-budgeted map from block key to a block tensor in flight or at rest, the base of the
+device and host tiers.
 
 Protocol: ``fits(n)`` says whether ``n`` more bytes stay within the budget; ``put`` refuses (returns
 False) rather than exceed it, since capacity is the caller's decision, not an error; ``pop``
-frees. Tensors are never written after ``put``, so a reader may hold one while it is moved.
+frees. Entries are ``Job``s of tensors: a block being copied in is already accounted for and
+readable (a reader waits on the job, or a copy engine chains on it without a host sync). Tensors
+are never written after their job completes, so a reader may hold one while it is moved.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..transfer import Job
 
 
 class MemoryTier:
@@ -17,7 +22,7 @@ class MemoryTier:
         self.budget = budget
         self.device = device
         self.used = 0
-        self._blocks: dict[bytes, torch.Tensor] = {}
+        self._blocks: dict[bytes, tuple[Job[torch.Tensor], int]] = {}
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -28,22 +33,23 @@ class MemoryTier:
     def fits(self, nbytes: int) -> bool:
         return self.used + nbytes <= self.budget
 
-    def put(self, key: bytes, tensor: torch.Tensor) -> bool:
-        nbytes = tensor.numel() * tensor.element_size()
+    def put(self, key: bytes, block: Job[torch.Tensor], nbytes: int) -> bool:
         if key in self._blocks or not self.fits(nbytes):
             return False
-        self._blocks[key] = tensor
+        self._blocks[key] = (block, nbytes)
         self.used += nbytes
         return True
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        return self._blocks.get(key)
+    def get(self, key: bytes) -> Job[torch.Tensor] | None:
+        entry = self._blocks.get(key)
+        return None if entry is None else entry[0]
 
-    def pop(self, key: bytes) -> torch.Tensor | None:
-        tensor = self._blocks.pop(key, None)
-        if tensor is not None:
-            self.used -= tensor.numel() * tensor.element_size()
-        return tensor
+    def pop(self, key: bytes) -> Job[torch.Tensor] | None:
+        entry = self._blocks.pop(key, None)
+        if entry is None:
+            return None
+        self.used -= entry[1]
+        return entry[0]
 
     def clear(self) -> None:
         self._blocks.clear()
