@@ -1,0 +1,257 @@
+"""Races between generation and moves in flight, on CPU with the same job machinery.
+
+The disk writer is held at a gate (its apply function blocks on an Event) and copies are made
+asynchronous by a delayed copy engine, so each interleaving below is forced, not hoped for. No
+sleep is used as synchronisation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from conftest import random_ids
+from tierkv import TieredStore
+from tierkv.index import DiskState
+from tierkv.transfer import CopyEngine, Job
+
+B = 8
+WAIT = 30.0
+
+
+def generate(model, ids, cache=None, new=3):
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+
+
+def lmdb_rows(store: TieredStore, db: bytes) -> int:
+    env = store._disk.env
+    with env.begin() as txn:
+        return txn.stat(env.open_db(db))["entries"]
+
+
+class Gate:
+    """Holds the store's disk writer inside its apply function until released."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        writer = store._writer
+        inner = writer._apply
+
+        def held(items):
+            self.entered.set()
+            if not self.release.wait(WAIT):
+                raise RuntimeError("the test never opened the gate")
+            return inner(items)
+
+        writer._apply = held
+
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def stores(tmp_path) -> Iterator[list[TieredStore]]:
+    made: list[TieredStore] = []
+    yield made
+    for store in made:
+        if not store._closed:
+            for gate_release in getattr(store, "_test_gates", []):
+                gate_release.set()
+            store.close()
+
+
+def make_store(stores, path, **kw) -> TieredStore:
+    store = TieredStore(path, device="cpu", block_size=B, **kw)
+    stores.append(store)
+    return store
+
+
+def gated(store: TieredStore) -> Gate:
+    gate = Gate(store)
+    store._test_gates = [gate.release]  # type: ignore[attr-defined]
+    return gate
+
+
+@pytest.mark.parametrize("budgets, tier", [
+    (dict(device_budget=0, host_budget="1MiB"), "host"),
+    (dict(device_budget=0, host_budget=0), "disk"),
+])
+def test_open_during_a_spill_serves_the_block_from_where_it_is(model, stores, tmp_path, budgets, tier):
+    store = make_store(stores, tmp_path / "kv", **budgets)
+    gate = gated(store)
+    ids = random_ids(20, 1)
+    cache = store.open(model, ids, session="s")
+    out = generate(model, ids, cache)
+    assert cache.commit(out) == 22
+    assert gate.entered.wait(WAIT)  # the first write batch is held inside the writer
+    assert {m.disk for m in store._index.blocks.values()} == {DiskState.PENDING}
+    assert lmdb_rows(store, b"blocks") == 0  # nothing is visible on disk before its commit
+
+    nxt = torch.cat([out, random_ids(4, 2)], dim=1)
+    cache = store.open(model, nxt, session="s")
+    assert cache.restored_tokens == 22 and cache.restored_from[tier] == 22
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+    gate.release.set()
+    store.flush()
+    assert store.stats()["pending_writes"] == 0
+    assert lmdb_rows(store, b"blocks") == 3
+    assert {m.disk for m in store._index.blocks.values()} == {DiskState.DURABLE}
+
+
+def test_forget_during_a_spill_leaves_nothing_on_disk(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="1MiB", host_budget="1MiB")
+    gate = gated(store)
+    keep, secret = random_ids(12, 3), random_ids(20, 4)
+    for session, ids in (("keep", keep), ("secret", secret)):
+        cache = store.open(model, ids, session=session)
+        cache.commit(generate(model, ids, cache))
+    assert gate.entered.wait(WAIT)
+    assert store.forget(session="secret") == 3  # while its writes are still queued
+    gate.release.set()
+    store.flush()
+    assert lmdb_rows(store, b"blocks") == 2  # keep's block and tail only
+    assert lmdb_rows(store, b"refs") == 2
+    assert lmdb_rows(store, b"sessions") == 1
+    store.close()
+    store = make_store(stores, path)
+    assert store.open(model, torch.cat([secret, random_ids(2, 5)], dim=1), session="secret").restored_tokens == 0
+    assert store.open(model, torch.cat([keep, random_ids(2, 6)], dim=1), session="keep").restored_tokens == 12
+
+
+def test_close_without_timeout_drains_every_queued_write(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    gate = gated(store)
+    ids = random_ids(30, 7)
+    cache = store.open(model, ids, session="s")
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    assert gate.entered.wait(WAIT)
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(store.close()))
+    closer.start()
+    gate.release.set()
+    closer.join(WAIT)
+    assert result == [0]
+    store = make_store(stores, path)
+    nxt = torch.cat([out, random_ids(3, 8)], dim=1)
+    cache = store.open(model, nxt)
+    assert cache.restored_from["disk"] == out.shape[1] - 1 == 32
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_close_with_a_timeout_drops_queued_writes_and_says_how_many(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    gate = gated(store)
+    conversations = [random_ids(16, 10 + i) for i in range(3)]
+    outs = []
+    for i, ids in enumerate(conversations):
+        cache = store.open(model, ids, session=f"s{i}")
+        outs.append(generate(model, ids, cache))
+        cache.commit(outs[-1])  # 2 full blocks and a 2-token tail each: 9 block writes
+    assert gate.entered.wait(WAIT)
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
+    closer.start()
+    assert store._writer._abandon.wait(WAIT)  # the timeout expired with a batch held in flight
+    gate.release.set()
+    closer.join(WAIT)
+    dropped = result[0]
+    assert 1 <= dropped <= 9
+    store = make_store(stores, path)
+    assert store.stats()["disk"]["blocks"] == 9 - dropped
+    for ids, out in zip(conversations, outs):
+        nxt = torch.cat([out, random_ids(2, 20)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens in (0, 8, 16, 18)  # whatever survived, always a whole prefix
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_two_threads_committing_the_same_prefix_store_it_once(model, stores, tmp_path):
+    store = make_store(stores, tmp_path / "kv")
+    ids = random_ids(24, 30)
+    out = generate(model, ids)
+    caches = []
+    for session in ("a", "b"):
+        cache = store.open(model, ids, session=session)
+        assert torch.equal(generate(model, ids, cache), out)
+        caches.append(cache)
+    barrier = threading.Barrier(2)
+    stored: list[int] = []
+
+    def commit(cache):
+        barrier.wait(WAIT)
+        stored.append(cache.commit(out))
+
+    threads = [threading.Thread(target=commit, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert stored == [26, 26]
+    store.flush()
+    assert len(store._index.blocks) == 4  # 3 full blocks and a 2-token tail, once
+    assert all(len(m.sessions) == 2 for m in store._index.blocks.values())
+    assert lmdb_rows(store, b"blocks") == 4
+    assert lmdb_rows(store, b"refs") == 8
+
+
+class DelayedJob(Job):
+    """A copy that completes only when the test says so; records that someone waited for it."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self.source = source
+        self.target = torch.full_like(source, float("nan"))  # garbage until the copy "lands"
+        self.waited = threading.Event()
+
+    def land(self) -> None:
+        self.target.copy_(self.source)
+        self.set_result(self.target)
+
+    def wait(self, timeout=None):
+        self.waited.set()
+        return super().wait(timeout)
+
+
+class DelayedEngine(CopyEngine):
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.jobs: list[DelayedJob] = []
+
+    def to_device(self, src):
+        tensor = src.wait() if isinstance(src, Job) else src
+        job = DelayedJob(tensor)
+        self.jobs.append(job)
+        return job
+
+
+def test_a_restored_block_is_never_read_before_its_copy_completed(model, stores, tmp_path):
+    store = make_store(stores, None, device_budget=0, host_budget="1MiB")
+    ids = random_ids(20, 40)
+    cache = store.open(model, ids)
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    engine = store._engine = DelayedEngine()
+    nxt = torch.cat([out, random_ids(3, 41)], dim=1)
+    cache = store.open(model, nxt)  # returns with every host -> device copy still in flight
+    assert cache.restored_from["host"] == 22 and len(engine.jobs) == 3
+    assert not any(job.done() for job in engine.jobs)
+    result: list[torch.Tensor] = []
+    runner = threading.Thread(target=lambda: result.append(generate(model, nxt, cache)))
+    runner.start()
+    assert engine.jobs[0].waited.wait(WAIT)  # the first layer's first touch waits for the copy
+    assert runner.is_alive()
+    for job in engine.jobs:
+        job.land()
+    runner.join(WAIT)
+    assert torch.equal(result[0], generate(model, nxt))
