@@ -27,6 +27,7 @@ from tierkv.codec import (
     decode,
     decode_header,
     encode,
+    encode_array,
     record_size,
 )
 from tierkv.hashing import token_bytes
@@ -459,7 +460,7 @@ def test_no_pickle_in_the_record_path(module: object) -> None:
 
 def test_codec_is_pure() -> None:
     imported = _imported_modules(tierkv.codec.__file__)
-    assert imported <= {"__future__", "math", "struct", "dataclasses", "msgpack", "xxhash"}
+    assert imported <= {"__future__", "math", "struct", "dataclasses", "msgpack", "numpy", "xxhash"}
 
 
 def test_a_pickle_payload_is_not_a_record() -> None:
@@ -467,3 +468,10 @@ def test_a_pickle_payload_is_not_a_record() -> None:
 
     with pytest.raises(CorruptRecord):
         decode(pickle.dumps({"v": 1, "key": b"k" * 16}))
+
+
+def test_encode_array_equals_encode_and_decodes() -> None:
+    array = encode_array(SMALL_HEADER, SMALL_PAYLOAD)
+    assert array.dtype == np.uint8 and array.tobytes() == encode(SMALL_HEADER, SMALL_PAYLOAD)
+    header, payload = decode(array)
+    assert header == SMALL_HEADER and bytes(payload) == bytes(SMALL_PAYLOAD)

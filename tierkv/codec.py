@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import xxhash
 
 FORMAT_VERSION = 1
@@ -83,8 +84,12 @@ def _pack_header(h: RecordHeader) -> bytes:
     )
 
 
-def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> bytes:
-    """Serialize one record. ``payload`` must be ``header.payload_nbytes`` long."""
+def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview) -> np.ndarray:
+    """Serialize one record into a new uint8 array. ``payload`` must be ``header.payload_nbytes``.
+
+    The payload copy and the checksum run without holding the GIL (numpy and xxhash release it),
+    so a background writer encoding megabytes does not stall the thread that decodes.
+    """
     if header.dtype not in ITEMSIZE:
         raise ValueError(f"dtype {header.dtype!r} cannot be stored; supported: {sorted(ITEMSIZE)}")
     view = memoryview(payload).cast("B")
@@ -92,11 +97,19 @@ def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> byt
         raise ValueError(f"payload is {view.nbytes} bytes but shape {header.shape} of {header.dtype} needs {header.payload_nbytes}")
     head = _pack_header(header)
     prefix = _PREFIX.pack(MAGIC, len(head))
-    h = xxhash.xxh3_64()
-    h.update(prefix)
-    h.update(head)
-    h.update(view)
-    return b"".join((prefix, head, view, _CHECKSUM.pack(h.intdigest())))
+    start = len(prefix) + len(head)
+    out = np.empty(start + view.nbytes + _CHECKSUM.size, dtype=np.uint8)
+    out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    out[len(prefix) : start] = np.frombuffer(head, dtype=np.uint8)
+    np.copyto(out[start : start + view.nbytes], np.frombuffer(view, dtype=np.uint8))
+    stop = start + view.nbytes
+    out[stop:] = np.frombuffer(_CHECKSUM.pack(xxhash.xxh3_64_intdigest(out[:stop])), dtype=np.uint8)
+    return out
+
+
+def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> bytes:
+    """Serialize one record. ``payload`` must be ``header.payload_nbytes`` long."""
+    return encode_array(header, payload).tobytes()
 
 
 def record_size(header: RecordHeader) -> int:

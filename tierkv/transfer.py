@@ -17,6 +17,7 @@ its batch did. ``flush()`` waits for everything submitted before it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -173,6 +174,15 @@ class CopyEngine:
         return self._copy(src, dst, self._h2d)
 
 
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux): a spill must yield the CPU to the decode step's threads,
+    whose parallel regions stall behind any one of them that loses its core."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
+
+
 class WriteAbandoned(RuntimeError):
     """A queued write that ``BackgroundWriter.close(timeout)`` gave up on."""
 
@@ -238,6 +248,7 @@ class BackgroundWriter(Generic[T]):
         return self._abandoned
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             entry = self._queue.get()
             if entry is None:

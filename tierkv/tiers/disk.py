@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode, decode_header, encode
+from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode, decode_header, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
@@ -200,11 +200,11 @@ class DiskTier:
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
-        values: dict[int, bytes] = {}
+        values: dict[int, np.ndarray] = {}
         for i, op in enumerate(ops):
             if isinstance(op, PutBlock):
                 try:
-                    values[i] = encode(op.header, tensor_bytes(op.tensor.wait()))
+                    values[i] = encode_array(op.header, tensor_bytes(op.tensor.wait()))
                 except BaseException as exc:  # noqa: BLE001 - reported through this op's job
                     results[i] = exc
         while True:
@@ -217,7 +217,7 @@ class DiskTier:
             except lmdb.MapFullError:
                 self._grow()
 
-    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, value: bytes | None) -> None:
+    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, value: np.ndarray | None) -> None:
         if isinstance(op, PutBlock):
             txn.put(op.header.key, value, db=self._blocks)
         elif isinstance(op, DeleteBlocks):
