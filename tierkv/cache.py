@@ -196,7 +196,10 @@ class TieredLayer(DynamicLayer):
         blocks, self._pending = self._pending, None
         assert blocks is not None
         i = self._layer_idx
-        tensors = [(job.wait(), n) for job, n in blocks]
+        # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
+        # host sync; any other job is waited for.
+        tensors = [(job.stream_wait_layer(i) if hasattr(job, "stream_wait_layer") else job.wait(), n)
+                   for job, n in blocks]
         self.device = tensors[0][0].device
         return ([t[i, 0, :, :n].unsqueeze(0) for t, n in tensors],
                 [t[i, 1, :, :n].unsqueeze(0) for t, n in tensors])

@@ -187,11 +187,20 @@ class TieredStore:
             used: list[BlockMeta] = []
             self._pinned.update(meta.key for meta, _ in plan)
             try:
+                sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
                 for meta, n in plan:
-                    fetched = self._fetch(meta, info.fingerprint)
-                    if fetched is None:
+                    found = self._source(meta, info.fingerprint)
+                    if found is None:
                         break
-                    job, tier = fetched
+                    sources.append((meta, n, *found))
+                # Every copy to the device starts at once, layer by layer across blocks, so that
+                # layer i can be used as soon as its own copies landed.
+                moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
+                moved = iter(self._engine.to_device_many([sources[i][3] for i in moving]))
+                for i, (meta, n, tier, src) in enumerate(sources):
+                    job = src if tier is Tier.DEVICE else next(moved)
+                    if tier is not Tier.DEVICE:
+                        self._promote(meta, job, src)
                     blocks.append((job, n))
                     restored_from[tier.value] += n
                     used.append(meta)
@@ -232,23 +241,17 @@ class TieredStore:
                 plan.append((meta, n - (pos - limit)))
         return plan
 
-    def _fetch(self, meta: BlockMeta, fingerprint: bytes) -> tuple[Job[Any], Tier] | None:
-        """Start bringing one block to the device; promote it at rest. None if it is unreadable."""
+    def _source(self, meta: BlockMeta, fingerprint: bytes) -> tuple[Tier, Job[Any]] | None:
+        """Where a planned block is read from, and its tensor there (a job). None if unreadable."""
         if self._index.blocks.get(meta.key) is not meta:
             return None
         if meta.resident is Tier.DEVICE:
-            return self._device.get(meta.key), Tier.DEVICE
+            return Tier.DEVICE, self._device.get(meta.key)
         if meta.resident is Tier.HOST:
-            host_job = self._host.get(meta.key)
-            job = self._engine.to_device(host_job)
-            self._promote(meta, job, host_job)
-            return job, Tier.HOST
+            return Tier.HOST, self._host.get(meta.key)
         if meta.disk is DiskState.PENDING:
             # On its way to disk: served from the write's own buffer, not read back half-written.
-            host_job = self._inflight[meta.key]
-            job = self._engine.to_device(host_job)
-            self._promote(meta, job, host_job)
-            return job, Tier.DISK
+            return Tier.DISK, self._inflight[meta.key]
         try:
             assert self._disk is not None
             header, host_tensor = self._disk.load(meta.key, self._host.empty)
@@ -258,9 +261,7 @@ class TieredStore:
             logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be recomputed", exc)
             self._drop(meta)
             return None
-        job = self._engine.to_device(host_tensor)
-        self._promote(meta, job, Job.completed(host_tensor))
-        return job, Tier.DISK
+        return Tier.DISK, Job.completed(host_tensor)
 
     @staticmethod
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:

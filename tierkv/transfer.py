@@ -114,6 +114,21 @@ def resolve_device(device: object) -> torch.device:
     return resolved
 
 
+class _LayeredCudaJob(_CudaCopyJob):
+    """Host -> device copies of several blocks, issued layer by layer: one event per layer."""
+
+    __slots__ = ("_layer_events",)
+
+    def __init__(self, layer_events: list[torch.cuda.Event], tensor: torch.Tensor) -> None:
+        super().__init__(layer_events[-1], tensor)
+        self._layer_events = layer_events
+
+    def stream_wait_layer(self, layer: int) -> torch.Tensor:
+        """Order the current stream after layer ``layer``'s copy, without a host sync."""
+        torch.cuda.current_stream(self._tensor.device).wait_event(self._layer_events[layer])
+        return self._tensor
+
+
 class CopyEngine:
     """Device <-> host copies of block tensors, asynchronous on CUDA."""
 
@@ -160,6 +175,41 @@ class CopyEngine:
             return src if isinstance(src, Job) else Job.completed(src)
         dst = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
         return self._copy(src, dst, self._d2h)
+
+    def to_device_many(self, srcs: "Sequence[torch.Tensor | Job[torch.Tensor]]") -> list[Job[torch.Tensor]]:
+        """Device copies of block tensors shaped (layers, ...), issued layer-major across blocks
+        on CUDA, so that layer i's copies complete before layer i+1's and a reader can wait for
+        one layer (``stream_wait_layer``) while the rest are still in flight."""
+        if not self.is_cuda or not srcs:
+            return [self.to_device(src) for src in srcs]
+        stream = self._h2d
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        pairs = []
+        for src in srcs:
+            if isinstance(src, _CudaCopyJob) and not src.done():
+                stream.wait_event(src._cuda_event)
+                src = src._tensor
+            elif isinstance(src, Job):
+                src = src.wait()
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            pairs.append((src, dst))
+        layers = max(src.shape[0] for src, _ in pairs)
+        events = []
+        with torch.cuda.stream(stream):
+            for layer in range(layers):
+                for src, dst in pairs:
+                    if layer < src.shape[0]:
+                        dst[layer].copy_(src[layer], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        jobs: list[Job[torch.Tensor]] = []
+        for src, dst in pairs:
+            if src.is_cuda:
+                src.record_stream(stream)
+            dst.record_stream(stream)
+            jobs.append(_LayeredCudaJob(events[: src.shape[0]], dst))
+        return jobs
 
     def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
         """A device copy of ``src`` (a tensor, or the job producing one)."""
