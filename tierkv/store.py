@@ -8,16 +8,24 @@ Protocol of one conversation turn::
 
 * ``open`` walks the chain of block keys of ``input_ids``: whole blocks while their keys hit and
   their stored token ids agree, then the stored continuation (a partial tail, or a block that
-  diverges later) that shares the most leading tokens, capped at ``L - 1`` tokens. Each block is
-  fetched as a job from wherever it rests and promoted to the device tier.
+  diverges later) that shares the most leading tokens, capped at ``L - 1`` tokens. Disk blocks
+  are read and verified before ``open`` returns (a bad record must shorten the restore, not
+  corrupt it); the copies to the device start at once, layer-major, and ``open`` returns without
+  waiting for them. Hit blocks are promoted to the device tier.
 * ``commit`` stores the blocks the store lacks: into the device tier (demoting the least recently
   used blocks device -> host -> dropped), and, with a disk tier, through to disk by the
   background writer. Blocks are immutable, so each is written once and leaving a memory tier
   never costs a write.
 * Memory tiers are exclusive (a block rests on the device or in the host tier); the disk tier
   is inclusive. A block rests in some tier or is not in the index at all.
-* A block is visible on disk only after its write transaction committed; until then it stays
-  in host memory (its eviction from the host waits for the write) and is served from there.
+* Tiers hold copy jobs, not finished tensors: a block being moved is already accounted for in
+  its new tier, and its readers wait on (or, on CUDA, order their stream after) the copy.
+  Nothing on the generation path waits for a move to finish.
+* A block is visible on disk only after its write transaction committed; until then it is
+  served from the write's own host buffer (``_inflight``), so leaving a memory tier never waits
+  for the disk.
+* A turn pins the blocks it restores or commits: its own placements never evict them, and it
+  touches them tail first, so eviction takes a conversation's tail before the prefix it needs.
 * Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
   still references, from every tier.
 
@@ -126,6 +134,9 @@ class TieredStore:
         if self._writer is not None:
             self._writer.flush()
         with self._lock:
+            for tier in (self._device, self._host):
+                for job in tier.jobs():
+                    job.wait()
             self._reap(wait=True)
             if self._disk is not None:
                 self._disk.sync()

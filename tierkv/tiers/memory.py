@@ -51,6 +51,9 @@ class MemoryTier:
         self.used -= entry[1]
         return entry[0]
 
+    def jobs(self) -> list[Job[torch.Tensor]]:
+        return [job for job, _ in self._blocks.values()]
+
     def clear(self) -> None:
         self._blocks.clear()
         self.used = 0
