@@ -255,3 +255,56 @@ def test_a_restored_block_is_never_read_before_its_copy_completed(model, stores,
         job.land()
     runner.join(WAIT)
     assert torch.equal(result[0], generate(model, nxt))
+
+
+def test_forget_then_close_with_a_timeout_stays_forgotten(model, stores, tmp_path):
+    # Only block writes may be abandoned at close(timeout): the forget's deletes still land.
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    gate = gated(store)
+    secret = random_ids(20, 50)
+    cache = store.open(model, secret, session="secret")
+    cache.commit(generate(model, secret, cache))
+    assert gate.entered.wait(WAIT)
+    for i in range(3):  # more block writes queued behind the held batch, to be abandoned
+        ids = random_ids(12, 51 + i)
+        c = store.open(model, ids, session=f"other{i}")
+        c.commit(generate(model, ids, c))
+    assert store.forget(session="secret") == 3
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
+    closer.start()
+    assert store._writer._abandon.wait(WAIT)
+    gate.release.set()
+    closer.join(WAIT)
+    store = make_store(stores, path)
+    assert store.open(model, torch.cat([secret, random_ids(2, 60)], dim=1)).restored_tokens == 0
+    assert "secret" not in {info.name for info in store._index.sessions.values()}
+    assert lmdb_rows(store, b"refs") == sum(len(m.sessions) for m in store._index.blocks.values())
+
+
+def test_concurrent_close_and_flush_are_harmless(model, stores, tmp_path):
+    store = make_store(stores, tmp_path / "kv")
+    gate = gated(store)
+    ids = random_ids(20, 70)
+    cache = store.open(model, ids, session="s")
+    cache.commit(generate(model, ids, cache))
+    assert gate.entered.wait(WAIT)
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except ValueError as exc:  # a flush that starts after the close may say "closed"
+            if "closed" not in str(exc):
+                errors.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - anything else is the bug
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (store.close, store.close, store.flush)]
+    for t in threads:
+        t.start()
+    gate.release.set()
+    for t in threads:
+        t.join(WAIT)
+    assert errors == [] and store._closed

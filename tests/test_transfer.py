@@ -499,3 +499,30 @@ def test_flush_after_close_waits_for_the_drain(writers: list[BackgroundWriter]) 
     flusher.join(WAIT)
     closer.join(WAIT)
     assert done.is_set() and rec.applied == ["gate", 1]
+
+
+def test_a_cuda_copy_job_frees_its_tensor_without_a_garbage_collection() -> None:
+    # A bound method stored on the job would form a cycle and keep GPU or pinned memory alive.
+    import gc
+    import weakref
+
+    from tierkv.transfer import _CudaCopyJob, _LayeredCudaJob
+
+    class FakeEvent:
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            pass
+
+    gc.disable()
+    try:
+        for make in (lambda t: _CudaCopyJob(FakeEvent(), t), lambda t: _LayeredCudaJob([FakeEvent()], t)):
+            tensor = torch.zeros(4)
+            alive = weakref.ref(tensor)
+            job = make(tensor)
+            assert not job.done()
+            del job, tensor
+            assert alive() is None
+    finally:
+        gc.enable()

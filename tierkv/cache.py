@@ -198,7 +198,8 @@ class TieredLayer(DynamicLayer):
         i = self._layer_idx
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
-        tensors = [(job.stream_wait_layer(i) if hasattr(job, "stream_wait_layer") else job.wait(), n)
+        seen: set[int] = set()
+        tensors = [(job.stream_wait_layer(i, seen) if hasattr(job, "stream_wait_layer") else job.wait(), n)
                    for job, n in blocks]
         self.device = tensors[0][0].device
         return ([t[i, 0, :, :n].unsqueeze(0) for t, n in tensors],

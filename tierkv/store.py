@@ -95,7 +95,10 @@ class TieredStore:
         self._writer: BackgroundWriter[DiskOp] | None = None
         if path is not None:
             self._disk = DiskTier(path, budgets["disk_budget"], block_size)
-            self._writer = BackgroundWriter(self._disk.apply, name="tierkv-disk-writer", size_of=op_size)
+            # At a close with a timeout only block writes may be given up: deletes and session
+            # references are small, and dropping them would bring forgotten data back.
+            self._writer = BackgroundWriter(self._disk.apply, name="tierkv-disk-writer", size_of=op_size,
+                                            abandonable=lambda op: isinstance(op, PutBlock), device=self.device)
         self._index = Index()
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
@@ -127,17 +130,22 @@ class TieredStore:
             raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
 
     def flush(self) -> None:
-        """Block until every queued move and disk write is done and durable."""
-        self._check_open()
+        """Block until every move and disk write queued before this call is done and durable."""
         with self._lock:
+            self._check_open()
             self._write_stamps()
+            writes = list(self._pending_writes)
+            copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
         if self._writer is not None:
             self._writer.flush()
+        for job in copies:
+            job.wait()
         with self._lock:
-            for tier in (self._device, self._host):
-                for job in tier.jobs():
-                    job.wait()
-            self._reap(wait=True)
+            if self._closed:
+                return  # closed meanwhile by another thread: close drained everything
+            # Only this call's snapshot: its writes are applied now, so nothing here waits on
+            # writes that other threads queued since.
+            self._reap(keys=writes)
             if self._disk is not None:
                 self._disk.sync()
 
@@ -151,7 +159,10 @@ class TieredStore:
         if self._closed:
             return 0
         if timeout is None:
-            self.flush()
+            try:
+                self.flush()
+            except ValueError:
+                return 0  # another thread closed the store first
         with self._lock:
             if self._closed:
                 return 0
@@ -483,10 +494,12 @@ class TieredStore:
         self._delete_on_disk([meta])
         self._index.remove(meta.key)
 
-    def _reap(self, wait: bool = False) -> None:
-        """Record finished disk writes: DURABLE on success; on failure the block stays in memory only."""
-        for key, job in list(self._pending_writes.items()):
-            if not (wait or job.done()):
+    def _reap(self, keys: Iterable[bytes] | None = None) -> None:
+        """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
+        block stays in memory only. Never waits."""
+        for key in list(self._pending_writes) if keys is None else keys:
+            job = self._pending_writes.get(key)
+            if job is None or not job.done():
                 continue
             del self._pending_writes[key]
             self._inflight.pop(key, None)

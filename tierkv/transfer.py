@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -79,11 +80,15 @@ class _CudaCopyJob(Job[torch.Tensor]):
     __slots__ = ("_cuda_event", "_tensor")
 
     def __init__(self, cuda_event: torch.cuda.Event, tensor: torch.Tensor) -> None:
-        super().__init__(poll=self._query)
+        # No poll callback: a bound method stored on the job would make a reference cycle that
+        # keeps the tensor (GPU or pinned memory) alive until a full garbage collection.
+        super().__init__()
         self._cuda_event = cuda_event
         self._tensor = tensor
 
-    def _query(self) -> bool:
+    def done(self) -> bool:
+        if self._event.is_set():
+            return True
         if self._cuda_event.query():
             self.set_result(self._tensor)
             return True
@@ -91,6 +96,12 @@ class _CudaCopyJob(Job[torch.Tensor]):
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if not self._event.is_set():
+            if timeout is not None:
+                deadline = time.monotonic() + timeout
+                while not self.done():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("copy did not complete in time")
+                    time.sleep(0.0002)  # polling a CUDA event: there is no blocking wait with a timeout
             self._cuda_event.synchronize()
             self.set_result(self._tensor)
         return super().wait(timeout)
@@ -123,9 +134,13 @@ class _LayeredCudaJob(_CudaCopyJob):
         super().__init__(layer_events[-1], tensor)
         self._layer_events = layer_events
 
-    def stream_wait_layer(self, layer: int) -> torch.Tensor:
-        """Order the current stream after layer ``layer``'s copy, without a host sync."""
-        torch.cuda.current_stream(self._tensor.device).wait_event(self._layer_events[layer])
+    def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
+        """Order the current stream after layer ``layer``'s copy, without a host sync. Blocks of
+        one restore share their layer events: ``seen`` (event ids) makes each wait happen once."""
+        event = self._layer_events[layer]
+        if id(event) not in seen:
+            seen.add(id(event))
+            torch.cuda.current_stream(self._tensor.device).wait_event(event)
         return self._tensor
 
 
@@ -246,11 +261,15 @@ class BackgroundWriter(Generic[T]):
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
                  max_batch: int = 64, max_batch_bytes: int = 64 << 20,
-                 size_of: Callable[[T], int] = lambda item: 0) -> None:
+                 size_of: Callable[[T], int] = lambda item: 0,
+                 abandonable: Callable[[T], bool] = lambda item: True,
+                 device: torch.device | None = None) -> None:
         self._apply = apply
         self._max_batch = max_batch
         self._max_batch_bytes = max_batch_bytes
         self._size_of = size_of
+        self._abandonable = abandonable
+        self._device = device
         self._queue: queue.Queue[tuple[T, Job[None]] | None] = queue.Queue()
         self._closed = False
         # Orders submissions against close(): nothing is queued behind the stop signal.
@@ -283,9 +302,9 @@ class BackgroundWriter(Generic[T]):
             job.wait(timeout)
 
     def close(self, timeout: float | None = None) -> int:
-        """Stop once everything queued is applied. With a ``timeout``, items still queued when it
-        expires are abandoned (their jobs fail with ``WriteAbandoned``) after the batch in flight;
-        returns how many were abandoned."""
+        """Stop once everything queued is applied. With a ``timeout``, the abandonable items still
+        queued when it expires are abandoned (their jobs fail with ``WriteAbandoned``) after the
+        batch in flight, and the others are still applied; returns how many were abandoned."""
         with self._gate:
             if self._closed:
                 return 0
@@ -299,6 +318,8 @@ class BackgroundWriter(Generic[T]):
 
     def _run(self) -> None:
         _lower_priority()
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # event waits here must not open a context on GPU 0
         while True:
             entry = self._queue.get()
             if entry is None:
@@ -323,13 +344,14 @@ class BackgroundWriter(Generic[T]):
 
     def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
         if self._abandon.is_set():
+            kept = []
             for item, job in batch:
-                if item is _MARKER:
-                    job.set_result(None)
-                else:
+                if item is not _MARKER and self._abandonable(item):
                     self._abandoned += 1
                     job.set_error(WriteAbandoned("abandoned when the store closed with a timeout"))
-            return
+                else:
+                    kept.append((item, job))
+            batch = kept
         items = [item for item, _ in batch if item is not _MARKER]
         try:
             results: Sequence[BaseException | None] = self._apply(items) if items else []
