@@ -309,3 +309,59 @@ def test_concurrent_close_and_flush_are_harmless(model, stores, tmp_path):
     for t in threads:
         t.join(WAIT)
     assert errors == [] and store._closed
+
+
+def test_a_disk_read_does_not_hold_up_other_sessions(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    cold = random_ids(20, 80)
+    cache = store.open(model, cold, session="cold")
+    out_cold = generate(model, cold, cache)
+    cache.commit(out_cold)
+    store.close()
+    store = make_store(stores, path, device_budget="1MiB")
+    hot = random_ids(20, 81)
+    cache = store.open(model, hot, session="hot")
+    out_hot = generate(model, hot, cache)
+    cache.commit(out_hot)  # rests on the device
+    reading, release = threading.Event(), threading.Event()
+    load = store._disk.load
+
+    def slow_load(*args, **kwargs):
+        reading.set()
+        assert release.wait(WAIT)
+        return load(*args, **kwargs)
+
+    store._disk.load = slow_load
+    result: list = []
+    nxt_cold = torch.cat([out_cold, random_ids(2, 82)], dim=1)
+    reader = threading.Thread(target=lambda: result.append(store.open(model, nxt_cold, session="cold")))
+    reader.start()
+    assert reading.wait(WAIT)  # the cold open is inside its disk read
+    nxt_hot = torch.cat([out_hot, random_ids(2, 83)], dim=1)
+    cache = store.open(model, nxt_hot, session="hot")  # would deadlock if the read held the lock
+    assert cache.restored_from["device"] == 22
+    assert torch.equal(generate(model, nxt_hot, cache), generate(model, nxt_hot))
+    release.set()
+    reader.join(WAIT)
+    cold_cache = result[0]
+    assert cold_cache.restored_from["disk"] == 22
+    assert torch.equal(generate(model, nxt_cold, cold_cache), generate(model, nxt_cold))
+
+
+def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, tmp_path):
+    store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
+    ids = random_ids(20, 90)
+    cache = store.open(model, ids)
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    store.flush()
+
+    def gone(key, empty):
+        raise KeyError(key)
+
+    store._disk.load = gone
+    nxt = torch.cat([out, random_ids(2, 91)], dim=1)
+    cache = store.open(model, nxt)
+    assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 0
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))

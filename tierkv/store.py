@@ -10,8 +10,9 @@ Protocol of one conversation turn::
   their stored token ids agree, then the stored continuation (a partial tail, or a block that
   diverges later) that shares the most leading tokens, capped at ``L - 1`` tokens. Disk blocks
   are read and verified before ``open`` returns (a bad record must shorten the restore, not
-  corrupt it); the copies to the device start at once, layer-major, and ``open`` returns without
-  waiting for them. Hit blocks are promoted to the device tier.
+  corrupt it), outside the store lock, with the planned blocks pinned; the copies to the device
+  start at once, layer-major, and ``open`` returns without waiting for them. Hit blocks are
+  promoted to the device tier.
 * ``commit`` stores the blocks the store lacks: into the device tier (demoting the least recently
   used blocks device -> host -> dropped), and, with a disk tier, through to disk by the
   background writer. Blocks are immutable, so each is written once and leaving a memory tier
@@ -38,9 +39,11 @@ import itertools
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import lmdb
 import msgpack
 import numpy as np
 import xxhash
@@ -104,7 +107,7 @@ class TieredStore:
         self._pending_writes: dict[bytes, Job[None]] = {}
         self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
         self._stamps: dict[bytes, int] = {}
-        self._pinned: set[bytes] = set()  # blocks the open or commit in progress must keep
+        self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._clock = 0
         self._closed = False
         self._hits = {t.value: 0 for t in Tier}
@@ -199,40 +202,88 @@ class TieredStore:
                              f"move the model with model.to({str(self.device)!r}) or create the store with "
                              f"device={str(info.device)!r}")
         ids = token_ids_of(input_ids)
-        with self._lock:
-            self._check_open()
-            self._reap()
-            root = root_key(info.fingerprint, tenant)
-            blocks: list[tuple[Job[Any], int]] = []
-            restored_from = {t.value: 0 for t in Tier}
-            plan = self._match(root, ids)
-            used: list[BlockMeta] = []
-            self._pinned.update(meta.key for meta, _ in plan)
+        root = root_key(info.fingerprint, tenant)
+        pins: list[bytes] = []
+        try:
+            with self._lock:
+                self._check_open()
+                self._reap()
+                plan = self._match(root, ids)
+                self._pin(pins, [meta.key for meta, _ in plan])
+                found = [self._source(meta) for meta, _ in plan]
+            # Disk blocks are read and verified outside the store lock, so other sessions' turns
+            # go on meanwhile; the planned blocks are pinned against eviction.
+            reads = self._read_disk_blocks(plan, found, info.fingerprint)
+            with self._lock:
+                self._check_open()
+                return self._finish_open(info, ids, root, session, tenant, plan, found, reads)
+        finally:
+            with self._lock:
+                self._unpin(pins)
+
+    def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
+                          fingerprint: bytes) -> dict[int, Any]:
+        """Plan index -> verified host tensor, or the exception that made it a miss; stops at the
+        first miss, since a restore is a prefix."""
+        reads: dict[int, Any] = {}
+        for i, ((meta, _), where) in enumerate(zip(plan, found)):
+            if where is not None:
+                continue
+            if self._disk is None:
+                break
             try:
-                sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
-                for meta, n in plan:
-                    found = self._source(meta, info.fingerprint)
-                    if found is None:
-                        break
-                    sources.append((meta, n, *found))
-                # Every copy to the device starts at once, layer by layer across blocks, so that
-                # layer i can be used as soon as its own copies landed.
-                moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
-                moved = iter(self._engine.to_device_many([sources[i][3] for i in moving]))
-                for i, (meta, n, tier, src) in enumerate(sources):
-                    job = src if tier is Tier.DEVICE else next(moved)
-                    if tier is not Tier.DEVICE:
-                        self._promote(meta, job, src)
-                    blocks.append((job, n))
-                    restored_from[tier.value] += n
-                    used.append(meta)
-            finally:
-                self._pinned.clear()
-            self._touch_chain(used)
-            restored = sum(restored_from.values())
-            for tier, n in restored_from.items():
-                self._hits[tier] += n
-            self._misses += len(ids) - restored
+                header, host_tensor = self._disk.load(meta.key, self._host.empty)
+                self._check_header(header, meta, fingerprint)
+                reads[i] = host_tensor
+            except (CorruptRecord, KeyError) as exc:
+                reads[i] = exc
+                break
+            except lmdb.Error as exc:
+                if self._closed:
+                    raise ValueError("this TieredStore was closed during open(); create a new "
+                                     "TieredStore(path, ...) to use it again") from exc
+                reads[i] = exc
+                break
+        return reads
+
+    def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
+                     plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
+                     reads: dict[int, Any]) -> TieredCache:
+        sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
+        for i, ((meta, n), where) in enumerate(zip(plan, found)):
+            if where is None:
+                result = reads.get(i)
+                if result is None or isinstance(result, BaseException):
+                    if isinstance(result, (CorruptRecord, lmdb.Error)):
+                        self._corrupt += 1
+                        logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be "
+                                       "recomputed", result)
+                        if self._index.blocks.get(meta.key) is meta:
+                            self._drop(meta)
+                    break  # a KeyError: evicted or forgotten meanwhile, a plain miss
+                where = (Tier.DISK, Job.completed(result))
+            sources.append((meta, n, *where))
+        # Every copy to the device starts at once, layer by layer across blocks, so that layer i
+        # can be used as soon as its own copies landed.
+        moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
+        moved = iter(self._engine.to_device_many([sources[i][3] for i in moving]))
+        blocks: list[tuple[Job[Any], int]] = []
+        restored_from = {t.value: 0 for t in Tier}
+        used: list[BlockMeta] = []
+        for meta, n, tier, src in sources:
+            job = src if tier is Tier.DEVICE else next(moved)
+            # Promote unless another thread moved or dropped the block since it was found.
+            was = Tier.HOST if tier is Tier.HOST else None
+            if tier is not Tier.DEVICE and self._index.blocks.get(meta.key) is meta and meta.resident is was:
+                self._promote(meta, job, src)
+            blocks.append((job, n))
+            restored_from[tier.value] += n
+            used.append(meta)
+        self._touch_chain([m for m in used if self._index.blocks.get(m.key) is m])
+        restored = sum(restored_from.values())
+        for tier_name, n in restored_from.items():
+            self._hits[tier_name] += n
+        self._misses += len(ids) - restored
         return TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
                            blocks=blocks, restored_from=restored_from)
 
@@ -263,10 +314,9 @@ class TieredStore:
                 plan.append((meta, n - (pos - limit)))
         return plan
 
-    def _source(self, meta: BlockMeta, fingerprint: bytes) -> tuple[Tier, Job[Any]] | None:
-        """Where a planned block is read from, and its tensor there (a job). None if unreadable."""
-        if self._index.blocks.get(meta.key) is not meta:
-            return None
+    def _source(self, meta: BlockMeta) -> tuple[Tier, Job[Any]] | None:
+        """Where a planned block is read from in memory, and its tensor there (a job); None when
+        it must be read from disk."""
         if meta.resident is Tier.DEVICE:
             return Tier.DEVICE, self._device.get(meta.key)
         if meta.resident is Tier.HOST:
@@ -274,16 +324,7 @@ class TieredStore:
         if meta.disk is DiskState.PENDING:
             # On its way to disk: served from the write's own buffer, not read back half-written.
             return Tier.DISK, self._inflight[meta.key]
-        try:
-            assert self._disk is not None
-            header, host_tensor = self._disk.load(meta.key, self._host.empty)
-            self._check_header(header, meta, fingerprint)
-        except (CorruptRecord, KeyError) as exc:
-            self._corrupt += 1
-            logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be recomputed", exc)
-            self._drop(meta)
-            return None
-        return Tier.DISK, Job.completed(host_tensor)
+        return None
 
     @staticmethod
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:
@@ -346,10 +387,12 @@ class TieredStore:
             sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
             parent = cache.root
             chain: list[BlockMeta] = []
+            pins: list[bytes] = []
             try:
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
                 for start, end, key in spans:
+                    self._pin(pins, [key])
                     meta = self._index.blocks.get(key)
                     if meta is None or not np.array_equal(meta.token_ids, ids[start:end]):
                         if meta is not None:
@@ -357,11 +400,10 @@ class TieredStore:
                         meta = self._store_block(key, parent, cache, ids[start:end], start, end)
                         if meta is None:
                             break
-                    self._pinned.add(key)
                     chain.append(meta)
                     parent = key
             finally:
-                self._pinned.clear()
+                self._unpin(pins)
             # A failed disk write reaped meanwhile can still have removed a block of the chain.
             kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
             self._touch_chain(kept)
@@ -379,7 +421,6 @@ class TieredStore:
         meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=record_size(header))
         self._index.add(meta)
-        self._pinned.add(key)
         host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
             self._device.put(key, Job.completed(tensor), meta.nbytes)
@@ -433,7 +474,7 @@ class TieredStore:
     def _victim(self, tier: Tier) -> BlockMeta | None:
         """The least recently used block of ``tier`` that the call in progress has not pinned."""
         for key in self._index.lru[tier]:
-            if key not in self._pinned:
+            if not self._pinned[key]:
                 return self._index.blocks[key]
         return None
 
@@ -525,6 +566,17 @@ class TieredStore:
         self._index.touch(meta)
         if self._writer is not None and meta.disk is not DiskState.NONE:
             self._stamps[meta.key] = self._tick()
+
+    def _pin(self, pins: list[bytes], keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._pinned[key] += 1
+            pins.append(key)
+
+    def _unpin(self, pins: list[bytes]) -> None:
+        self._pinned.subtract(pins)
+        for key in pins:
+            if self._pinned[key] <= 0:
+                del self._pinned[key]
 
     def _touch_chain(self, chain: list[BlockMeta]) -> None:
         # Tail first, head last: a conversation's head becomes the most recently used, so eviction
