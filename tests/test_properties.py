@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from conftest import VOCAB, make_model
 from tierkv import TieredStore
+from tierkv.index import DiskState, Tier
 
 MODEL = make_model("llama", seed=0)
 BLOCK = 4
@@ -103,9 +104,31 @@ class StoreMachine(RuleBasedStateMachine):
     def persist(self, reopen: bool) -> None:
         self.store.flush()
         assert self.store.stats()["pending_writes"] == 0
+        if self.path is not None:
+            disk = self.store._disk
+            with disk.env.begin() as txn:
+                on_disk = {bytes(k) for k, _ in txn.cursor(db=disk._blocks)}
+            durable = {k for k, m in self.store._index.blocks.items() if m.disk is DiskState.DURABLE}
+            assert durable == on_disk
         if reopen and self.path is not None:
             self.store.close()
             self.store = TieredStore(self.path, **self.kwargs)
+
+    @invariant()
+    def index_agrees_with_the_tiers(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        index = self.store._index
+        for meta in index.blocks.values():
+            assert meta.resident is not None or meta.disk is not DiskState.NONE, "a block rests nowhere"
+        for tier, space in ((Tier.DEVICE, self.store._device), (Tier.HOST, self.store._host)):
+            assert space.used == index.bytes[tier]
+            assert set(space._blocks) == set(index.lru[tier])
+        for tier in Tier:
+            assert set(index.lru[tier]) <= set(index.blocks)
+        for info in index.sessions.values():
+            assert info.keys <= set(index.blocks)
+        assert not self.store._pinned, "a turn left blocks pinned"
 
     @invariant()
     def budgets_hold(self) -> None:
