@@ -793,3 +793,14 @@ def test_threads_share_one_store(tiny_model, tmp_path, blocks_in_memory):
             assert restored == {w: [(0, 0), (15 + w, 15 + w), (23 + w, 23 + w)] for w in range(4)}
         store.flush()
         verify_budgets(store)
+
+
+def test_layer_types_without_transformers_per_layer_api(monkeypatch, tiny_model):
+    # transformers releases before get_layer_types_and_kwargs: the fallback reads the config.
+    import tierkv.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "get_layer_types_and_kwargs", None)
+    assert cache_module._layer_types(tiny_model("llama").config) == ["full_attention"] * 2
+    assert cache_module._layer_types(tiny_model("gpt2").config) == ["full_attention"] * 2
+    sliding = tiny_model("mistral", sliding_window=16).config
+    assert cache_module._layer_types(sliding) == ["sliding_attention"] * 2

@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import xxhash
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
+
+try:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # transformers before 5.x's per-layer config API
+    get_layer_types_and_kwargs = None
 
 from .transfer import Job
 
@@ -70,6 +75,17 @@ class _Static:
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
 
 
+def _layer_types(text_config: Any) -> list[str]:
+    """Each layer's attention type, as transformers' own caches would build it."""
+    if get_layer_types_and_kwargs is not None:
+        return list(get_layer_types_and_kwargs(text_config)[0])
+    window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
+    types = list(getattr(text_config, "layer_types", None) or
+                 ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers)
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    return types[: len(types) - shared] + ["dummy"] * shared
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -82,7 +98,7 @@ def _static_facts(model: Any) -> _Static:
         raise ValueError(f"{type(model).__name__} does not use a standard KV cache (recurrent or custom state); "
                          "tierkv supports decoder-only full-attention models")
     text_config = config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    layer_types = _layer_types(text_config)
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
