@@ -5,11 +5,14 @@ and holds no policy:
 
 * ``describe_model(model)`` checks that the model is a decoder-only, full-attention model and
   computes its fingerprint (architecture fields of its config, dtype, and a digest of a sample of
-  its weights), cached per model object until a parameter changes.
+  its weights). The checks and the config digest are cached per model object; the weight sample
+  is read on every call, so weights changed in place never meet KV computed with the old ones.
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
-  waits for them and assembles its keys and values only when the model first touches layer ``i``
-  (``update``, ``keys``, crop...), so restores overlap with the prefill of earlier layers.
+  waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
+  assembles its keys and values only when the model first touches layer ``i`` (``update``,
+  ``keys``, crop...), so restores overlap with the prefill of earlier layers. The first
+  ``update`` concatenates the restored blocks and the new tokens in one copy.
   ``commit(sequences)`` hands the KV back to the store.
 
 Generation details handled here:
