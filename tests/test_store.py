@@ -804,3 +804,15 @@ def test_layer_types_without_transformers_per_layer_api(monkeypatch, tiny_model)
     assert cache_module._layer_types(tiny_model("gpt2").config) == ["full_attention"] * 2
     sliding = tiny_model("mistral", sliding_window=16).config
     assert cache_module._layer_types(sliding) == ["sliding_attention"] * 2
+
+
+def test_a_replaced_parameter_changes_the_fingerprint(tmp_path):
+    # load_state_dict(assign=True) swaps Parameter objects: the cached sample points must follow.
+    model = make_model("llama", 0)
+    ids = random_ids(20, 39)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", expect_stored=23)
+        verify_open(store, model, out, session="s", expect=23)
+        model.load_state_dict(make_model("llama", 3).state_dict(), assign=True)
+        cache = verify_open(store, model, out, session="s", expect=0)
+        verify_generate(model, out, cache, 3)

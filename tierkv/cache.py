@@ -72,7 +72,8 @@ class _Static:
 
     config_digest: bytes
     num_layers: int
-    sample_idx: tuple[torch.Tensor, ...]  # per parameter, in name order
+    params: tuple[torch.nn.Parameter, ...]  # in model.parameters() order
+    sample_idx: tuple[torch.Tensor, ...]  # per parameter, on its device
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -108,16 +109,17 @@ def _static_facts(model: Any) -> _Static:
                 "sliding_window=None)" if "sliding_attention" in other else "")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
-    named = sorted(model.named_parameters(), key=lambda item: item[0])
-    if not named:
+    params = tuple(model.parameters())
+    if not params:
         raise ValueError("the model has no parameters to fingerprint")
     h = xxhash.xxh3_128()
     fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
-    for name, p in named:
-        h.update(f"{name}:{tuple(p.shape)}".encode())
-    idx = tuple(torch.linspace(0, p.numel() - 1, min(_SAMPLES_PER_PARAM, p.numel())).long() for _, p in named)
-    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample_idx=idx)
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    idx = tuple(torch.linspace(0, p.numel() - 1, min(_SAMPLES_PER_PARAM, p.numel()), device=p.device).long()
+                for p in params)
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), params=params, sample_idx=idx)
 
 
 def describe_model(model: Any) -> ModelInfo:
@@ -128,22 +130,22 @@ def describe_model(model: Any) -> ModelInfo:
     parameter. The config digest and validation are computed once per model object.
     """
     static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
-    if static is None:
+    params = tuple(model.parameters()) if static is not None else ()
+    # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
+    # (model.to(...)) or cast: the cached sample points must address the live tensors.
+    if static is None or len(params) != len(static.params) or any(
+            a is not b or a.device != i.device for a, b, i in zip(params, static.params, static.sample_idx)):
         static = _static_facts(model)
         _static_cache[model] = static
-    params = [p for _, p in sorted(model.named_parameters(), key=lambda item: item[0])]
-    if len(params) != len(static.sample_idx) or any(
-            p.numel() - 1 < int(idx[-1]) for p, idx in zip(params, static.sample_idx)):
-        static = _static_cache[model] = _static_facts(model)  # parameters were replaced or resized
+        params = static.params
     device, dtype = params[0].device, params[0].dtype
     with torch.no_grad():
-        samples = torch.cat([p.detach().reshape(-1)[idx.to(p.device)].to(device=device, dtype=torch.float64)
-                             for p, idx in zip(params, static.sample_idx)])
+        samples = torch.cat([torch.take(p.detach(), idx).to(device=device) for p, idx in
+                             zip(params, static.sample_idx)])
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
     h.update(str(dtype).encode())
-    h.update(",".join(str(p.dtype) for p in params).encode())
-    h.update(samples.cpu().numpy().tobytes())
+    h.update(samples.to(dtype=torch.float64).cpu().numpy().tobytes())
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=device, dtype=dtype)
 
 
