@@ -1,0 +1,40 @@
+"""The benchmark scripts run at a toy size, so that they cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_ttft_benchmark_reports_every_policy() -> None:
+    out = run("-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "1", "--block-size", "16", "--shapes", "small")
+    for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk"):
+        assert f"| {policy}" in out
+
+
+def test_decode_benchmark_reports_its_figures() -> None:
+    out = run("-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
+    assert "TieredCache / DynamicCache" in out and "p99 during spill" in out
+
+
+def test_gpu_check_dry_run_is_exact_on_cpu() -> None:
+    out = run("benchmarks/gpu_check.py", "--cpu")
+    assert out.count("| exact |") == 12 and "MISMATCH" not in out
+    assert "(restore + prefill) / (restore alone + prefill alone)" in out
+
+
+@pytest.mark.parametrize("args", [["--quick"]])
+def test_chatbot_example_runs_exact(args: list[str], tmp_path: Path) -> None:
+    out = run("examples/chatbot.py", *args, "--store", str(tmp_path / "kv"))
+    assert "restart" in out and " NO" not in out
