@@ -38,3 +38,10 @@ def test_gpu_check_dry_run_is_exact_on_cpu() -> None:
 def test_chatbot_example_runs_exact(args: list[str], tmp_path: Path) -> None:
     out = run("examples/chatbot.py", *args, "--store", str(tmp_path / "kv"))
     assert "restart" in out and " NO" not in out
+
+
+def test_micro_benchmark_reports_every_figure() -> None:
+    out = run("-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
+    for figure in ("prefix hashing", "codec encode", "codec decode", "LMDB spill into a new store",
+                   "LMDB spill at the disk budget", "LMDB read", "restore from host"):
+        assert f"| {figure}" in out

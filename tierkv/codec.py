@@ -84,11 +84,15 @@ def _pack_header(h: RecordHeader) -> bytes:
     )
 
 
-def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview) -> np.ndarray:
-    """Serialize one record into a new uint8 array. ``payload`` must be ``header.payload_nbytes``.
+def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Serialize one record into a uint8 array: ``out`` (a reused scratch buffer, returned sliced
+    to the record) when it is large enough, else a new one. ``payload`` must be
+    ``header.payload_nbytes`` long.
 
     The payload copy and the checksum run without holding the GIL (numpy and xxhash release it),
-    so a background writer encoding megabytes does not stall the thread that decodes.
+    so a background writer encoding megabytes does not stall the thread that decodes; reusing
+    ``out`` spares the page faults of fresh multi-MiB allocations.
     """
     if header.dtype not in ITEMSIZE:
         raise ValueError(f"dtype {header.dtype!r} cannot be stored; supported: {sorted(ITEMSIZE)}")
@@ -98,7 +102,8 @@ def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview) 
     head = _pack_header(header)
     prefix = _PREFIX.pack(MAGIC, len(head))
     start = len(prefix) + len(head)
-    out = np.empty(start + view.nbytes + _CHECKSUM.size, dtype=np.uint8)
+    total = start + view.nbytes + _CHECKSUM.size
+    out = out[:total] if out is not None and out.nbytes >= total else np.empty(total, dtype=np.uint8)
     out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
     out[len(prefix) : start] = np.frombuffer(head, dtype=np.uint8)
     np.copyto(out[start : start + view.nbytes], np.frombuffer(view, dtype=np.uint8))

@@ -108,6 +108,7 @@ class DiskTier:
         fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
         os.makedirs(self.path, exist_ok=True)
         self._resize_lock = threading.Lock()
+        self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.env = lmdb.open(self.path, map_size=_INITIAL_MAP, max_dbs=8, writemap=True,
                              subdir=True, readahead=False)
         try:
@@ -200,27 +201,30 @@ class DiskTier:
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
-        values: dict[int, np.ndarray] = {}
-        for i, op in enumerate(ops):
-            if isinstance(op, PutBlock):
-                try:
-                    values[i] = encode_array(op.header, tensor_bytes(op.tensor.wait()))
-                except BaseException as exc:  # noqa: BLE001 - reported through this op's job
-                    results[i] = exc
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     for i, op in enumerate(ops):
-                        if results[i] is None:
-                            self._apply_one(txn, op, values.get(i))
+                        if isinstance(op, PutBlock):
+                            # Encoded inside the transaction into one reused buffer: put() copies it
+                            # into the map at once, and fresh multi-MiB buffers would cost page faults.
+                            try:
+                                value = encode_array(op.header, tensor_bytes(op.tensor.wait()), self._scratch)
+                            except BaseException as exc:  # noqa: BLE001 - reported through this op's job
+                                results[i] = exc
+                                continue
+                            if value.base is not self._scratch and value is not self._scratch:
+                                self._scratch = value
+                            txn.put(op.header.key, value, db=self._blocks)
+                        else:
+                            self._apply_one(txn, op)
                 return results
             except lmdb.MapFullError:
+                results = [None] * len(ops)
                 self._grow()
 
-    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, value: np.ndarray | None) -> None:
-        if isinstance(op, PutBlock):
-            txn.put(op.header.key, value, db=self._blocks)
-        elif isinstance(op, DeleteBlocks):
+    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp) -> None:
+        if isinstance(op, DeleteBlocks):
             for key in op.keys:
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._atime)
