@@ -103,8 +103,8 @@ def main() -> None:
         recompute = med["recompute"]
         print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}), "
               f"returning session of {args.tokens} tokens, median of {args.repeats}")
-        print(f"| policy | TTFT / floor | TTFT / recompute |")
-        print(f"|---|---|---|")
+        print("| policy | TTFT / floor | TTFT / recompute |")
+        print("|---|---|---|")
         for name, t in med.items():
             print(f"| {name} | {t / floor:.2f} | {t / recompute:.3f} |")
 

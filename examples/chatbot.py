@@ -110,7 +110,6 @@ def main() -> None:
     timed_generate(model, system, args.reply_tokens)  # warm up kernels and allocator before timing
 
     def run_turn(turn: int, user: str) -> None:
-        nonlocal store
         message = torch.randint(3, vocab, (1, int(torch.randint(30, 80, (1,), generator=gen))), generator=gen)
         ids = torch.cat([conversations[user], message], dim=1)
         reference, ttft_plain, _ = timed_generate(model, ids, args.reply_tokens)
