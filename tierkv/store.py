@@ -423,7 +423,7 @@ class TieredStore:
         self._index.add(meta)
         host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
-            self._device.put(key, Job.completed(tensor), meta.nbytes)
+            self._device.put(key, self._engine.ready(tensor), meta.nbytes)
             self._index.set_resident(meta, Tier.DEVICE)
         elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
             host_job = self._engine.to_host(tensor)

@@ -86,6 +86,15 @@ class _CudaCopyJob(Job[torch.Tensor]):
         self._cuda_event = cuda_event
         self._tensor = tensor
 
+    def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
+        """Order the current stream after this copy (all layers at once), without a host sync,
+        and tell the allocator the tensor is used there."""
+        if id(self._cuda_event) not in seen:
+            seen.add(id(self._cuda_event))
+            torch.cuda.current_stream(self._tensor.device).wait_event(self._cuda_event)
+        self._tensor.record_stream(torch.cuda.current_stream(self._tensor.device))
+        return self._tensor
+
     def done(self) -> bool:
         if self._event.is_set():
             return True
@@ -141,6 +150,7 @@ class _LayeredCudaJob(_CudaCopyJob):
         if id(event) not in seen:
             seen.add(id(event))
             torch.cuda.current_stream(self._tensor.device).wait_event(event)
+        self._tensor.record_stream(torch.cuda.current_stream(self._tensor.device))
         return self._tensor
 
 
@@ -174,6 +184,15 @@ class CopyEngine:
         if dst.is_cuda:
             dst.record_stream(stream)
         return _CudaCopyJob(event, dst)
+
+    def ready(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
+        """A tensor just written on the current stream, as a job: on CUDA an event recorded there,
+        so that readers on other streams (another thread's turn, a copy stream) order after it."""
+        if not tensor.is_cuda:
+            return Job.completed(tensor)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return _CudaCopyJob(event, tensor)
 
     @staticmethod
     def _meta(src: "torch.Tensor | Job[torch.Tensor]") -> torch.Tensor:
