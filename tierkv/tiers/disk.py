@@ -201,6 +201,7 @@ class DiskTier:
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
+        self._reserve(sum(op.header.payload_nbytes for op in ops if isinstance(op, PutBlock)))
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -245,9 +246,17 @@ class DiskTier:
         else:
             raise TypeError(f"unknown disk operation {op!r}")
 
-    def _grow(self) -> None:
+    def _grow(self, at_least: int = 0) -> None:
         with self._resize_lock:
-            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            self.env.set_mapsize(max(self.env.info()["map_size"] * 2, at_least))
+
+    def _reserve(self, nbytes: int) -> None:
+        """Grow the map before a batch that would not fit, rather than fail and redo it
+        (MapFullError remains the fallback: free pages and overheads are estimates)."""
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        if used + nbytes * 1.1 > info["map_size"]:
+            self._grow(used + 2 * nbytes)
 
     def sync(self) -> None:
         self.env.sync(True)
