@@ -15,11 +15,46 @@ from transformers import DynamicCache
 from conftest import VOCAB, make_model
 from tierkv import TieredStore
 from tierkv.index import DiskState, Tier
+from tierkv.transfer import CopyEngine, Job
 
 MODEL = make_model("llama", seed=0)
 BLOCK = 4
 # Conversations overlap through a few shared openings, so sharing, divergence and tails all occur.
 OPENINGS = [torch.arange(3, 3 + n).unsqueeze(0) for n in (0, 5, 9)]
+
+
+class LazyCopy(Job):
+    """A copy that happens only when someone waits for it: any reader that skips the wait would
+    see the source's absence (the job holds no tensor before), so the protocol is checked on CPU."""
+
+    def __init__(self, source) -> None:
+        super().__init__()
+        self.source = source
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        if not self._event.is_set():
+            tensor = self.source.wait() if isinstance(self.source, Job) else self.source
+            self.set_result(tensor.clone())
+        return super().wait(timeout)
+
+
+class LazyEngine(CopyEngine):
+    """The CPU copy engine with every move left in flight until it is waited for."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def to_host(self, src):
+        return LazyCopy(src)
+
+    def to_device(self, src):
+        return LazyCopy(src)
+
+    def to_device_many(self, srcs):
+        return [LazyCopy(src) for src in srcs]
 
 
 def recomputed_kv(ids: torch.Tensor) -> DynamicCache:
@@ -33,16 +68,23 @@ class StoreMachine(RuleBasedStateMachine):
     conversations = Bundle("conversations")
 
     @initialize(device_blocks=st.integers(0, 4), host_blocks=st.integers(0, 4),
-                disk=st.sampled_from([None, 0, 6, 10**9]))
-    def start(self, device_blocks: int, host_blocks: int, disk: int | None) -> None:
+                disk=st.sampled_from([None, 0, 6, 10**9]), lazy=st.booleans())
+    def start(self, device_blocks: int, host_blocks: int, disk: int | None, lazy: bool) -> None:
         # One full block of this model: 2 layers x (K, V) x 2 heads x BLOCK tokens x 16 dims x 4 bytes.
         block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
         self.dir = tempfile.mkdtemp(prefix="tierkv-prop-")
         self.kwargs = dict(device_budget=device_blocks * block_bytes, host_budget=host_blocks * block_bytes,
                            disk_budget=(disk * block_bytes * 2 if disk is not None else 0), block_size=BLOCK)
         self.path = self.dir if disk is not None else None
-        self.store = TieredStore(self.path, **self.kwargs)
+        self.lazy = lazy
+        self.store = self._new_store()
         self.turns = 0
+
+    def _new_store(self) -> TieredStore:
+        store = TieredStore(self.path, **self.kwargs)
+        if self.lazy:
+            store._engine = LazyEngine()
+        return store
 
     def teardown(self) -> None:
         store = getattr(self, "store", None)
@@ -112,7 +154,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert durable == on_disk
         if reopen and self.path is not None:
             self.store.close()
-            self.store = TieredStore(self.path, **self.kwargs)
+            self.store = self._new_store()
 
     @invariant()
     def index_agrees_with_the_tiers(self) -> None:
