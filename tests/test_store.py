@@ -816,3 +816,24 @@ def test_a_replaced_parameter_changes_the_fingerprint(tmp_path):
         model.load_state_dict(make_model("llama", 3).state_dict(), assign=True)
         cache = verify_open(store, model, out, session="s", expect=0)
         verify_generate(model, out, cache, 3)
+
+
+def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_path):
+    model = make_model("llama", 0)
+    full = full_block_bytes(model)
+    path = tmp_path / "kv"
+    # The disk holds about two conversations' blocks: older sessions are evicted whole.
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
+                     block_size=B) as store:
+        for i in range(4):
+            turn(store, model, random_ids(16, 100 + i), session=f"s{i}", new=1)
+        store.flush()
+        names = {info.name for info in store._index.sessions.values()}
+        assert "s0" not in names and "s3" in names
+        env = store._disk.env
+        with env.begin() as txn:
+            rows = txn.stat(env.open_db(b"sessions"))["entries"]
+        assert rows == len(store._index.sessions)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
+                     block_size=B) as store:
+        assert {info.name for info in store._index.sessions.values()} == names

@@ -51,7 +51,7 @@ import xxhash
 from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
 from .hashing import block_key, chain_keys, root_key
-from .index import BlockMeta, DiskState, Index, SessionInfo, Tier
+from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
 from .transfer import BackgroundWriter, CopyEngine, Job, resolve_device
@@ -351,7 +351,7 @@ class TieredStore:
             self._index.set_resident(meta, Tier.HOST)
         elif meta.disk is DiskState.NONE:
             self._evictions += 1
-            self._index.remove(meta.key)  # the restore in progress holds its own reference
+            self._remove(meta)  # the restore in progress holds its own reference
 
     # -- commit -----------------------------------------------------------------------------------
     def _commit(self, cache: TieredCache, sequences: Any) -> int:
@@ -436,7 +436,7 @@ class TieredStore:
             self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
             self._index.set_disk(meta, DiskState.PENDING)
         if meta.resident is None and meta.disk is DiskState.NONE:
-            self._index.remove(meta.key)
+            self._remove(meta)
             self._evictions += 1
             return None
         return meta
@@ -492,7 +492,7 @@ class TieredStore:
                 self._evictions += 1
                 self._delete_on_disk([meta])
                 if meta.resident is None:
-                    self._index.remove(meta.key)
+                    self._remove(meta)
             return True
         space = self._device if tier is Tier.DEVICE else self._host
         while not space.fits(nbytes):
@@ -510,7 +510,7 @@ class TieredStore:
                     self._host.put(meta.key, host_job, meta.nbytes)
                     self._index.set_resident(meta, Tier.HOST)
             if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
-                self._index.remove(meta.key)
+                self._remove(meta)
         return True
 
     def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
@@ -526,6 +526,18 @@ class TieredStore:
         if keys and self._writer is not None:
             self._writer.submit(DeleteBlocks(keys, refs))
 
+    def _remove(self, meta: BlockMeta) -> None:
+        """Take a block out of the index; a session left with no block goes too (in LMDB as well),
+        so a long-running store does not keep every session it ever saw."""
+        sids = list(meta.sessions)
+        self._index.remove(meta.key)
+        for sid in sids:
+            info = self._index.sessions.get(sid)
+            if info is not None and not info.keys:
+                del self._index.sessions[sid]
+                if self._writer is not None:
+                    self._writer.submit(DropRefs(sid, [], drop_session=True))
+
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
         if meta.resident is Tier.DEVICE:
@@ -533,7 +545,7 @@ class TieredStore:
         elif meta.resident is Tier.HOST:
             self._host.pop(meta.key)
         self._delete_on_disk([meta])
-        self._index.remove(meta.key)
+        self._remove(meta)
 
     def _reap(self, keys: Iterable[bytes] | None = None) -> None:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
@@ -553,7 +565,7 @@ class TieredStore:
                 if meta is not None:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
-                        self._index.remove(key)
+                        self._remove(meta)
                 continue
             if meta is not None and meta.disk is DiskState.PENDING:
                 self._index.set_disk(meta, DiskState.DURABLE)
@@ -621,8 +633,6 @@ class TieredStore:
             self._index.add(meta)
             self._index.set_disk(meta, DiskState.DURABLE)
         for sid, (tenant, name, keys) in scan.sessions.items():
-            # Kept even with no block left, so that forget() still finds and removes it.
-            self._index.sessions.setdefault(sid, SessionInfo(tenant, name))
             dangling = []
             for key in keys:
                 meta = self._index.blocks.get(key)
@@ -630,9 +640,11 @@ class TieredStore:
                     self._index.ref(sid, tenant, name, meta)
                 else:
                     dangling.append(key)
-            if dangling:
+            alive = sid in self._index.sessions
+            if dangling or not alive:
+                # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
-                self._writer.submit(DropRefs(sid, dangling))
+                self._writer.submit(DropRefs(sid, dangling, drop_session=not alive))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 
