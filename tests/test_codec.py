@@ -460,7 +460,7 @@ def test_no_pickle_in_the_record_path(module: object) -> None:
 
 def test_codec_is_pure() -> None:
     imported = _imported_modules(tierkv.codec.__file__)
-    assert imported <= {"__future__", "math", "struct", "dataclasses", "msgpack", "numpy", "xxhash"}
+    assert imported <= {"__future__", "collections", "math", "struct", "dataclasses", "msgpack", "numpy", "xxhash"}
 
 
 def test_a_pickle_payload_is_not_a_record() -> None:
@@ -475,3 +475,21 @@ def test_encode_array_equals_encode_and_decodes() -> None:
     assert array.dtype == np.uint8 and array.tobytes() == encode(SMALL_HEADER, SMALL_PAYLOAD)
     header, payload = decode(array)
     assert header == SMALL_HEADER and bytes(payload) == bytes(SMALL_PAYLOAD)
+
+
+def test_decode_into_copies_and_verifies() -> None:
+    from tierkv.codec import decode_into
+
+    record = encode(SMALL_HEADER, SMALL_PAYLOAD)
+    dst = bytearray(SMALL_HEADER.payload_nbytes)
+    assert decode_into(record, lambda header: memoryview(dst)) == SMALL_HEADER
+    assert bytes(dst) == bytes(SMALL_PAYLOAD)
+    big_header, big_payload, big_record = make_record(shape=(2, 2, 2, 300, 64), dtype="float32")
+    out = bytearray(big_header.payload_nbytes)
+    decode_into(big_record, lambda header: memoryview(out))
+    assert bytes(out) == bytes(big_payload)
+    for position in (0, len(big_record) // 2, len(big_record) - 9):  # header, payload, last payload byte
+        broken = bytearray(big_record)
+        broken[position] ^= 0x01
+        with pytest.raises(CorruptRecord):
+            decode_into(bytes(broken), lambda header: memoryview(bytearray(header.payload_nbytes)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -167,6 +168,35 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     header, end = _parse_header(memoryview(buf).cast("B"))
     if end + header.payload_nbytes + _CHECKSUM.size != memoryview(buf).nbytes:
         raise CorruptRecord("record length does not match its header")
+    return header
+
+
+def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryview]) -> RecordHeader:
+    """Copy a record's payload into the buffer ``out(header)`` returns, verifying it there.
+
+    One pass over the source: the checksum runs over the copy while it is still in the CPU's
+    cache, not over the (colder) source a second time. Raises ``CorruptRecord`` like ``decode``;
+    on a mismatch the destination holds garbage and must not be used.
+    """
+    view = memoryview(buf).cast("B")
+    header, end = _parse_header(view)
+    stop = end + header.payload_nbytes
+    if stop + _CHECKSUM.size != view.nbytes:
+        raise CorruptRecord(f"record is {view.nbytes} bytes, its header says {stop + _CHECKSUM.size}")
+    (stored,) = _CHECKSUM.unpack_from(view, stop)
+    dst = np.frombuffer(out(header), dtype=np.uint8)
+    if dst.nbytes != header.payload_nbytes:
+        raise ValueError(f"destination is {dst.nbytes} bytes, the payload {header.payload_nbytes}")
+    h = xxhash.xxh3_64()
+    h.update(view[:end])
+    # In slices that fit the cache, so each one is checksummed right after it was copied.
+    step = 1 << 18
+    src = np.frombuffer(view[end:stop], dtype=np.uint8)
+    for start in range(0, dst.nbytes, step):
+        np.copyto(dst[start:start + step], src[start:start + step])
+        h.update(dst[start:start + step])
+    if h.intdigest() != stored:
+        raise CorruptRecord("checksum mismatch")
     return header
 
 

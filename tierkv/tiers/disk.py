@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode, decode_header, encode_array
+from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
@@ -189,14 +189,18 @@ class DiskTier:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
                 raise KeyError(key)
-            header, payload = decode(buf)
+            made: list[torch.Tensor] = []
+
+            def destination(header: RecordHeader) -> memoryview:
+                made.append(empty(header.shape, getattr(torch, header.dtype)))
+                return memoryview(made[0].view(torch.uint8).numpy().reshape(-1))
+
+            # The only copy: from the memory map into the destination, inside the transaction
+            # that keeps the map's pages valid, checksummed on the way.
+            header = decode_into(buf, destination)
             if header.key != key:
                 raise CorruptRecord("record stored under another key")
-            dst = empty(header.shape, getattr(torch, header.dtype))
-            # The only copy: from the memory map into the destination, inside the transaction
-            # that keeps the map's pages valid.
-            dst.view(torch.uint8).numpy().reshape(-1)[:] = np.frombuffer(payload, dtype=np.uint8)
-        return header, dst
+        return header, made[0]
 
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
