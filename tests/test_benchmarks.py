@@ -45,3 +45,21 @@ def test_micro_benchmark_reports_every_figure() -> None:
     for figure in ("prefix hashing", "codec encode", "codec decode", "LMDB spill into a new store",
                    "LMDB spill at the disk budget", "LMDB read", "restore from host"):
         assert f"| {figure}" in out
+
+
+def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:
+    from benchmarks import chat_trace
+
+    out = tmp_path / "trace"
+    summary = chat_trace.main(["--sessions", "3", "--turns", "8", "--layers", "1", "--hidden", "64",
+                               "--system-tokens", "32", "--user-median", "8", "--user-max", "24",
+                               "--reply-median", "3", "--reply-max", "4", "--context", "96",
+                               "--block-size", "8", "--cpu", "--out", str(out)])
+    policies = summary["policies"]
+    assert set(policies) == {"recompute", "unbounded", "tierkv", "tierkv-no-disk", "offloaded"}
+    assert all(row["exact"] for row in policies.values() if "skipped" not in row)
+    tiered = policies["tierkv"]
+    for tier in ("device", "host"):
+        assert tiered["peak_bytes"][tier] <= tiered["budgets"][tier]
+    assert sum(tiered["hit_tokens"].values()) > 0
+    assert {p.name for p in out.iterdir()} >= {"results.md", "results.json", "ttft_cdf.png", "hits_over_time.png"}

@@ -115,6 +115,8 @@ class TieredStore:
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
+        # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
+        self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         if self._disk is not None:
             self._load_index()
         logger.info("tierkv store opened: path=%s device=%s budgets device=%s host=%s disk=%s, %d blocks found",
@@ -262,11 +264,13 @@ class TieredStore:
                             self._drop(meta)
                     break  # a KeyError: evicted or forgotten meanwhile, a plain miss
                 where = (Tier.DISK, Job.completed(result))
+                self._moved["disk_to_host"] += meta.nbytes
             sources.append((meta, n, *where))
         # Every copy to the device starts at once, layer by layer across blocks, so that layer i
         # can be used as soon as its own copies landed.
         moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
         moved = iter(self._engine.to_device_many([sources[i][3] for i in moving]))
+        self._moved["host_to_device"] += sum(sources[i][0].nbytes for i in moving)
         blocks: list[tuple[Job[Any], int]] = []
         restored_from = {t.value: 0 for t in Tier}
         used: list[BlockMeta] = []
@@ -427,6 +431,7 @@ class TieredStore:
             self._index.set_resident(meta, Tier.DEVICE)
         elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
             host_job = self._engine.to_host(tensor)
+            self._moved["device_to_host"] += meta.nbytes
             self._host.put(key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
         if (self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget
@@ -506,6 +511,7 @@ class TieredStore:
             self._evictions += 1
             if tier is Tier.DEVICE and meta.nbytes <= self._host.budget:
                 host_job = self._engine.to_host(block)
+                self._moved["device_to_host"] += meta.nbytes
                 if self._make_room(Tier.HOST, meta.nbytes):
                     self._host.put(meta.key, host_job, meta.nbytes)
                     self._index.set_resident(meta, Tier.HOST)
@@ -569,6 +575,7 @@ class TieredStore:
                 continue
             if meta is not None and meta.disk is DiskState.PENDING:
                 self._index.set_disk(meta, DiskState.DURABLE)
+                self._moved["host_to_disk"] += meta.record_bytes
 
     def _tick(self) -> int:
         self._clock += 1
@@ -703,6 +710,7 @@ class TieredStore:
                 "evictions": self._evictions,
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
+                "moved_bytes": dict(self._moved),
                 "pending_writes": len(self._pending_writes),
                 "sessions": len(self._index.sessions),
             }
