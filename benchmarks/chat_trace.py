@@ -221,6 +221,11 @@ def summarise(run_: dict) -> dict:
             row["hit_tokens"] = r.final_stats["hits"]
             row["miss_tokens"] = r.final_stats["misses"]
             row["moved_bytes"] = r.final_stats["moved_bytes"]
+            secs = r.final_stats["move_seconds"]
+            moved = r.final_stats["moved_bytes"]
+            row["disk_gb_per_s"] = {
+                "write": moved["host_to_disk"] / secs["host_to_disk"] / 1e9 if secs["host_to_disk"] else None,
+                "read": moved["disk_to_host"] / secs["disk_to_host"] / 1e9 if secs["disk_to_host"] else None}
             row["peak_bytes"] = r.peak
             row["budgets"] = r.budgets
         rows[name] = row
@@ -241,12 +246,12 @@ def markdown(run_: dict, summary: dict) -> str:
              f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
              f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV.", "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
-             "moved MiB d2h/h2d/to disk/from disk | peak MiB dev/host/disk (budget) | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "moved MiB d2h/h2d/to disk/from disk | disk GB/s write/read | peak MiB dev/host/disk (budget) | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = 2**20
     for name, row in summary["policies"].items():
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
             continue
         hits = row.get("hit_tokens")
         hit_s = f"{hits['device']}/{hits['host']}/{hits['disk']}" if hits else "-"
@@ -257,9 +262,11 @@ def markdown(run_: dict, summary: dict) -> str:
         budgets = row.get("budgets", {})
         peak_s = ", ".join(f"{peak[t] / mib:.1f} ({budgets[t] / mib:.1f})" if budgets.get(t, 0) < 1 << 40
                            else f"{peak[t] / mib:.1f} (unbounded)" for t in ("device", "host", "disk")) if peak else "-"
+        gbs = row.get("disk_gb_per_s")
+        gbs_s = "/".join("-" if gbs is None or gbs[k] is None else f"{gbs[k]:.2f}" for k in ("write", "read"))
         lines.append(f"| {name} | {row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {row['ttft_p99_ms']:.1f} | "
                      f"{row['decode_tokens_per_s']:.0f} | {hit_s} | {row.get('miss_tokens', '-')} | {moved_s} | "
-                     f"{peak_s} | {'yes' if row['exact'] else 'NO'} |")
+                     f"{gbs_s} | {peak_s} | {'yes' if row['exact'] else 'NO'} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in summary["ratios"].items()]
     return "\n".join(lines) + "\n"

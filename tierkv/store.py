@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -117,6 +118,7 @@ class TieredStore:
         self._disk_errors = 0
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
+        self._read_seconds = 0.0
         if self._disk is not None:
             self._load_index()
         logger.info("tierkv store opened: path=%s device=%s budgets device=%s host=%s disk=%s, %d blocks found",
@@ -228,6 +230,7 @@ class TieredStore:
         """Plan index -> verified host tensor, or the exception that made it a miss; stops at the
         first miss, since a restore is a prefix."""
         reads: dict[int, Any] = {}
+        start = time.perf_counter()
         for i, ((meta, _), where) in enumerate(zip(plan, found)):
             if where is not None:
                 continue
@@ -246,11 +249,14 @@ class TieredStore:
                                      "TieredStore(path, ...) to use it again") from exc
                 reads[i] = exc
                 break
+        if reads:
+            reads[-1] = time.perf_counter() - start  # seconds spent reading, for stats()
         return reads
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                      reads: dict[int, Any]) -> TieredCache:
+        self._read_seconds += reads.pop(-1, 0.0)
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
             if where is None:
@@ -711,6 +717,10 @@ class TieredStore:
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
                 "moved_bytes": dict(self._moved),
+                # Wall time of the disk paths (writer transactions, reads in open); memory-tier
+                # copies are asynchronous jobs and are not timed here.
+                "move_seconds": {"host_to_disk": self._disk.write_seconds if self._disk is not None else 0.0,
+                                 "disk_to_host": self._read_seconds},
                 "pending_writes": len(self._pending_writes),
                 "sessions": len(self._index.sessions),
             }
