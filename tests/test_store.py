@@ -837,3 +837,16 @@ def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
                      block_size=B) as store:
         assert {info.name for info in store._index.sessions.values()} == names
+
+
+def test_commit_accepts_a_generate_output_object(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    ids = random_ids(20, 120)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True)
+        assert cache.commit(out) == out.sequences.shape[1] - 1
+        nxt = torch.cat([out.sequences, random_ids(2, 121)], dim=1)
+        cache = verify_open(store, model, nxt, session="s", expect=out.sequences.shape[1] - 1)
+        verify_generate(model, nxt, cache, 3)

@@ -168,7 +168,10 @@ def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
 
 
 def sequence_ids_of(sequences: Any) -> np.ndarray:
-    """Row 0 of the ids ``generate`` returned, ``(k, L')``: every row starts with the prompt."""
+    """Row 0 of the ids ``generate`` returned, ``(k, L')``: every row starts with the prompt.
+    A ``generate`` output object (``return_dict_in_generate=True``) gives its ``.sequences``."""
+    if not isinstance(sequences, torch.Tensor) and isinstance(getattr(sequences, "sequences", None), torch.Tensor):
+        sequences = sequences.sequences
     if not isinstance(sequences, torch.Tensor):
         raise TypeError(f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}")
     if sequences.dim() != 2 or sequences.shape[0] < 1:
