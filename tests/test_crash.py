@@ -67,3 +67,25 @@ def test_sigkill_while_spilling_loses_nothing_flushed_and_serves_nothing_half_wr
             assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
                                model.generate(nxt, max_new_tokens=2, do_sample=False))
         assert store.stats()["corrupt"] == 0
+
+
+def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
+    path = tmp_path / "kv"
+    first = TieredStore(path, device="cpu", block_size=4)
+    with pytest.raises(ValueError, match="in use by another TieredStore") as info:
+        TieredStore(path, device="cpu", block_size=4)
+    assert f"pid {os.getpid()}" in str(info.value)
+    first.close()
+    TieredStore(path, device="cpu", block_size=4).close()  # free again once closed
+
+    child = subprocess.Popen([sys.executable, str(CHILD), str(path), "7"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "READY"  # type: ignore[union-attr]
+        with pytest.raises(ValueError, match=f"pid {child.pid}"):
+            TieredStore(path, device="cpu", block_size=4)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    # The kernel drops a killed process's lock: the directory opens, and what it flushed is there.
+    with TieredStore(path, device="cpu", block_size=4) as store:
+        assert store.stats()["corrupt"] == 0

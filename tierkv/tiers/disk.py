@@ -23,6 +23,11 @@ import os
 import struct
 import threading
 import time
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +41,7 @@ from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
 _META_KEY = b"tierkv"
+_LOCK_FILE = "tierkv.lock"
 _U64 = struct.Struct("<Q")
 _INITIAL_MAP = 64 << 20
 
@@ -108,6 +114,7 @@ class DiskTier:
         self._check_path(self.path)
         fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
         os.makedirs(self.path, exist_ok=True)
+        self._lock_fd = self._lock_directory(self.path)
         self._resize_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.write_seconds = 0.0  # time the writer spent in write transactions, for benchmarks
@@ -127,13 +134,40 @@ class DiskTier:
             self._atime = self.env.open_db(b"atime")
         except BaseException:
             self.env.close()
+            self._unlock()
             raise
+
+    @staticmethod
+    def _lock_directory(path: str) -> int | None:
+        """One process at a time per store: the index lives in the process, so a second writer would
+        evict and forget behind the first one's back. Refused at open, with the holder's pid."""
+        if fcntl is None:  # not POSIX: no advisory locks to take
+            return None
+        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
+                             "serves one process at a time: close the other store first, or give each "
+                             "process its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @staticmethod
     def _check_path(path: str) -> None:
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"disk tier path {path!r} is a file; pass a directory (it is created if missing)")
-        if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
+        entries = set(os.listdir(path)) - {_LOCK_FILE} if os.path.isdir(path) else set()
+        if entries and "data.mdb" not in entries:
             raise ValueError(f"{path!r} is not empty and is not a tierkv store; pass a new or empty directory, "
                              "or an existing tierkv store")
 
@@ -277,3 +311,4 @@ class DiskTier:
 
     def close(self) -> None:
         self.env.close()
+        self._unlock()
