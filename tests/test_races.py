@@ -365,3 +365,35 @@ def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, t
     cache = store.open(model, nxt)
     assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 0
     assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_a_disk_io_error_degrades_to_memory_tiers_without_raising(model, stores, tmp_path, caplog):
+    import lmdb
+
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    calls = {"n": 0}
+
+    def failing(ops):
+        calls["n"] += 1
+        raise lmdb.DiskError("No space left on device")
+
+    store._disk._apply = failing
+    ids = random_ids(20, 130)
+    with caplog.at_level("WARNING", logger="tierkv"):
+        for turn in range(3):
+            cache = store.open(model, ids, session="s")
+            out = generate(model, ids, cache)
+            assert torch.equal(out, generate(model, ids))
+            cache.commit(out)
+            store.flush()
+            if turn == 0:
+                calls_when_failure_known = calls["n"]  # the first commit's writes, in 1 to 3 batches
+            ids = torch.cat([out, random_ids(3, 131 + turn)], dim=1)
+    stats = store.stats()
+    assert stats["disk_failed"] and stats["disk_errors"] >= 1 and stats["pending_writes"] == 0
+    assert stats["disk"]["blocks"] == 0 and stats["device"]["blocks"] > 0
+    assert 1 <= calls_when_failure_known == calls["n"]  # once the failure is known, nothing more is written
+    assert sum("I/O error" in r.getMessage() for r in caplog.records) == 1  # one warning, not a flood
+    cache = store.open(model, ids, session="s")  # still restores from memory, exactly
+    assert cache.restored_tokens == cache.restored_from["device"] == ids.shape[1] - 4  # all but the 3 new + 1
+    assert torch.equal(generate(model, ids, cache), generate(model, ids))

@@ -55,7 +55,7 @@ from .hashing import block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
-from .transfer import BackgroundWriter, CopyEngine, Job, resolve_device
+from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
 from .units import format_bytes, parse_bytes
 
 logger = logging.getLogger("tierkv")
@@ -116,6 +116,7 @@ class TieredStore:
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
+        self._disk_failed = False  # after an I/O error: no more writes through to disk
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._read_seconds = 0.0
@@ -243,7 +244,7 @@ class TieredStore:
             except (CorruptRecord, KeyError) as exc:
                 reads[i] = exc
                 break
-            except lmdb.Error as exc:
+            except (lmdb.Error, OSError) as exc:
                 if self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from exc
@@ -262,12 +263,14 @@ class TieredStore:
             if where is None:
                 result = reads.get(i)
                 if result is None or isinstance(result, BaseException):
-                    if isinstance(result, (CorruptRecord, lmdb.Error)):
+                    if isinstance(result, CorruptRecord):
                         self._corrupt += 1
                         logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be "
                                        "recomputed", result)
                         if self._index.blocks.get(meta.key) is meta:
                             self._drop(meta)
+                    elif isinstance(result, (lmdb.Error, OSError)):
+                        self._disk_fault(result)
                     break  # a KeyError: evicted or forgotten meanwhile, a plain miss
                 where = (Tier.DISK, Job.completed(result))
                 self._moved["disk_to_host"] += meta.nbytes
@@ -440,8 +443,8 @@ class TieredStore:
             self._moved["device_to_host"] += meta.nbytes
             self._host.put(key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
-        if (self._writer is not None and self._disk is not None and meta.record_bytes <= self._disk.budget
-                and self._make_room(Tier.DISK, meta.record_bytes)):
+        if (self._writer is not None and self._disk is not None and not self._disk_failed
+                and meta.record_bytes <= self._disk.budget and self._make_room(Tier.DISK, meta.record_bytes)):
             source = host_job if host_job is not None else self._engine.to_host(tensor)
             self._inflight[key] = source
             self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
@@ -477,9 +480,9 @@ class TieredStore:
                 self._drop(meta)
         if self._writer is not None:
             if new:
-                self._writer.submit(PutRefs(sid, tenant, name, new))
+                self._submit(PutRefs(sid, tenant, name, new))
             if dropped:
-                self._writer.submit(DropRefs(sid, dropped))
+                self._submit(DropRefs(sid, dropped))
 
     # -- eviction -----------------------------------------------------------------------------------
     def _victim(self, tier: Tier) -> BlockMeta | None:
@@ -536,7 +539,7 @@ class TieredStore:
                 self._pending_writes.pop(meta.key, None)
                 self._inflight.pop(meta.key, None)
         if keys and self._writer is not None:
-            self._writer.submit(DeleteBlocks(keys, refs))
+            self._submit(DeleteBlocks(keys, refs))
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block goes too (in LMDB as well),
@@ -548,7 +551,7 @@ class TieredStore:
             if info is not None and not info.keys:
                 del self._index.sessions[sid]
                 if self._writer is not None:
-                    self._writer.submit(DropRefs(sid, [], drop_session=True))
+                    self._submit(DropRefs(sid, [], drop_session=True))
 
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
@@ -571,9 +574,10 @@ class TieredStore:
             meta = self._index.blocks.get(key)
             try:
                 job.wait()
+            except WriteAbandoned:
+                pass  # close(timeout) gave up on it: not a fault of the disk
             except Exception as exc:  # noqa: BLE001 - any write failure degrades to memory-only
-                self._disk_errors += 1
-                logger.warning("tierkv: a disk write failed (%s); the block stays in memory only", exc)
+                self._disk_fault(exc)
                 if meta is not None:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
@@ -582,6 +586,24 @@ class TieredStore:
             if meta is not None and meta.disk is DiskState.PENDING:
                 self._index.set_disk(meta, DiskState.DURABLE)
                 self._moved["host_to_disk"] += meta.record_bytes
+
+    def _disk_fault(self, exc: BaseException) -> None:
+        """A disk I/O error: count it, and from the first one on, run on the device and host tiers
+        only (no more writes through), with one warning rather than one per block."""
+        self._disk_errors += 1
+        if not self._disk_failed:
+            self._disk_failed = True
+            logger.warning("tierkv: disk tier I/O error (%s); continuing with the device and host tiers only, "
+                           "blocks not yet written stay in memory. stats()['disk_errors'] counts further errors",
+                           exc)
+        else:
+            logger.debug("tierkv: disk tier I/O error (%s)", exc)
+
+    def _submit(self, op: DiskOp) -> Job[None] | None:
+        """Queue a bookkeeping write (refs, deletes, stamps); none once the disk has failed."""
+        if self._writer is None or self._disk_failed:
+            return None
+        return self._writer.submit(op)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -616,7 +638,7 @@ class TieredStore:
                       if k in self._index.blocks and self._index.blocks[k].disk is not DiskState.NONE}
             self._stamps = {}
             if stamps:
-                self._writer.submit(Touch(stamps))
+                self._submit(Touch(stamps))
 
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): count it as a miss."""
@@ -633,7 +655,7 @@ class TieredStore:
             self._corrupt += len(scan.corrupt)
             logger.warning("tierkv: %d unreadable records in %s were dropped", len(scan.corrupt), self._disk.path)
             assert self._writer is not None
-            self._writer.submit(DeleteBlocks(scan.corrupt))
+            self._submit(DeleteBlocks(scan.corrupt))
         # Stamps and sequence numbers come from one clock: a block never used since its commit
         # ranks by its commit.
         order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, hs[0].seq), hs[0].seq))
@@ -657,7 +679,7 @@ class TieredStore:
             if dangling or not alive:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
-                self._writer.submit(DropRefs(sid, dangling, drop_session=not alive))
+                self._submit(DropRefs(sid, dangling, drop_session=not alive))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 
@@ -693,7 +715,7 @@ class TieredStore:
                         self._drop(meta)
                         removed += 1
                 if self._writer is not None:
-                    self._writer.submit(DropRefs(sid, keys, drop_session=True))
+                    self._submit(DropRefs(sid, keys, drop_session=True))
             if session is None:
                 for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
                     self._drop(meta)
@@ -716,6 +738,7 @@ class TieredStore:
                 "evictions": self._evictions,
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
+                "disk_failed": self._disk_failed,
                 "moved_bytes": dict(self._moved),
                 # Wall time of the disk paths (writer transactions, reads in open); memory-tier
                 # copies are asynchronous jobs and are not timed here.
