@@ -397,3 +397,55 @@ def test_a_disk_io_error_degrades_to_memory_tiers_without_raising(model, stores,
     cache = store.open(model, ids, session="s")  # still restores from memory, exactly
     assert cache.restored_tokens == cache.restored_from["device"] == ids.shape[1] - 4  # all but the 3 new + 1
     assert torch.equal(generate(model, ids, cache), generate(model, ids))
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "other_version"])
+def test_a_damaged_record_is_a_counted_miss_and_generation_stays_exact(model, stores, tmp_path, caplog, damage):
+    import msgpack
+
+    from tierkv.codec import MAGIC
+
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    conversations = [random_ids(20, 140 + i) for i in range(2)]
+    outs = []
+    for i, ids in enumerate(conversations):
+        cache = store.open(model, ids, session=f"s{i}")
+        outs.append(generate(model, ids, cache))
+        cache.commit(outs[-1])
+    store.flush()
+    env = store._disk.env
+    blocks_db = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for key, value in list(txn.cursor(db=blocks_db)):
+            record = bytearray(value)
+            if damage == "flip_payload":
+                record[len(record) // 2] ^= 0xFF
+            elif damage == "flip_header":
+                record[10] ^= 0x01
+            elif damage == "truncate":
+                record = record[: len(record) - 100]
+            else:
+                head_len = int.from_bytes(record[4:8], "little")
+                header = msgpack.unpackb(bytes(record[8:8 + head_len]))
+                header["v"] = 99
+                packed = msgpack.packb(header, use_bin_type=True)
+                record = bytearray(MAGIC + len(packed).to_bytes(4, "little") + packed) + record[8 + head_len:]
+            txn.put(key, bytes(record), db=blocks_db)
+    with caplog.at_level("WARNING", logger="tierkv"):
+        for ids, out in zip(conversations, outs):
+            nxt = torch.cat([out, random_ids(2, 150)], dim=1)
+            cache = store.open(model, nxt)
+            assert cache.restored_tokens == 0
+            assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+    stats = store.stats()
+    assert stats["corrupt"] == 2  # the first block of each chain; the rest are never reached
+    assert sum("unreadable" in r.getMessage() for r in caplog.records) == 1  # logged once
+    store.close()
+    # Reopen: bad headers are found by the scan itself, bad payloads on first read; never served.
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    for ids, out in zip(conversations, outs):
+        nxt = torch.cat([out, random_ids(2, 150)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == 0
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))

@@ -265,8 +265,10 @@ class TieredStore:
                 if result is None or isinstance(result, BaseException):
                     if isinstance(result, CorruptRecord):
                         self._corrupt += 1
-                        logger.warning("tierkv: dropped an unreadable block from disk (%s); it will be "
-                                       "recomputed", result)
+                        # Once per store, then counted: a damaged disk must not flood the log.
+                        log = logger.warning if self._corrupt == 1 else logger.debug
+                        log("tierkv: dropped an unreadable block from disk (%s); it will be recomputed. "
+                            "stats()['corrupt'] counts further ones", result)
                         if self._index.blocks.get(meta.key) is meta:
                             self._drop(meta)
                     elif isinstance(result, (lmdb.Error, OSError)):
