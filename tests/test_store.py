@@ -850,3 +850,29 @@ def test_commit_accepts_a_generate_output_object(tiny_model, tmp_path):
         nxt = torch.cat([out.sequences, random_ids(2, 121)], dim=1)
         cache = verify_open(store, model, nxt, session="s", expect=out.sequences.shape[1] - 1)
         verify_generate(model, nxt, cache, 3)
+
+
+def test_hostile_session_and_tenant_names_are_data(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    names = ["a\x00b", "a", "../../etc/passwd", "x" * 10_000, "имя-😀", "", "s/../t"]
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        outs = {}
+        for i, name in enumerate(names):
+            ids = random_ids(12, 200 + i)
+            cache = store.open(model, ids, session=name, tenant=name)
+            outs[name] = generate(model, ids, 2, cache)
+            cache.commit(outs[name])
+        # Each tenant sees only its own conversation.
+        for name in names:
+            for other in names:
+                nxt = torch.cat([outs[other], random_ids(2, 300)], dim=1)
+                expect = outs[other].shape[1] - 1 if other == name else 0
+                assert store.open(model, nxt, tenant=name).restored_tokens == expect
+        assert store.forget(session="a\x00b") == 2  # its block and tail; "a" and "b" untouched
+        assert store.forget(tenant="a") == 2
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        remaining = {info.name for info in store._index.sessions.values()}
+        assert remaining == set(names) - {"a\x00b", "a"}
+    assert {p.name for p in path.iterdir()} == {"data.mdb", "lock.mdb", "tierkv.lock"}  # names never touch paths
+    assert {p.name for p in tmp_path.iterdir()} == {"kv"}
