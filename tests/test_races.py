@@ -449,3 +449,35 @@ def test_a_damaged_record_is_a_counted_miss_and_generation_stays_exact(model, st
         cache = store.open(model, nxt)
         assert cache.restored_tokens == 0
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_forgotten_kv_bytes_are_gone_from_the_lmdb_file(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    keep, secret = random_ids(20, 160), random_ids(20, 161)
+    for session, ids in (("keep", keep), ("secret", secret)):
+        cache = store.open(model, ids, session=session)
+        cache.commit(generate(model, ids, cache))
+    store.flush()
+    env = store._disk.env
+    secret_keys = [k for k, m in store._index.blocks.items() if "secret" in
+                   {store._index.sessions[s].name for s in m.sessions}]
+    assert len(secret_keys) == 3
+    markers = []
+    with env.begin() as txn:
+        for key in secret_keys:
+            record = txn.get(key, db=env.open_db(b"blocks"))
+            markers.append(record[len(record) // 2: len(record) // 2 + 64])  # KV bytes from the payload
+    keep_marker = None
+    with env.begin() as txn:
+        for key, value in txn.cursor(db=env.open_db(b"blocks")):
+            if key not in secret_keys:
+                keep_marker = value[len(value) // 2: len(value) // 2 + 64]
+    assert store.forget(session="secret") == 3
+    store.close()
+    data = (path / "data.mdb").read_bytes()
+    assert not any(marker in data for marker in markers)
+    assert keep_marker in data  # the check can see KV bytes: the kept session's are still there
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.open(model, torch.cat([generate(model, keep), random_ids(2, 163)], dim=1)).restored_tokens > 0
+    assert store.stats()["corrupt"] == 0

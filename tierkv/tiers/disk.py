@@ -19,6 +19,7 @@ machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import threading
@@ -252,7 +253,7 @@ class DiskTier:
         self._reserve(sum(op.header.payload_nbytes for op in ops if isinstance(op, PutBlock)))
         while True:
             try:
-                with self.env.begin(write=True) as txn:
+                with self.env.begin(write=True, buffers=True) as txn:
                     for i, op in enumerate(ops):
                         if isinstance(op, PutBlock):
                             # Encoded inside the transaction into one reused buffer: put() copies it
@@ -275,6 +276,7 @@ class DiskTier:
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp) -> None:
         if isinstance(op, DeleteBlocks):
             for key in op.keys:
+                self._scrub(txn, key)
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._atime)
             for ref in op.refs:
@@ -293,6 +295,16 @@ class DiskTier:
                 txn.put(key, _U64.pack(stamp), db=self._atime)
         else:
             raise TypeError(f"unknown disk operation {op!r}")
+
+    def _scrub(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """Zero a record's bytes where they lie before deleting it. LMDB is copy-on-write: a delete
+        only moves the pages to the free list, and the KV would stay in the file until the pages
+        are reused. With ``writemap`` the map is the file, writable, so the bytes are overwritten
+        in place. A reader still holding the old snapshot then fails its checksum: a miss."""
+        value = txn.get(key, db=self._blocks)
+        if value is not None and len(value):
+            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
+            ctypes.memset(address, 0, len(value))
 
     def _grow(self, at_least: int = 0) -> None:
         with self._resize_lock:
