@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+import pytest
+
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -186,3 +188,13 @@ class StoreMachine(RuleBasedStateMachine):
 StoreMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_store_machine = StoreMachine.TestCase
+
+
+@pytest.mark.slow
+def test_store_machine_soak() -> None:
+    """The long soak, thousands of operations: `pytest --run-slow -k soak`."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(StoreMachine, settings=settings(max_examples=300, stateful_step_count=100,
+                                                              deadline=None,
+                                                              suppress_health_check=[HealthCheck.too_slow]))
