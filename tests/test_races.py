@@ -481,3 +481,44 @@ def test_forgotten_kv_bytes_are_gone_from_the_lmdb_file(model, stores, tmp_path)
     store = make_store(stores, path, device_budget=0, host_budget=0)
     assert store.open(model, torch.cat([generate(model, keep), random_ids(2, 163)], dim=1)).restored_tokens > 0
     assert store.stats()["corrupt"] == 0
+
+
+def test_two_threads_in_one_session(model, stores, tmp_path):
+    store = make_store(stores, tmp_path / "kv", device_budget="64KiB", host_budget="64KiB")
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+    finals: dict[int, torch.Tensor] = {}
+
+    def talk(seed: int) -> None:
+        try:
+            ids = random_ids(16, seed)
+            for turn in range(3):
+                barrier.wait(WAIT)  # both threads open, generate and commit in the same session at once
+                cache = store.open(model, ids, session="shared")
+                out = generate(model, ids, cache)
+                assert torch.equal(out, generate(model, ids))
+                cache.commit(out)
+                finals[seed] = out
+                ids = torch.cat([out, random_ids(3, seed + 10 + turn)], dim=1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=talk, args=(seed,)) for seed in (170, 171)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert errors == []
+    store.flush()
+    stats = store.stats()
+    for tier in ("device", "host", "disk"):
+        assert stats[tier]["bytes"] <= stats[tier]["budget"]
+    sid, info = next((s, i) for s, i in store._index.sessions.items() if i.name == "shared")
+    assert info.keys <= set(store._index.blocks)
+    assert all(sid in store._index.blocks[k].sessions for k in info.keys)
+    for out in finals.values():  # neither thread's commits superseded the other's conversation
+        nxt = torch.cat([out, random_ids(2, 180)], dim=1)
+        cache = store.open(model, nxt, session="shared")
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
