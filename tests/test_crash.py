@@ -89,3 +89,23 @@ def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
     # The kernel drops a killed process's lock: the directory opens, and what it flushed is there.
     with TieredStore(path, device="cpu", block_size=4) as store:
         assert store.stats()["corrupt"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_child_is_refused_the_parents_store(tmp_path):
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    model = make_model("llama")
+    ids = conversation(1, 0)
+    pid = os.fork()
+    if pid == 0:  # the child: every entry point must refuse, nothing may hang or write
+        code = 1
+        try:
+            store.open(model, ids)
+        except ValueError as exc:
+            code = 0 if "forked" in str(exc) else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    cache = store.open(model, ids)  # the parent goes on as before
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    store.close()

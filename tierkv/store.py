@@ -111,6 +111,7 @@ class TieredStore:
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._clock = 0
         self._closed = False
+        self._pid = os.getpid()
         self._hits = {t.value: 0 for t in Tier}
         self._misses = 0
         self._evictions = 0
@@ -136,6 +137,11 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
+        if os.getpid() != self._pid:
+            # After a fork the child has no writer thread, shares the parent's LMDB handle and lock:
+            # using them would hang or corrupt the store (py-lmdb: never use an environment across fork).
+            raise ValueError("this TieredStore belongs to the process that created it (this one was forked "
+                             "from it); create a TieredStore in this process, on its own directory")
 
     def flush(self) -> None:
         """Block until every move and disk write queued before this call is done and durable."""
