@@ -171,6 +171,16 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     return header
 
 
+def _frame(view: memoryview) -> tuple[RecordHeader, int, int, int]:
+    """Header, payload start and end, and the stored checksum of a record whose length checks out."""
+    header, end = _parse_header(view)
+    stop = end + header.payload_nbytes
+    if stop + _CHECKSUM.size != view.nbytes:
+        raise CorruptRecord(f"record is {view.nbytes} bytes, its header says {stop + _CHECKSUM.size}")
+    (stored,) = _CHECKSUM.unpack_from(view, stop)
+    return header, end, stop, stored
+
+
 def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryview]) -> RecordHeader:
     """Copy a record's payload into the buffer ``out(header)`` returns, verifying it there.
 
@@ -179,11 +189,7 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryvie
     on a mismatch the destination holds garbage and must not be used.
     """
     view = memoryview(buf).cast("B")
-    header, end = _parse_header(view)
-    stop = end + header.payload_nbytes
-    if stop + _CHECKSUM.size != view.nbytes:
-        raise CorruptRecord(f"record is {view.nbytes} bytes, its header says {stop + _CHECKSUM.size}")
-    (stored,) = _CHECKSUM.unpack_from(view, stop)
+    header, end, stop, stored = _frame(view)
     dst = np.frombuffer(out(header), dtype=np.uint8)
     if dst.nbytes != header.payload_nbytes:
         raise ValueError(f"destination is {dst.nbytes} bytes, the payload {header.payload_nbytes}")
@@ -203,11 +209,7 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryvie
 def decode(buf: bytes | memoryview) -> tuple[RecordHeader, memoryview]:
     """Header and a zero-copy view of the payload, after verifying length and checksum."""
     view = memoryview(buf).cast("B")
-    header, end = _parse_header(view)
-    stop = end + header.payload_nbytes
-    if stop + _CHECKSUM.size != view.nbytes:
-        raise CorruptRecord(f"record is {view.nbytes} bytes, its header says {stop + _CHECKSUM.size}")
-    (stored,) = _CHECKSUM.unpack_from(view, stop)
+    header, end, stop, stored = _frame(view)
     if xxhash.xxh3_64_intdigest(view[:stop]) != stored:
         raise CorruptRecord("checksum mismatch")
     return header, view[end:stop]
