@@ -224,16 +224,17 @@ class TieredStore:
                 found = [self._source(meta) for meta, _ in plan]
             # Disk blocks are read and verified outside the store lock, so other sessions' turns
             # go on meanwhile; the planned blocks are pinned against eviction.
-            reads = self._read_disk_blocks(plan, found, info.fingerprint)
+            reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint)
             with self._lock:
                 self._check_open()
+                self._read_seconds += read_seconds
                 return self._finish_open(info, ids, root, session, tenant, plan, found, reads)
         finally:
             with self._lock:
                 self._unpin(pins)
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          fingerprint: bytes) -> dict[int, Any]:
+                          fingerprint: bytes) -> tuple[dict[int, Any], float]:
         """Plan index -> verified host tensor, or the exception that made it a miss; stops at the
         first miss, since a restore is a prefix."""
         reads: dict[int, Any] = {}
@@ -256,14 +257,11 @@ class TieredStore:
                                      "TieredStore(path, ...) to use it again") from exc
                 reads[i] = exc
                 break
-        if reads:
-            reads[-1] = time.perf_counter() - start  # seconds spent reading, for stats()
-        return reads
+        return reads, time.perf_counter() - start
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                      reads: dict[int, Any]) -> TieredCache:
-        self._read_seconds += reads.pop(-1, 0.0)
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
             if where is None:
