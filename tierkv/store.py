@@ -51,11 +51,12 @@ import xxhash
 
 from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
+from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
-from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
+from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
 
 logger = logging.getLogger("tierkv")
@@ -101,7 +102,7 @@ class TieredStore:
             self._disk = DiskTier(path, budgets["disk_budget"], block_size)
             # At a close with a timeout only block writes may be given up: deletes and session
             # references are small, and dropping them would bring forgotten data back.
-            self._writer = BackgroundWriter(self._disk.apply, name="tierkv-disk-writer", size_of=op_size,
+            self._writer = BackgroundWriter(self._apply_writes, name="tierkv-disk-writer", size_of=op_size,
                                             abandonable=lambda op: isinstance(op, PutBlock), device=self.device)
         self._index = Index()
         self._lock = threading.RLock()
@@ -121,6 +122,7 @@ class TieredStore:
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._read_seconds = 0.0
+        self._events = EventLog()
         if self._disk is not None:
             self._load_index()
         logger.info("tierkv store opened: path=%s device=%s budgets device=%s host=%s disk=%s, %d blocks found",
@@ -133,6 +135,11 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def subscribe(self, maxlen: int = 100_000) -> Subscription:
+        """Events of this store (opens, commits, moves) for an observer such as
+        ``tierkv.metrics``; see ``tierkv.events``. The store only appends to the queue."""
+        return self._events.subscribe(maxlen)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -204,6 +211,7 @@ class TieredStore:
     # -- the public turn ------------------------------------------------------------------------
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
         """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``."""
+        started = time.perf_counter()
         self._check_open()
         _check_name(session, "session")
         _check_name(tenant, "tenant")
@@ -228,10 +236,14 @@ class TieredStore:
             with self._lock:
                 self._check_open()
                 self._read_seconds += read_seconds
-                return self._finish_open(info, ids, root, session, tenant, plan, found, reads)
+                cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
         finally:
             with self._lock:
                 self._unpin(pins)
+        if self._events.active:
+            self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
+                                        len(ids) - cache.restored_tokens))
+        return cache
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                           fingerprint: bytes) -> tuple[dict[int, Any], float]:
@@ -261,8 +273,9 @@ class TieredStore:
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                     reads: dict[int, Any]) -> TieredCache:
+                     reads: dict[int, Any], read_seconds: float) -> TieredCache:
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
+        read_bytes = 0
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
             if where is None:
                 result = reads.get(i)
@@ -279,13 +292,18 @@ class TieredStore:
                         self._disk_fault(result)
                     break  # a KeyError: evicted or forgotten meanwhile, a plain miss
                 where = (Tier.DISK, Job.completed(result))
-                self._moved["disk_to_host"] += meta.nbytes
+                read_bytes += meta.nbytes
             sources.append((meta, n, *where))
+        if read_bytes:
+            self._count_move("disk_to_host", read_bytes, seconds=read_seconds)
         # Every copy to the device starts at once, layer by layer across blocks, so that layer i
         # can be used as soon as its own copies landed.
         moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
-        moved = iter(self._engine.to_device_many([sources[i][3] for i in moving]))
-        self._moved["host_to_device"] += sum(sources[i][0].nbytes for i in moving)
+        copies = self._engine.to_device_many([sources[i][3] for i in moving])
+        if copies:
+            # One batch of copies, issued together: one move for metrics.
+            self._count_move("host_to_device", sum(sources[i][0].nbytes for i in moving), copies[0])
+        moved = iter(copies)
         blocks: list[tuple[Job[Any], int]] = []
         restored_from = {t.value: 0 for t in Tier}
         used: list[BlockMeta] = []
@@ -374,6 +392,13 @@ class TieredStore:
 
     # -- commit -----------------------------------------------------------------------------------
     def _commit(self, cache: TieredCache, sequences: Any) -> int:
+        started = time.perf_counter()
+        tokens = self._commit_turn(cache, sequences)
+        if self._events.active:
+            self._events.emit(CommitEvent(time.perf_counter() - started, tokens))
+        return tokens
+
+    def _commit_turn(self, cache: TieredCache, sequences: Any) -> int:
         self._check_open()
         if cache._store is not self:
             raise ValueError("this cache was opened by another TieredStore; commit it through its own store")
@@ -446,12 +471,16 @@ class TieredStore:
             self._index.set_resident(meta, Tier.DEVICE)
         elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
             host_job = self._engine.to_host(tensor)
-            self._moved["device_to_host"] += meta.nbytes
+            self._count_move("device_to_host", meta.nbytes, host_job)
             self._host.put(key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
         if (self._writer is not None and self._disk is not None and not self._disk_failed
                 and meta.record_bytes <= self._disk.budget and self._make_room(Tier.DISK, meta.record_bytes)):
-            source = host_job if host_job is not None else self._engine.to_host(tensor)
+            if host_job is not None:
+                source = host_job
+            else:
+                source = self._engine.to_host(tensor)
+                self._count_move("device_to_host", meta.nbytes, source)
             self._inflight[key] = source
             self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
             self._index.set_disk(meta, DiskState.PENDING)
@@ -526,7 +555,7 @@ class TieredStore:
             self._evictions += 1
             if tier is Tier.DEVICE and meta.nbytes <= self._host.budget:
                 host_job = self._engine.to_host(block)
-                self._moved["device_to_host"] += meta.nbytes
+                self._count_move("device_to_host", meta.nbytes, host_job)
                 if self._make_room(Tier.HOST, meta.nbytes):
                     self._host.put(meta.key, host_job, meta.nbytes)
                     self._index.set_resident(meta, Tier.HOST)
@@ -591,7 +620,26 @@ class TieredStore:
                 continue
             if meta is not None and meta.disk is DiskState.PENDING:
                 self._index.set_disk(meta, DiskState.DURABLE)
-                self._moved["host_to_disk"] += meta.record_bytes
+
+    def _apply_writes(self, ops: list[DiskOp]) -> list[BaseException | None]:
+        """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
+        assert self._disk is not None
+        started = time.perf_counter()
+        results = self._disk.apply(ops)
+        seconds = time.perf_counter() - started
+        written = sum(op.record_bytes for op, error in zip(ops, results) if isinstance(op, PutBlock) and error is None)
+        if written:
+            self._count_move("host_to_disk", written, seconds=seconds)
+        return results
+
+    def _count_move(self, direction: str, nbytes: int, job: Job[Any] | None = None,
+                    seconds: float | None = None) -> None:
+        # host_to_disk is only added to by the writer thread, the others under the store lock.
+        self._moved[direction] += nbytes
+        if self._events.active:
+            timer = copy_timer(job) if job is not None else None
+            # Without a timer the move was a hand-over that copied nothing (CPU device tier).
+            self._events.emit(MoveEvent(direction, nbytes, None if timer is not None else (seconds or 0.0), timer))
 
     def _disk_fault(self, exc: BaseException) -> None:
         """A disk I/O error: count it, and from the first one on, run on the device and host tiers

@@ -77,14 +77,16 @@ class Job(Generic[T]):
 class _CudaCopyJob(Job[torch.Tensor]):
     """A copy whose completion is a CUDA event recorded after it on its stream."""
 
-    __slots__ = ("_cuda_event", "_tensor")
+    __slots__ = ("_cuda_event", "_tensor", "_start")
 
-    def __init__(self, cuda_event: torch.cuda.Event, tensor: torch.Tensor) -> None:
+    def __init__(self, cuda_event: torch.cuda.Event, tensor: torch.Tensor,
+                 start: torch.cuda.Event | None = None) -> None:
         # No poll callback: a bound method stored on the job would make a reference cycle that
         # keeps the tensor (GPU or pinned memory) alive until a full garbage collection.
         super().__init__()
         self._cuda_event = cuda_event
         self._tensor = tensor
+        self._start = start  # a timing event recorded before the copy, for metrics
 
     def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
         """Order the current stream after this copy (all layers at once), without a host sync,
@@ -116,6 +118,19 @@ class _CudaCopyJob(Job[torch.Tensor]):
         return super().wait(timeout)
 
 
+def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
+    """For metrics: a function giving a copy's GPU-measured seconds once it finished (``None``
+    before), or ``None`` when the job is no timed copy (a CPU hand-over copies nothing).
+
+    The function holds only the two CUDA events, never the tensor: a metrics queue must not keep
+    device or pinned memory alive.
+    """
+    if not isinstance(job, _CudaCopyJob) or job._start is None:
+        return None
+    start, end = job._start, job._cuda_event
+    return lambda: start.elapsed_time(end) / 1000.0 if end.query() else None
+
+
 def resolve_device(device: object) -> torch.device:
     """The hot tier's device: ``None`` means CUDA when available, else CPU."""
     if device is None:
@@ -139,8 +154,9 @@ class _LayeredCudaJob(_CudaCopyJob):
 
     __slots__ = ("_layer_events",)
 
-    def __init__(self, layer_events: list[torch.cuda.Event], tensor: torch.Tensor) -> None:
-        super().__init__(layer_events[-1], tensor)
+    def __init__(self, layer_events: list[torch.cuda.Event], tensor: torch.Tensor,
+                 start: torch.cuda.Event | None = None) -> None:
+        super().__init__(layer_events[-1], tensor, start)
         self._layer_events = layer_events
 
     def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
@@ -174,8 +190,10 @@ class CopyEngine:
         elif isinstance(src, Job):
             src = src.wait()
         with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         # The caching allocator must not hand src's or dst's memory to another tensor before the
         # copy on this side stream has finished.
@@ -183,7 +201,7 @@ class CopyEngine:
             src.record_stream(stream)
         if dst.is_cuda:
             dst.record_stream(stream)
-        return _CudaCopyJob(event, dst)
+        return _CudaCopyJob(event, dst, start)
 
     def ready(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
         """A tensor just written on the current stream, as a job: on CUDA an event recorded there,
@@ -230,11 +248,13 @@ class CopyEngine:
         layers = max(src.shape[0] for src, _ in pairs)
         events = []
         with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             for layer in range(layers):
                 for src, dst in pairs:
                     if layer < src.shape[0]:
                         dst[layer].copy_(src[layer], non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
                 events.append(event)
         jobs: list[Job[torch.Tensor]] = []
@@ -242,7 +262,7 @@ class CopyEngine:
             if src.is_cuda:
                 src.record_stream(stream)
             dst.record_stream(stream)
-            jobs.append(_LayeredCudaJob(events[: src.shape[0]], dst))
+            jobs.append(_LayeredCudaJob(events[: src.shape[0]], dst, start))
         return jobs
 
     def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
