@@ -21,6 +21,7 @@ from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
 from tierkv.hashing import block_key, chain_keys
 from tierkv.index import Tier
+from tierkv.tiers.disk import footprint
 
 B = 8  # tokens per block in every scenario
 
@@ -445,7 +446,9 @@ def test_budgets_hold_in_every_tier_through_many_conversations(tiny_model, tmp_p
     # The disk tier's accounting is what LMDB holds.
     records = disk_records(path)
     assert len(records) == stats["disk"]["blocks"]
-    assert sum(records.values()) == stats["disk"]["bytes"] <= 12 * 4400
+    with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
+        page = env.stat()["psize"]
+    assert sum(footprint(n, page) for n in records.values()) == stats["disk"]["bytes"] <= 12 * 4400
 
 
 def test_zero_memory_budgets_pass_every_block_to_disk(tiny_model, tmp_path):

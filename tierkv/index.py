@@ -42,7 +42,7 @@ class BlockMeta:
     tenant: str | None
     token_ids: np.ndarray  # int64, 1-D
     nbytes: int  # tensor bytes in a memory tier
-    record_bytes: int  # bytes on disk
+    record_bytes: int  # bytes it takes on disk: the record in whole LMDB pages
     resident: Tier | None = None
     disk: DiskState = DiskState.NONE
     sessions: set[bytes] = field(default_factory=set)

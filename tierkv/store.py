@@ -52,10 +52,10 @@ import xxhash
 from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
-from .hashing import block_key, chain_keys, root_key
+from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import DeleteBlocks, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
+from .tiers.disk import DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
 
@@ -110,6 +110,10 @@ class TieredStore:
         self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
+        # Deletes whose batch is queued, and those whose batch failed: retried at every flush
+        # and at close, since a lost delete would bring forgotten KV back after a restart.
+        self._deletes: list[tuple[DeleteBlocks | DropRefs, Job[None]]] = []
+        self._owed: list[DeleteBlocks | DropRefs] = []
         self._clock = 0
         self._closed = False
         self._pid = os.getpid()
@@ -118,6 +122,7 @@ class TieredStore:
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
+        self._disk_full = 0  # block writes that found no room under the LMDB map's cap
         self._disk_failed = False  # after an I/O error: no more writes through to disk
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
@@ -125,8 +130,10 @@ class TieredStore:
         self._events = EventLog()
         if self._disk is not None:
             self._load_index()
-        logger.info("tierkv store opened: path=%s device=%s budgets device=%s host=%s disk=%s, %d blocks found",
-                    path, self.device, format_bytes(self._device.budget), format_bytes(self._host.budget),
+        logger.info("tierkv store opened: path=%s tiers=%s budgets device=%s host=%s disk=%s, %d blocks found",
+                    path, ",".join([f"device({self.device})", "host(pinned)" if self.device.type == "cuda" else "host",
+                                    *(["disk"] if path is not None else [])]),
+                    format_bytes(self._device.budget), format_bytes(self._host.budget),
                     format_bytes(budgets["disk_budget"]) if path is not None else "none", len(self._index.blocks))
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -155,6 +162,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             self._write_stamps()
+            self._retry_deletes()
             writes = list(self._pending_writes)
             copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
         if self._writer is not None:
@@ -167,6 +175,7 @@ class TieredStore:
             # Only this call's snapshot: its writes are applied now, so nothing here waits on
             # writes that other threads queued since.
             self._reap(keys=writes)
+            self._reap_deletes()
             if self._disk is not None:
                 self._disk.sync()
 
@@ -201,6 +210,12 @@ class TieredStore:
                 if abandoned:
                     logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                                    "will be recomputed after a restart", timeout, dropped)
+                self._reap_deletes()
+                if self._owed:
+                    logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
+                                 "forgotten or evicted may still be on disk. Delete the directory (it is only a "
+                                 "cache) or reopen the store and forget them again", self._owed_keys(),
+                                 self._disk.path if self._disk is not None else None)
             if self._disk is not None:
                 self._disk.sync()
                 self._disk.close()
@@ -363,6 +378,10 @@ class TieredStore:
             return Tier.DISK, self._inflight[meta.key]
         return None
 
+    def _footprint(self, header: RecordHeader) -> int:
+        size = record_size(header)
+        return self._disk.footprint(size) if self._disk is not None else size
+
     @staticmethod
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:
         if header.fingerprint != fingerprint:
@@ -463,7 +482,7 @@ class TieredStore:
                               dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
                               token_ids=ids.astype("<i8").tobytes(), seq=self._tick())
         meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
-                         nbytes=tensor.numel() * tensor.element_size(), record_bytes=record_size(header))
+                         nbytes=tensor.numel() * tensor.element_size(), record_bytes=self._footprint(header))
         self._index.add(meta)
         host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
@@ -563,6 +582,19 @@ class TieredStore:
                 self._remove(meta)
         return True
 
+    def _free_disk(self, nbytes: int) -> None:
+        """Evict least-recently-used disk blocks worth ``nbytes``, below what the budget asks."""
+        freed = 0
+        while freed < nbytes:
+            meta = self._victim(Tier.DISK)
+            if meta is None:
+                return
+            freed += meta.record_bytes
+            self._evictions += 1
+            self._delete_on_disk([meta])
+            if meta.resident is None:
+                self._remove(meta)
+
     def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
         keys: list[bytes] = []
         refs: list[bytes] = []
@@ -600,6 +632,8 @@ class TieredStore:
     def _reap(self, keys: Iterable[bytes] | None = None) -> None:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
         block stays in memory only. Never waits."""
+        if keys is None:
+            self._reap_deletes()
         for key in list(self._pending_writes) if keys is None else keys:
             job = self._pending_writes.get(key)
             if job is None or not job.done():
@@ -611,6 +645,17 @@ class TieredStore:
                 job.wait()
             except WriteAbandoned:
                 pass  # close(timeout) gave up on it: not a fault of the disk
+            except DiskFull:
+                # LMDB's free pages did not fit it under the map's cap: not a fault. The block
+                # stays in memory if it rests there, and as much again leaves the disk, so the
+                # free list has room for the next writes.
+                self._disk_full += 1
+                if meta is not None:
+                    self._index.set_disk(meta, DiskState.NONE)
+                    if meta.resident is None:
+                        self._remove(meta)
+                    self._free_disk(meta.record_bytes)
+                continue
             except Exception as exc:  # noqa: BLE001 - any write failure degrades to memory-only
                 self._disk_fault(exc)
                 if meta is not None:
@@ -654,10 +699,47 @@ class TieredStore:
             logger.debug("tierkv: disk tier I/O error (%s)", exc)
 
     def _submit(self, op: DiskOp) -> Job[None] | None:
-        """Queue a bookkeeping write (refs, deletes, stamps); none once the disk has failed."""
-        if self._writer is None or self._disk_failed:
+        """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
+        are still tried: they are what keeps forgotten KV from coming back after a restart."""
+        deletes = isinstance(op, (DeleteBlocks, DropRefs))
+        if self._writer is None or (self._disk_failed and not deletes):
             return None
-        return self._writer.submit(op)
+        job = self._writer.submit(op)
+        if deletes:
+            self._deletes.append((op, job))  # type: ignore[arg-type]
+        return job
+
+    def _reap_deletes(self) -> None:
+        """Move failed deletes to the owed list (and count the fault). Never waits."""
+        queued = []
+        for op, job in self._deletes:
+            if not job.done():
+                queued.append((op, job))
+                continue
+            try:
+                job.wait()
+            except WriteAbandoned:  # never abandoned (only block writes are), but not owed if it were
+                pass
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the delete owed
+                self._disk_fault(exc)
+                self._owed.append(op)
+        self._deletes = queued
+
+    def _retry_deletes(self) -> None:
+        """Queue the owed deletes again, without keys that were stored again since."""
+        self._reap_deletes()
+        owed, self._owed = self._owed, []
+        for op in owed:
+            if isinstance(op, DeleteBlocks):
+                again = {k for k in op.keys if k in self._index.blocks
+                         and self._index.blocks[k].disk is not DiskState.NONE}
+                if again:
+                    op = DeleteBlocks([k for k in op.keys if k not in again],
+                                      [r for r in op.refs if r[KEY_BYTES:] not in again])
+            self._submit(op)
+
+    def _owed_keys(self) -> int:
+        return sum(len(op.keys) + (isinstance(op, DropRefs) and op.drop_session) for op in self._owed)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -716,7 +798,7 @@ class TieredStore:
         for header, size in order:
             meta = BlockMeta(key=header.key, parent=header.parent, tenant=header.tenant,
                              token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),
-                             nbytes=header.payload_nbytes, record_bytes=size)
+                             nbytes=header.payload_nbytes, record_bytes=self._disk.footprint(size))
             if meta.n_tokens == 0:
                 continue
             self._index.add(meta)
@@ -793,6 +875,10 @@ class TieredStore:
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
                 "disk_failed": self._disk_failed,
+                "disk_full": self._disk_full,
+                # Deleted entries (blocks, references, sessions) not yet removed from disk because of
+                # disk errors; retried at every flush() and at close().
+                "owed_deletes": self._owed_keys(),
                 "moved_bytes": dict(self._moved),
                 # Wall time of the disk paths (writer transactions, reads in open); memory-tier
                 # copies are asynchronous jobs and are not timed here.

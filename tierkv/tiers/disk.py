@@ -7,11 +7,18 @@ Sub-databases:
     atime     key(16) -> u64 little-endian      (last use, to rebuild LRU order on reopen)
     meta      b"tierkv" -> msgpack {format, hash, block_size}
 
-Protocol: reads (``load``, ``scan``) run in the caller's thread in short read transactions;
+Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
 one write transaction per batch. A block is visible to readers only once that transaction has
 committed. ``MapFullError`` aborts the transaction, grows the map outside any transaction
 (readers are held off by a lock while it does), and retries.
+
+Space: the map never grows past ``map_cap`` = budget + ``slack(budget)``, so the file on disk
+stays within that whatever LMDB's free list does (freed pages are reused only some transactions
+later, and a multi-page value needs a contiguous run of them). The store counts each block at its
+``footprint`` (the record rounded up to whole pages). A batch that still does not fit at the cap
+is applied without its block writes, which fail with ``DiskFull``: the store keeps those blocks in
+memory and evicts more from disk; deletes and references in the batch still apply.
 
 Opened with ``writemap=True``: values of 1-4 MiB then write at raw-disk speed on this kind of
 machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
@@ -37,7 +44,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode_header, decode_into, encode_array
+from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
@@ -45,6 +52,29 @@ _META_KEY = b"tierkv"
 _LOCK_FILE = "tierkv.lock"
 _U64 = struct.Struct("<Q")
 _INITIAL_MAP = 64 << 20
+_PAGE_HEADER = 16  # LMDB's header on the first page of a multi-page (overflow) value
+_ROW_OVERHEAD = 128  # the block's B-tree node, atime row and a session ref, on average
+_DELETE_ROOM = 1 << 20  # the top of the map that only deletes and references may use
+
+
+class DiskFull(RuntimeError):
+    """A block write that did not fit in the LMDB map at its cap; the block stays in memory."""
+
+
+class StoreInUse(ValueError):
+    """The store directory is locked by another process (or another open ``DiskTier``)."""
+
+
+def footprint(record_bytes: int, page_size: int) -> int:
+    """Bytes a record takes in the file: whole pages (LMDB stores a large value on pages of its
+    own), plus its rows. What the disk budget counts."""
+    pages = -(-(record_bytes + _PAGE_HEADER) // page_size)
+    return pages * page_size + _ROW_OVERHEAD
+
+
+def slack(budget: int) -> int:
+    """Room above the budget for LMDB's free pages and B-tree: the file never exceeds budget + this."""
+    return max(4 << 20, budget // 8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,8 +149,13 @@ class DiskTier:
         self._resize_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.write_seconds = 0.0  # time the writer spent in write transactions, for benchmarks
-        self.env = lmdb.open(self.path, map_size=_INITIAL_MAP, max_dbs=8, writemap=True,
-                             subdir=True, readahead=False)
+        self.map_cap = budget + slack(budget)
+        self.env = lmdb.open(self.path, map_size=min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM), max_dbs=8,
+                             writemap=True, subdir=True, readahead=False)
+        self.page_size = self.env.stat()["psize"]
+        # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
+        # store evicts down to the budget and the freed pages are reused.
+        self.map_cap = max(self.map_cap, self.file_bytes() + slack(budget))
         try:
             # Another program's LMDB environment is refused before anything is written to it.
             try:
@@ -150,7 +185,7 @@ class DiskTier:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise ValueError(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
+            raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
                              "serves one process at a time: close the other store first, or give each "
                              "process its own directory") from None
         os.ftruncate(fd, 0)
@@ -192,6 +227,45 @@ class DiskTier:
             raise ValueError(f"{self.path!r} was created with block_size={meta.get('block_size')}; pass "
                              f"block_size={meta.get('block_size')} or use a new directory")
 
+    @staticmethod
+    def stored_meta(path: str | os.PathLike[str]) -> dict[str, int]:
+        """``{"format", "hash", "block_size"}`` of the existing store at ``path``, for tools that open
+        a store without knowing its block size. Raises ``ValueError`` if ``path`` holds no tierkv
+        store. Reads in a read-only environment and takes no lock (the holder may be writing):
+        call it before opening a ``DiskTier`` on ``path``, never while one is open in this process,
+        as LMDB must not have one environment open twice in a process."""
+        path = os.fspath(path)
+        not_a_store = f"{path!r} is not a tierkv store"
+        if not os.path.isfile(os.path.join(path, "data.mdb")):
+            raise ValueError(f"{not_a_store} (no data.mdb)")
+        try:
+            env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
+        except lmdb.Error as exc:
+            raise ValueError(f"{not_a_store} ({exc})") from None
+        try:
+            with env.begin() as txn:
+                raw = txn.get(_META_KEY, db=env.open_db(b"meta", txn=txn, create=False))
+        except lmdb.Error:
+            raw = None
+        finally:
+            env.close()
+        try:
+            meta = msgpack.unpackb(raw) if raw is not None else None
+        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+            meta = None
+        fields = ("format", "hash", "block_size")
+        if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields):
+            raise ValueError(f"{not_a_store} (no tierkv meta record)")
+        return {f: meta[f] for f in fields}
+
+    def footprint(self, record_bytes: int) -> int:
+        """Bytes a record of ``record_bytes`` takes in this environment's file."""
+        return footprint(record_bytes, self.page_size)
+
+    def file_bytes(self) -> int:
+        """Bytes of the file in use: the high-water mark of LMDB's pages (free ones included)."""
+        return (self.env.info()["last_pgno"] + 1) * self.page_size
+
     # -- reads ----------------------------------------------------------------------------------
     def scan(self) -> ScanResult:
         """Every block's header, session references and last-use stamps, for rebuilding an index."""
@@ -217,6 +291,24 @@ class DiskTier:
             for key, value in txn.cursor(db=self._atime):
                 result.atime[bytes(key)] = _U64.unpack(value)[0]
         return result
+
+    def verify(self, on_record: Callable[[int], None] | None = None) -> list[tuple[bytes, str]]:
+        """Every record checked in full (header, length, checksum, key), unlike ``scan``, which
+        reads headers only; returns ``(key, reason)`` of the bad ones. ``on_record(record bytes)``
+        is called after each record, for a progress bar. One read transaction: a consistent view."""
+        bad: list[tuple[bytes, str]] = []
+        with self._resize_lock, self.env.begin(buffers=True) as txn:
+            for key, value in txn.cursor(db=self._blocks):
+                key = bytes(key)
+                try:
+                    header, _ = decode(value)
+                    if header.key != key:
+                        raise CorruptRecord("record stored under another key")
+                except CorruptRecord as exc:
+                    bad.append((key, str(exc)))
+                if on_record is not None:
+                    on_record(len(value))
+        return bad
 
     def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
              ) -> tuple[RecordHeader, torch.Tensor]:
@@ -250,12 +342,17 @@ class DiskTier:
 
     def _apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
-        self._reserve(sum(op.header.payload_nbytes for op in ops if isinstance(op, PutBlock)))
+        self._reserve(sum(op.record_bytes for op in ops if isinstance(op, PutBlock)))
+        full = False
         while True:
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
                     for i, op in enumerate(ops):
                         if isinstance(op, PutBlock):
+                            if full:
+                                results[i] = DiskFull("the disk tier's LMDB map is at its cap "
+                                                      f"({self.map_cap} bytes)")
+                                continue
                             # Encoded inside the transaction into one reused buffer: put() copies it
                             # into the map at once, and fresh multi-MiB buffers would cost page faults.
                             try:
@@ -268,10 +365,20 @@ class DiskTier:
                             txn.put(op.header.key, value, db=self._blocks)
                         else:
                             self._apply_one(txn, op)
+                if full:
+                    # Back below the room (LMDB keeps the map at least as large as the pages in
+                    # use), so that the next batch's block writes cannot take it.
+                    self._set_map(self.map_cap - _DELETE_ROOM)
                 return results
             except lmdb.MapFullError:
                 results = [None] * len(ops)
-                self._grow()
+                # Block writes stop short of the cap: deletes and references, which must not be
+                # lost (a lost delete brings forgotten KV back), keep the top of the map.
+                if self._grow(self.map_cap - _DELETE_ROOM if not full else self.map_cap):
+                    continue
+                if full:
+                    raise
+                full = True
 
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp) -> None:
         if isinstance(op, DeleteBlocks):
@@ -306,17 +413,28 @@ class DiskTier:
             address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
             ctypes.memset(address, 0, len(value))
 
-    def _grow(self, at_least: int = 0) -> None:
+    def _grow(self, limit: int, at_least: int = 0) -> bool:
+        """Grow the map (doubling, up to ``limit``); False when it is already there."""
         with self._resize_lock:
-            self.env.set_mapsize(max(self.env.info()["map_size"] * 2, at_least))
+            current = self.env.info()["map_size"]
+            size = min(max(current * 2, at_least), limit)
+            if size <= current:
+                return False
+            self.env.set_mapsize(size)
+            return True
+
+    def _set_map(self, size: int) -> None:
+        with self._resize_lock:
+            if size < self.env.info()["map_size"]:
+                self.env.set_mapsize(size)
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the map before a batch that would not fit, rather than fail and redo it
         (MapFullError remains the fallback: free pages and overheads are estimates)."""
         info = self.env.info()
-        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        used = (info["last_pgno"] + 1) * self.page_size
         if used + nbytes * 1.1 > info["map_size"]:
-            self._grow(used + 2 * nbytes)
+            self._grow(self.map_cap - _DELETE_ROOM, used + 2 * nbytes)
 
     def sync(self) -> None:
         self.env.sync(True)

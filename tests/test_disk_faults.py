@@ -1,0 +1,207 @@
+"""The disk tier under pressure: the budget holds on the file itself, a full map never fails a
+generation, and deletes that hit a disk error are kept owed and retried, never lost."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import lmdb
+import pytest
+import torch
+
+from conftest import random_ids
+from tierkv import TieredStore
+from tierkv.tiers.disk import DeleteBlocks, DropRefs, PutBlock, slack
+
+B = 8
+
+
+def generate(model, ids, cache=None, new=3):
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def stores() -> Iterator[list[TieredStore]]:
+    made: list[TieredStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def make_store(stores, path, **kw) -> TieredStore:
+    store = TieredStore(path, device="cpu", block_size=B, **kw)
+    stores.append(store)
+    return store
+
+
+def file_use(path) -> tuple[int, int]:
+    """(apparent size, bytes allocated) of the LMDB data file."""
+    st = os.stat(path / "data.mdb")
+    return st.st_size, st.st_blocks * 512
+
+
+def test_the_disk_budget_holds_on_the_file_through_churn(model, stores, tmp_path):
+    # Tails of every length make records of many sizes: LMDB's free list fragments, which is
+    # what grows a file past what its live records need.
+    path = tmp_path / "kv"
+    budget = 256 << 10
+    store = make_store(stores, path, device_budget=0, host_budget=0, disk_budget=budget)
+    limit = budget + slack(budget)
+    convs = {s: random_ids(5 + 3 * s, 300 + s) for s in range(6)}
+    for turn in range(8):
+        for s, ids in convs.items():
+            cache = store.open(model, ids, session=f"s{s}")
+            out = generate(model, ids, cache, new=2)
+            if turn % 4 == 3:
+                assert torch.equal(out, generate(model, ids, new=2))
+            cache.commit(out)
+            convs[s] = torch.cat([out, random_ids(1 + (turn * s) % 7, 400 + 10 * turn + s)], dim=1)
+        store.flush()
+        stats = store.stats()
+        assert stats["disk"]["bytes"] <= budget
+        assert store._disk.file_bytes() <= limit
+        size, allocated = file_use(path)
+        assert size <= limit and allocated <= limit
+    assert stats["evictions"] > 0 and stats["disk"]["blocks"] > 0  # the budget was reached, and held
+    assert stats["disk_full"] == stats["disk_errors"] == 0 and not stats["disk_failed"]
+
+
+def test_a_full_map_keeps_blocks_in_memory_and_evicts_instead_of_failing(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="4MiB", host_budget=0, disk_budget="64KiB")
+    store._disk.budget = 1 << 30  # the store's accounting allows far more than the map's cap holds
+    cap = store._disk.map_cap
+    convs = [random_ids(240, 500 + i) for i in range(30)]  # 900 blocks of 2 pages: past the 4 MiB cap
+    outs = []
+    for i, ids in enumerate(convs):
+        cache = store.open(model, ids, session=f"s{i}")
+        out = generate(model, ids, cache, new=1)
+        cache.commit(out)
+        outs.append(out)
+        if i % 6 == 5:
+            store.flush()
+    store.flush()
+    stats = store.stats()
+    assert stats["disk_full"] > 0  # some writes found the map at its cap
+    assert stats["disk_errors"] == 0 and not stats["disk_failed"]  # ... which is not a fault
+    assert stats["disk"]["blocks"] > 0  # and later writes landed in the room evictions made
+    assert store._disk.file_bytes() <= cap and file_use(path)[0] <= cap
+    with store._disk.env.begin() as txn:
+        on_disk = txn.stat(store._disk._blocks)["entries"]
+    assert on_disk == stats["disk"]["blocks"]  # the index says durable only what LMDB holds
+    for ids, out in zip(convs[-3:], outs[-3:]):  # recent conversations restore exactly from memory
+        nxt = torch.cat([out, random_ids(2, 600)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def _fail_deletes(store: TieredStore) -> dict[str, int]:
+    """Make every write batch that carries a delete fail, as a disk error would."""
+    apply = store._disk._apply
+    seen = {"failed": 0}
+
+    def failing(ops):
+        if any(isinstance(op, (DeleteBlocks, DropRefs)) for op in ops):
+            seen["failed"] += 1
+            raise lmdb.DiskError("Input/output error")
+        return apply(ops)
+
+    store._disk._apply = failing
+    seen["restore"] = apply  # type: ignore[assignment]
+    return seen
+
+
+def _records(path) -> set[bytes]:
+    with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
+        with env.begin() as txn:
+            return {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"blocks", txn=txn, create=False))}
+
+
+def test_a_forget_whose_disk_write_fails_is_retried_until_it_lands(model, stores, tmp_path, caplog):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    keep, secret = random_ids(20, 700), random_ids(20, 701)
+    for session, ids in (("keep", keep), ("secret", secret)):
+        cache = store.open(model, ids, session=session)
+        cache.commit(generate(model, ids, cache))
+    store.flush()
+    secret_keys = {k for k, m in store._index.blocks.items()
+                   if {store._index.sessions[s].name for s in m.sessions} == {"secret"}}
+    assert len(secret_keys) == 3
+    faults = _fail_deletes(store)
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        assert store.forget(session="secret") == 3
+        store.flush()
+        stats = store.stats()
+        assert faults["failed"] >= 1 and stats["owed_deletes"] >= 3 and stats["disk_errors"] >= 1
+        assert secret_keys <= _records_live(store)  # still on disk: the delete did not land
+        store.flush()  # retried, fails again: still owed, nothing raised
+        assert store.stats()["owed_deletes"] == stats["owed_deletes"]
+        store._disk._apply = faults["restore"]  # the disk recovers
+        store.flush()
+    assert store.stats()["owed_deletes"] == 0
+    assert not secret_keys & _records_live(store)
+    store.close()
+    assert not secret_keys & _records(path)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.open(model, torch.cat([secret, random_ids(2, 702)], dim=1), session="secret").restored_tokens == 0
+    assert store.open(model, torch.cat([keep, random_ids(2, 703)], dim=1), session="keep").restored_tokens == 20
+
+
+def _records_live(store: TieredStore) -> set[bytes]:
+    with store._disk.env.begin() as txn:
+        return {bytes(k) for k, _ in txn.cursor(db=store._disk._blocks)}
+
+
+def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, tmp_path):
+    # Before: once the disk had failed, no write at all was tried, so a forget after a failed
+    # block write left the forgotten records on disk and they came back after a restart.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    secret = random_ids(20, 710)
+    cache = store.open(model, secret, session="secret")
+    cache.commit(generate(model, secret, cache))
+    store.flush()
+    apply = store._disk._apply
+
+    def no_block_writes(ops):
+        if any(isinstance(op, PutBlock) for op in ops):
+            raise lmdb.DiskError("No space left on device")
+        return apply(ops)
+
+    store._disk._apply = no_block_writes
+    other = random_ids(20, 711)
+    cache = store.open(model, other, session="other")
+    cache.commit(generate(model, other, cache))
+    store.flush()
+    assert store.stats()["disk_failed"]
+    before = _records_live(store)
+    assert len(before) == 3
+    assert store.forget(session="secret") == 3
+    store.close()
+    assert _records(path) == set()  # the forget reached the disk despite the failed state
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    assert store.open(model, torch.cat([secret, random_ids(2, 712)], dim=1)).restored_tokens == 0
+
+
+def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    ids = random_ids(20, 720)
+    cache = store.open(model, ids, session="secret")
+    cache.commit(generate(model, ids, cache))
+    store.flush()
+    _fail_deletes(store)
+    store.forget(session="secret")
+    with caplog.at_level(logging.ERROR, logger="tierkv"):
+        assert store.close() == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "could not be written" in errors[0] and str(path) in errors[0]
