@@ -1,0 +1,485 @@
+"""Prometheus metrics (``tierkv.metrics``) and the library's logging.
+
+Metrics are checked through the real HTTP endpoint ``serve`` opens, parsed with prometheus_client's
+own parser, against ``store.stats()`` after a scenario that reaches every tier: a demotion device ->
+host, a restart whose blocks come back from disk, and a corrupt record. Logging: one INFO line per
+store open, one WARNING per kind of fault however many follow, and nothing printed by the library.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tierkv
+from conftest import random_ids
+from tierkv import TieredStore
+from tierkv.events import DIRECTIONS, CommitEvent, EventLog, MoveEvent, OpenEvent
+from tierkv.metrics import BYTES_BUCKETS, SECONDS_BUCKETS, StoreCollector, serve
+
+B = 8
+WAIT = 30.0
+TIERS = ("device", "host", "disk")
+PROGRAMS = {"cli.py", "demo.py", "bench.py"}  # command-line programs may print; the library may not
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, cache=None, new: int = 4) -> torch.Tensor:
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+
+def block_bytes(model: torch.nn.Module, n_tokens: int = B) -> int:
+    c = model.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * n_tokens * c.head_dim * 4
+
+
+@pytest.fixture
+def model(tiny_model) -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+def turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, session: str | None = None):
+    cache = store.open(model, ids, session=session)
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    return cache, out
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted label items: value}, from a real HTTP scrape."""
+    with urllib.request.urlopen(url, timeout=WAIT) as response:
+        assert response.status == 200
+        return samples(response.read().decode())
+
+
+def samples(text: str) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def by(found: dict[str, dict[tuple, float]], name: str, label: str) -> dict[str, float]:
+    return {dict(labels)[label]: value for labels, value in found[name].items() if "le" not in dict(labels)}
+
+
+def one(found: dict[str, dict[tuple, float]], name: str) -> float:
+    (value,) = found[name].values()
+    return value
+
+
+def corrupt_records(store: TieredStore, keys: list[bytes]) -> None:
+    """Flip a payload byte of each record (headers stay readable: found on first read, not by a scan)."""
+    env = store._disk.env
+    blocks = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for key in keys:
+            record = bytearray(txn.get(key, db=blocks))
+            record[len(record) // 2] ^= 0xFF
+            txn.put(key, bytes(record), db=blocks)
+
+
+def verify_scrape_equals_stats(found: dict, stats: dict) -> None:
+    for name, field in (("tierkv_tier_bytes", "bytes"), ("tierkv_tier_blocks", "blocks"),
+                        ("tierkv_tier_budget_bytes", "budget")):
+        assert by(found, name, "tier") == {t: stats[t][field] for t in TIERS}, name
+    assert by(found, "tierkv_hit_tokens_total", "tier") == stats["hits"]
+    assert one(found, "tierkv_miss_tokens_total") == stats["misses"]
+    assert one(found, "tierkv_evictions_total") == stats["evictions"]
+    assert one(found, "tierkv_corrupt_records_total") == stats["corrupt"]
+    assert one(found, "tierkv_disk_errors_total") == stats["disk_errors"]
+    assert one(found, "tierkv_disk_failed") == float(stats["disk_failed"])
+    assert one(found, "tierkv_pending_writes") == stats["pending_writes"]
+    assert one(found, "tierkv_sessions") == stats["sessions"]
+    assert by(found, "tierkv_moved_bytes_total", "direction") == stats["moved_bytes"]
+
+
+# -- metrics over HTTP ---------------------------------------------------------------------------
+def test_a_scrape_of_the_http_endpoint_equals_stats_after_every_tier_was_used(model, tmp_path) -> None:
+    path = tmp_path / "kv"
+    kw = dict(device="cpu", device_budget=3 * block_bytes(model), host_budget=4 * block_bytes(model), block_size=B)
+    outs = {}
+    with TieredStore(path, **kw) as store:
+        for i, session in enumerate("abc"):
+            before = set(store._index.blocks)
+            _, outs[session] = turn(store, model, random_ids(20, 20 + i), session)
+        store.flush()
+        corrupt_records(store, sorted(set(store._index.blocks) - before))  # session c's blocks
+
+    store = TieredStore(path, **kw)  # restart: everything comes back from disk
+    server = serve(store, port=0)
+    try:
+        assert server.port > 0 and server.collector is not None and server.registry is not None
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        opens = commits = 0
+        for session in "aca":  # a: from disk; c: corrupt, and demotes a to the host; a: from the host
+            ids = torch.cat([outs[session], random_ids(3, 30 + opens)], dim=1)
+            cache, outs[session] = turn(store, model, ids, session)
+            opens, commits = opens + 1, commits + 1
+        store.flush()
+        stats = store.stats()
+        assert stats["hits"]["disk"] > 0 and stats["hits"]["host"] > 0 and stats["corrupt"] == 1
+        assert stats["evictions"] > 0 and all(stats["moved_bytes"][d] > 0 for d in DIRECTIONS)
+
+        found = scrape(url)
+        verify_scrape_equals_stats(found, stats)
+        assert one(found, "tierkv_open_duration_seconds_count") == opens
+        assert one(found, "tierkv_commit_duration_seconds_count") == commits
+        assert 0 < one(found, "tierkv_open_duration_seconds_sum") < WAIT
+        # Histograms counted since serve() subscribed, which was before any traffic: exact.
+        assert by(found, "tierkv_move_bytes_sum", "direction") == stats["moved_bytes"]
+        assert (by(found, "tierkv_move_bytes_count", "direction")
+                == by(found, "tierkv_move_duration_seconds_count", "direction"))
+        assert by(found, "tierkv_move_duration_seconds_sum", "direction")["disk_to_host"] > 0  # disk reads are timed
+        assert one(found, "tierkv_events_dropped_total") == 0
+
+        again = scrape(url)  # no traffic in between: nothing is counted twice
+        assert again == found
+        cache, _ = turn(store, model, torch.cat([outs["a"], random_ids(3, 40)], dim=1), "a")
+        store.flush()
+        after = scrape(url)  # and nothing is lost between scrapes
+        assert one(after, "tierkv_open_duration_seconds_count") == opens + 1
+        assert by(after, "tierkv_move_bytes_sum", "direction") == store.stats()["moved_bytes"]
+        verify_scrape_equals_stats(after, store.stats())
+    finally:
+        server.close()
+    assert not store._events.active  # close() unsubscribed
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)
+    store.close()
+
+
+def test_buckets_are_cumulative_and_span_4kib_to_4gib_and_100us_to_30s() -> None:
+    store = FakeStore()
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    for nbytes, seconds in ((4096, 0.0001), (5000, 0.2), (3 << 30, 29.0), (5 << 30, 31.0)):
+        store.events.emit(MoveEvent("host_to_disk", nbytes, seconds))
+    found = samples(generate_latest(registry).decode())
+    size = {float(dict(k)["le"]): v for k, v in found["tierkv_move_bytes_bucket"].items()
+            if dict(k)["direction"] == "host_to_disk"}
+    assert BYTES_BUCKETS[0] == 4096 and BYTES_BUCKETS[-1] == 4 << 30
+    assert SECONDS_BUCKETS[0] == 0.0001 and SECONDS_BUCKETS[-1] == 30.0
+    assert (size[4096], size[16384], size[1 << 30], size[4 << 30], size[float("inf")]) == (1, 2, 2, 3, 4)
+    seconds = {float(dict(k)["le"]): v for k, v in found["tierkv_move_duration_seconds_bucket"].items()
+               if dict(k)["direction"] == "host_to_disk"}
+    assert seconds[0.0001] == 1 and seconds[0.25] == 2 and seconds[30.0] == 3 and seconds[float("inf")] == 4
+
+
+class FakeStore:
+    """The two methods a collector uses, without a model: for exact event counts under threads."""
+
+    def __init__(self) -> None:
+        self.events = EventLog()
+
+    def subscribe(self, maxlen: int = 100_000):
+        return self.events.subscribe(maxlen)
+
+    def stats(self) -> dict:
+        tier = {"bytes": 0, "budget": 0, "blocks": 0}
+        return {"device": tier, "host": tier, "disk": tier, "hits": {t: 0 for t in TIERS}, "misses": 0,
+                "evictions": 0, "corrupt": 0, "disk_errors": 0, "disk_failed": False,
+                "moved_bytes": {d: 0 for d in DIRECTIONS}, "pending_writes": 0, "sessions": 0}
+
+
+def test_concurrent_scrapes_neither_double_count_nor_lose_events() -> None:
+    store = FakeStore()
+    collector = StoreCollector(store)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    emitters, per_emitter = 4, 2_000
+    done = threading.Event()
+    start = threading.Barrier(emitters + 3)
+
+    def emit() -> None:
+        start.wait(WAIT)
+        for _ in range(per_emitter):
+            store.events.emit(OpenEvent(0.001, {t: 0 for t in TIERS}, 1))
+            store.events.emit(CommitEvent(0.002, 8))
+
+    def scrape_loop() -> None:
+        start.wait(WAIT)
+        while not done.is_set():
+            samples(generate_latest(registry).decode())
+
+    workers = [threading.Thread(target=emit) for _ in range(emitters)]
+    scrapers = [threading.Thread(target=scrape_loop) for _ in range(3)]
+    for w in (*workers, *scrapers):
+        w.start()
+    for w in workers:
+        w.join(WAIT)
+    done.set()
+    for s in scrapers:
+        s.join(WAIT)
+    found = samples(generate_latest(registry).decode())
+    assert one(found, "tierkv_open_duration_seconds_count") == emitters * per_emitter
+    assert one(found, "tierkv_commit_duration_seconds_count") == emitters * per_emitter
+    assert one(found, "tierkv_commit_duration_seconds_sum") == pytest.approx(0.002 * emitters * per_emitter)
+    assert one(found, "tierkv_events_dropped_total") == 0
+    collector.close()
+    assert not store.events.active
+
+
+def test_the_collector_plugs_into_an_existing_registry_beside_other_metrics(model) -> None:
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    requests = Counter("app_requests", "The application's own metric.", registry=registry)
+    requests.inc()
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        collector = StoreCollector(store)
+        registry.register(collector)
+        turn(store, model, random_ids(20, 50))
+        found = samples(generate_latest(registry).decode())
+        assert one(found, "app_requests_total") == 1
+        assert one(found, "tierkv_open_duration_seconds_count") == 1
+        verify_scrape_equals_stats(found, store.stats())
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(StoreCollector(store))  # one store per registry, as prometheus_client enforces
+    # A closed store still answers: stats() works after close, and the histograms stay.
+    collector.close()
+    found = samples(generate_latest(registry).decode())
+    assert one(found, "tierkv_open_duration_seconds_count") == 1
+    assert by(found, "tierkv_tier_blocks", "tier") == {t: 0 for t in TIERS}
+
+
+def test_a_server_may_serve_from_a_given_registry_and_leaves_it_clean_on_close() -> None:
+    registry = CollectorRegistry()
+    store = FakeStore()
+    with serve(store, port=0, registry=registry) as server:
+        assert server.registry is registry
+        store.events.emit(OpenEvent(0.5, {t: 0 for t in TIERS}, 1))
+        found = scrape(f"http://127.0.0.1:{server.port}/metrics")
+        assert one(found, "tierkv_open_duration_seconds_count") == 1
+    assert list(registry.collect()) == []
+    assert not store.events.active
+    with pytest.raises(ValueError, match="port"):
+        serve(store, port=-1)
+    assert not store.events.active
+
+
+def test_metric_names_follow_prometheus_conventions(model) -> None:
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(store))
+        turn(store, model, random_ids(20, 60))
+        text = generate_latest(registry).decode()
+    families = list(text_string_to_metric_families(text))
+    assert len(families) == 17
+    for family in families:
+        assert family.name.startswith("tierkv_"), family.name
+        names = {s.name for s in family.samples}
+        if family.type == "counter":
+            assert names == {family.name + "_total"}, family.name
+        else:
+            assert not family.name.endswith("_total"), family.name
+        if "bytes" in family.name:
+            assert family.name.endswith("_bytes"), family.name
+        if "seconds" in family.name or "duration" in family.name:
+            assert family.name.endswith("_duration_seconds"), family.name
+        for s in family.samples:
+            labels = set(s.labels) - {"le"}
+            assert labels <= {"tier", "direction"}, (s.name, labels)
+            assert s.labels.get("tier", "device") in TIERS and s.labels.get("direction", DIRECTIONS[0]) in DIRECTIONS
+            if s.name.endswith("_bucket"):
+                assert family.type == "histogram"
+    types = {f.name: f.type for f in families}
+    assert types["tierkv_move_bytes"] == types["tierkv_move_duration_seconds"] == "histogram"
+    assert types["tierkv_open_duration_seconds"] == types["tierkv_commit_duration_seconds"] == "histogram"
+    assert types["tierkv_tier_bytes"] == "gauge" and types["tierkv_hit_tokens"] == "counter"
+
+
+def test_an_overflowing_event_queue_warns_once_and_counts_the_drops(caplog) -> None:
+    store = FakeStore()
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store, maxlen=2))
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        for round_ in range(2):
+            for _ in range(5):
+                store.events.emit(CommitEvent(0.001, 1))
+            found = samples(generate_latest(registry).decode())
+            assert one(found, "tierkv_events_dropped_total") == 3 * (round_ + 1)
+            assert one(found, "tierkv_commit_duration_seconds_count") == 2 * (round_ + 1)
+    warnings = [r for r in caplog.records if r.name == "tierkv" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "tierkv_events_dropped_total" in warnings[0].getMessage()
+
+
+def test_importing_tierkv_needs_no_prometheus_client_and_the_metrics_module_names_the_extra() -> None:
+    script = (
+        "import sys, tierkv\n"
+        "assert 'prometheus_client' not in sys.modules, 'import tierkv pulled in prometheus_client'\n"
+        "sys.modules['prometheus_client'] = None  # as if the metrics extra were not installed\n"
+        "try:\n"
+        "    import tierkv.metrics\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    raise SystemExit('tierkv.metrics imported without prometheus_client')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(tierkv.__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert 'pip install "tierkv[metrics]"' in result.stdout
+
+
+# -- logging -------------------------------------------------------------------------------------------
+def tierkv_records(caplog, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("tierkv") and r.levelno == level]
+
+
+def test_opening_a_store_logs_one_info_line_with_path_budgets_tiers_and_blocks(model, tmp_path, caplog) -> None:
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        turn(store, model, random_ids(20, 70))
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        store = TieredStore(path, device="cpu", device_budget="3MiB", host_budget="1GiB", disk_budget="2GiB",
+                            block_size=B)
+        store.close()
+    (line,) = [r.getMessage() for r in tierkv_records(caplog, logging.INFO)]
+    assert str(path) in line and "tiers=device(cpu),host,disk" in line
+    assert "device=3.0 MiB" in line and "host=1.0 GiB" in line and "disk=2.0 GiB" in line
+    assert "3 blocks found" in line  # 23 committed tokens: two full blocks and a tail
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        TieredStore(None, device="cpu", block_size=B).close()
+    (line,) = [r.getMessage() for r in tierkv_records(caplog, logging.INFO)]
+    assert "tiers=device(cpu),host " in line and "disk=none" in line and "0 blocks found" in line
+
+
+def first_block(store: TieredStore, root: bytes, ids: torch.Tensor) -> bytes:
+    return next(m.key for m in store._index.blocks.values() if m.parent == root and m.token_ids[0] == int(ids[0, 0]))
+
+
+def make_corrupt_store(model, path: Path, n: int) -> tuple[TieredStore, list[torch.Tensor]]:
+    """A store whose every block rests on disk only, with the first block of ``n`` conversations damaged."""
+    store = TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B)
+    firsts, outs = [], []
+    for i in range(n):
+        ids = random_ids(20, 80 + i)
+        cache, out = turn(store, model, ids)
+        outs.append(out)
+        firsts.append(first_block(store, cache.root, ids))
+    store.flush()
+    corrupt_records(store, firsts)
+    return store, outs
+
+
+def test_n_corrupt_records_log_one_warning_and_count_n(model, tmp_path, caplog) -> None:
+    n = 3
+    store, outs = make_corrupt_store(model, tmp_path / "kv", n)
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        for i, out in enumerate(outs):
+            ids = torch.cat([out, random_ids(2, 90 + i)], dim=1)
+            cache = store.open(model, ids)
+            assert cache.restored_tokens == 0
+    assert store.stats()["corrupt"] == n
+    warnings = tierkv_records(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "unreadable" in warnings[0].getMessage()
+    assert sum("unreadable" in r.getMessage() for r in tierkv_records(caplog, logging.DEBUG)) == n - 1
+    store.close()
+
+
+def test_corrupt_records_found_at_reopen_log_one_warning_for_all(model, tmp_path, caplog) -> None:
+    n = 3
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)
+    firsts = []
+    for i in range(n):
+        ids = random_ids(20, 100 + i)
+        cache, _ = turn(store, model, ids)
+        firsts.append(first_block(store, cache.root, ids))
+    store.flush()
+    env = store._disk.env
+    blocks = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for key in firsts:
+            txn.put(key, b"not a record", db=blocks)  # the scan itself rejects these
+    store.close()
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)
+    assert store.stats()["corrupt"] == n
+    (warning,) = tierkv_records(caplog, logging.WARNING)
+    assert f"{n} unreadable records" in warning.getMessage()
+    store.close()
+
+
+def test_disk_write_errors_log_one_warning_and_count(model, tmp_path, caplog) -> None:
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)
+
+    def failing(ops):
+        raise lmdb.DiskError("No space left on device")
+
+    store._disk._apply = failing
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        for i in range(3):
+            turn(store, model, random_ids(20, 110 + i))
+            store.flush()
+    stats = store.stats()
+    assert stats["disk_failed"] and stats["disk_errors"] >= 1
+    warnings = tierkv_records(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "I/O error" in warnings[0].getMessage()
+    store.close()
+
+
+def test_disk_read_errors_log_one_warning_and_count_each(model, tmp_path, caplog) -> None:
+    store = TieredStore(tmp_path / "kv", device="cpu", device_budget=0, host_budget=0, block_size=B)
+    outs = [turn(store, model, random_ids(20, 120 + i))[1] for i in range(3)]
+    store.flush()
+
+    def unreadable(key, empty):
+        raise OSError(5, "Input/output error")
+
+    store._disk.load = unreadable
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        for i, out in enumerate(outs):
+            cache = store.open(model, torch.cat([out, random_ids(2, 130 + i)], dim=1))
+            assert cache.restored_tokens == 0
+    stats = store.stats()
+    assert stats["disk_errors"] == 3 and stats["disk_failed"]
+    warnings = tierkv_records(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "I/O error" in warnings[0].getMessage()
+    assert sum("I/O error" in r.getMessage() for r in tierkv_records(caplog, logging.DEBUG)) == 2
+    store.close()
+
+
+def test_a_full_turn_and_a_scrape_print_nothing(model, tmp_path, capfd) -> None:
+    capfd.readouterr()
+    store = TieredStore(tmp_path / "kv", device="cpu", device_budget=0, block_size=B)
+    server = serve(store, port=0)
+    ids = random_ids(20, 140)
+    cache, out = turn(store, model, ids, "s")
+    cache, out = turn(store, model, torch.cat([out, random_ids(2, 141)], dim=1), "s")
+    store.flush()
+    scrape(f"http://127.0.0.1:{server.port}/metrics")  # wsgiref would log each request to stderr
+    server.close()
+    store.close()
+    captured = capfd.readouterr()
+    assert (captured.out, captured.err) == ("", "")
+
+
+def test_no_library_module_calls_print() -> None:
+    package = Path(tierkv.__file__).parent
+    offenders = []
+    for source in sorted(package.rglob("*.py")):
+        if source.relative_to(package).as_posix() in PROGRAMS:
+            continue
+        for node in ast.walk(ast.parse(source.read_text(), filename=str(source))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "print":
+                offenders.append(f"{source.name}:{node.lineno} print()")
+            elif (isinstance(func, ast.Attribute) and func.attr == "write" and isinstance(func.value, ast.Attribute)
+                  and func.value.attr in ("stdout", "stderr")):
+                offenders.append(f"{source.name}:{node.lineno} {func.value.attr}.write()")
+    assert offenders == [], "the library logs through logging.getLogger('tierkv'); it never prints"

@@ -1,0 +1,292 @@
+"""Prometheus metrics for a ``TieredStore`` (the ``metrics`` extra: ``pip install "tierkv[metrics]"``).
+
+Protocol::
+
+    collector = StoreCollector(store)        # subscribes to the store's events (tierkv.events)
+    registry.register(collector)             # any CollectorRegistry, or prometheus_client.REGISTRY
+    ...                                      # every scrape calls collector.collect()
+    collector.close()                        # unsubscribe; collect() still answers from stats()
+
+    server = serve(store, port=0)            # or all of it in one call: HTTP on server.port
+    server.close()                           # stop serving, unregister, unsubscribe
+
+The store's hot paths only append events to the subscription's bounded queue; ``collect()`` drains
+that queue under the collector's lock into cumulative histograms kept here (so concurrent scrapes
+neither double count nor lose an event), then reads ``store.stats()`` for the gauges and counters.
+Histograms count from the collector's subscription on; counters read from ``stats()`` count from the
+store's open. ``store.stats()`` stays the in-process view; this module only exports it.
+
+Metric names follow Prometheus conventions: a ``tierkv_`` prefix, base units (bytes, seconds),
+``_total`` on counters, and a ``tier`` or ``direction`` label rather than one name per tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+try:
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+    from prometheus_client.registry import Collector
+    from prometheus_client.utils import floatToGoString  # bucket bounds written as the client's own histograms
+except ImportError as exc:  # the extra is optional: `import tierkv` never needs it
+    raise ImportError('tierkv.metrics needs prometheus-client; install it with: pip install "tierkv[metrics]"') from exc
+
+from .events import DIRECTIONS, CommitEvent, MoveEvent, OpenEvent
+
+__all__ = ["StoreCollector", "MetricsServer", "serve", "BYTES_BUCKETS", "SECONDS_BUCKETS"]
+
+logger = logging.getLogger("tierkv")
+
+TIERS = ("device", "host", "disk")
+# 4 KiB .. 4 GiB in powers of 4: a block of a tiny model up to a batch of 7B-class blocks.
+BYTES_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(11))
+# 100 us .. 30 s: a CUDA copy of one block up to a cold restore of a long conversation from disk.
+SECONDS_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                      0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(slots=True)
+class _Histogram:
+    """Cumulative state of one histogram series; only touched under the collector's lock."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; the last is +Inf
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*(floatToGoString(b) for b in self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append((bound, float(running)))
+        return out
+
+
+# name, help, labels: one place for describe() and collect(), so the two cannot disagree.
+_GAUGES = {
+    "tierkv_tier_bytes": ("Bytes of KV blocks at rest in a tier.", ["tier"]),
+    "tierkv_tier_blocks": ("KV blocks at rest in a tier.", ["tier"]),
+    "tierkv_tier_budget_bytes": ("Budget of a tier in bytes (a hard cap on bytes at rest).", ["tier"]),
+    "tierkv_pending_writes": ("Block writes queued for the disk tier, not yet committed.", []),
+    "tierkv_sessions": ("Sessions the store references.", []),
+    "tierkv_disk_failed": ("1 once a disk I/O error switched the store to its memory tiers, else 0.", []),
+}
+_COUNTERS = {  # family names without _total: the exposition appends it
+    "tierkv_hit_tokens": ("Tokens restored by open(), by the tier they came from.", ["tier"]),
+    "tierkv_miss_tokens": ("Tokens open() could not restore and generate() computes.", []),
+    "tierkv_evictions": ("Blocks evicted from a tier to make room.", []),
+    "tierkv_corrupt_records": ("Disk records dropped as unreadable (checksum, version, fingerprint).", []),
+    "tierkv_disk_errors": ("Disk tier I/O errors.", []),
+    "tierkv_moved_bytes": ("Bytes moved between tiers, by direction, since the store opened.", ["direction"]),
+    "tierkv_events_dropped": ("Store events lost because scrapes were too rare for the event queue.", []),
+}
+_HISTOGRAMS = {
+    "tierkv_move_bytes": ("Bytes of one move (a copy or a disk transaction), by direction.", ["direction"]),
+    "tierkv_move_duration_seconds": ("Duration of one move, by direction; 0 for CPU hand-overs that copy "
+                                     "nothing.", ["direction"]),
+    "tierkv_open_duration_seconds": ("Wall time of store.open() (copies to the device run on after it).", []),
+    "tierkv_commit_duration_seconds": ("Wall time of cache.commit() (copies and disk writes run on after "
+                                       "it).", []),
+}
+
+
+class StoreCollector(Collector):
+    """A Prometheus collector for one ``TieredStore``; register it in any ``CollectorRegistry``."""
+
+    def __init__(self, store: Any, maxlen: int = 100_000) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._sub = store.subscribe(maxlen)
+        self._dropped = 0  # kept past close(), when the subscription is gone
+        self._warned = False
+        self._move_bytes = {d: _Histogram(BYTES_BUCKETS) for d in DIRECTIONS}
+        self._move_seconds = {d: _Histogram(SECONDS_BUCKETS) for d in DIRECTIONS}
+        self._open_seconds = _Histogram(SECONDS_BUCKETS)
+        self._commit_seconds = _Histogram(SECONDS_BUCKETS)
+
+    def close(self) -> None:
+        """Unsubscribe from the store's events; later scrapes still export ``stats()`` and the
+        histograms as they stand. Closing twice is harmless."""
+        with self._lock:
+            if self._sub is not None:
+                self._fold()
+                self._sub.close()
+                self._sub = None
+
+    def _fold(self) -> None:
+        """Drain the store's events into the histograms; the caller holds ``self._lock``."""
+        assert self._sub is not None
+        for event in self._sub.drain():
+            if isinstance(event, MoveEvent):
+                self._move_bytes[event.direction].observe(event.nbytes)
+                self._move_seconds[event.direction].observe(event.seconds or 0.0)
+            elif isinstance(event, OpenEvent):
+                self._open_seconds.observe(event.seconds)
+            elif isinstance(event, CommitEvent):
+                self._commit_seconds.observe(event.seconds)
+        if self._sub.dropped > self._dropped and not self._warned:
+            self._warned = True  # once: the counter tells how many followed
+            logger.warning("tierkv: the metrics event queue overflowed and dropped events; scrape more often or "
+                           "pass a larger maxlen to StoreCollector. tierkv_events_dropped_total counts them")
+        self._dropped = self._sub.dropped
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples, so registering never drains events or takes the store lock."""
+        for name, (doc, labels) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, labels=labels)
+        for name, (doc, labels) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, labels=labels)
+        for name, (doc, labels) in _HISTOGRAMS.items():
+            yield HistogramMetricFamily(name, doc, labels=labels)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            if self._sub is not None:
+                self._fold()
+            # Snapshot under the lock: a concurrent scrape's fold must not tear this one's view.
+            histograms: dict[str, list[tuple[list[str], list[tuple[str, float]], float]]] = {
+                "tierkv_move_bytes": [([d], h.buckets(), h.total) for d, h in self._move_bytes.items()],
+                "tierkv_move_duration_seconds": [([d], h.buckets(), h.total) for d, h in self._move_seconds.items()],
+                "tierkv_open_duration_seconds": [([], self._open_seconds.buckets(), self._open_seconds.total)],
+                "tierkv_commit_duration_seconds": [([], self._commit_seconds.buckets(),
+                                                    self._commit_seconds.total)],
+            }
+            dropped = self._dropped
+        stats = self._store.stats()  # works on a closed store too
+        gauges: dict[str, list[tuple[list[str], float]]] = {
+            "tierkv_tier_bytes": [([t], stats[t]["bytes"]) for t in TIERS],
+            "tierkv_tier_blocks": [([t], stats[t]["blocks"]) for t in TIERS],
+            "tierkv_tier_budget_bytes": [([t], stats[t]["budget"]) for t in TIERS],
+            "tierkv_pending_writes": [([], stats["pending_writes"])],
+            "tierkv_sessions": [([], stats["sessions"])],
+            "tierkv_disk_failed": [([], 1.0 if stats["disk_failed"] else 0.0)],
+        }
+        counters: dict[str, list[tuple[list[str], float]]] = {
+            "tierkv_hit_tokens": [([t], stats["hits"][t]) for t in TIERS],
+            "tierkv_miss_tokens": [([], stats["misses"])],
+            "tierkv_evictions": [([], stats["evictions"])],
+            "tierkv_corrupt_records": [([], stats["corrupt"])],
+            "tierkv_disk_errors": [([], stats["disk_errors"])],
+            "tierkv_moved_bytes": [([d], stats["moved_bytes"][d]) for d in DIRECTIONS],
+            "tierkv_events_dropped": [([], dropped)],
+        }
+        for name, series in gauges.items():
+            doc, labels = _GAUGES[name]
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for values, value in series:
+                gauge.add_metric(values, float(value))
+            yield gauge
+        for name, series in counters.items():
+            doc, labels = _COUNTERS[name]
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            for values, value in series:
+                counter.add_metric(values, float(value))
+            yield counter
+        for name, hseries in histograms.items():
+            doc, labels = _HISTOGRAMS[name]
+            histogram = HistogramMetricFamily(name, doc, labels=labels)
+            for values, buckets, total in hseries:
+                histogram.add_metric(values, buckets, total)
+            yield histogram
+
+
+class _SilentHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the library prints nothing: wsgiref would write one stderr line per scrape
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds the process open
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """An HTTP exposition of one collector's registry on ``port``; ``close()`` stops it."""
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread, registry: CollectorRegistry,
+                 collector: StoreCollector, addr: str) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.registry = registry
+        self.collector = collector
+        self.addr = addr
+        self.port: int = httpd.server_address[1]
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving, unregister the collector and unsubscribe it; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+        try:
+            self.registry.unregister(self.collector)
+        except KeyError:  # the caller unregistered it already
+            pass
+        self.collector.close()
+
+    def __enter__(self) -> "MetricsServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
+          registry: CollectorRegistry | None = None) -> MetricsServer:
+    """Serve ``store``'s metrics over HTTP at ``http://addr:port/metrics`` from a daemon thread.
+
+    ``port=0`` picks a free port (``server.port`` tells which). ``registry=None`` gives the server a
+    registry of its own; pass one (``prometheus_client.REGISTRY`` for the process-wide one) to
+    serve the store's metrics beside what is already registered there. Binds to 127.0.0.1 unless
+    told otherwise: metrics name sessions' counts and sizes, not for every network by default.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in 0..65535 (0 picks a free port), got {port!r}")
+    registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+    collector = StoreCollector(store)
+    try:
+        registry.register(collector)
+    except BaseException:
+        collector.close()
+        raise
+    try:
+        server_class = _ThreadingServer6 if ":" in addr else _ThreadingServer
+        # Not prometheus_client.start_http_server: it hands its server back (needed for the port
+        # that port=0 picked, and to stop it) only in recent releases, and the extra allows >= 0.17.
+        httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_SilentHandler)
+    except BaseException:
+        registry.unregister(collector)
+        collector.close()
+        raise
+    thread = threading.Thread(target=httpd.serve_forever, name="tierkv-metrics", daemon=True)
+    thread.start()
+    server = MetricsServer(httpd, thread, registry, collector, addr)
+    logger.info("tierkv metrics served at %s", server.url)
+    return server
