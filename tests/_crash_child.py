@@ -1,10 +1,13 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
-    python tests/_crash_child.py PATH SEED
+    python tests/_crash_child.py PATH SEED [churn]
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
-background writer, so a SIGKILL lands at a random point of the write path. Not collected by pytest.
+background writer, so a SIGKILL lands at a random point of the write path. With ``churn`` the
+disk budget holds a few conversations only (evictions delete records while others are written)
+and every conversation ``i`` with ``i % 5 == 4`` is forgotten right after its commit, so kills
+also land in deletes and scrubs. Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -22,18 +25,28 @@ def conversation(seed: int, i: int):
     return random_ids(20 + i % 7, seed * 1000 + i)
 
 
-def main(path: str, seed: int) -> None:
+CHURN_DISK_BUDGET = 160 << 10
+
+
+def forgotten(i: int) -> bool:
+    return i % 5 == 4
+
+
+def main(path: str, seed: int, churn: bool) -> None:
     model = make_model("llama")
-    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0)
+    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0,
+                        disk_budget=CHURN_DISK_BUDGET if churn else "256GiB")
     print("READY", flush=True)
     for i in range(10_000):
         ids = conversation(seed, i)
         cache = store.open(model, ids, session=f"s{i}")
         cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+        if churn and forgotten(i):
+            store.forget(session=f"s{i}")
         if i % 3 == 2:
             store.flush()
             print(f"FLUSHED {i}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["churn"])

@@ -17,17 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from _crash_child import conversation
+from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model
 from tierkv import TieredStore
 
 CHILD = Path(__file__).with_name("_crash_child.py")
 
 
-def run_until_killed(path: Path, seed: int, flushes: int, extra_s: float) -> int:
+def run_until_killed(path: Path, seed: int, flushes: int, extra_s: float, churn: bool = False) -> int:
     """Start the child, let it complete ``flushes`` flushes, kill it ``extra_s`` later; returns the
     last conversation index it reported durable."""
-    child = subprocess.Popen([sys.executable, str(CHILD), str(path), str(seed)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, str(CHILD), str(path), str(seed), *(["churn"] if churn else [])],
+                             stdout=subprocess.PIPE, text=True)
     last = -1
     try:
         seen = 0
@@ -67,6 +68,34 @@ def test_sigkill_while_spilling_loses_nothing_flushed_and_serves_nothing_half_wr
             assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
                                model.generate(nxt, max_new_tokens=2, do_sample=False))
         assert store.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_sigkill_during_evictions_and_forgets_brings_nothing_forgotten_back(tmp_path, trial):
+    rng = random.Random(50 + trial)
+    path = tmp_path / "kv"
+    seed = 200 + trial
+    last = run_until_killed(path, seed, flushes=rng.randint(2, 4), extra_s=rng.uniform(0.0, 0.3), churn=True)
+    model = make_model("llama")
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0,
+                     disk_budget=CHURN_DISK_BUDGET) as store:
+        assert store.stats()["corrupt"] == 0
+        assert store.stats()["disk"]["bytes"] <= CHURN_DISK_BUDGET
+        restored = {}
+        for i in range(last + 6):
+            ids = conversation(seed, i)
+            out = model.generate(ids, max_new_tokens=2, do_sample=False)
+            nxt = torch.cat([out, torch.tensor([[5, 6]])], dim=1)
+            cache = store.open(model, nxt)
+            restored[i] = cache.restored_tokens
+            assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
+                               model.generate(nxt, max_new_tokens=2, do_sample=False))
+        assert store.stats()["corrupt"] == 0
+    # Forgotten before the last flush: gone for good, not brought back by the crash.
+    assert all(restored[i] == 0 for i in range(last + 1) if forgotten(i)), restored
+    # Not vacuous: the budget keeps the recent conversations (which ones depends on what landed
+    # after the last flush), and they restore.
+    assert sum(restored.values()) > 0, restored
 
 
 def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
