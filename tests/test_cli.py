@@ -1,0 +1,302 @@
+"""The ``tierkv`` console script, run for real in subprocesses against stores built here.
+
+One store is built per module with a tiny random llama (``block_size=8``): four conversations,
+three tenants, a shared system prompt. Commands that change a store get their own copy. Every
+expectation is exact: block, session and tenant counts worked out by hand below, the tokens each
+conversation restores when the store is reopened with ``TieredStore``, exit codes, and the bytes
+of ``data.mdb`` where a command must not write. Subprocesses start torch (seconds each), so the
+independent ones run side by side (``run_all``); the table layout and the argument checks of
+``clear`` are exercised in this process through ``tierkv.cli.main``, the same entry point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import msgpack
+import pytest
+import torch
+
+import tierkv
+from conftest import make_model, random_ids
+from tierkv import TieredStore, cli
+from tierkv.codec import FORMAT_VERSION, decode_header
+
+B = 8
+SYSTEM = random_ids(16, seed=1)
+# (tenant, session) -> the conversation. Blocks of 8 tokens, a partial tail stored too:
+#   acme/alice 36 tokens: 4 whole blocks + a tail of 4          5 blocks
+#   acme/bob   30 tokens: shares alice's first 2 blocks (system),
+#              + 1 whole block + a tail of 6                    2 more
+#   zeta/carol 28 tokens: same system prompt, another tenant:
+#              nothing shared; 3 whole blocks + a tail of 4     4 blocks
+#   dave (default tenant) 20 tokens: 2 whole + a tail of 4      3 blocks
+CONVERSATIONS: dict[tuple[str | None, str], torch.Tensor] = {
+    ("acme", "alice"): torch.cat([SYSTEM, random_ids(20, seed=2)], dim=1),
+    ("acme", "bob"): torch.cat([SYSTEM, random_ids(14, seed=3)], dim=1),
+    ("zeta", "carol"): torch.cat([SYSTEM, random_ids(12, seed=4)], dim=1),
+    (None, "dave"): random_ids(20, seed=5),
+}
+BLOCKS = 5 + 2 + 4 + 3
+FULL = {"alice": 36, "bob": 30, "carol": 28, "dave": 20}  # tokens each conversation restores
+
+
+# -- running the script ----------------------------------------------------------------------------
+def tierkv_command() -> list[str]:
+    """The installed console script of this interpreter (then any on PATH); ``-m`` only without one."""
+    script = shutil.which("tierkv", path=os.path.dirname(sys.executable)) or shutil.which("tierkv")
+    return [script] if script else [sys.executable, "-m", "tierkv.cli"]
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def run_all(*commands: list[str], cwd: Path | None = None) -> list[Result]:
+    """Run ``tierkv`` with each argument list, all at once, and wait for every one."""
+    procs = [subprocess.Popen([*tierkv_command(), *args], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        results.append(Result(proc.returncode, out, err))
+    return results
+
+
+def run(*args: str) -> Result:
+    return run_all(list(args))[0]
+
+
+def verify_refused(result: Result, code: int, *phrases: str) -> None:
+    """A refusal: the exit code, one line on stderr saying why, no traceback, nothing on stdout."""
+    assert result.code == code, result
+    assert result.out == "" and "Traceback" not in result.err, result
+    assert result.err.startswith("tierkv: error: ") and result.err.count("\n") == 1, result.err
+    for phrase in phrases:
+        assert phrase in result.err, result.err
+
+
+# -- the store -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_model("llama")
+
+
+@dataclass
+class Built:
+    path: Path
+    outputs: dict[tuple[str | None, str], torch.Tensor]  # what each conversation committed
+    disk_bytes: int
+
+
+@pytest.fixture(scope="module")
+def built(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    path = tmp_path_factory.mktemp("cli") / "kv"
+    outputs = {}
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        for (tenant, session), ids in CONVERSATIONS.items():
+            cache = store.open(model, ids, session=session, tenant=tenant)
+            out = model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+            cache.commit(out)  # the KV of ids itself: out's last token is never computed
+            outputs[(tenant, session)] = out
+        store.flush()
+        stats = store.stats()
+    assert (stats["disk"]["blocks"], stats["sessions"]) == (BLOCKS, 4)
+    return Built(path, outputs, stats["disk"]["bytes"])
+
+
+@pytest.fixture
+def copy(built: Built, tmp_path: Path) -> Callable[..., Path]:
+    """``copy(name)``: a fresh copy of the built store, for a command that changes it."""
+    def make(name: str = "copy") -> Path:
+        return Path(shutil.copytree(built.path, tmp_path / name))
+
+    return make
+
+
+def reopened(path: Path, model: torch.nn.Module, built: Built) -> tuple[dict[str, int], dict]:
+    """Tokens each conversation restores from the store at ``path``, and its stats at reopening."""
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        stats = store.stats()
+        restored = {session: store.open(model, out, session=session, tenant=tenant).restored_tokens
+                    for (tenant, session), out in built.outputs.items()}
+    return restored, stats
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256((path / "data.mdb").read_bytes()).hexdigest()
+
+
+def records(path: Path) -> dict[bytes, bytes]:
+    """The raw block records, read through LMDB directly (the store must be closed)."""
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    try:
+        with env.begin() as txn:
+            return dict(txn.cursor(db=env.open_db(b"blocks", txn=txn)))
+    finally:
+        env.close()
+
+
+# -- tests -----------------------------------------------------------------------------------------
+def test_version_demo_and_bench_run_from_the_installed_package(tmp_path: Path) -> None:
+    """From outside the checkout (cwd elsewhere): `bench` runs the trace with its flags passed
+    through, the table on stdout, the progress bar on stderr, reports in `tierkv-bench/`."""
+    version, demo_help, bench = run_all(
+        ["--version"], ["demo", "--help"],
+        ["bench", "--sessions", "1", "--turns", "2", "--layers", "1", "--hidden", "64", "--system-tokens", "16",
+         "--user-median", "4", "--user-max", "8", "--reply-median", "2", "--reply-max", "2", "--context", "64",
+         "--block-size", "8", "--cpu"], cwd=tmp_path)
+    assert (version.code, version.out) == (0, f"tierkv {tierkv.__version__}\n")
+    assert demo_help.code == 0 and demo_help.out.startswith("usage: tierkv demo") and "--quick" in demo_help.out
+    assert bench.code == 0, bench.err[-3000:]
+    assert "| tierkv |" in bench.out and "chat trace" not in bench.out and "chat trace" in bench.err
+    report = json.loads((tmp_path / "tierkv-bench" / "results.json").read_text())
+    assert report["args"]["turns"] == 2
+    assert all(row["exact"] for row in report["policies"].values() if "skipped" not in row)
+
+
+def test_stats_reports_what_was_stored(built: Built, copy: Callable[..., Path],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    as_json = run("stats", str(built.path), "--json")
+    assert as_json.code == 0, as_json
+    report = json.loads(as_json.out)
+    assert {k: report[k] for k in ("format", "block_size", "blocks", "sessions", "bytes", "tokens", "unreadable")} == {
+        "format": FORMAT_VERSION, "block_size": B, "blocks": BLOCKS, "sessions": 4, "bytes": built.disk_bytes,
+        "tokens": 36 + 14 + 28 + 20, "unreadable": 0}
+    assert [(t["tenant"], t["sessions"], t["blocks"], t["tokens"]) for t in report["tenants"]] == [
+        (None, 1, 3, 20), ("acme", 2, 7, 50), ("zeta", 1, 4, 28)]
+    assert sum(t["bytes"] for t in report["tenants"]) == report["bytes"] > report["record_bytes"] > 0
+
+    assert cli.main(["stats", str(copy())]) == 0
+    table = capsys.readouterr()
+    assert re.search(rf"^blocks\s+{BLOCKS} \(98 tokens\)", table.out, re.M), table.out
+    for row in (r"\(default\)\s+1\s+3\s+20", r"acme\s+2\s+7\s+50", r"zeta\s+1\s+4\s+28"):
+        assert re.search(rf"^{row}\s", table.out, re.M), table.out
+    assert table.err == ""
+
+
+def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, copy: Callable[..., Path],
+                                                                   model: torch.nn.Module) -> None:
+    path = copy()
+    found = {}
+    for key, value in records(path).items():
+        header = decode_header(value)
+        found[(header.tenant, bytes(header.token_ids))] = key, value
+    ids = {session: CONVERSATIONS[(tenant, session)][0].numpy().astype("<i8") for tenant, session in CONVERSATIONS}
+    carol_2, carol_value = found[("zeta", ids["carol"][16:24].tobytes())]
+    dave_0, dave_0_value = found[(None, ids["dave"][0:8].tobytes())]
+    dave_1, _ = found[(None, ids["dave"][8:16].tobytes())]
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        flipped = bytearray(carol_value)
+        flipped[-9] ^= 0xFF  # the payload's last byte: the header still reads, only the checksum fails
+        txn.put(carol_2, bytes(flipped), db=env.open_db(b"blocks", txn=txn))
+        txn.put(dave_1, dave_0_value, db=env.open_db(b"blocks", txn=txn))  # a sound record, under another key
+    with env.begin() as txn:
+        stamped = {k for k, _ in txn.cursor(db=env.open_db(b"atime", txn=txn))}
+    env.close()
+    assert {carol_2, dave_1} <= stamped
+    before = file_digest(path)
+
+    report = run("check", str(path), "--json")
+    assert report.code == 1, report
+    result = json.loads(report.out)  # stdout is the JSON alone; the progress bar went to stderr
+    assert "checking" in report.err
+    assert (result["records"], result["repaired"], result["dropped"]) == (BLOCKS, False, None)
+    assert sorted((b["key"], b["reason"]) for b in result["bad"]) == sorted(
+        [(carol_2.hex(), "checksum mismatch"), (dave_1.hex(), "record stored under another key")])
+    assert file_digest(path) == before, "check without --repair wrote to the store"
+
+    repaired = run("check", str(path), "--repair")
+    assert repaired.code == 0, repaired
+    assert f"{BLOCKS} records" in repaired.out and ": 2 bad" in repaired.out
+    assert "dropped 2 records, 2 session references, 2 last-use stamps and 0 sessions left empty" in repaired.out
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    with env.begin() as txn:
+        rows = {name: [bytes(k) for k, _ in txn.cursor(db=env.open_db(name, txn=txn))]
+                for name in (b"blocks", b"refs", b"atime", b"sessions")}
+    env.close()
+    assert len(rows[b"blocks"]) == BLOCKS - 2 and len(rows[b"sessions"]) == 4
+    for bad in (carol_2, dave_1):
+        assert bad not in rows[b"blocks"] and bad not in rows[b"atime"]
+        assert not [ref for ref in rows[b"refs"] if ref.endswith(bad)]
+    assert dave_0 in rows[b"blocks"]
+
+    clean = run("check", str(path), "--json")
+    assert clean.code == 0 and json.loads(clean.out)["bad"] == [] and json.loads(clean.out)["records"] == BLOCKS - 2
+    restored, stats = reopened(path, model, built)
+    assert (stats["corrupt"], stats["disk"]["blocks"], stats["sessions"]) == (0, BLOCKS - 2, 4)
+    # Carol keeps her blocks before the bad one, Dave his first block; the others are untouched.
+    assert restored == {**FULL, "carol": 16, "dave": 8}
+
+
+def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callable[..., Path],
+                                                     model: torch.nn.Module,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    paths = {case: copy(case) for case in ("tenant", "session", "default", "all")}
+    results = dict(zip(("tenant", "session", "all"), run_all(
+        ["clear", str(paths["tenant"]), "--tenant", "acme"],
+        ["clear", str(paths["session"]), "--session", "alice"],
+        ["clear", str(paths["all"]), "--all"])))
+    assert cli.main(["clear", str(paths["default"]), "--session", "dave", "--default-tenant"]) == 0
+    results["default"] = Result(0, capsys.readouterr().out, "")
+    expected = {  # blocks removed, then tokens each conversation restores afterwards
+        "tenant": (7, {**FULL, "alice": 0, "bob": 0}),
+        "session": (3, {**FULL, "alice": 16}),  # the system prompt stays: bob still uses it
+        "default": (3, {**FULL, "dave": 0}),
+        "all": (BLOCKS, dict.fromkeys(FULL, 0)),
+    }
+    sessions = {"tenant": 2, "session": 3, "default": 3, "all": 0}
+    for case, (removed, restores) in expected.items():
+        result = results[case]
+        assert result.code == 0 and result.out.startswith(f"removed {removed} blocks"), (case, result)
+        restored, stats = reopened(paths[case], model, built)
+        assert restored == restores, case
+        assert (stats["disk"]["blocks"], stats["sessions"]) == (BLOCKS - removed, sessions[case]), case
+
+
+@pytest.mark.parametrize("args", [[], ["--all", "--tenant", "acme"], ["--all", "--session", "alice"],
+                                  ["--tenant", "acme", "--default-tenant"]])
+def test_clear_without_one_clear_filter_is_refused_and_changes_nothing(
+        built: Built, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    before = file_digest(built.path)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["clear", str(built.path), *args])
+    assert refused.value.code == 2 and "usage: tierkv clear" in capsys.readouterr().err
+    assert file_digest(built.path) == before
+
+
+def test_missing_path_non_store_incompatible_and_in_use_are_refused(copy: Callable[..., Path],
+                                                                    tmp_path: Path) -> None:
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    incompatible = copy("incompatible")
+    env = lmdb.open(str(incompatible), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
+                db=env.open_db(b"meta", txn=txn))
+    env.close()
+    held = copy("held")
+    # The lock is per open file description: this process holding it refuses the subprocess.
+    with TieredStore(held, device="cpu", block_size=B):
+        results = run_all(["stats", str(missing)], ["check", str(empty), "--repair"],
+                          ["stats", str(incompatible), "--json"], ["clear", str(held), "--all"])
+    verify_refused(results[0], 2, "no such directory")
+    verify_refused(results[1], 2, "not a tierkv store")
+    verify_refused(results[2], 2, "format 99")
+    verify_refused(results[3], 3, f"pid {os.getpid()}")
+    assert not missing.exists() and list(empty.iterdir()) == []  # nothing created where nothing was
+    assert len(records(held)) == BLOCKS

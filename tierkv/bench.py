@@ -1,0 +1,359 @@
+"""A multi-session chat trace with every policy side by side in one run.
+
+Sessions share a system prompt, come back with Zipf popularity, and send turns of long-tailed
+lengths; each turn re-sends the whole conversation. The trace (seeded) is replayed under:
+
+  (a) recompute       no reuse across turns
+  (b) unbounded       an unbounded device tier: the ideal that scarce VRAM cannot afford
+  (c) tierkv          device budget 10% of the working set, host 30%, disk unlimited
+  (d) tierkv-no-disk  the same budgets without a disk tier
+  (e) offloaded       transformers' DynamicCache(offloading=True), one per session (CUDA only)
+
+Reported per policy: TTFT p50/p95/p99, decode tokens/s, hit tokens per tier, bytes moved per
+direction, peak bytes per tier against its budget; every policy's replies are checked equal to
+recomputation. Writes results.json, results.md and PNG plots (TTFT distribution per policy, hit
+tokens per tier over time) to --out.
+
+    tierkv bench --quick                   # under 3 minutes on 2 CPU cores
+    tierkv bench                           # the full trace
+    python -m benchmarks.chat_trace ...    # the same, from a checkout (writes benchmarks/out/chat_trace)
+
+A program, like the demo: it prints, and imports transformers directly. The progress bar (tqdm)
+and the plots (matplotlib) are used when installed (the `bench` extra) and skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as hf_logging
+
+from .store import TieredStore
+
+
+@dataclass(slots=True)
+class Turn:
+    session: int
+    user_tokens: np.ndarray
+    reply_tokens: int
+    reset: bool  # the conversation outgrew the context: start over from the system prompt
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    ttft: list[float] = field(default_factory=list)
+    decode_tps: list[float] = field(default_factory=list)
+    hits_over_time: list[dict[str, int]] = field(default_factory=list)
+    budgets: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    final_stats: dict | None = None
+    exact: bool = True
+    skipped: str | None = None
+
+
+class FirstToken(BaseStreamer):
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def make_trace(args: argparse.Namespace, vocab: int) -> tuple[np.ndarray, list[Turn]]:
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(3, vocab, args.system_tokens)
+    weights = 1.0 / np.arange(1, args.sessions + 1) ** args.zipf
+    weights /= weights.sum()
+    lengths = {s: args.system_tokens for s in range(args.sessions)}
+    turns = []
+    for _ in range(args.turns):
+        s = int(rng.choice(args.sessions, p=weights))
+        user = int(np.clip(rng.lognormal(math.log(args.user_median), 0.8), 4, args.user_max))
+        reply = int(np.clip(rng.lognormal(math.log(args.reply_median), 0.6), 2, args.reply_max))
+        reset = lengths[s] + user + reply > args.context
+        lengths[s] = (args.system_tokens if reset else lengths[s]) + user + reply
+        turns.append(Turn(s, rng.integers(3, vocab, user), reply, reset))
+    return system, turns
+
+
+def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_per_token: int) -> int:
+    """KV bytes of everything the trace ever holds: the shared system prompt once, plus each
+    conversation (a session between resets) at its longest."""
+    current = {s: 0 for s in range(sessions)}
+    finished = 0
+    for t in turns:
+        if t.reset:
+            finished += current[t.session]
+            current[t.session] = 0
+        current[t.session] += len(t.user_tokens) + t.reply_tokens
+    return (system_tokens + finished + sum(current.values())) * kv_per_token
+
+
+def replay(name: str, model, system: np.ndarray, turns: list[Turn], make_cache, after_turn, reference, progress
+           ) -> PolicyResult:
+    result = PolicyResult(name)
+    history: dict[int, torch.Tensor] = {}
+    sys_ids = torch.tensor(system).unsqueeze(0)
+    for i, turn in enumerate(turns):
+        base = sys_ids if turn.reset or turn.session not in history else history[turn.session]
+        ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0)], dim=1)
+        timer = FirstToken()
+        start = time.perf_counter()
+        cache = make_cache(turn.session, ids)
+        out = model.generate(ids, cache=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
+                             do_sample=False, streamer=timer)
+        end = time.perf_counter()
+        after_turn(turn.session, cache, out)
+        result.ttft.append(timer.at - start)
+        if turn.reply_tokens > 1:
+            result.decode_tps.append((turn.reply_tokens - 1) / max(end - timer.at, 1e-9))
+        if reference is not None and not torch.equal(out, reference[i]):
+            result.exact = False
+        history[turn.session] = out
+        if progress is not None:
+            progress.update(1)
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict:
+    config = AutoConfig.for_model("llama", vocab_size=4096, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+                                  num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                                  num_key_value_heads=max(1, args.hidden // 128),
+                                  max_position_embeddings=args.context + 64)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    model = AutoModelForCausalLM.from_config(config).to(device).eval()
+    kv_per_token = 2 * args.layers * config.num_key_value_heads * (args.hidden // config.num_attention_heads) * 4
+    system, turns = make_trace(args, config.vocab_size)
+    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token)
+    try:
+        from tqdm import tqdm
+        progress = tqdm(total=len(turns) * 5, desc="chat trace", unit="turn")
+    except ImportError:  # the progress bar is a nicety of the `bench` extra
+        progress = None
+
+    results: dict[str, PolicyResult] = {}
+    outputs: list[torch.Tensor] = []
+
+    # (a) recompute: also the reference every other policy must equal.
+    def keep(session, cache, out):
+        outputs.append(out)
+
+    results["recompute"] = replay("recompute", model, system, turns, lambda s, ids: None, keep, None, progress)
+    budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (int(0.10 * ws), int(0.30 * ws), "disk"),
+               "tierkv-no-disk": (int(0.10 * ws), int(0.30 * ws), None)}
+    tmp = Path(tempfile.mkdtemp(prefix="tierkv-trace-"))
+    for name, (dev_b, host_b, disk) in budgets.items():
+        store = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b, host_budget=host_b,
+                            disk_budget="1TiB", block_size=args.block_size)
+        peak = {"device": 0, "host": 0, "disk": 0}
+        hits_over_time: list[dict[str, int]] = []
+
+        def commit(session, cache, out, store=store, peak=peak, hits_over_time=hits_over_time):
+            cache.commit(out)
+            stats = store.stats()
+            for tier in peak:
+                peak[tier] = max(peak[tier], stats[tier]["bytes"])
+            hits_over_time.append(dict(stats["hits"]))
+
+        res = replay(name, model, system, turns, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"),
+                     commit, outputs, progress)
+        store.flush()
+        stats = store.stats()
+        res.final_stats, res.peak, res.hits_over_time = stats, peak, hits_over_time
+        res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
+        store.close()
+        results[name] = res
+    if device.type == "cuda":
+        per_session: dict[int, DynamicCache] = {}
+
+        def offloaded(session, ids):
+            cache = per_session.get(session)
+            if cache is None or cache.get_seq_length() >= ids.shape[1]:
+                cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
+            return cache
+
+        results["offloaded"] = replay("offloaded", model, system, turns, offloaded, lambda *a: None, outputs, progress)
+    else:
+        results["offloaded"] = PolicyResult("offloaded", skipped="needs CUDA")
+        if progress is not None:
+            progress.update(len(turns))
+    if progress is not None:
+        progress.close()
+    return {"args": vars(args), "device": str(device), "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token,
+            "turns": len(turns), "results": results}
+
+
+def summarise(run_: dict) -> dict:
+    rows = {}
+    base = run_["results"]
+    for name, r in base.items():
+        if r.skipped:
+            rows[name] = {"skipped": r.skipped}
+            continue
+        row = {"ttft_p50_ms": percentile(r.ttft, 50) * 1e3, "ttft_p95_ms": percentile(r.ttft, 95) * 1e3,
+               "ttft_p99_ms": percentile(r.ttft, 99) * 1e3,
+               "decode_tokens_per_s": statistics.median(r.decode_tps) if r.decode_tps else float("nan"),
+               "exact": r.exact}
+        if r.final_stats is not None:
+            row["hit_tokens"] = r.final_stats["hits"]
+            row["miss_tokens"] = r.final_stats["misses"]
+            row["moved_bytes"] = r.final_stats["moved_bytes"]
+            secs = r.final_stats["move_seconds"]
+            moved = r.final_stats["moved_bytes"]
+            row["disk_gb_per_s"] = {
+                "write": moved["host_to_disk"] / secs["host_to_disk"] / 1e9 if secs["host_to_disk"] else None,
+                "read": moved["disk_to_host"] / secs["disk_to_host"] / 1e9 if secs["disk_to_host"] else None}
+            row["peak_bytes"] = r.peak
+            row["budgets"] = r.budgets
+        rows[name] = row
+    p50 = {name: rows[name].get("ttft_p50_ms") for name in rows}
+    ratios = {}
+    if p50.get("tierkv") and p50.get("unbounded"):
+        ratios["ttft_p50 tierkv / unbounded"] = p50["tierkv"] / p50["unbounded"]
+    if p50.get("tierkv") and p50.get("recompute"):
+        ratios["ttft_p50 tierkv / recompute"] = p50["tierkv"] / p50["recompute"]
+    if p50.get("tierkv-no-disk") and p50.get("recompute"):
+        ratios["ttft_p50 tierkv-no-disk / recompute"] = p50["tierkv-no-disk"] / p50["recompute"]
+    return {"policies": rows, "ratios": ratios}
+
+
+def markdown(run_: dict, summary: dict) -> str:
+    a = run_["args"]
+    lines = [f"{run_['turns']} turns over {a['sessions']} sessions (Zipf {a['zipf']}), system prompt "
+             f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
+             f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV.", "",
+             "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
+             "moved MiB d2h/h2d/to disk/from disk | disk GB/s write/read | peak MiB dev/host/disk (budget) | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    for name, row in summary["policies"].items():
+        if "skipped" in row:
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
+            continue
+        hits = row.get("hit_tokens")
+        hit_s = f"{hits['device']}/{hits['host']}/{hits['disk']}" if hits else "-"
+        moved = row.get("moved_bytes")
+        moved_s = "/".join(f"{moved[k] / mib:.1f}" for k in ("device_to_host", "host_to_device", "host_to_disk",
+                                                               "disk_to_host")) if moved else "-"
+        peak = row.get("peak_bytes")
+        budgets = row.get("budgets", {})
+        peak_s = ", ".join(f"{peak[t] / mib:.1f} ({budgets[t] / mib:.1f})" if budgets.get(t, 0) < 1 << 40
+                           else f"{peak[t] / mib:.1f} (unbounded)" for t in ("device", "host", "disk")) if peak else "-"
+        gbs = row.get("disk_gb_per_s")
+        gbs_s = "/".join("-" if gbs is None or gbs[k] is None else f"{gbs[k]:.2f}" for k in ("write", "read"))
+        lines.append(f"| {name} | {row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {row['ttft_p99_ms']:.1f} | "
+                     f"{row['decode_tokens_per_s']:.0f} | {hit_s} | {row.get('miss_tokens', '-')} | {moved_s} | "
+                     f"{gbs_s} | {peak_s} | {'yes' if row['exact'] else 'NO'} |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in summary["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plots(run_: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    results = {n: r for n, r in run_["results"].items() if not r.skipped}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        ordered = np.sort(np.asarray(r.ttft) * 1e3)
+        ax.plot(ordered, np.linspace(0, 1, len(ordered)), label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of turns")
+    ax.set_title("TTFT distribution per policy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=100)
+    written.append("ttft_cdf.png")
+    plt.close(fig)
+    tiered = results.get("tierkv")
+    if tiered is not None and tiered.hits_over_time:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for tier in ("device", "host", "disk"):
+            ax.plot([h[tier] for h in tiered.hits_over_time], label=tier)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("cumulative hit tokens")
+        ax.set_title("tierkv (c): hit tokens per tier over time")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "hits_over_time.png", dpi=100)
+        written.append("hits_over_time.png")
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None, prog: str | None = None, default_out: str = "tierkv-bench") -> dict:
+    """Run the trace and write its reports; returns the summary. ``argv`` defaults to
+    ``sys.argv[1:]``, ``prog`` names it in ``--help``, ``default_out`` is ``--out``'s default."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=120)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--user-median", type=int, default=48)
+    parser.add_argument("--user-max", type=int, default=512)
+    parser.add_argument("--reply-median", type=int, default=16)
+    parser.add_argument("--reply-max", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
+    parser.add_argument("--out", default=default_out, help="directory for the reports (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="a small trace, under 3 minutes on 2 CPU cores")
+    args = parser.parse_args(argv)
+    # Set here, not at import: `tierkv` imports this module only to run it, and importers keep theirs.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    hf_logging.set_verbosity_error()
+    if args.quick:
+        args.sessions, args.turns, args.layers, args.hidden, args.context = 8, 40, 2, 256, 1024
+    run_ = run(args)
+    summary = summarise(run_)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(run_, summary)
+    (out / "results.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
+                                                  "working_set_bytes": run_["working_set_bytes"],
+                                                  **summary}, indent=2, default=str))
+    written = plots(run_, out)
+    print(table)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {out / w}" for w in written))
+    if not all(r.exact for r in run_["results"].values() if not r.skipped):
+        raise SystemExit("a policy's replies differ from recomputation: please report this as a bug")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

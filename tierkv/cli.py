@@ -1,0 +1,383 @@
+"""The ``tierkv`` command: the demo, the benchmark, and tools for a store on disk.
+
+    tierkv demo [ARGS ...]            the README's chat simulation (``tierkv.demo``)
+    tierkv bench [ARGS ...]           the multi-session chat-trace benchmark (``tierkv.bench``)
+    tierkv stats PATH [--json]        blocks, bytes, tenants, sessions and format of a store
+    tierkv check PATH [--repair] [--json]
+                                      verify every record in full; --repair drops the bad ones
+    tierkv clear PATH (--tenant T | --default-tenant | --session S ... | --all)
+    tierkv --version
+
+``demo`` and ``bench`` hand every argument after their name to those programs (``tierkv demo
+--help`` shows theirs). Results go to stdout; progress bars (tqdm, when installed) and errors go
+to stderr, so ``--json`` output can be piped.
+
+Protocol of the store commands: PATH must be an existing directory holding a tierkv store (these
+commands never create one). Its meta record is read first (``DiskTier.stored_meta``) for the
+block size the store was created with; then the store is opened with it, which checks the format
+version and takes the directory's lock, so a store that another process holds is refused rather
+than read or changed under it. ``stats`` and ``check`` open the disk tier alone; ``check``
+without ``--repair`` writes nothing to the store; ``check --repair`` drops the bad records, their
+session references, last-use stamps and the sessions left empty, in one write transaction.
+``clear`` opens a ``TieredStore`` and calls ``forget``, so sessions, references and the zeroing of
+forgotten records stay exactly as the library keeps them.
+
+Exit codes (also in ``tierkv --help``): see ``EXIT_CODES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lmdb
+
+from . import __version__
+from .store import TieredStore
+from .tiers.disk import DeleteBlocks, DiskTier, DropRefs, ScanResult, StoreInUse
+from .units import format_bytes
+
+EXIT_OK = 0
+EXIT_BAD_RECORDS = 1
+EXIT_USAGE = 2
+EXIT_IN_USE = 3
+EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
+  {EXIT_BAD_RECORDS}  check found bad records and did not repair them (demo, bench: a reply differed
+     from recomputation)
+  {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
+  {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
+"""
+# A budget no store reaches: a smaller one would make the store evict blocks as it opens.
+_NO_LIMIT = 2**62
+
+
+class CliError(Exception):
+    """A failure the user can act on: one line on stderr and an exit code, no traceback."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- opening a store ---------------------------------------------------------------------------
+def _stored_meta(path: str) -> dict[str, int]:
+    if not os.path.exists(path):
+        raise CliError(EXIT_USAGE, f"{path}: no such directory")
+    if not os.path.isdir(path):
+        raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+    try:
+        return DiskTier.stored_meta(path)
+    except ValueError as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """Opening errors as exit codes: the lock (3); the format, permissions or LMDB itself (2)."""
+    try:
+        yield
+    except StoreInUse as exc:
+        raise CliError(EXIT_IN_USE, str(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
+    except lmdb.Error as exc:
+        raise CliError(EXIT_USAGE, f"cannot open the store: {exc}") from None
+
+
+def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
+    meta = _stored_meta(path)
+    with _refusals():
+        return DiskTier(path, _NO_LIMIT, meta["block_size"]), meta
+
+
+def _open_store(path: str) -> TieredStore:
+    meta = _stored_meta(path)
+    with _refusals():
+        return TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=_NO_LIMIT,
+                           block_size=meta["block_size"])
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr, or nothing when tqdm is not installed (it is the `cli` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
+
+
+def _tenant_label(tenant: str | None) -> str:
+    if tenant is None:
+        return "(default)"
+    return tenant if tenant.isprintable() and tenant else repr(tenant)
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], text: Callable[[dict[str, Any]], str]) -> None:
+    print(json.dumps(report, indent=2) if args.json else text(report))
+
+
+# -- stats -------------------------------------------------------------------------------------
+def summarise(path: str, meta: dict[str, int], scan: ScanResult, footprint: Callable[[int], int],
+              file_bytes: int) -> dict[str, Any]:
+    """The ``stats`` report of one scanned store (JSON-ready). ``bytes`` are counted as the disk
+    budget counts them (``footprint``: records in whole pages), ``record_bytes`` as records alone."""
+    tenants: dict[str | None, dict[str, Any]] = {}
+
+    def row(tenant: str | None) -> dict[str, Any]:
+        return tenants.setdefault(tenant, {"tenant": tenant, "sessions": 0, "blocks": 0, "tokens": 0, "bytes": 0,
+                                           "record_bytes": 0})
+
+    for header, size in scan.headers:
+        entry = row(header.tenant)
+        entry["blocks"] += 1
+        entry["tokens"] += header.n_tokens
+        entry["bytes"] += footprint(size)
+        entry["record_bytes"] += size
+    for tenant, _name, _keys in scan.sessions.values():
+        row(tenant)["sessions"] += 1
+    ordered = sorted(tenants.values(), key=lambda t: (t["tenant"] is not None, t["tenant"] or ""))
+    return {
+        "path": os.path.abspath(path),
+        "format": meta["format"],
+        "hash": meta["hash"],
+        "block_size": meta["block_size"],
+        "blocks": len(scan.headers),
+        "tokens": sum(t["tokens"] for t in ordered),
+        "bytes": sum(t["bytes"] for t in ordered),
+        "record_bytes": sum(t["record_bytes"] for t in ordered),
+        "file_bytes": file_bytes,
+        "sessions": len(scan.sessions),
+        # Header checks only; `check` verifies checksums too.
+        "unreadable": len(scan.corrupt),
+        "tenants": ordered,
+    }
+
+
+def _stats_text(r: dict[str, Any]) -> str:
+    lines = [
+        f"store       {r['path']}",
+        f"format      {r['format']} (hash {r['hash']}), block size {r['block_size']} tokens",
+        f"blocks      {r['blocks']} ({r['tokens']} tokens), {format_bytes(r['bytes'])} against the disk budget "
+        f"({format_bytes(r['record_bytes'])} of records; the file uses {format_bytes(r['file_bytes'])})",
+        f"sessions    {r['sessions']}",
+        f"tenants     {len(r['tenants'])}",
+    ]
+    if r["unreadable"]:
+        lines.append(f"unreadable  {r['unreadable']} records (run `tierkv check --repair`)")
+    if r["tenants"]:
+        width = max(len("tenant"), *(len(_tenant_label(t["tenant"])) for t in r["tenants"]))
+        lines += ["", f"{'tenant':<{width}}  {'sessions':>8}  {'blocks':>8}  {'tokens':>9}  {'bytes':>10}"]
+        lines += [f"{_tenant_label(t['tenant']):<{width}}  {t['sessions']:>8}  {t['blocks']:>8}  {t['tokens']:>9}  "
+                  f"{format_bytes(t['bytes']):>10}" for t in r["tenants"]]
+    return "\n".join(lines)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    tier, meta = _open_tier(args.path)
+    try:
+        report = summarise(args.path, meta, tier.scan(), tier.footprint, tier.file_bytes())
+    finally:
+        tier.close()
+    _emit(args, report, _stats_text)
+    return EXIT_OK
+
+
+# -- check -------------------------------------------------------------------------------------
+def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes]) -> dict[str, int]:
+    """Drop ``bad`` records with their session references and last-use stamps, and the sessions
+    they leave empty, in one write transaction; returns what was dropped."""
+    doomed = set(bad)
+    refs: list[bytes] = []
+    emptied: list[bytes] = []
+    for sid, (_tenant, _name, keys) in scan.sessions.items():
+        held = [key for key in keys if key in doomed]
+        refs += [sid + key for key in held]
+        if held and len(held) == len(keys):
+            emptied.append(sid)
+    # DeleteBlocks also zeroes the records' bytes, as forget does: a bad record may still hold KV.
+    ops = [DeleteBlocks(list(doomed), refs), *(DropRefs(sid, [], drop_session=True) for sid in emptied)]
+    errors = [e for e in tier.apply(ops) if e is not None]
+    if errors:
+        raise errors[0]
+    tier.sync()
+    return {"records": len(doomed), "refs": len(refs), "stamps": sum(k in scan.atime for k in doomed),
+            "sessions": len(emptied)}
+
+
+def _check_text(r: dict[str, Any]) -> str:
+    lines = [f"checked {r['records']} records ({format_bytes(r['bytes'])}) in {r['path']}: {len(r['bad'])} bad"]
+    lines += [f"  {b['key']}  {b['reason']}" for b in r["bad"]]
+    if r["dropped"] is not None:
+        d = r["dropped"]
+        lines.append(f"dropped {d['records']} records, {d['refs']} session references, {d['stamps']} last-use "
+                     f"stamps and {d['sessions']} sessions left empty")
+    elif r["bad"]:
+        lines.append("run `tierkv check PATH --repair` to drop them (blocks are a cache: they are recomputed)")
+    return "\n".join(lines)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    tier, _meta = _open_tier(args.path)
+    try:
+        scan = tier.scan()
+        total = {"records": 0, "bytes": 0}
+        bar = _progress(len(scan.headers) + len(scan.corrupt), "checking", "record")
+
+        def seen(nbytes: int) -> None:
+            total["records"] += 1
+            total["bytes"] += nbytes
+            bar.update(1)
+
+        try:
+            bad = tier.verify(seen)
+        finally:
+            bar.close()
+        dropped = repair(tier, scan, [key for key, _ in bad]) if bad and args.repair else None
+    finally:
+        tier.close()
+    report = {"path": os.path.abspath(args.path), **total,
+              "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
+              "repaired": dropped is not None, "dropped": dropped}
+    _emit(args, report, _check_text)
+    return EXIT_BAD_RECORDS if bad and dropped is None else EXIT_OK
+
+
+# -- clear -------------------------------------------------------------------------------------
+def cmd_clear(args: argparse.Namespace) -> int:
+    path = args.path
+    if args.all:
+        # Every tenant with a block or a session, the default one included; read before the store
+        # opens (one environment per process at a time).
+        tier, _meta = _open_tier(path)
+        try:
+            scan = tier.scan()
+        finally:
+            tier.close()
+        tenants = {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}
+    store = _open_store(path)
+    try:
+        if args.all:
+            removed = sum(store.forget(tenant=t) for t in tenants)
+            what = "every tenant"
+        elif args.session is None:
+            removed = store.forget(tenant=args.tenant)
+            what = f"tenant {_tenant_label(args.tenant)}"
+        elif args.tenant_given:
+            removed = store.forget(session=args.session, tenant=args.tenant)
+            what = f"session {args.session!r} of tenant {_tenant_label(args.tenant)}"
+        else:
+            removed = store.forget(session=args.session)
+            what = f"session {args.session!r} of every tenant"
+        left = store.stats()["disk"]["blocks"]
+    finally:
+        store.close()
+    print(f"removed {removed} blocks ({what}); {left} blocks left in {os.path.abspath(path)}")
+    return EXIT_OK
+
+
+# -- demo and bench ------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo  # imported to run: it sets transformers' logging and warning filters
+
+    demo.main(args.passthrough, prog="tierkv demo")
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    bench.main(args.passthrough, prog="tierkv bench")
+    return EXIT_OK
+
+
+# -- the parser ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierkv", description="tierkv: a hierarchical KV-cache store.\nRun the demo and the benchmark; "
+        "inspect, check and clear a store on disk.", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_: str, run: Callable[[argparse.Namespace], int], **kwargs: Any
+                ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        p.set_defaults(run=run, passthrough=None, usage_error=p.error)
+        return p
+
+    # No options of their own, not even -h: every argument goes to the program (`tierkv demo -h`).
+    command("demo", "the chat simulation on a tiny random model (`tierkv demo --help` for its options)",
+            cmd_demo, add_help=False).set_defaults(passthrough=[])
+    command("bench", "the multi-session chat-trace benchmark (`tierkv bench --help` for its options)",
+            cmd_bench, add_help=False).set_defaults(passthrough=[])
+
+    p = command("stats", "blocks, bytes, tenants, sessions and format version of a store", cmd_stats)
+    p.add_argument("path", metavar="PATH", help="the store's directory")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
+
+    p = command("check", "verify every record's header and checksum; report or drop the bad ones", cmd_check)
+    p.add_argument("path", metavar="PATH", help="the store's directory")
+    p.add_argument("--repair", action="store_true",
+                   help="drop bad records, their session references and stamps (default: change nothing)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of text")
+
+    p = command("clear", "remove a tenant's or a session's entries (or, with --all, every entry)", cmd_clear)
+    p.add_argument("path", metavar="PATH", help="the store's directory")
+    p.add_argument("--session", metavar="S", help="forget session S (of every tenant, or of the one given)")
+    tenant = p.add_mutually_exclusive_group()
+    tenant.add_argument("--tenant", metavar="T", help="forget tenant T's entries (with --session: only T's session)")
+    tenant.add_argument("--default-tenant", action="store_true",
+                        help="as --tenant, for the default tenant (tenant=None)")
+    p.add_argument("--all", action="store_true", help="remove every entry; required when no filter is given")
+    return parser
+
+
+def _check_clear_filters(args: argparse.Namespace) -> None:
+    """With no filter, `clear` is refused unless --all is given: a typo must not wipe the store."""
+    args.tenant_given = args.tenant is not None or args.default_tenant
+    if args.default_tenant:
+        args.tenant = None
+    if args.all and (args.session is not None or args.tenant_given):
+        args.usage_error("--all removes every entry: give it alone, or --tenant/--session without it")
+    if not args.all and args.session is None and not args.tenant_given:
+        args.usage_error("give --tenant T, --default-tenant or --session S; or --all to remove every entry")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # parse_known_args: what follows `demo`/`bench` belongs to their own parsers.
+    args, rest = parser.parse_known_args(argv)
+    if args.passthrough is not None:
+        args.passthrough = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "clear":
+        _check_clear_filters(args)
+    try:
+        return args.run(args)
+    except CliError as exc:
+        print(f"tierkv: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("tierkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
