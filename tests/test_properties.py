@@ -3,6 +3,7 @@ budgets, restores KV equal to recomputation and never exceeds a budget."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 
@@ -17,7 +18,9 @@ from transformers import DynamicCache
 from conftest import VOCAB, make_model
 from tierkv import TieredStore
 from tierkv.index import DiskState, Tier
+from tierkv.pool import HostPool
 from tierkv.transfer import CopyEngine, Job
+from test_pool_store import CopyingEngine
 
 MODEL = make_model("llama", seed=0)
 BLOCK = 4
@@ -70,23 +73,34 @@ class StoreMachine(RuleBasedStateMachine):
     conversations = Bundle("conversations")
 
     @initialize(device_blocks=st.integers(0, 4), host_blocks=st.integers(0, 4),
-                disk=st.sampled_from([None, 0, 6, 10**9]), lazy=st.booleans())
-    def start(self, device_blocks: int, host_blocks: int, disk: int | None, lazy: bool) -> None:
+                disk=st.sampled_from([None, 0, 6, 10**9]), engine=st.sampled_from(["handover", "lazy", "pooled"]))
+    def start(self, device_blocks: int, host_blocks: int, disk: int | None, engine: str) -> None:
         # One full block of this model: 2 layers x (K, V) x 2 heads x BLOCK tokens x 16 dims x 4 bytes.
         block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
         self.dir = tempfile.mkdtemp(prefix="tierkv-prop-")
         self.kwargs = dict(device_budget=device_blocks * block_bytes, host_budget=host_blocks * block_bytes,
                            disk_budget=(disk * block_bytes * 2 if disk is not None else 0), block_size=BLOCK)
         self.path = self.dir if disk is not None else None
-        self.lazy = lazy
+        self.engine = engine
+        self.block_bytes = block_bytes
         self.store = self._new_store()
         self.turns = 0
 
     def _new_store(self) -> TieredStore:
         store = TieredStore(self.path, **self.kwargs)
-        if self.lazy:
+        if self.engine == "lazy":
             store._engine = LazyEngine()
+        elif self.engine == "pooled":
+            # CUDA's semantics on CPU: real copies into a small, poisoning pool of host buffers.
+            store._host.pool = HostPool(3 * self.block_bytes, pinned=False, poison=True,
+                                        arena_bytes=2 * self.block_bytes)
+            store._engine = CopyingEngine(store._host.alloc)
         return store
+
+    @rule(share=st.floats(0.0, 1.0))
+    def copies_land(self, share: float) -> None:
+        if self.engine == "pooled":
+            self.store._engine.land(random.Random(self.turns), share)
 
     def teardown(self) -> None:
         store = getattr(self, "store", None)
@@ -102,6 +116,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _turn(self, conv, extra: list[int], new_tokens: int):
         ids, session, tenant = conv
+        if self.engine == "pooled":
+            # Most moves done by now, some not: buffers retire both with and without readers left.
+            self.store._engine.land(random.Random(self.turns), 0.8)
         cache = self.store.open(MODEL, ids, session=session, tenant=tenant)
         n = cache.restored_tokens
         assert 0 <= n <= ids.shape[1] - 1
@@ -147,6 +164,13 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(reopen=st.booleans())
     def persist(self, reopen: bool) -> None:
         self.store.flush()
+        if self.engine == "pooled":
+            self.store._engine.land()
+            self.store._host.reclaim()
+            pool = self.store.stats()["host_pool"]
+            held = sum(-(-m.nbytes // 4096) * 4096 for m in self.store._index.blocks.values()
+                       if m.resident is Tier.HOST and self.store._host.get(m.key).lease is not None)
+            assert pool["retiring"] == 0 and pool["in_use"] == held, (pool, held)  # nothing leaked
         assert self.store.stats()["pending_writes"] == 0
         if self.path is not None:
             disk = self.store._disk

@@ -166,15 +166,33 @@ def test_tier_names_and_devices() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_host_tier_empty_makes_a_destination(dtype: torch.dtype) -> None:
-    t = HostTier(1, pinned=False).empty((2, 3, 4), dtype)
-    assert t.shape == (2, 3, 4) and t.dtype == dtype and t.device == CPU
+def test_host_tier_alloc_makes_a_destination(dtype: torch.dtype) -> None:
+    t, lease = HostTier(1, pinned=False).alloc((2, 3, 4), dtype)
+    assert t.shape == (2, 3, 4) and t.dtype == dtype and t.device == CPU and lease is None
     assert t.is_contiguous() and not t.is_pinned()
 
 
+def test_host_tier_with_a_pool_holds_the_buffers_of_its_blocks() -> None:
+    from tierkv.pool import HostPool
+
+    host = HostTier(1 << 20, pinned=False, pool=HostPool(1 << 20, pinned=False))
+    t, lease = host.alloc((4, 8), torch.float32)
+    assert lease is not None and t.shape == (4, 8)
+    job = Job.completed(t)
+    job.lease = lease
+    assert host.put(b"k" * 16, job, 128) and lease.holders == 1
+    assert host.stats()["in_use"] == 4096
+    host.pop(b"k" * 16)
+    assert lease.holders == 0 and lease.retired and host.stats()["in_use"] == 0  # back in the pool
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_host_tier_pinned_empty() -> None:
-    assert HostTier(1, pinned=True).empty((4,), torch.float16).is_pinned()
+def test_host_tier_pinned_alloc() -> None:
+    from tierkv.pool import HostPool
+
+    assert HostTier(1, pinned=True).alloc((4,), torch.float16)[0].is_pinned()
+    t, lease = HostTier(1 << 20, pinned=True, pool=HostPool(1 << 20, pinned=True)).alloc((4,), torch.float16)
+    assert t.is_pinned() and lease is not None
 
 
 # -- disk tier: helpers -----------------------------------------------------------------------------

@@ -56,10 +56,12 @@ from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
+from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
 
 logger = logging.getLogger("tierkv")
+POOL_IN_FLIGHT = 128 << 20  # host pool room beyond the host budget: blocks being written or restored
 _UNSET: Any = object()
 
 
@@ -93,9 +95,13 @@ class TieredStore:
         self.device = resolve_device(device)
         budgets = {name: parse_bytes(value, name) for name, value in
                    (("device_budget", device_budget), ("host_budget", host_budget), ("disk_budget", disk_budget))}
-        self._engine = CopyEngine(self.device)
+        cuda = self.device.type == "cuda"
         self._device = DeviceTier(budgets["device_budget"], self.device)
-        self._host = HostTier(budgets["host_budget"], pinned=self.device.type == "cuda")
+        # On CUDA host buffers come from a pool allocated once: the host tier's budget, plus room
+        # for blocks on their way to disk or back. On CPU the tiers hand tensors over, no copies.
+        pool = HostPool(budgets["host_budget"] + POOL_IN_FLIGHT, pinned=True) if cuda else None
+        self._host = HostTier(budgets["host_budget"], pinned=cuda, pool=pool)
+        self._engine = CopyEngine(self.device, host_alloc=self._host.alloc if cuda else None)
         self._disk: DiskTier | None = None
         self._writer: BackgroundWriter[DiskOp] | None = None
         if path is not None:
@@ -238,6 +244,7 @@ class TieredStore:
         ids = token_ids_of(input_ids)
         root = root_key(info.fingerprint, tenant)
         pins: list[bytes] = []
+        held: list[Any] = []  # pool buffers this open reads from: none is reused before its copy
         try:
             with self._lock:
                 self._check_open()
@@ -245,9 +252,14 @@ class TieredStore:
                 plan = self._match(root, ids)
                 self._pin(pins, [meta.key for meta, _ in plan])
                 found = [self._source(meta) for meta, _ in plan]
+                for where in found:
+                    if where is not None and where[1].lease is not None:
+                        where[1].lease.hold()
+                        held.append(where[1].lease)
             # Disk blocks are read and verified outside the store lock, so other sessions' turns
             # go on meanwhile; the planned blocks are pinned against eviction.
             reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint)
+            held.extend(job.lease for job in reads.values() if isinstance(job, Job) and job.lease is not None)
             with self._lock:
                 self._check_open()
                 self._read_seconds += read_seconds
@@ -255,6 +267,8 @@ class TieredStore:
         finally:
             with self._lock:
                 self._unpin(pins)
+                for lease in held:
+                    lease.unhold()
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
@@ -271,17 +285,32 @@ class TieredStore:
                 continue
             if self._disk is None:
                 break
+            leases: list[Any] = []
+
+            def empty(shape: tuple[int, ...], dtype: Any) -> Any:
+                tensor, lease = self._host.alloc(shape, dtype)
+                if lease is not None:
+                    lease.hold()  # by this open, until its copies to the device are registered
+                    leases.append(lease)
+                return tensor
+
             try:
-                header, host_tensor = self._disk.load(meta.key, self._host.empty)
+                header, host_tensor = self._disk.load(meta.key, empty)
                 self._check_header(header, meta, fingerprint)
-                reads[i] = host_tensor
+                job = Job.completed(host_tensor)
+                job.lease = leases[0] if leases else None
+                reads[i] = job
             except (CorruptRecord, KeyError) as exc:
+                for lease in leases:
+                    lease.unhold()
                 reads[i] = exc
                 break
             except (lmdb.Error, OSError) as exc:
                 if self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from exc
+                for lease in leases:
+                    lease.unhold()
                 reads[i] = exc
                 break
         return reads, time.perf_counter() - start
@@ -306,7 +335,7 @@ class TieredStore:
                     elif isinstance(result, (lmdb.Error, OSError)):
                         self._disk_fault(result)
                     break  # a KeyError: evicted or forgotten meanwhile, a plain miss
-                where = (Tier.DISK, Job.completed(result))
+                where = (Tier.DISK, result)
                 read_bytes += meta.nbytes
             sources.append((meta, n, *where))
         if read_bytes:
@@ -315,6 +344,10 @@ class TieredStore:
         # can be used as soon as its own copies landed.
         moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
         copies = self._engine.to_device_many([sources[i][3] for i in moving])
+        for i, copy in zip(moving, copies):
+            lease = sources[i][3].lease
+            if lease is not None:
+                lease.after(copy)  # the buffer is not reused before this copy from it is done
         if copies:
             # One batch of copies, issued together: one move for metrics.
             self._count_move("host_to_device", sum(sources[i][0].nbytes for i in moving), copies[0])
@@ -500,8 +533,10 @@ class TieredStore:
             else:
                 source = self._engine.to_host(tensor)
                 self._count_move("device_to_host", meta.nbytes, source)
-            self._inflight[key] = source
-            self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
+            self._set_inflight(key, source)
+            write = self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
+            if source.lease is not None:
+                source.lease.after(write)  # the writer encodes from the buffer
             self._index.set_disk(meta, DiskState.PENDING)
         if meta.resident is None and meta.disk is DiskState.NONE:
             self._remove(meta)
@@ -572,15 +607,27 @@ class TieredStore:
             block = space.pop(meta.key)
             self._index.set_resident(meta, None)
             self._evictions += 1
-            if tier is Tier.DEVICE and meta.nbytes <= self._host.budget:
-                host_job = self._engine.to_host(block)
-                self._count_move("device_to_host", meta.nbytes, host_job)
-                if self._make_room(Tier.HOST, meta.nbytes):
-                    self._host.put(meta.key, host_job, meta.nbytes)
-                    self._index.set_resident(meta, Tier.HOST)
+            if tier is Tier.DEVICE and meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
+                # A block on its way to disk already has a host copy: no second one.
+                host_job = self._inflight.get(meta.key)
+                if host_job is None:
+                    host_job = self._engine.to_host(block)
+                    self._count_move("device_to_host", meta.nbytes, host_job)
+                self._host.put(meta.key, host_job, meta.nbytes)
+                self._index.set_resident(meta, Tier.HOST)
             if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
                 self._remove(meta)
         return True
+
+    def _set_inflight(self, key: bytes, job: Job[Any]) -> None:
+        self._inflight[key] = job
+        if job.lease is not None:
+            job.lease.hold()
+
+    def _pop_inflight(self, key: bytes) -> None:
+        job = self._inflight.pop(key, None)
+        if job is not None and job.lease is not None:
+            job.lease.unhold()
 
     def _free_disk(self, nbytes: int) -> None:
         """Evict least-recently-used disk blocks worth ``nbytes``, below what the budget asks."""
@@ -604,7 +651,7 @@ class TieredStore:
                 refs.extend(sid + meta.key for sid in meta.sessions)
                 self._index.set_disk(meta, DiskState.NONE)
                 self._pending_writes.pop(meta.key, None)
-                self._inflight.pop(meta.key, None)
+                self._pop_inflight(meta.key)
         if keys and self._writer is not None:
             self._submit(DeleteBlocks(keys, refs))
 
@@ -634,12 +681,13 @@ class TieredStore:
         block stays in memory only. Never waits."""
         if keys is None:
             self._reap_deletes()
+            self._host.reclaim()
         for key in list(self._pending_writes) if keys is None else keys:
             job = self._pending_writes.get(key)
             if job is None or not job.done():
                 continue
             del self._pending_writes[key]
-            self._inflight.pop(key, None)
+            self._pop_inflight(key)
             meta = self._index.blocks.get(key)
             try:
                 job.wait()
@@ -885,6 +933,9 @@ class TieredStore:
                 "move_seconds": {"host_to_disk": self._disk.write_seconds if self._disk is not None else 0.0,
                                  "disk_to_host": self._read_seconds},
                 "pending_writes": len(self._pending_writes),
+                # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and
+                # allocations that found no run and fell back to a fresh buffer.
+                "host_pool": self._host.stats(),
                 "sessions": len(self._index.sessions),
             }
 

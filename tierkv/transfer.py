@@ -33,7 +33,7 @@ _PENDING = object()
 class Job(Generic[T]):
     """A move in flight. Thread-safe; completes once."""
 
-    __slots__ = ("_event", "_value", "_error", "_poll", "_lock")
+    __slots__ = ("_event", "_value", "_error", "_poll", "_lock", "lease")
 
     def __init__(self, poll: Callable[[], bool] | None = None) -> None:
         self._event = threading.Event()
@@ -42,6 +42,7 @@ class Job(Generic[T]):
         # A poll function turns an external completion signal (a CUDA event) into done().
         self._poll = poll
         self._lock = threading.Lock()
+        self.lease: Any = None  # the pool buffer (tierkv.pool.Lease) the result lives in, if any
 
     @classmethod
     def completed(cls, value: T) -> "Job[T]":
@@ -173,9 +174,13 @@ class _LayeredCudaJob(_CudaCopyJob):
 class CopyEngine:
     """Device <-> host copies of block tensors, asynchronous on CUDA."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 host_alloc: Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, Any]] | None = None
+                 ) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # Destinations of device -> host copies: (tensor, lease) from the host tier's pool.
+        self._host_alloc = host_alloc
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
@@ -225,8 +230,15 @@ class CopyEngine:
         like = self._meta(src)
         if not like.is_cuda:
             return src if isinstance(src, Job) else Job.completed(src)
-        dst = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return self._copy(src, dst, self._d2h)
+        if self._host_alloc is not None:
+            dst, lease = self._host_alloc(tuple(like.shape), like.dtype)
+        else:
+            dst, lease = torch.empty(like.shape, dtype=like.dtype, pin_memory=True), None
+        job = self._copy(src, dst, self._d2h)
+        if lease is not None:
+            job.lease = lease
+            lease.after(job)  # the copy writes the buffer: it is not reused before the copy is done
+        return job
 
     def to_device_many(self, srcs: "Sequence[torch.Tensor | Job[torch.Tensor]]") -> list[Job[torch.Tensor]]:
         """Device copies of block tensors shaped (layers, ...), issued layer-major across blocks

@@ -1,0 +1,187 @@
+"""The host buffer pool inside the store, on CPU, with a copy engine that behaves like CUDA's.
+
+On CUDA the host tier's buffers come from a pool and are reused; the store must never hand a
+buffer out again while a copy to the device still reads it or the disk writer still encodes it.
+On CPU the store hands tensors over without copies, so these tests give it an engine that really
+copies (device and host memory apart, as on a GPU) and completes each copy only when it is waited
+for or landed, and a pool that poisons every buffer it takes back: a read after reuse then feeds
+NaNs into the model, and the exactness checks fail.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from conftest import random_ids
+from tierkv import TieredStore
+from tierkv.pool import HostPool
+from tierkv.transfer import CopyEngine, Job
+
+B = 8
+BLOCK_BYTES = 2 * 2 * 2 * B * 16 * 4  # tiny llama: layers x (K, V) x kv heads x tokens x head dim x fp32
+
+
+class LazyCopy(Job[torch.Tensor]):
+    """A copy into a destination chosen when it was issued, done only once landed or waited for."""
+
+    def __init__(self, src: "torch.Tensor | Job[torch.Tensor]", dst: torch.Tensor) -> None:
+        super().__init__()
+        self.src = src
+        self.dst = dst
+        self._mutex = threading.Lock()
+
+    def land(self) -> None:
+        with self._mutex:
+            if self.done():
+                return
+            src = self.src.wait() if isinstance(self.src, Job) else self.src
+            self.dst.copy_(src)
+            self.set_result(self.dst)
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        self.land()
+        return super().wait(timeout)
+
+
+class CopyingEngine(CopyEngine):
+    """CUDA's semantics on CPU: separate destinations, from the host pool for device -> host."""
+
+    def __init__(self, host_alloc) -> None:
+        super().__init__(torch.device("cpu"), host_alloc=host_alloc)
+        self.pending: list[LazyCopy] = []
+
+    @staticmethod
+    def _like(src) -> torch.Tensor:
+        if isinstance(src, LazyCopy):
+            return src.dst
+        return src.wait() if isinstance(src, Job) else src
+
+    def _issue(self, src, dst, lease=None) -> LazyCopy:
+        job = LazyCopy(src, dst)
+        if lease is not None:
+            job.lease = lease
+            lease.after(job)
+        self.pending.append(job)
+        return job
+
+    def to_host(self, src):
+        like = self._like(src)
+        dst, lease = self._host_alloc(tuple(like.shape), like.dtype)
+        return self._issue(src, dst, lease)
+
+    def to_device(self, src):
+        return self._issue(src, torch.empty_like(self._like(src)))
+
+    def to_device_many(self, srcs):
+        return [self.to_device(src) for src in srcs]
+
+    def land(self, rng: random.Random | None = None, share: float = 1.0) -> None:
+        keep = []
+        for job in self.pending:
+            if rng is None or rng.random() < share:
+                job.land()
+            elif not job.done():
+                keep.append(job)
+        self.pending = keep
+
+
+def generate(model, ids, cache=None, new=2):
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+def pooled_store(path, pool_blocks: int, **kw) -> tuple[TieredStore, CopyingEngine]:
+    store = TieredStore(path, device="cpu", block_size=B, **kw)
+    store._host.pool = HostPool(pool_blocks * BLOCK_BYTES, pinned=False, poison=True,
+                                arena_bytes=2 * BLOCK_BYTES)  # several arenas, allocated as needed
+    engine = store._engine = CopyingEngine(store._host.alloc)
+    return store, engine
+
+
+def test_a_buffer_is_not_reused_while_a_copy_to_the_device_still_reads_it(model, tmp_path):
+    store, engine = pooled_store(None, pool_blocks=1, device_budget=0, host_budget=BLOCK_BYTES)
+    a = random_ids(B - 1, 800)  # + 2 generated: one full block, committed into the host tier (the pool's only buffer)
+    cache = store.open(model, a)
+    out_a = generate(model, a, cache)
+    cache.commit(out_a)
+    engine.land()
+    nxt = torch.cat([out_a[:, :B], random_ids(3, 801)], dim=1)
+    restore = store.open(model, nxt)  # its copy from the pool buffer stays in flight
+    assert restore.restored_from["host"] == B and engine.pending
+    b = random_ids(B - 1, 802)  # evicts a's block from the host tier while the copy is pending
+    cache = store.open(model, b)
+    cache.commit(generate(model, b, cache))
+    stats = store.stats()["host_pool"]
+    assert stats["retiring"] == 1 and stats["fallbacks"] == 1  # b could not take a's buffer
+    engine.land()
+    assert torch.equal(generate(model, nxt, restore), generate(model, nxt))  # a's KV, not b's, not poison
+    store._host.reclaim()
+    assert store.stats()["host_pool"]["retiring"] == 0
+    store.close()
+
+
+def test_a_buffer_is_not_reused_while_the_disk_writer_still_encodes_it(model, tmp_path):
+    store, engine = pooled_store(tmp_path / "kv", pool_blocks=1, device_budget=0, host_budget=0)
+    gate = threading.Event()
+    apply = store._disk.apply
+    store._writer._apply = lambda ops: (gate.wait(30), apply(ops))[1]  # the writer is held back
+    a = random_ids(B - 1, 810)
+    cache = store.open(model, a)
+    out_a = generate(model, a, cache)
+    cache.commit(out_a)  # host budget 0: the block's only host copy is the pending write's buffer
+    engine.land()
+    b = random_ids(B - 1, 811)
+    cache = store.open(model, b)
+    cache.commit(generate(model, b, cache))
+    assert store.stats()["host_pool"]["fallbacks"] == 1  # a's buffer is still held by its queued write
+    gate.set()
+    store.flush()
+    store.close()
+    store, engine = pooled_store(tmp_path / "kv", pool_blocks=1, device_budget=0, host_budget=0)
+    nxt = torch.cat([out_a, random_ids(2, 812)], dim=1)
+    cache = store.open(model, nxt)
+    assert cache.restored_from["disk"] == out_a.shape[1] - 1
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+    store.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_turns_through_a_small_pool_stay_exact_and_leak_nothing(model, tmp_path, seed):
+    rng = random.Random(seed)
+    store, engine = pooled_store(tmp_path / "kv", pool_blocks=6, device_budget=2 * BLOCK_BYTES,
+                                 host_budget=4 * BLOCK_BYTES, disk_budget="64MiB")
+    convs = {s: random_ids(5 + rng.randrange(20), 900 + 10 * seed + s) for s in range(5)}
+    for turn in range(14):
+        s = rng.randrange(len(convs))
+        ids = convs[s]
+        cache = store.open(model, ids, session=f"s{s}")
+        engine.land(rng, 0.3)  # some copies land now, the rest stay in flight for a while
+        out = generate(model, ids, cache)
+        assert torch.equal(out, generate(model, ids)), (turn, s)
+        cache.commit(out)
+        engine.land(rng, 0.5)
+        convs[s] = torch.cat([out, random_ids(1 + rng.randrange(9), 1000 + turn)], dim=1)
+        if turn == 9:
+            engine.land()
+            store.flush()
+            store.close()  # a restart: the pool starts empty, blocks come back from disk
+            store, engine = pooled_store(tmp_path / "kv", pool_blocks=6, device_budget=2 * BLOCK_BYTES,
+                                         host_budget=4 * BLOCK_BYTES, disk_budget="64MiB")
+    stats = store.stats()
+    assert sum(stats["hits"].values()) > 0
+    for s in range(len(convs)):
+        store.forget(session=f"s{s}")
+    engine.land()
+    store.flush()
+    pool = store.stats()["host_pool"]
+    assert pool["in_use"] == 0 and pool["retiring"] == 0, pool  # every buffer came back
+    assert pool["free_runs"] == pool["allocated"] // (2 * BLOCK_BYTES)  # one whole run per arena
+    store.close()

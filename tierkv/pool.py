@@ -1,0 +1,181 @@
+"""A reusable pool of host buffers for blocks (pinned when the device is CUDA).
+
+Pinned allocation costs milliseconds per call and fragments the host's page-locked memory, so
+the store carves its host buffers from arenas allocated once and reused for the store's life.
+
+Protocol:
+  * ``alloc(shape, dtype)`` returns ``(tensor, lease)``: a contiguous buffer from the pool, or,
+    when no free run fits, a freshly allocated one with ``lease`` None (slower, never wrong;
+    counted in ``stats()['fallbacks']``).
+  * A lease is held by whoever keeps the buffer at rest (the host tier, a queued disk write):
+    ``hold()`` / ``unhold()``. Jobs that read or write the buffer asynchronously (the copy that
+    fills it, copies to the device from it, the disk write that encodes it) are registered with
+    ``after(job)``.
+  * When the last holder lets go, the buffer retires, and returns to the free space only once
+    every registered job is done (``reclaim()``, run by ``alloc`` and the store's bookkeeping).
+    So no copy ever reads a buffer that was handed out again.
+
+Space is counted in granules; free runs coalesce with their neighbours when a buffer returns,
+and a request takes the smallest run that fits (best fit), so blocks of one size (every full
+block of a model) reuse each other's runs exactly and tails do not strand space between them.
+Arenas are allocated on first need, up to ``capacity`` bytes, and never freed before the pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GRANULE = 4096  # bytes; aligns every buffer for any dtype and for DMA
+ARENA_BYTES = 256 << 20
+
+
+class Lease:
+    """One buffer of the pool: its place, its holders, and the jobs that must finish before reuse."""
+
+    __slots__ = ("_pool", "arena", "start", "granules", "holders", "jobs", "retired")
+
+    def __init__(self, pool: "HostPool", arena: int, start: int, granules: int) -> None:
+        self._pool = pool
+        self.arena = arena
+        self.start = start
+        self.granules = granules
+        self.holders = 0
+        self.jobs: list[Any] = []
+        self.retired = False
+
+    def hold(self) -> None:
+        with self._pool._lock:
+            if self.retired:
+                raise RuntimeError("a retired pool buffer was held again")
+            self.holders += 1
+
+    def unhold(self) -> None:
+        with self._pool._lock:
+            self.holders -= 1
+            if self.holders < 0:
+                raise RuntimeError("a pool buffer was let go more often than it was held")
+            if self.holders == 0:
+                self.retired = True
+                self._pool._retiring.append(self)
+        self._pool.reclaim()
+
+    def after(self, job: Any) -> None:
+        """``job`` (anything with ``done()``) uses the buffer: it is reused only once the job is done."""
+        with self._pool._lock:
+            self.jobs = [j for j in self.jobs if not j.done()]
+            self.jobs.append(job)
+
+
+class HostPool:
+    """Host buffers carved from arenas; see the module docstring for the protocol."""
+
+    def __init__(self, capacity: int, *, pinned: bool, arena_bytes: int = ARENA_BYTES,
+                 allocate: Callable[[int, bool], torch.Tensor] | None = None, poison: bool = False) -> None:
+        self.capacity = capacity - capacity % GRANULE
+        self.pinned = pinned
+        self._arena_granules = max(1, min(arena_bytes, self.capacity) // GRANULE) if self.capacity else 0
+        self._allocate = allocate or (lambda n, pin: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
+        self._poison = poison  # tests: fill returned buffers, so that a read after reuse shows
+        self._arenas: list[torch.Tensor] = []
+        # Per arena: sorted run starts, and start -> length (granules) of each free run.
+        self._starts: list[list[int]] = []
+        self._runs: list[dict[int, int]] = []
+        self._retiring: list[Lease] = []
+        self._lock = threading.Lock()
+        self.in_use = 0  # granules handed out (and retiring)
+        self.fallbacks = 0
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Lease | None]:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        need = max(1, -(-nbytes // GRANULE))
+        self.reclaim()
+        with self._lock:
+            lease = self._take(need)
+            if lease is None and need <= self._arena_granules and self._grow():
+                lease = self._take(need)
+            if lease is None:
+                self.fallbacks += 1
+            else:
+                self.in_use += need
+        if lease is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pinned), None
+        offset = lease.start * GRANULE
+        flat = self._arenas[lease.arena][offset:offset + nbytes]
+        return flat.view(dtype).view(shape), lease
+
+    def _take(self, need: int) -> Lease | None:
+        best: tuple[int, int, int] | None = None  # (length, arena, start)
+        for arena, runs in enumerate(self._runs):
+            for start, length in runs.items():
+                if length >= need and (best is None or length < best[0]):
+                    best = (length, arena, start)
+                    if length == need:
+                        break
+            if best is not None and best[0] == need:
+                break
+        if best is None:
+            return None
+        length, arena, start = best
+        runs, starts = self._runs[arena], self._starts[arena]
+        del runs[start]
+        starts.pop(bisect.bisect_left(starts, start))
+        if length > need:
+            runs[start + need] = length - need
+            bisect.insort(starts, start + need)
+        return Lease(self, arena, start, need)
+
+    def _grow(self) -> bool:
+        allocated = len(self._arenas) * self._arena_granules
+        granules = min(self._arena_granules, self.capacity // GRANULE - allocated)
+        if granules <= 0:
+            return False
+        self._arenas.append(self._allocate(granules * GRANULE, self.pinned))
+        self._runs.append({0: granules})
+        self._starts.append([0])
+        return True
+
+    # -- return ----------------------------------------------------------------------------------
+    def reclaim(self) -> None:
+        """Return retired buffers whose jobs are all done to the free space. Never waits."""
+        with self._lock:
+            if not self._retiring:
+                return
+            waiting = []
+            for lease in self._retiring:
+                lease.jobs = [j for j in lease.jobs if not j.done()]
+                if lease.jobs:
+                    waiting.append(lease)
+                else:
+                    self._free(lease)
+            self._retiring = waiting
+
+    def _free(self, lease: Lease) -> None:
+        if self._poison:
+            offset = lease.start * GRANULE
+            self._arenas[lease.arena][offset:offset + lease.granules * GRANULE].fill_(0xFF)
+        self.in_use -= lease.granules
+        runs, starts = self._runs[lease.arena], self._starts[lease.arena]
+        start, length = lease.start, lease.granules
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start + length:  # merge with the run after
+            length += runs.pop(starts.pop(i))
+        if i > 0 and starts[i - 1] + runs[starts[i - 1]] == start:  # and the run before
+            start = starts[i - 1]
+            runs[start] += length
+        else:
+            runs[start] = length
+            starts.insert(i, start)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            free = [length for runs in self._runs for length in runs.values()]
+            return {"capacity": self.capacity, "allocated": len(self._arenas) * self._arena_granules * GRANULE,
+                    "in_use": self.in_use * GRANULE, "retiring": len(self._retiring),
+                    "largest_free": max(free, default=0) * GRANULE, "free_runs": len(free),
+                    "fallbacks": self.fallbacks}
