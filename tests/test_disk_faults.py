@@ -205,3 +205,69 @@ def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog
         assert store.close() == 0
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "could not be written" in errors[0] and str(path) in errors[0]
+
+
+def _zero_in_place(path, key: bytes, fraction: float) -> None:
+    """What a delete's scrub leaves when the process dies before the transaction commits."""
+    import ctypes
+
+    import numpy as np
+
+    with lmdb.open(str(path), max_dbs=8, writemap=True) as env:
+        txn = env.begin(write=True, buffers=True)
+        value = txn.get(key, db=env.open_db(b"blocks", txn=txn))
+        address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
+        ctypes.memset(address, 0, max(4, int(len(value) * fraction)))
+        txn.abort()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_a_delete_cut_short_by_a_crash_is_finished_at_reopen_not_counted_corrupt(model, stores, tmp_path,
+                                                                                 fraction):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    gone, kept = random_ids(20, 730), random_ids(20, 731)
+    for session, ids in (("gone", gone), ("kept", kept)):
+        cache = store.open(model, ids, session=session)
+        cache.commit(generate(model, ids, cache))
+    store.flush()
+    key = next(k for k, m in store._index.blocks.items()
+               if {store._index.sessions[s].name for s in m.sessions} == {"gone"} and m.parent not in
+               store._index.blocks)  # the conversation's first block
+    store.close()
+    _zero_in_place(path, key, fraction)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.stats()["corrupt"] == 0
+    assert key not in store._index.blocks
+    store.flush()
+    assert key not in _records_live(store)
+    nxt = torch.cat([generate(model, kept), random_ids(2, 732)], dim=1)
+    assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 3
+    assert store.open(model, torch.cat([gone, random_ids(2, 733)], dim=1)).restored_tokens == 0
+
+
+def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    ids = random_ids(20, 740)
+    cache = store.open(model, ids, session="s")
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    store.flush()
+    load = store._disk.load
+
+    def forget_then_load(key, empty):
+        # Another thread forgets the session while this open reads: the delete zeroes the record.
+        store.forget(session="s")
+        store.flush()
+        store._disk.load = load
+        with store._disk.env.begin(write=True) as txn:  # put the zeroed bytes back for the read to find
+            txn.put(key, bytes(4096), db=store._disk._blocks)
+        return load(key, empty)
+
+    store._disk.load = forget_then_load
+    nxt = torch.cat([out, random_ids(2, 741)], dim=1)
+    cache = store.open(model, nxt)
+    assert cache.restored_tokens == 0
+    assert store.stats()["corrupt"] == 0  # not damage: the block was deleted under the read
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))

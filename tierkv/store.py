@@ -324,7 +324,9 @@ class TieredStore:
             if where is None:
                 result = reads.get(i)
                 if result is None or isinstance(result, BaseException):
-                    if isinstance(result, CorruptRecord):
+                    if isinstance(result, CorruptRecord) and self._index.blocks.get(meta.key) is not meta:
+                        pass  # forgotten or evicted meanwhile: its delete zeroed it, a plain miss
+                    elif isinstance(result, CorruptRecord):
                         self._corrupt += 1
                         # Once per store, then counted: a damaged disk must not flood the log.
                         log = logger.warning if self._corrupt == 1 else logger.debug
@@ -840,6 +842,9 @@ class TieredStore:
             logger.warning("tierkv: %d unreadable records in %s were dropped", len(scan.corrupt), self._disk.path)
             assert self._writer is not None
             self._submit(DeleteBlocks(scan.corrupt))
+        if scan.scrubbed:
+            assert self._writer is not None
+            self._submit(DeleteBlocks(scan.scrubbed))
         # Stamps and sequence numbers come from one clock: a block never used since its commit
         # ranks by its commit.
         order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, hs[0].seq), hs[0].seq))

@@ -44,7 +44,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ..codec import FORMAT_VERSION, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
+from ..codec import FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
@@ -128,6 +128,9 @@ DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch
 class ScanResult:
     headers: list[tuple[RecordHeader, int]] = field(default_factory=list)  # (header, record bytes)
     corrupt: list[bytes] = field(default_factory=list)
+    # Records zeroed by a delete whose transaction never committed (the process died in it):
+    # what the delete wanted, so they are finished off, not counted as damage.
+    scrubbed: list[bytes] = field(default_factory=list)
     sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
 
@@ -279,7 +282,10 @@ class DiskTier:
                         raise CorruptRecord("record stored under another key")
                     result.headers.append((header, len(value)))
                 except CorruptRecord:
-                    result.corrupt.append(key)
+                    if bytes(value[:len(MAGIC)]) == bytes(len(MAGIC)):  # zeroed from its start
+                        result.scrubbed.append(key)
+                    else:
+                        result.corrupt.append(key)
             for sid, value in txn.cursor(db=self._sessions):
                 tenant, name = msgpack.unpackb(bytes(value))
                 result.sessions[bytes(sid)] = (tenant, name, [])
@@ -407,7 +413,9 @@ class DiskTier:
         """Zero a record's bytes where they lie before deleting it. LMDB is copy-on-write: a delete
         only moves the pages to the free list, and the KV would stay in the file until the pages
         are reused. With ``writemap`` the map is the file, writable, so the bytes are overwritten
-        in place. A reader still holding the old snapshot then fails its checksum: a miss."""
+        in place. A reader still holding the old snapshot then fails its checksum: a miss. The
+        zeroing reaches the file even if the transaction never commits (the process dies in it):
+        ``scan`` then finds a record zeroed from its start and finishes the delete."""
         value = txn.get(key, db=self._blocks)
         if value is not None and len(value):
             address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
