@@ -1,0 +1,272 @@
+"""The chat server: OpenAI's ``/v1/chat/completions`` in front of a tierkv store.
+
+Routes::
+
+    POST   /v1/chat/completions    a turn; OpenAI request/response shape, ``stream: true`` for SSE
+    GET    /v1/models              the one model served
+    DELETE /v1/sessions/{id}       forget a session of the caller's tenant (its blocks, every tier)
+    GET    /healthz                liveness; answers while a turn is generating
+    GET    /metrics                Prometheus text: the store's metrics (tierkv.metrics.StoreCollector)
+
+Who is asking:
+
+* Tenant: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``. The tenant name given to tierkv is
+  a hash of the key, never the key: tenant names are data in the store (on disk, in LMDB records),
+  keys are secrets. Keys are not checked against a list; each key is simply its own tenant, whose
+  blocks no other tenant can hit. No key: the default tenant, shared by every keyless caller.
+  Put an authenticating proxy in front of this example before exposing it.
+* Session: ``X-Session-ID``, else the body's ``user``. A turn without either is still cached for
+  its tenant (a later turn with the same prefix hits it) but no session references it, so it
+  can only be evicted, not deleted.
+
+Per request: validate (every refusal is an OpenAI error body with a 4xx status, see ``errors``),
+template the messages to ids, then one tierkv turn on the engine (``engine``):
+``store.open`` -> ``generate`` -> ``cache.commit``. ``usage.prompt_tokens_details.cached_tokens``
+is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from``.
+
+Lifespan: the store, the model and the metrics collector are created at startup and closed at
+shutdown (the running turn finishes and commits, queued ones are dropped, the store is flushed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+import tierkv
+from tierkv import TieredStore
+from tierkv.metrics import StoreCollector
+
+from . import errors, schemas
+from .engine import Engine, Turn, TurnCancelled, TurnResult, build_model
+from .errors import ApiError
+from .settings import Settings
+
+logger = logging.getLogger("examples.server")
+FINGERPRINT = f"tierkv-{tierkv.__version__}"
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the lifespan creates and closes."""
+
+    settings: Settings
+    store: TieredStore
+    engine: Engine
+    registry: CollectorRegistry
+    collector: StoreCollector
+
+    @classmethod
+    def start(cls, settings: Settings) -> "ServerState":
+        store = TieredStore(settings.store, device=settings.device, device_budget=settings.device_budget,
+                            host_budget=settings.host_budget, disk_budget=settings.disk_budget,
+                            block_size=settings.block_size)
+        try:
+            model, tokenizer = build_model(settings)
+            model.to(store.device)
+            collector = StoreCollector(store)
+            registry = CollectorRegistry()
+            registry.register(collector)
+        except BaseException:
+            store.close()
+            raise
+        logger.info("serving %s (%s) on %s; store %s", settings.model_name, settings.model, store.device,
+                    settings.store or "without a disk tier")
+        return cls(settings, store, Engine(model, tokenizer, store), registry, collector)
+
+    def close(self) -> None:
+        self.engine.close()  # first: the turn still running commits into the open store
+        self.collector.close()
+        self.store.close()
+
+
+def tenant_of(request: Request) -> str | None:
+    """The tenant of the request's API key: a hash of it, or None without a key."""
+    auth = request.headers.get("authorization")
+    if auth is not None:
+        scheme, _, key = auth.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "the Authorization header must be 'Bearer <api key>'", code="invalid_api_key")
+    else:
+        key = request.headers.get("x-api-key", "").strip()
+    return tenant_name(key) if key else None
+
+
+def tenant_name(api_key: str) -> str:
+    """The tenant name tierkv stores for ``api_key``: a digest, since names are data on disk."""
+    # Domain-separated, so the name cannot be matched against key digests other systems keep.
+    return "key-sha256:" + hashlib.sha256(b"tierkv tenant\0" + api_key.encode("utf-8")).hexdigest()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (a declared length is refused
+    before reading anything)."""
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Settings, session: str | None,
+              tenant: str | None) -> Turn:
+    """The request as a ``Turn``, or the ``ApiError`` that says what is wrong with it."""
+    if req.n is not None and req.n > 1:
+        raise ApiError(400, "n > 1 is not supported by this server; send n requests instead (with temperature > 0 "
+                       "and different seeds for different replies)", param="n", code="unsupported_value")
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
+                       code="unsupported_parameter")
+    if req.tools:
+        raise ApiError(400, "tools are not supported by this server", param="tools", code="unsupported_parameter")
+    messages: list[tuple[str, str]] = []
+    for i, message in enumerate(req.messages):
+        text = message.text()
+        if text is None:
+            if message.role != "assistant":
+                raise ApiError(400, f"messages[{i}].content is required for a {message.role} message",
+                               param=f"messages[{i}].content", code="missing_required_parameter")
+            text = ""
+        messages.append((message.role, text))
+    prompt_tokens = engine.tokenizer.count_chat(messages)
+    if prompt_tokens > settings.max_input_tokens:
+        raise ApiError(400, f"this conversation is {prompt_tokens} tokens; this server accepts at most "
+                       f"{settings.max_input_tokens} prompt tokens. Shorten the messages",
+                       param="messages", code="context_length_exceeded")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
+    if max_tokens > settings.max_output_tokens:
+        raise ApiError(400, f"{param} is {max_tokens}; this server generates at most {settings.max_output_tokens} "
+                       "tokens per request", param=param, code="invalid_value")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > 4 or not all(stop):
+        raise ApiError(400, "stop must be a non-empty string or a list of at most 4 non-empty strings",
+                       param="stop", code="invalid_value")
+    return Turn(ids=engine.tokenizer.encode_chat(messages), session=session, tenant=tenant, max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop)
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool
+               ) -> AsyncIterator[str]:
+    """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``."""
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, result: TurnResult | None = None) -> str:
+        return _event(schemas.chunk(cid, created, model, FINGERPRINT, delta, finish, include_usage, result))
+
+    yield chunk({"role": "assistant", "content": ""})
+    result: TurnResult | None = None
+    try:
+        # aclosing: if this stream is abandoned, the engine's stream is closed too, which stops the turn.
+        async with contextlib.aclosing(engine.stream(turn)) as items:
+            async for item in items:
+                if isinstance(item, str):
+                    yield chunk({"content": item})
+                else:
+                    result = item
+    except TurnCancelled:
+        return
+    except Exception:  # noqa: BLE001 - the status line is sent: the error can only be an event now
+        logger.exception("internal error in a streamed turn")
+        yield _event(ApiError(500, "internal server error", type="server_error").body())
+        return
+    assert result is not None
+    yield chunk({}, result.finish_reason)
+    if include_usage:
+        yield chunk(None, result=result)
+    yield "data: [DONE]\n\n"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app for ``settings`` (default: ``Settings.from_env()``); the model and store open at startup."""
+    settings = Settings.from_env() if settings is None else settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.server = await asyncio.to_thread(ServerState.start, settings)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(app.state.server.close)
+
+    app = FastAPI(title="tierkv chat server", version=tierkv.__version__, lifespan=lifespan)
+    errors.install(app, schemas.FIELDS)
+
+    def state(request: Request) -> ServerState:
+        return request.app.state.server
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        server = state(request)
+        tenant = tenant_of(request)
+        # Parsed here rather than by a FastAPI body parameter, so the size limit applies before
+        # the body is read in full and JSON errors come out in OpenAI's shape.
+        body = await read_body(request, settings.max_body_bytes)
+        try:
+            req = schemas.ChatCompletionRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise errors.from_validation(exc.errors(include_url=False), schemas.FIELDS) from None
+        session = request.headers.get("x-session-id") or req.user or None
+        turn = make_turn(req, server.engine, settings, session, tenant)
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or settings.model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(server.engine, turn, cid, created, model, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result = await server.engine.complete(turn)
+        return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "tierkv"}]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+        server = state(request)
+        tenant = tenant_of(request)
+        # On the engine's thread: the forget comes after this session's turns already queued, which
+        # would otherwise commit the session back right after it was forgotten.
+        removed = await server.engine.call(server.store.forget, session=session_id, tenant=tenant)
+        return {"id": session_id, "object": "session.deleted", "deleted": True, "blocks_removed": removed}
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_name, "pending_turns": state(request).engine.pending}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        # Off the event loop: a scrape reads store.stats(), which waits for the store's lock.
+        text = await asyncio.to_thread(generate_latest, state(request).registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+app = create_app()  # for `uvicorn examples.server.app:app`; configured by TIERKV_* environment variables

@@ -1,0 +1,259 @@
+"""Generation for the server: one model, one worker thread, and a tierkv turn per request.
+
+Protocol::
+
+    engine = Engine(model, tokenizer, store)
+    result = await engine.complete(turn)          # -> TurnResult
+    async for item in engine.stream(turn): ...    # text deltas (str), then the TurnResult
+    n = await engine.call(store.forget, ...)      # anything that must come after the turns queued before it
+    engine.close()                                # finish the running turn, drop the queued ones
+
+Every turn runs, on the engine's one worker thread::
+
+    cache = store.open(model, ids, session=..., tenant=...)    # restore the longest stored prefix
+    out = model.generate(ids, cache=cache, ...)                # compute only the rest
+    cache.commit(out)                                          # store the new blocks for the next turn
+
+Why one worker thread rather than a lock around ``generate``: the model is one shared, compute-bound
+object, so concurrent ``generate`` calls would only contend; a single worker serialises turns in
+arrival order, keeps the event loop free (``/healthz`` answers while a turn runs), and lets a turn
+whose client left before it started be dropped from the queue. The commit runs on the worker right
+after ``generate``, before anything is handed back, so streamed turns commit too; a stream whose
+client disconnects stops at the next token and commits what it generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from tierkv import TieredStore
+
+from .settings import Settings
+from .tokenizer import BOS, END, VOCAB_SIZE, ByteChatTokenizer
+
+T = TypeVar("T")
+# Fixed, not derived from the request limits: the config is part of the model's fingerprint, so a
+# change of limits must not orphan every block in the store.
+MAX_POSITIONS = 8192
+
+
+def build_model(settings: Settings) -> tuple[torch.nn.Module, ByteChatTokenizer]:
+    """The model and tokenizer ``settings.model`` names (only "tiny" here), in eval mode, on the CPU."""
+    if settings.model != "tiny":
+        raise ValueError(f"model {settings.model!r} is not available: this example serves the built-in random "
+                         "model only (--model tiny), since nothing can be downloaded")
+    if settings.tiny_hidden % 64:
+        raise ValueError(f"tiny_hidden must be a multiple of 64 (the head size), got {settings.tiny_hidden}")
+    heads = settings.tiny_hidden // 64
+    config = AutoConfig.for_model("llama", vocab_size=VOCAB_SIZE, hidden_size=settings.tiny_hidden,
+                                  intermediate_size=2 * settings.tiny_hidden, num_hidden_layers=settings.tiny_layers,
+                                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                                  max_position_embeddings=MAX_POSITIONS, bos_token_id=BOS, eos_token_id=END,
+                                  pad_token_id=END)
+    if settings.max_input_tokens + settings.max_output_tokens > MAX_POSITIONS:
+        raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context")
+    # Same seed, same weights, same fingerprint: a restarted server finds its sessions on disk.
+    # fork_rng: building the model must not reseed the process's RNG that sampling uses.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    return model, ByteChatTokenizer()
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request, validated: the templated conversation and how to continue it."""
+
+    ids: list[int]
+    session: str | None
+    tenant: str | None
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """What one turn generated, and what tierkv restored for it."""
+
+    text: str
+    finish_reason: str  # "stop" (end of turn or a stop string) or "length" (max_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class TurnCancelled(Exception):
+    """The client left before its queued turn started."""
+
+
+class _Streamer(BaseStreamer):
+    """Hands each new token to ``on_tokens``; ``generate`` puts the prompt first, which is skipped."""
+
+    def __init__(self, on_tokens: Callable[[list[int]], None]) -> None:
+        self._on_tokens = on_tokens
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self._on_tokens(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+class _StopStrings(StoppingCriteria):
+    """Stops once the reply's text contains one of ``stops``."""
+
+    def __init__(self, tokenizer: ByteChatTokenizer, prompt_len: int, stops: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._prompt_len = prompt_len
+        self._stops = stops
+        # Checked after every token, so a stop string first appears near the end: only a tail is
+        # decoded, not the whole reply each step.
+        self._window = max(map(len, stops)) + 4
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.BoolTensor:
+        start = max(self._prompt_len, input_ids.shape[1] - self._window)
+        tail = self._tokenizer.decode(input_ids[0, start:].tolist())
+        hit = any(s in tail for s in self._stops)
+        return torch.full((input_ids.shape[0],), hit, dtype=torch.bool,  # type: ignore[return-value]
+                          device=input_ids.device)
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self._event.is_set(), dtype=torch.bool,  # type: ignore[return-value]
+                          device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    # Turns run one at a time, so seeding the process RNG for one turn cannot disturb another;
+    # fork_rng restores it afterwards, so unseeded requests do not inherit a request's seed.
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+class Engine:
+    """Runs turns one at a time on a worker thread; see the module docstring for the protocol."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: ByteChatTokenizer, store: TieredStore) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.pending = 0  # turns queued or running; touched on the event loop only
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-generate")
+        self._suppress = list(tokenizer.suppress_ids)
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the worker thread after every turn submitted before it."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    async def complete(self, turn: Turn) -> TurnResult:
+        self.pending += 1
+        try:
+            return await self.call(self._run, turn, None, None)
+        finally:
+            self.pending -= 1
+
+    async def stream(self, turn: Turn) -> AsyncIterator[str | TurnResult]:
+        """Text deltas as tokens arrive, then the ``TurnResult``; the deltas join to its text."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: list[int] | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def job() -> TurnResult:
+            try:
+                return self._run(turn, emit, cancel)
+            finally:
+                emit(None)
+
+        self.pending += 1
+        future = asyncio.wrap_future(self.submit(job))
+        # A stop string is cut from the reply with everything after it, so text that may be the
+        # start of one is held back until the next tokens (or the end) tell.
+        hold = max(map(len, turn.stop), default=1) - 1
+        ids: list[int] = []
+        sent = 0
+        try:
+            while (tokens := await queue.get()) is not None:
+                ids.extend(tokens)
+                text = self.tokenizer.decode(ids)
+                if len(text) - hold > sent:
+                    yield text[sent:len(text) - hold]
+                    sent = len(text) - hold
+            result = await future
+            if len(result.text) > sent:
+                yield result.text[sent:]
+            yield result
+        finally:
+            self.pending -= 1
+            cancel.set()  # no-op after the turn finished; else the worker stops at its next token
+            if not future.done():
+                future.cancel()  # a queued turn is dropped; a running one's outcome is not wanted
+
+    def close(self) -> None:
+        """Let the running turn finish (and commit), drop the queued ones, stop the worker."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, turn: Turn, on_tokens: Callable[[list[int] | None], None] | None,
+             cancel: threading.Event | None) -> TurnResult:
+        if cancel is not None and cancel.is_set():
+            raise TurnCancelled()
+        ids = torch.tensor([turn.ids], dtype=torch.long, device=self.store.device)
+        cache = self.store.open(self.model, ids, session=turn.session, tenant=turn.tenant)
+        criteria = StoppingCriteriaList()
+        if turn.stop:
+            criteria.append(_StopStrings(self.tokenizer, ids.shape[1], turn.stop))
+        if cancel is not None:
+            criteria.append(_Cancelled(cancel))
+        sampling: dict[str, Any] = dict(do_sample=False)
+        if turn.temperature > 0:
+            # top_k=0: OpenAI's API has no top-k, and transformers would otherwise apply its default of 50.
+            sampling = dict(do_sample=True, temperature=turn.temperature, top_p=turn.top_p, top_k=0)
+        with _seeded(turn.seed, ids.device):
+            out = self.model.generate(ids, cache=cache, max_new_tokens=turn.max_tokens,
+                                      suppress_tokens=self._suppress, eos_token_id=END, pad_token_id=END,
+                                      stopping_criteria=criteria,
+                                      streamer=_Streamer(on_tokens) if on_tokens is not None else None,
+                                      **sampling)
+        cache.commit(out)
+        generated = out[0, ids.shape[1]:].tolist()
+        ended = bool(generated) and generated[-1] == END
+        text = self.tokenizer.decode(generated)
+        cuts = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
+        if cuts:
+            text = text[:min(cuts)]  # OpenAI's stop: the reply ends before the stop string
+        return TurnResult(text=text, finish_reason="stop" if ended or cuts else "length",
+                          prompt_tokens=len(turn.ids), completion_tokens=len(generated),
+                          cached_tokens=cache.restored_tokens, cached_by_tier=dict(cache.restored_from))

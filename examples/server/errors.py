@@ -1,0 +1,103 @@
+"""OpenAI-style errors: every refusal is ``{"error": {"message", "type", "param", "code"}}``.
+
+``ApiError`` is raised by the routes; ``install(app)`` renders it, and also turns FastAPI's and
+Starlette's own refusals (validation, unknown route, wrong method, a body over the size limit) into
+the same shape, so a client never gets a bare ``{"detail": ...}`` or, for a bad request, a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("examples.server")
+
+
+class ApiError(Exception):
+    """A refusal with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _param(loc: Sequence[int | str], fields: frozenset[str]) -> str | None:
+    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"``: pydantic appends union
+    member tags (``str``, ``list[TextPart]``) to a location, which are not parameters."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in fields:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def from_validation(errors: Sequence[Any], fields: frozenset[str]) -> ApiError:
+    """One 400 from pydantic's errors: the first parameter at fault, and every reason given for it.
+
+    The offending input is never echoed: it can be large, binary, or a secret pasted by mistake.
+    """
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
+    param = _param(first["loc"], fields)
+    if param is None and first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    reasons = list(dict.fromkeys(e["msg"] for e in errors if _param(e["loc"], fields) == param))
+    code = ("missing_required_parameter" if first["type"] == "missing"
+            else "invalid_type" if first["type"].endswith("_type") else "invalid_value")
+    return ApiError(400, f"{param or 'body'}: {'; or '.join(reasons)}", param=param, code=code)
+
+
+def install(app: FastAPI, fields: frozenset[str]) -> None:
+    """Render every refusal in OpenAI's shape; ``fields``: the request fields that may be named as
+    ``param``."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI prefixes locations with where the value came from ("body", "path", "query").
+        errors = [{**e, "loc": tuple(e["loc"][1:])} for e in exc.errors()] or [{"type": "value_error",
+                                                                                  "loc": (), "msg": "invalid"}]
+        return from_validation(errors, fields).response()
+
+    @app.exception_handler(ValidationError)
+    async def validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation(exc.errors(include_url=False), fields).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code), type=type_)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request: logged with its traceback here, and not described to the client.
+        logger.exception("internal error serving %s %s", request.method, request.url.path)
+        return ApiError(500, "internal server error", type="server_error").response()

@@ -1,0 +1,101 @@
+"""The OpenAI chat-completions wire format: the request as parsed, and the bodies sent back.
+
+Requests are validated strictly (``"5"`` is not an integer, ``true`` is not a number), as OpenAI
+does; unknown fields are ignored, except the ones whose meaning this server cannot honour
+(``n`` > 1, ``logprobs``, ``tools``), which the route refuses by name rather than ignore.
+
+Usage reports what tierkv did for the turn::
+
+    "usage": {"prompt_tokens": 120, "completion_tokens": 16, "total_tokens": 136,
+              "prompt_tokens_details": {"cached_tokens": 103,     # restored from tierkv, not computed
+                                        "cached_tokens_by_tier": {"device": 64, "host": 39, "disk": 0}}}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import TurnResult
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
+    temperature: float | None = Field(None, ge=0, le=2)    # OpenAI's default is 1; 0 is greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's; torch refuses more
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+
+FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, TextPart, StreamOptions)
+                   for name in model.model_fields)
+
+
+def usage(result: TurnResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens,
+                                  "cached_tokens_by_tier": dict(result.cached_by_tier)},
+    }
+
+
+def completion(cid: str, created: int, model: str, fingerprint: str, result: TurnResult) -> dict[str, Any]:
+    return {
+        "id": cid, "object": "chat.completion", "created": created, "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": None, "finish_reason": result.finish_reason}],
+        "usage": usage(result),
+    }
+
+
+def chunk(cid: str, created: int, model: str, fingerprint: str, delta: dict[str, Any] | None,
+          finish_reason: str | None = None, with_usage: bool = False,
+          result: TurnResult | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices) that
+    ``stream_options.include_usage`` adds last, as OpenAI does (other chunks then carry ``usage: null``)."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": fingerprint,
+                            "choices": [] if delta is None else
+                            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if with_usage:
+        body["usage"] = usage(result) if result is not None else None
+    return body

@@ -1,0 +1,106 @@
+"""Settings of the chat server: defaults, overridden by ``TIERKV_*`` environment variables, then by flags.
+
+Every setting has one row in ``_FIELDS``: its flag, its environment variable and its parser, so the
+three sources cannot drift apart. ``Settings.from_env()`` is what ``uvicorn examples.server.app:app``
+uses; ``parse_args()`` is what ``python -m examples.server`` uses (flags default to the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the server runs: the model, the store and its budgets, request limits, where it listens."""
+
+    model: str = "tiny"                 # "tiny": the built-in random byte-level model (no download)
+    model_name: str = "tierkv-tiny"     # the id /v1/models lists; requests' "model" is echoed as sent
+    seed: int = 0                       # weights of the tiny model: same seed, same weights, same cache keys
+    tiny_layers: int = 4
+    tiny_hidden: int = 256
+    store: str | None = "kvstore-server"  # disk tier directory; None (flag/env "none" or "") = no disk tier
+    device: str | None = None           # hot tier and model device; None = cuda when available, else cpu
+    device_budget: str = "256MiB"
+    host_budget: str = "1GiB"
+    disk_budget: str = "8GiB"
+    block_size: int = 64
+    max_input_tokens: int = 4096        # prompt tokens (the whole templated conversation) per request
+    max_output_tokens: int = 512        # the largest max_tokens a request may ask for
+    default_max_tokens: int = 128       # when a request gives none
+    max_body_bytes: int = 4 * 2**20     # request bodies beyond this are refused with 413 before parsing
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        for name in ("tiny_layers", "tiny_hidden", "block_size", "max_input_tokens", "max_output_tokens",
+                     "default_max_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_output_tokens "
+                             f"({self.max_output_tokens})")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then ``TIERKV_*`` variables of ``environ`` (default ``os.environ``), then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (_, env, parse, _) in _FIELDS.items():
+            if env in environ:
+                try:
+                    values[name] = parse(environ[env])
+                except ValueError as exc:
+                    raise ValueError(f"{env}={environ[env]!r}: {exc}") from None
+        return cls(**{**values, **overrides})
+
+
+def _optional_path(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none") else text
+
+
+def _optional_str(text: str) -> str | None:
+    return text or None
+
+
+# field -> (flag, environment variable, parser, help)
+_FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
+    "model": ("--model", "TIERKV_MODEL", str, "'tiny' (built-in random model, byte-level tokenizer)"),
+    "model_name": ("--model-name", "TIERKV_MODEL_NAME", str, "model id listed by /v1/models"),
+    "seed": ("--seed", "TIERKV_SEED", int, "seed of the tiny model's weights"),
+    "tiny_layers": ("--tiny-layers", "TIERKV_TINY_LAYERS", int, "layers of the tiny model"),
+    "tiny_hidden": ("--tiny-hidden", "TIERKV_TINY_HIDDEN", int, "hidden size of the tiny model (a multiple of 64)"),
+    "store": ("--store", "TIERKV_STORE", _optional_path, "disk tier directory, or 'none' for no disk tier"),
+    "device": ("--device", "TIERKV_DEVICE", _optional_str, "device of the model and hot tier (default: auto)"),
+    "device_budget": ("--device-budget", "TIERKV_DEVICE_BUDGET", str, "bytes at rest on the device, e.g. 256MiB"),
+    "host_budget": ("--host-budget", "TIERKV_HOST_BUDGET", str, "bytes at rest in host memory"),
+    "disk_budget": ("--disk-budget", "TIERKV_DISK_BUDGET", str, "bytes at rest on disk"),
+    "block_size": ("--block-size", "TIERKV_BLOCK_SIZE", int, "tokens per block"),
+    "max_input_tokens": ("--max-input-tokens", "TIERKV_MAX_INPUT_TOKENS", int, "largest prompt, in tokens"),
+    "max_output_tokens": ("--max-output-tokens", "TIERKV_MAX_OUTPUT_TOKENS", int, "largest max_tokens accepted"),
+    "default_max_tokens": ("--default-max-tokens", "TIERKV_DEFAULT_MAX_TOKENS", int, "max_tokens when not given"),
+    "max_body_bytes": ("--max-body-bytes", "TIERKV_MAX_BODY_BYTES", int, "largest request body, in bytes"),
+    "host": ("--host", "TIERKV_HOST", str, "address to listen on"),
+    "port": ("--port", "TIERKV_PORT", int, "port to listen on"),
+}
+assert set(_FIELDS) == {f.name for f in dataclasses.fields(Settings)}
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+               description: str | None = None) -> Settings:
+    """Settings from flags; a flag not given falls back to its environment variable, then the default."""
+    parser = argparse.ArgumentParser(prog="python -m examples.server", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, (flag, env, parse, text) in _FIELDS.items():
+        parser.add_argument(flag, dest=name, type=parse, default=argparse.SUPPRESS, help=f"{text} [${env}]")
+    args = vars(parser.parse_args(argv))
+    try:
+        return Settings.from_env(environ, **args)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # parser.error exits; this line is for type checkers

@@ -1,0 +1,402 @@
+"""The chat server example (examples/server) over real HTTP, against plain transformers.
+
+One server per module: uvicorn in a background thread on 127.0.0.1 (a socket bound to a free port),
+a tmp store with small budgets (sessions move between tiers), the tiny model at 2 layers, greedy
+replies of a few tokens; clients are httpx. Each test speaks as its own tenant (API key), so no
+test hits another's blocks. One more test runs ``python -m examples.server`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from examples.server.app import ServerState, create_app, tenant_name
+from examples.server.engine import build_model
+from examples.server.settings import Settings
+from tierkv import TieredStore
+
+ROOT = Path(__file__).resolve().parents[1]
+# About 1 KiB of KV per token: the device holds ~64 tokens and the host ~128, the rest is on disk.
+SMALL = dict(tiny_layers=2, tiny_hidden=64, block_size=8, device_budget="64KiB", host_budget="128KiB",
+             max_input_tokens=600, max_output_tokens=64, default_max_tokens=8, max_body_bytes=64 * 1024)
+
+
+@dataclass
+class Server:
+    url: str
+    settings: Settings
+    state: ServerState
+
+    def post(self, body: Any, key: str | None = None, session: str | None = None, raw: bytes | None = None,
+             headers: dict[str, str] | None = None) -> httpx.Response:
+        headers = dict(headers or {})
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        if session is not None:
+            headers["X-Session-ID"] = session
+        if raw is not None:
+            return httpx.post(f"{self.url}/v1/chat/completions", content=raw, headers=headers, timeout=60)
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+    def chat(self, messages: list[dict[str, Any]], key: str, session: str | None = None,
+             **fields: Any) -> dict[str, Any]:
+        """A greedy turn that must succeed; ``fields`` override the request's."""
+        r = self.post({"model": "test-model", "messages": messages, "temperature": 0, "max_tokens": 8, **fields},
+                      key=key, session=session)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, messages: list[dict[str, Any]], key: str, session: str | None = None,
+               **fields: Any) -> list[Any]:
+        """The decoded ``data:`` payloads of a streamed greedy turn; ``[DONE]`` stays a string."""
+        body = {"model": "test-model", "messages": messages, "temperature": 0, "max_tokens": 8, "stream": True,
+                "stream_options": {"include_usage": True}, **fields}
+        headers = {"Authorization": f"Bearer {key}", **({"X-Session-ID": session} if session else {})}
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.iter_lines() if line]
+        assert all(line.startswith("data: ") for line in lines), lines
+        return [p if p == "[DONE]" else json.loads(p) for p in (line[len("data: "):] for line in lines)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    settings = Settings(store=str(tmp_path_factory.mktemp("server") / "kv"), **SMALL)
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound here, handed to uvicorn: no race for the port
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        yield Server(url, settings, app.state.server)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+        sock.close()
+    assert not thread.is_alive()
+
+
+def text(response: dict[str, Any]) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def cached(response: dict[str, Any]) -> int:
+    details = response["usage"]["prompt_tokens_details"]
+    assert sum(details["cached_tokens_by_tier"].values()) == details["cached_tokens"]
+    return details["cached_tokens"]
+
+
+def conversation(tag: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": f"You are the {tag} assistant."},
+            {"role": "user", "content": f"Hello, this is the {tag} test speaking."}]
+
+
+def follow_up(messages: list[dict[str, Any]], response: dict[str, Any], question: str) -> list[dict[str, Any]]:
+    """The next turn as a client sends it: the history, the reply as returned, a new question."""
+    return [*messages, response["choices"][0]["message"], {"role": "user", "content": question}]
+
+
+def test_each_turn_restores_the_whole_previous_conversation_including_the_reply(server: Server) -> None:
+    messages = conversation("turns")
+    first = server.chat(messages, key="k-turns", session="alice")
+    assert first["object"] == "chat.completion" and first["model"] == "test-model"
+    assert cached(first) == 0
+    previous = first
+    for question in ("Tell me more.", "And then?"):
+        messages = follow_up(messages, previous, question)
+        reply = server.chat(messages, key="k-turns", session="alice")
+        used = previous["usage"]
+        # Every token of the previous turn but the reply's last one, whose KV generate never computed.
+        assert cached(reply) == used["prompt_tokens"] + used["completion_tokens"] - 1
+        assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]
+        previous = reply
+
+
+def test_other_tenants_restore_nothing_and_api_keys_never_reach_the_disk(server: Server) -> None:
+    key = "sk-tenant-a-SECRET-7f3e9c"
+    messages = conversation("tenants")
+    first = server.chat(messages, key=key, session="s")
+    second = follow_up(messages, first, "Still there?")
+    assert cached(server.chat(second, key="sk-tenant-b", session="s")) == 0  # same session name, other tenant
+    assert cached(server.chat(second, key="sk-tenant-c")) == 0               # no session at all
+    # X-API-Key names the same tenant as a bearer token; without a session the tenant's prefix still hits.
+    r = server.post({"messages": second, "temperature": 0, "max_tokens": 4}, headers={"X-API-Key": key})
+    assert r.status_code == 200 and cached(r.json()) > 0
+
+    server.state.store.flush()
+    files = b"".join(p.read_bytes() for p in Path(server.settings.store or "").rglob("*") if p.is_file())
+    assert tenant_name(key).encode() in files  # the tenant is on disk, as its digest...
+    assert key.encode() not in files           # ...and the key is not
+
+
+def test_deleting_a_session_forgets_it_for_its_own_tenant_only(server: Server) -> None:
+    messages = conversation("delete")
+    first = server.chat(messages, key="k-del", session="bob")
+    other = httpx.delete(f"{server.url}/v1/sessions/bob", headers={"X-API-Key": "k-del-other"}, timeout=30)
+    assert other.status_code == 200 and other.json()["blocks_removed"] == 0
+    again = server.chat(messages, key="k-del", session="bob")
+    assert cached(again) == again["usage"]["prompt_tokens"] - 1 and text(again) == text(first)
+
+    gone = httpx.delete(f"{server.url}/v1/sessions/bob", headers={"Authorization": "Bearer k-del"}, timeout=30)
+    assert gone.status_code == 200
+    assert gone.json()["object"] == "session.deleted" and gone.json()["blocks_removed"] > 0
+    assert cached(server.chat(messages, key="k-del", session="bob")) == 0
+
+
+def test_streaming_delivers_the_non_streamed_reply_and_commits(server: Server) -> None:
+    messages = conversation("stream")
+    plain = server.chat(messages, key="k-stream", session="plain", max_tokens=16)
+    events = server.stream(messages, key="k-stream", session="streamed", max_tokens=16)
+
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+    assert "".join(content) == text(plain)
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == plain["choices"][0]["finish_reason"] and not any(finish[:-1])
+    usage_chunk = chunks[-1]  # include_usage: a last chunk without choices
+    assert usage_chunk["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+    assert usage_chunk["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert usage_chunk["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+    # The streamed turn was committed: its session's next turn restores all of it.
+    nxt = server.chat(follow_up(messages, plain, "Go on."), key="k-stream", session="streamed")
+    assert cached(nxt) == plain["usage"]["prompt_tokens"] + plain["usage"]["completion_tokens"] - 1
+
+
+def test_stop_strings_cut_the_reply_streamed_or_not(server: Server) -> None:
+    messages = conversation("stop")
+    full = text(server.chat(messages, key="k-stop", max_tokens=24))
+    assert len(full) >= 8, "the conversation must yield a reply long enough to cut"
+    stop = full[5:7]
+    cut = server.chat(messages, key="k-stop", max_tokens=24, stop=[stop, "@@@@"])
+    assert text(cut) == full[:full.find(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+    events = server.stream(messages, key="k-stop", max_tokens=24, stop=[stop, "@@@@"])
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
+    assert streamed == text(cut)
+
+
+def test_concurrent_sessions_each_get_the_reply_they_get_alone(server: Server) -> None:
+    convs = [conversation(f"concurrent {i}") for i in range(4)]
+    alone = [text(server.chat(c, key="k-conc", session=f"alone-{i}")) for i, c in enumerate(convs)]
+    with concurrent.futures.ThreadPoolExecutor(len(convs)) as pool:
+        together = list(pool.map(lambda ic: server.chat(ic[1], key="k-conc", session=f"together-{ic[0]}"),
+                                 enumerate(convs)))
+    assert [text(r) for r in together] == alone
+
+
+def test_the_event_loop_answers_while_turns_wait_for_the_model(server: Server) -> None:
+    # Hold the engine's worker, so a turn is queued for as long as this test decides.
+    gate = threading.Event()
+    held = server.state.engine.submit(gate.wait)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(server.chat, conversation("queued"), "k-queue", "q")
+            deadline = time.monotonic() + 30
+            while True:
+                health = httpx.get(f"{server.url}/healthz", timeout=5)
+                assert health.status_code == 200 and health.json()["status"] == "ok"
+                if health.json()["pending_turns"] == 1:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert not turn.done()
+            gate.set()
+            assert cached(turn.result(timeout=60)) == 0
+    finally:
+        gate.set()
+        held.result(timeout=60)
+
+
+def test_an_abandoned_queued_stream_is_dropped_and_frees_its_place(server: Server) -> None:
+    messages = conversation("abandoned")
+    body = {"messages": messages, "temperature": 0, "max_tokens": 8, "stream": True}
+    gate = threading.Event()
+    held = server.state.engine.submit(gate.wait)
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30,
+                          headers={"X-API-Key": "k-gone", "X-Session-ID": "gone"}) as r:
+            role = json.loads(next(r.iter_lines())[len("data: "):])
+            assert role["choices"][0]["delta"]["role"] == "assistant"
+        # The client left while its turn was queued: the server notices, and the turn leaves the queue.
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"]:
+            assert time.monotonic() < deadline, "the abandoned turn was never dropped"
+            time.sleep(0.02)
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    # Had the turn run, it would have committed this very prompt.
+    assert cached(server.chat(messages, key="k-gone", session="gone")) == 0
+
+
+def test_greedy_replies_equal_plain_transformers_from_every_tier(server: Server) -> None:
+    model, tokenizer = build_model(server.settings)  # built anew from the same settings: same weights
+    messages = conversation("exact")
+    for turn in range(3):
+        reply = server.chat(messages, key="k-exact", session="e", max_tokens=24)
+        ids = torch.tensor([tokenizer.encode_chat((m["role"], m["content"]) for m in messages)])
+        reference = model.generate(ids, max_new_tokens=24, do_sample=False,
+                                   suppress_tokens=list(tokenizer.suppress_ids), eos_token_id=tokenizer.end_id,
+                                   pad_token_id=tokenizer.end_id)
+        generated = reference[0, ids.shape[1]:].tolist()
+        assert text(reply) == tokenizer.decode(generated)
+        assert reply["usage"]["prompt_tokens"] == ids.shape[1]
+        assert reply["usage"]["completion_tokens"] == len(generated)
+        if turn == 1:
+            # Other tenants' sessions pushed this one out of memory (device 64 KiB + host 128 KiB,
+            # ~80 KiB a session): it came back from disk.
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["disk"] > 0
+        assert (cached(reply) > 0) == (turn > 0)
+        messages = follow_up(messages, reply, f"Question {turn}?")
+        if turn == 0:
+            for i in range(3):
+                server.chat(conversation(f"pusher {i}"), key=f"k-push-{i}", session="p", max_tokens=8)
+
+
+def test_a_seed_makes_sampling_reproducible_and_replies_stay_printable(server: Server) -> None:
+    messages = conversation("sampling")
+    a, b = (text(server.chat(messages, key="k-sample", temperature=0.9, top_p=0.95, seed=7, max_tokens=32))
+            for _ in range(2))
+    assert a == b
+    assert all(" " <= c <= "~" or c in "\t\n" for c in a)  # what round-trips through the byte tokenizer
+
+
+BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    (b'{"messages": [', 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_type"),
+    (b"\xff\xfe", 400, None, "invalid_json"),
+    ({"model": "m"}, 400, "messages", "missing_required_parameter"),
+    ({"messages": []}, 400, "messages", "invalid_value"),
+    ({"messages": "hello"}, 400, "messages", "invalid_type"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, 400, "max_tokens", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400,
+     "max_completion_tokens", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": BIG}]}, 400, "messages", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "x" * 100_000}]}, 413, None, "request_too_large"),
+])
+def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, param: str | None,
+                                        code: str | None) -> None:
+    raw = body if isinstance(body, bytes) else None
+    r = server.post(body, key="k-bad", raw=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_other_refusals_are_openai_errors_too(server: Server) -> None:
+    ok = {"messages": [{"role": "user", "content": "hi"}]}
+    for r, status in ((httpx.get(f"{server.url}/v1/nowhere"), 404),
+                      (httpx.get(f"{server.url}/v1/chat/completions"), 405),
+                      (server.post(ok, headers={"Authorization": "Basic abc"}), 401)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"  # and the server is still well
+
+
+def test_healthz_models_and_metrics(server: Server) -> None:
+    assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == server.settings.model_name
+    messages = conversation("metrics")
+    first = server.chat(messages, key="k-metrics", session="m")
+    assert cached(server.chat(follow_up(messages, first, "Again?"), key="k-metrics", session="m")) > 0
+
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    hits = {s.labels["tier"]: s.value for s in families["tierkv_hit_tokens"].samples
+            if s.name == "tierkv_hit_tokens_total"}
+    assert set(hits) == {"device", "host", "disk"} and sum(hits.values()) > 0
+    assert "tierkv_tier_bytes" in families and "tierkv_open_duration_seconds" in families
+
+
+def test_settings_come_from_the_environment_then_the_flags() -> None:
+    from examples.server.settings import parse_args
+
+    env = {"TIERKV_STORE": "none", "TIERKV_BLOCK_SIZE": "16", "TIERKV_PORT": "9000"}
+    assert Settings.from_env(env).store is None and Settings.from_env(env).block_size == 16
+    assert parse_args(["--block-size", "32"], env).block_size == 32 and parse_args([], env).port == 9000
+    with pytest.raises(ValueError, match="TIERKV_BLOCK_SIZE"):
+        Settings.from_env({"TIERKV_BLOCK_SIZE": "big"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_python_m_examples_server_serves_and_closes_its_store_on_shutdown(tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    port = free_port()
+    env = {**os.environ, "TIERKV_BLOCK_SIZE": "8", "TIERKV_TINY_LAYERS": "1", "TIERKV_TINY_HIDDEN": "64"}
+    proc = subprocess.Popen([sys.executable, "-m", "examples.server", "--port", str(port), "--store", str(store)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "m", "messages": conversation("subprocess"), "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)  # uvicorn's graceful shutdown: the lifespan closes the store
+        output = proc.communicate(timeout=60)[0]
+    # uvicorn re-raises the signal once it has shut down gracefully, so SIGTERM's status is a clean exit.
+    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in output, output[-3000:]
+    # Closed means unlocked and flushed: this process can open the store and finds the turn's blocks.
+    with TieredStore(store, block_size=8) as reopened:
+        assert reopened.stats()["disk"]["blocks"] > 0
