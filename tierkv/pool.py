@@ -56,9 +56,9 @@ class Lease:
 
     def unhold(self) -> None:
         with self._pool._lock:
-            self.holders -= 1
-            if self.holders < 0:
+            if self.holders <= 0:
                 raise RuntimeError("a pool buffer was let go more often than it was held")
+            self.holders -= 1
             if self.holders == 0:
                 self.retired = True
                 self._pool._retiring.append(self)
@@ -67,6 +67,9 @@ class Lease:
     def after(self, job: Any) -> None:
         """``job`` (anything with ``done()``) uses the buffer: it is reused only once the job is done."""
         with self._pool._lock:
+            if self.retired:
+                # Registered too late: the buffer may already be someone else's.
+                raise RuntimeError("a job was registered on a pool buffer that no one holds any more")
             self.jobs = [j for j in self.jobs if not j.done()]
             self.jobs.append(job)
 
@@ -87,6 +90,7 @@ class HostPool:
         self._runs: list[dict[int, int]] = []
         self._retiring: list[Lease] = []
         self._lock = threading.Lock()
+        self._allocated = 0  # granules in arenas
         self.in_use = 0  # granules handed out (and retiring)
         self.fallbacks = 0
 
@@ -131,11 +135,11 @@ class HostPool:
         return Lease(self, arena, start, need)
 
     def _grow(self) -> bool:
-        allocated = len(self._arenas) * self._arena_granules
-        granules = min(self._arena_granules, self.capacity // GRANULE - allocated)
+        granules = min(self._arena_granules, self.capacity // GRANULE - self._allocated)
         if granules <= 0:
             return False
         self._arenas.append(self._allocate(granules * GRANULE, self.pinned))
+        self._allocated += granules
         self._runs.append({0: granules})
         self._starts.append([0])
         return True
@@ -175,7 +179,7 @@ class HostPool:
     def stats(self) -> dict[str, int]:
         with self._lock:
             free = [length for runs in self._runs for length in runs.values()]
-            return {"capacity": self.capacity, "allocated": len(self._arenas) * self._arena_granules * GRANULE,
+            return {"capacity": self.capacity, "allocated": self._allocated * GRANULE,
                     "in_use": self.in_use * GRANULE, "retiring": len(self._retiring),
                     "largest_free": max(free, default=0) * GRANULE, "free_runs": len(free),
                     "fallbacks": self.fallbacks}
