@@ -342,6 +342,14 @@ def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_pat
 
 
 # -- 6. fingerprints ---------------------------------------------------------------------------------
+def test_a_model_spread_over_devices_is_refused(tmp_path):
+    model = make_model("llama", seed=5)
+    model.lm_head.to("meta")  # as device_map="auto" leaves a model: layers on several devices
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        with pytest.raises(ValueError, match=r"spread over \['cpu', 'meta'\].*one device"):
+            store.open(model, random_ids(9, 5))
+
+
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):
     model = tiny_model("llama")
     others = {

@@ -112,6 +112,11 @@ def _static_facts(model: Any) -> _Static:
     params = tuple(model.parameters())
     if not params:
         raise ValueError("the model has no parameters to fingerprint")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        # Layers on several devices write their KV there: one store tier cannot hold a block of them.
+        raise ValueError(f"the model's parameters are spread over {devices}; tierkv needs the whole model on one "
+                         "device (load it without device_map, or with device_map={'': 'cuda:0'})")
     h = xxhash.xxh3_128()
     fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())

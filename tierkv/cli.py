@@ -33,14 +33,16 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
 from . import __version__
-from .store import TieredStore
 from .tiers.disk import DeleteBlocks, DiskTier, DropRefs, ScanResult, StoreInUse
 from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .store import TieredStore
 
 EXIT_OK = 0
 EXIT_BAD_RECORDS = 1
@@ -97,7 +99,8 @@ def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
         return DiskTier(path, _NO_LIMIT, meta["block_size"]), meta
 
 
-def _open_store(path: str) -> TieredStore:
+def _open_store(path: str) -> "TieredStore":
+    from .store import TieredStore  # transformers loads in seconds: only the commands that need it
     meta = _stored_meta(path)
     with _refusals():
         return TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=_NO_LIMIT,

@@ -912,7 +912,15 @@ class TieredStore:
         return removed
 
     def stats(self) -> dict[str, Any]:
-        """Bytes, budgets and blocks per tier; hit tokens per tier; misses, evictions, corrupt records."""
+        """The in-process view of the store (``tierkv.metrics`` exports it).
+
+        ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
+        the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``evictions``, ``corrupt``;
+        ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
+        cap), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` and
+        ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
+        None); ``sessions``.
+        """
         with self._lock:
             if not self._closed:
                 self._reap()
