@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import lmdb
@@ -12,8 +13,12 @@ import pytest
 import torch
 
 from conftest import random_ids
+from test_pool_store import pooled_store
 from tierkv import TieredStore
-from tierkv.tiers.disk import DeleteBlocks, DropRefs, PutBlock, slack
+from tierkv.codec import RecordHeader, record_size
+from tierkv.index import DiskState
+from tierkv.tiers.disk import DeleteBlocks, DiskFull, DiskTier, DropRefs, PutBlock, Touch, slack
+from tierkv.transfer import Job
 
 B = 8
 
@@ -271,3 +276,206 @@ def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tm
     assert cache.restored_tokens == 0
     assert store.stats()["corrupt"] == 0  # not damage: the block was deleted under the read
     assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_an_owed_delete_of_a_block_committed_again_waits_for_that_write(model, stores, tmp_path):
+    # Before: flush's retry dropped an owed delete whose key had been committed again (still
+    # PENDING in the index, though that write had already failed); the failure was reaped right
+    # after, nothing deleted the old record, and the forgotten KV came back after a restart.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    secret = random_ids(20, 750)
+    cache = store.open(model, secret, session="secret")
+    cache.commit(generate(model, secret, cache))
+    store.flush()
+    keys = set(store._index.blocks)
+    assert len(keys) == 3 and keys <= _records_live(store)
+    apply = store._disk._apply
+    gate = threading.Event()
+    failing = True
+
+    def flaky(ops):  # a transient I/O error on every batch, held until the re-commit is queued
+        gate.wait(30)
+        if failing:
+            raise lmdb.DiskError("Input/output error")
+        return apply(ops)
+
+    store._disk._apply = flaky
+    assert store.forget(session="secret") == 3
+    cache = store.open(model, secret, session="other")  # same prompt, same tenant: the same keys
+    assert cache.restored_tokens == 0
+    cache.commit(generate(model, secret, cache))  # queued behind the deletes, not yet failed
+    assert {store._index.blocks[k].disk for k in keys} == {DiskState.PENDING}
+    gate.set()
+    store._writer.flush()  # every queued batch has failed; the store has reaped none of it yet
+    failing = False  # the disk recovers
+    store.flush()
+    stats = store.stats()
+    assert stats["owed_deletes"] == 0 and stats["disk_errors"] >= 1
+    assert not keys & _records_live(store)
+    store.forget(session="other")
+    store.close()
+    assert _records(path) == set()  # neither the forgotten record nor the failed re-commit
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert not store._index.blocks
+    assert store.forget(session="secret") == 0 and store.forget(session="other") == 0
+    assert store.open(model, torch.cat([secret, random_ids(2, 751)], dim=1)).restored_tokens == 0
+
+
+def test_a_retried_session_drop_keeps_references_added_since(model, stores, tmp_path):
+    # Before: a failed DropRefs(S, drop_session=True) was retried as it was, after S's new
+    # conversation had written its references: the retry deleted S's session row, so after a
+    # restart S's new blocks belonged to no session and forget(session=S) no longer removed them.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    a, b = random_ids(20, 760), random_ids(20, 761)
+    cache = store.open(model, a, session="S")
+    cache.commit(generate(model, a, cache))
+    store.flush()
+    apply = store._disk._apply
+    arrived = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    batches: list[list] = []
+
+    def flaky(ops):
+        # The writer is held at its first two batches: a blocker, then the forget's deletes (all
+        # of them, queued behind the blocker), which fail once, as a transient I/O error would.
+        n = len(batches)
+        batches.append(list(ops))
+        if n < 2:
+            arrived[n].set()
+            release[n].wait(30)
+        if n == 1:
+            raise lmdb.DiskError("Input/output error")
+        return apply(ops)
+
+    store._disk._apply = flaky
+    store._writer.submit(Touch({}))
+    assert arrived[0].wait(30)
+    assert store.forget(session="S") == 3  # DeleteBlocks + DropRefs(S, keys, drop_session=True)
+    release[0].set()
+    assert arrived[1].wait(30)
+    assert all(isinstance(op, (DeleteBlocks, DropRefs)) for op in batches[1])
+    assert any(isinstance(op, DropRefs) and op.drop_session for op in batches[1])
+    cache = store.open(model, b, session="S")  # S starts a new conversation
+    out = generate(model, b, cache)
+    cache.commit(out)  # its blocks and PutRefs(S, new keys): the next batch, which lands
+    new = set(store._index.blocks)
+    assert len(new) == 3
+    release[1].set()
+    store.flush()
+    store.flush()  # the owed session drop is retried after S's new references landed
+    stats = store.stats()
+    assert stats["owed_deletes"] == 0 and stats["sessions"] == 1
+    assert stats["disk_errors"] == len(batches[1])  # that one batch failed, and nothing else
+    with store._disk.env.begin() as txn:
+        assert txn.stat(store._disk._sessions)["entries"] == 1  # S's row survived the retry
+        assert txn.stat(store._disk._refs)["entries"] == 3
+    assert _records_live(store) == new
+    store.close()
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.stats()["sessions"] == 1 and set(store._index.blocks) == new
+    assert store.forget(session="S") == 3
+    assert store.open(model, torch.cat([out, random_ids(2, 762)], dim=1)).restored_tokens == 0
+
+
+def test_close_with_a_timeout_retries_owed_deletes(model, stores, tmp_path, caplog):
+    # Before: close(timeout=...) skipped flush() and with it the retry of owed deletes, so a
+    # forget whose write failed stayed on disk even when the disk had recovered by then.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    secret = random_ids(20, 770)
+    cache = store.open(model, secret, session="secret")
+    cache.commit(generate(model, secret, cache))
+    store.flush()
+    keys = set(store._index.blocks)
+    assert len(keys) == 3
+    faults = _fail_deletes(store)
+    assert store.forget(session="secret") == 3
+    store.flush()
+    assert store.stats()["owed_deletes"] >= 3 and keys <= _records_live(store)
+    store._disk._apply = faults["restore"]  # the disk recovers before close
+    with caplog.at_level(logging.ERROR, logger="tierkv"):
+        assert store.close(timeout=5) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert store.stats()["owed_deletes"] == 0
+    assert _records(path) == set()
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.open(model, torch.cat([secret, random_ids(2, 771)], dim=1)).restored_tokens == 0
+
+
+def test_a_failed_read_gives_its_pool_buffer_back(model, stores, tmp_path):
+    # Before: an error other than a disk or corruption error in open's disk reads (here a pinned
+    # fallback allocation failing, as cudaHostAlloc does under pressure) left the pool buffers of
+    # the blocks already read held by no one: they never came back to the pool.
+    path = tmp_path / "kv"
+    store, engine = pooled_store(path, pool_blocks=6, device_budget=0, host_budget=0)
+    stores.append(store)
+    ids = random_ids(30, 780)
+    cache = store.open(model, ids)
+    out = generate(model, ids, cache, new=2)
+    cache.commit(out)
+    engine.land()
+    store.close()
+    store, engine = pooled_store(path, pool_blocks=6, device_budget=0, host_budget=0)
+    stores.append(store)
+    pool = store._host.pool
+    alloc = pool.alloc
+    calls = 0
+
+    def flaky_alloc(shape, dtype):
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # two blocks read into pool buffers, the third read fails to allocate
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+        return alloc(shape, dtype)
+
+    pool.alloc = flaky_alloc
+    nxt = torch.cat([out, random_ids(2, 781)], dim=1)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        store.open(model, nxt)
+    assert calls == 3
+    pool.alloc = alloc
+    engine.land()
+    store.flush()
+    store._host.reclaim()
+    stats = store.stats()["host_pool"]
+    assert stats["in_use"] == 0 and stats["retiring"] == 0, stats
+    cache = store.open(model, nxt)  # and the store goes on: the same blocks restore, exact
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+    assert torch.equal(generate(model, nxt, cache, new=2), generate(model, nxt, new=2))
+
+
+def test_the_map_cap_does_not_ratchet_up_across_reopens(tmp_path):
+    # Before: each open set the cap to the file's size + slack, so a file merely above its
+    # budget (normal: anything up to budget + slack) raised the cap at every reopen with the
+    # same budget, and across restarts the file grew past budget + slack without bound.
+    path = tmp_path / "kv"
+    budget = 256 << 10
+    limit = budget + slack(budget)
+    seq = 0
+
+    def fill(disk: DiskTier) -> None:
+        """Write 64 KiB records until the map refuses one."""
+        nonlocal seq
+        while True:
+            seq += 1
+            header = RecordHeader(key=seq.to_bytes(16, "little"), parent=bytes(16), tenant=None,
+                                  fingerprint=b"f", dtype="float32", shape=(16384,),
+                                  token_ids=(1).to_bytes(8, "little"), seq=seq)
+            [result] = disk.apply([PutBlock(header, Job.completed(torch.full((16384,), float(seq))),
+                                            record_size(header))])
+            if isinstance(result, DiskFull):
+                return
+            assert result is None, result
+
+    for reopen in range(3):
+        disk = DiskTier(path, budget, B)
+        try:
+            if reopen:
+                assert disk.file_bytes() > budget  # what used to raise the cap
+            assert disk.map_cap == limit, (reopen, disk.map_cap, limit)
+            fill(disk)
+            assert disk.file_bytes() <= limit and file_use(path)[0] <= limit
+        finally:
+            disk.close()

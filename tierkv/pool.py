@@ -108,7 +108,12 @@ class HostPool:
             else:
                 self.in_use += need
         if lease is None:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pinned), None
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=self.pinned), None
+            except RuntimeError:
+                # Page-locked memory ran out: pageable memory still holds the block, only its
+                # copies are slower (and synchronous). Never a reason to fail a turn.
+                return torch.empty(shape, dtype=dtype), None
         offset = lease.start * GRANULE
         flat = self._arenas[lease.arena][offset:offset + nbytes]
         return flat.view(dtype).view(shape), lease

@@ -206,6 +206,8 @@ class TieredStore:
             self._closed = True
             dropped = 0
             if self._writer is not None:
+                if timeout is not None:
+                    self._retry_deletes()  # without a timeout, flush() above did
                 abandoned = self._writer.close(timeout)
                 for key in list(self._pending_writes):
                     meta = self._index.blocks.get(key)
@@ -258,8 +260,7 @@ class TieredStore:
                         held.append(where[1].lease)
             # Disk blocks are read and verified outside the store lock, so other sessions' turns
             # go on meanwhile; the planned blocks are pinned against eviction.
-            reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint)
-            held.extend(job.lease for job in reads.values() if isinstance(job, Job) and job.lease is not None)
+            reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint, held)
             with self._lock:
                 self._check_open()
                 self._read_seconds += read_seconds
@@ -275,7 +276,7 @@ class TieredStore:
         return cache
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          fingerprint: bytes) -> tuple[dict[int, Any], float]:
+                          fingerprint: bytes, held: list[Any]) -> tuple[dict[int, Any], float]:
         """Plan index -> verified host tensor, or the exception that made it a miss; stops at the
         first miss, since a restore is a prefix."""
         reads: dict[int, Any] = {}
@@ -290,7 +291,10 @@ class TieredStore:
             def empty(shape: tuple[int, ...], dtype: Any) -> Any:
                 tensor, lease = self._host.alloc(shape, dtype)
                 if lease is not None:
-                    lease.hold()  # by this open, until its copies to the device are registered
+                    # Held by this open until its copies to the device are registered; the open
+                    # lets go of it whatever happens, a failed read included.
+                    lease.hold()
+                    held.append(lease)
                     leases.append(lease)
                 return tensor
 
@@ -301,16 +305,12 @@ class TieredStore:
                 job.lease = leases[0] if leases else None
                 reads[i] = job
             except (CorruptRecord, KeyError) as exc:
-                for lease in leases:
-                    lease.unhold()
                 reads[i] = exc
                 break
             except (lmdb.Error, OSError) as exc:
                 if self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from exc
-                for lease in leases:
-                    lease.unhold()
                 reads[i] = exc
                 break
         return reads, time.perf_counter() - start
@@ -776,17 +776,31 @@ class TieredStore:
         self._deletes = queued
 
     def _retry_deletes(self) -> None:
-        """Queue the owed deletes again, without keys that were stored again since."""
-        self._reap_deletes()
+        """Queue the owed deletes again, less what was stored again since: a block written again
+        (same key, so the same KV) stays, a block whose new write is still queued stays owed until
+        that write is settled, and references and sessions that are live again stay."""
+        self._reap()
         owed, self._owed = self._owed, []
         for op in owed:
             if isinstance(op, DeleteBlocks):
-                again = {k for k in op.keys if k in self._index.blocks
-                         and self._index.blocks[k].disk is not DiskState.NONE}
-                if again:
-                    op = DeleteBlocks([k for k in op.keys if k not in again],
-                                      [r for r in op.refs if r[KEY_BYTES:] not in again])
-            self._submit(op)
+                state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
+                         for k in op.keys}
+                later = [k for k in op.keys if state[k] is DiskState.PENDING]
+                if later:
+                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
+                now = [k for k in op.keys if state[k] is DiskState.NONE]
+                refs = [r for r in op.refs if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
+                if now:
+                    self._submit(DeleteBlocks(now, refs))
+            else:
+                keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
+                drop_session = op.drop_session and op.sid not in self._index.sessions
+                if keys or drop_session:
+                    self._submit(DropRefs(op.sid, keys, drop_session))
+
+    def _live_ref(self, sid: bytes, key: bytes) -> bool:
+        info = self._index.sessions.get(sid)
+        return info is not None and key in info.keys
 
     def _owed_keys(self) -> int:
         return sum(len(op.keys) + (isinstance(op, DropRefs) and op.drop_session) for op in self._owed)
@@ -869,6 +883,11 @@ class TieredStore:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
+        stored = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
+        orphans = [k for k in scan.atime if k not in stored]
+        if orphans:  # last-use stamps of blocks whose write never landed
+            assert self._writer is not None
+            self._submit(DeleteBlocks(orphans))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 

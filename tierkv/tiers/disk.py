@@ -158,7 +158,9 @@ class DiskTier:
         self.page_size = self.env.stat()["psize"]
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
-        self.map_cap = max(self.map_cap, self.file_bytes() + slack(budget))
+        # Only deletes may grow it further: block writes go to free pages (else every reopen of a
+        # file above its budget would raise the cap by as much).
+        self.map_cap = max(self.map_cap, self.file_bytes() + _DELETE_ROOM)
         try:
             # Another program's LMDB environment is refused before anything is written to it.
             try:
@@ -382,9 +384,14 @@ class DiskTier:
                 # lost (a lost delete brings forgotten KV back), keep the top of the map.
                 if self._grow(self.map_cap - _DELETE_ROOM if not full else self.map_cap):
                     continue
-                if full:
+                if not full:
+                    full = True
+                    continue
+                # Even the room kept for them is used up: the cap gives way once more rather than
+                # lose a delete (or treat a full disk as a failed one).
+                self.map_cap += _DELETE_ROOM
+                if not self._grow(self.map_cap):
                     raise
-                full = True
 
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp) -> None:
         if isinstance(op, DeleteBlocks):
