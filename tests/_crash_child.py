@@ -25,7 +25,7 @@ def conversation(seed: int, i: int):
     return random_ids(20 + i % 7, seed * 1000 + i)
 
 
-CHURN_DISK_BUDGET = 160 << 10
+CHURN_DISK_BUDGET = 512 << 10  # about 15 conversations
 
 
 def forgotten(i: int) -> bool:

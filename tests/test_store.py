@@ -342,6 +342,19 @@ def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_pat
 
 
 # -- 6. fingerprints ---------------------------------------------------------------------------------
+def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
+    model = make_model("llama", seed=6)
+    ids = random_ids(9, 6)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        for layer in cache.layers:  # what autocast leaves: KV in bfloat16 from a float32 model
+            layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
+        with pytest.raises(ValueError, match=r"KV in torch.bfloat16 but the model's weights are torch.float32"):
+            cache.commit(out)
+        assert store.stats()["device"]["blocks"] == 0  # nothing stored
+
+
 def test_a_model_spread_over_devices_is_refused(tmp_path):
     model = make_model("llama", seed=5)
     model.lm_head.to("meta")  # as device_map="auto" leaves a model: layers on several devices

@@ -308,6 +308,10 @@ class TieredCache(Cache):
         super().activate_past_recording()
 
     # -- for the store ---------------------------------------------------------------------------
+    def kv_dtype(self) -> torch.dtype | None:
+        keys = self.layers[0].keys if self.layers else None
+        return None if keys is None or keys.numel() == 0 else keys.dtype
+
     def batch_rows(self) -> int:
         keys = self.layers[0].keys
         return 1 if keys is None or keys.numel() == 0 else int(keys.shape[0])
