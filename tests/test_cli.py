@@ -118,6 +118,24 @@ def built(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> B
     return Built(path, outputs, stats["disk"]["bytes"])
 
 
+def test_clear_whose_deletes_hit_disk_errors_fails_with_exit_4(copy, monkeypatch, capsys) -> None:
+    import lmdb
+
+    from tierkv.tiers.disk import DeleteBlocks, DiskTier, DropRefs
+
+    apply = DiskTier._apply
+
+    def failing(self, ops):
+        if any(isinstance(op, (DeleteBlocks, DropRefs)) for op in ops):
+            raise lmdb.DiskError("Input/output error")
+        return apply(self, ops)
+
+    monkeypatch.setattr(DiskTier, "_apply", failing)
+    path = copy()
+    assert cli.main(["clear", str(path), "--tenant", "acme"]) == cli.EXIT_IO
+    assert "may still be on disk" in capsys.readouterr().err
+
+
 @pytest.fixture
 def copy(built: Built, tmp_path: Path) -> Callable[..., Path]:
     """``copy(name)``: a fresh copy of the built store, for a command that changes it."""

@@ -8,6 +8,7 @@ to ``stats()["moved_bytes"]``, and nothing built or queued when nobody listens.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -211,3 +212,29 @@ def test_without_a_subscriber_the_store_builds_and_queues_no_event(model, tmp_pa
     turn(12)
     assert emitted == [] and timers == []
     store.close()
+
+
+def test_subscribing_and_leaving_from_many_threads_loses_no_subscriber() -> None:
+    log = EventLog()
+    kept: list = []
+    barrier = threading.Barrier(8)
+
+    def churn() -> None:
+        barrier.wait(30)
+        for _ in range(300):
+            log.subscribe(4).close()  # comes and goes
+        kept.append(log.subscribe(4))  # stays
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between any two bytecodes: races show
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(kept) == 8 and set(log._subscribers) == set(kept)
+    log.emit(CommitEvent(0.0, 1))
+    assert all(len(sub.drain()) == 1 for sub in kept)

@@ -167,6 +167,23 @@ def test_deleting_a_session_forgets_it_for_its_own_tenant_only(server: Server) -
     assert cached(server.chat(messages, key="k-del", session="bob")) == 0
 
 
+def test_a_session_id_with_a_slash_can_be_deleted(server: Server) -> None:
+    messages = conversation("slash")
+    first = server.chat(messages, key="k-slash", session="team/alice")
+    again = server.chat(follow_up(messages, first, "More?"), key="k-slash", session="team/alice")
+    assert cached(again) > 0
+    gone = httpx.delete(f"{server.url}/v1/sessions/team%2Falice", headers={"X-API-Key": "k-slash"}, timeout=30)
+    assert gone.status_code == 200 and gone.json()["id"] == "team/alice" and gone.json()["blocks_removed"] > 0
+    assert cached(server.chat(follow_up(messages, first, "More?"), key="k-slash", session="team/alice")) == 0
+
+
+def test_a_vanishing_temperature_is_greedy_not_a_server_error(server: Server) -> None:
+    messages = conversation("tiny-temperature")
+    greedy = server.chat(messages, key="k-temp", session="g")
+    tiny = server.chat(messages, key="k-temp", session="t", temperature=1e-40)  # 1/T overflows float32
+    assert text(tiny) == text(greedy)
+
+
 def test_streaming_delivers_the_non_streamed_reply_and_commits(server: Server) -> None:
     messages = conversation("stream")
     plain = server.chat(messages, key="k-stream", session="plain", max_tokens=16)

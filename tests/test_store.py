@@ -342,6 +342,27 @@ def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_pat
 
 
 # -- 6. fingerprints ---------------------------------------------------------------------------------
+def test_hits_never_go_down_when_assisted_decoding_discards_a_restore(tmp_path):
+    # Metrics export hits as Prometheus counters: a counter that goes down reads as a reset.
+    model = make_model("llama", seed=7)
+    ids = random_ids(12, 7)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, ids[:, 2:6]], dim=1)
+        cache = store.open(model, nxt)
+        restored = cache.restored_tokens
+        before = store.stats()
+        assert restored > 0 and before["discarded"] == 0
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                             prompt_lookup_num_tokens=2)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=3, do_sample=False))
+        after = store.stats()
+        assert after["hits"] == before["hits"]  # unchanged, not taken back
+        assert after["discarded"] == restored and after["misses"] == before["misses"] + restored
+
+
 def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
     model = make_model("llama", seed=6)
     ids = random_ids(9, 6)

@@ -48,6 +48,7 @@ EXIT_OK = 0
 EXIT_BAD_RECORDS = 1
 EXIT_USAGE = 2
 EXIT_IN_USE = 3
+EXIT_IO = 4
 EXIT_CODES = f"""\
 exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
@@ -55,6 +56,7 @@ exit codes:
      from recomputation)
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
+  {EXIT_IO}  a disk error stopped check --repair or clear: what was to be removed may still be there
 """
 # A budget no store reaches: a smaller one would make the store evict blocks as it opens.
 _NO_LIMIT = 2**62
@@ -214,10 +216,13 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes]) -> dict[str, 
             emptied.append(sid)
     # DeleteBlocks also zeroes the records' bytes, as forget does: a bad record may still hold KV.
     ops = [DeleteBlocks(list(doomed), refs), *(DropRefs(sid, [], drop_session=True) for sid in emptied)]
-    errors = [e for e in tier.apply(ops) if e is not None]
+    try:
+        errors = [e for e in tier.apply(ops) if e is not None]
+        tier.sync()
+    except (lmdb.Error, OSError) as exc:
+        errors = [exc]
     if errors:
-        raise errors[0]
-    tier.sync()
+        raise CliError(EXIT_IO, f"could not write the repair to {tier.path}: {errors[0]}; nothing was dropped")
     return {"records": len(doomed), "refs": len(refs), "stamps": sum(k in scan.atime for k in doomed),
             "sessions": len(emptied)}
 
@@ -286,9 +291,14 @@ def cmd_clear(args: argparse.Namespace) -> int:
         else:
             removed = store.forget(session=args.session)
             what = f"session {args.session!r} of every tenant"
-        left = store.stats()["disk"]["blocks"]
+        store.flush()
+        stats = store.stats()
+        left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
     finally:
         store.close()
+    if owed:
+        raise CliError(EXIT_IO, f"disk errors kept {owed} deletes from reaching {os.path.abspath(path)}: the "
+                                f"removed entries may still be on disk; run the same command again")
     print(f"removed {removed} blocks ({what}); {left} blocks left in {os.path.abspath(path)}")
     return EXIT_OK
 

@@ -13,6 +13,7 @@ A move's duration may not be known when it is queued (a CUDA copy still in fligh
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -98,18 +99,22 @@ class EventLog:
     """Fan-out of events to subscribers. ``emit`` is safe from any thread."""
 
     def __init__(self) -> None:
-        # Replaced, never mutated: emit iterates a snapshot without a lock.
+        # Replaced, never mutated: emit iterates a snapshot without a lock; the lock only orders
+        # subscribers' comings and goings, so none is lost to a race between two of them.
         self._subscribers: tuple[Subscription, ...] = ()
+        self._lock = threading.Lock()
 
     def subscribe(self, maxlen: int = 100_000) -> Subscription:
         if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
             raise ValueError(f"maxlen must be a positive int number of events, got {maxlen!r}")
         sub = Subscription(self, maxlen)
-        self._subscribers = (*self._subscribers, sub)
+        with self._lock:
+            self._subscribers = (*self._subscribers, sub)
         return sub
 
     def _unsubscribe(self, sub: Subscription) -> None:
-        self._subscribers = tuple(s for s in self._subscribers if s is not sub)
+        with self._lock:
+            self._subscribers = tuple(s for s in self._subscribers if s is not sub)
 
     @property
     def active(self) -> bool:

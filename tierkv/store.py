@@ -125,6 +125,7 @@ class TieredStore:
         self._pid = os.getpid()
         self._hits = {t.value: 0 for t in Tier}
         self._misses = 0
+        self._discarded = 0  # restored tokens that the cache threw away and recomputed
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
@@ -848,10 +849,10 @@ class TieredStore:
                 self._submit(Touch(stamps))
 
     def _discard_restore(self, cache: TieredCache) -> None:
-        """The cache threw its restored prefix away (assisted decoding): count it as a miss."""
+        """The cache threw its restored prefix away (assisted decoding): those tokens are computed
+        after all. Hits stay as they were (counters only grow: metrics export them as such)."""
         with self._lock:
-            for tier, n in cache.restored_from.items():
-                self._hits[tier] -= n
+            self._discarded += cache.restored_tokens
             self._misses += cache.restored_tokens
 
     # -- reopen -------------------------------------------------------------------------------------
@@ -941,7 +942,9 @@ class TieredStore:
         """The in-process view of the store (``tierkv.metrics`` exports it).
 
         ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
-        the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``evictions``, ``corrupt``;
+        the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
+        tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
+        too), ``evictions``, ``corrupt``;
         ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
         cap), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` and
         ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
@@ -958,6 +961,7 @@ class TieredStore:
                          "blocks": self._index.count(Tier.DISK)},
                 "hits": dict(self._hits),
                 "misses": self._misses,
+                "discarded": self._discarded,
                 "evictions": self._evictions,
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,

@@ -247,7 +247,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "tierkv"}]}
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id:path}")  # ids are data: "team/alice" is one session
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
         server = state(request)
         tenant = tenant_of(request)

@@ -238,7 +238,8 @@ class Engine:
         if cancel is not None:
             criteria.append(_Cancelled(cancel))
         sampling: dict[str, Any] = dict(do_sample=False)
-        if turn.temperature > 0:
+        # Below this, dividing logits by the temperature overflows float32: such a turn is greedy.
+        if turn.temperature >= 1e-5:
             # top_k=0: OpenAI's API has no top-k, and transformers would otherwise apply its default of 50.
             sampling = dict(do_sample=True, temperature=turn.temperature, top_p=turn.top_p, top_k=0)
         with _seeded(turn.seed, ids.device):
