@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from .demo import FirstTokenTimer
 from .store import TieredStore
 
 
@@ -62,20 +62,6 @@ class PolicyResult:
     final_stats: dict | None = None
     exact: bool = True
     skipped: str | None = None
-
-
-class FirstToken(BaseStreamer):
-    def __init__(self) -> None:
-        self.calls = 0
-        self.at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
 
 
 def make_trace(args: argparse.Namespace, vocab: int) -> tuple[np.ndarray, list[Turn]]:
@@ -116,16 +102,16 @@ def replay(name: str, model, system: np.ndarray, turns: list[Turn], make_cache, 
     for i, turn in enumerate(turns):
         base = sys_ids if turn.reset or turn.session not in history else history[turn.session]
         ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0)], dim=1)
-        timer = FirstToken()
+        timer = FirstTokenTimer()
         start = time.perf_counter()
         cache = make_cache(turn.session, ids)
         out = model.generate(ids, cache=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
                              do_sample=False, streamer=timer)
         end = time.perf_counter()
         after_turn(turn.session, cache, out)
-        result.ttft.append(timer.at - start)
+        result.ttft.append(timer.first_token_at - start)
         if turn.reply_tokens > 1:
-            result.decode_tps.append((turn.reply_tokens - 1) / max(end - timer.at, 1e-9))
+            result.decode_tps.append((turn.reply_tokens - 1) / max(end - timer.first_token_at, 1e-9))
         if reference is not None and not torch.equal(out, reference[i]):
             result.exact = False
         history[turn.session] = out
