@@ -71,9 +71,9 @@ def check_exactness(device: torch.device) -> list[str]:
                 for turn in range(3):
                     cache = store.open(model, ids, session="s")
                     restored.append(cache.restored_from[tier])
-                    out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
+                    out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
                     plain = model.generate(ids, max_new_tokens=5, do_sample=False)
-                    with_reuse = model.generate(ids, cache=reuse, max_new_tokens=5, do_sample=False)
+                    with_reuse = model.generate(ids, past_key_values=reuse, max_new_tokens=5, do_sample=False)
                     ok &= torch.equal(out, plain) and torch.equal(out, with_reuse)
                     cache.commit(out)
                     ids = torch.cat([out, torch.randint(3, 512, (1, 5), generator=gen).to(device)], dim=1)
@@ -81,7 +81,7 @@ def check_exactness(device: torch.device) -> list[str]:
                 store = TieredStore(path, device=device, block_size=8, **budgets)  # a restart
                 cache = store.open(model, ids, session="s")
                 after = cache.restored_from["disk"]
-                ok &= torch.equal(model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False),
+                ok &= torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False),
                                   model.generate(ids, max_new_tokens=5, do_sample=False))
                 pool = store.stats()["host_pool"]
                 store.close()
@@ -89,6 +89,32 @@ def check_exactness(device: torch.device) -> list[str]:
                 lines.append(f"| {model_type} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{'exact' if ok else 'MISMATCH'}{pool_note} | {restored} | {after} |")
     return lines
+
+
+def check_pool_churn(device: torch.device) -> list[str]:
+    """Several sessions interleaved through a host tier of a few blocks: pool buffers are handed
+    back and out again while copies from them may still run; every turn must stay exact."""
+    model = tiny("llama", torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    block = 2 * 2 * 2 * 8 * 16 * model.dtype.itemsize  # layers x (K, V) x kv heads x tokens x head dim
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-pool-")
+    store = TieredStore(path, device=device, block_size=8, device_budget=4 * block, host_budget=8 * block)
+    gen = torch.Generator().manual_seed(3)
+    convs = [torch.randint(3, 512, (1, 13 + 5 * i), generator=gen).to(device) for i in range(4)]
+    ok, restored = True, {"device": 0, "host": 0, "disk": 0}
+    for turn in range(16):
+        i = turn % len(convs)
+        cache = store.open(model, convs[i], session=f"s{i}")
+        for tier, n in cache.restored_from.items():
+            restored[tier] += n
+        out = model.generate(convs[i], past_key_values=cache, max_new_tokens=4, do_sample=False)
+        ok &= torch.equal(out, model.generate(convs[i], max_new_tokens=4, do_sample=False))
+        cache.commit(out)
+        convs[i] = torch.cat([out, torch.randint(3, 512, (1, 3), generator=gen).to(device)], dim=1)
+    store.flush()
+    pool = store.stats()["host_pool"]
+    store.close()
+    return [f"| 4 sessions x 4 turns, device 4 blocks, host 8 blocks | {'exact' if ok else 'MISMATCH'} | "
+            f"{restored} | {pool} |"]
 
 
 def timed(fn, device: torch.device, repeats: int = 5) -> float:
@@ -158,7 +184,7 @@ def check_overlap(device: torch.device, context: int, new: int, layers: int, hid
     store = TieredStore(None, device=device, device_budget=0, host_budget="64GiB", block_size=256)
     cache = store.open(model, prefix)
     with torch.no_grad():
-        model(prefix, cache=cache)
+        model(prefix, past_key_values=cache)
     cache.commit(prefix)
 
     def restore_alone():
@@ -170,18 +196,18 @@ def check_overlap(device: torch.device, context: int, new: int, layers: int, hid
     def restore_and_prefill():
         c = store.open(model, ids)
         with torch.no_grad():
-            model(ids[:, c.restored_tokens:], cache=c)
+            model(ids[:, c.restored_tokens:], past_key_values=c)
 
     ready = DynamicCache()
     with torch.no_grad():
-        model(ids[:, :context], cache=ready)
+        model(ids[:, :context], past_key_values=ready)
 
     def prefill_alone():
         c = DynamicCache()
         for i, layer in enumerate(ready.layers):
             c.update(layer.keys, layer.values, i)
         with torch.no_grad():
-            model(ids[:, context:], cache=c)
+            model(ids[:, context:], past_key_values=c)
 
     t_restore = timed(restore_alone, device)
     t_prefill = timed(prefill_alone, device)
@@ -207,6 +233,10 @@ def main() -> None:
     print("Exactness (3 turns, then a restart), tierkv vs DynamicCache and plain generate:\n")
     print("| model | blocks rest in | result | restored per turn | restored after restart |\n|---|---|---|---|---|")
     for line in check_exactness(device):
+        print(line)
+    print("\nHost pool under churn (buffers reused while copies may still run):\n")
+    print("| case | result | restored tokens per tier | host pool after flush |\n|---|---|---|---|")
+    for line in check_pool_churn(device):
         print(line)
     print("\nCopy bandwidth through the copy engine vs raw pinned copy_ of the same bytes:\n")
     print("| direction | tierkv GB/s | raw copy_ GB/s | tierkv / raw |\n|---|---|---|---|")
