@@ -526,3 +526,32 @@ def test_a_cuda_copy_job_frees_its_tensor_without_a_garbage_collection() -> None
             assert alive() is None
     finally:
         gc.enable()
+
+
+def test_layer_groups_bound_copy_calls_and_keep_overlap() -> None:
+    from tierkv.transfer import layer_groups
+
+    for blocks in (1, 2, 7, 32, 128, 1000):
+        for layers in (1, 2, 3, 16, 32, 80):
+            groups = layer_groups(blocks, layers)
+            assert 1 <= groups <= layers
+            assert groups >= min(4, layers)  # later layers' copies still overlap earlier compute
+            assert blocks * groups <= max(128 + blocks, 4 * blocks)  # a few ms of copy calls at most
+    assert layer_groups(2, 16) == 16  # a small restore: one group per layer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("blocks", [2, 40])  # one group per layer; 4 groups of 4 layers
+def test_cuda_layered_restore_lands_every_layer_of_every_block(blocks: int) -> None:
+    engine = CopyEngine(resolve_device("cuda"))
+    srcs = [torch.arange(16 * 2 * 2 * 8 * 4, dtype=torch.float32).reshape(16, 2, 2, 8, 4).add(1000 * b)
+            .pin_memory() for b in range(blocks)]
+    jobs = engine.to_device_many(srcs)
+    stream = torch.cuda.current_stream()
+    seen: set[int] = set()
+    for layer in (15, 0, 7):
+        for job, src in zip(jobs, srcs):
+            got = job.stream_wait_layer(layer, seen, stream)[layer]
+            assert torch.equal(got.cpu(), src[layer])
+    for job, src in zip(jobs, srcs):
+        assert torch.equal(job.wait().cpu(), src)

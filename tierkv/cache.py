@@ -228,11 +228,17 @@ class TieredLayer(DynamicLayer):
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
-        tensors = [(job.stream_wait_layer(i, seen) if hasattr(job, "stream_wait_layer") else job.wait(), n)
-                   for job, n in blocks]
+        stream = None  # looked up once: it costs more than the wait itself
+        tensors = []
+        for job, n in blocks:
+            if hasattr(job, "stream_wait_layer"):
+                if stream is None:
+                    stream = torch.cuda.current_stream(job.device)
+                tensors.append((job.stream_wait_layer(i, seen, stream), n))
+            else:
+                tensors.append((job.wait(), n))
         self.device = tensors[0][0].device
-        return ([t[i, 0, :, :n].unsqueeze(0) for t, n in tensors],
-                [t[i, 1, :, :n].unsqueeze(0) for t, n in tensors])
+        return ([t[i, 0:1, :, :n] for t, n in tensors], [t[i, 1:2, :, :n] for t, n in tensors])
 
     def _materialize(self) -> None:
         k_parts, v_parts = self._take_parts()

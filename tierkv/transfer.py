@@ -78,7 +78,7 @@ class Job(Generic[T]):
 class _CudaCopyJob(Job[torch.Tensor]):
     """A copy whose completion is a CUDA event recorded after it on its stream."""
 
-    __slots__ = ("_cuda_event", "_tensor", "_start")
+    __slots__ = ("_cuda_event", "_tensor", "_start", "_recorded")
 
     def __init__(self, cuda_event: torch.cuda.Event, tensor: torch.Tensor,
                  start: torch.cuda.Event | None = None) -> None:
@@ -88,14 +88,27 @@ class _CudaCopyJob(Job[torch.Tensor]):
         self._cuda_event = cuda_event
         self._tensor = tensor
         self._start = start  # a timing event recorded before the copy, for metrics
+        self._recorded: set[int] = set()  # streams the allocator was told use the tensor
 
-    def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
-        """Order the current stream after this copy (all layers at once), without a host sync,
-        and tell the allocator the tensor is used there."""
+    @property
+    def device(self) -> torch.device:
+        return self._tensor.device
+
+    def _used_on(self, stream: torch.cuda.Stream) -> None:
+        # Once per stream, not once per layer: a restore reads each block on every layer.
+        if stream.cuda_stream not in self._recorded:
+            self._recorded.add(stream.cuda_stream)
+            self._tensor.record_stream(stream)
+
+    def stream_wait_layer(self, layer: int, seen: set[int], stream: torch.cuda.Stream | None = None
+                          ) -> torch.Tensor:
+        """Order ``stream`` (default: the current one) after this copy (all layers at once),
+        without a host sync, and tell the allocator the tensor is used there."""
+        stream = stream if stream is not None else torch.cuda.current_stream(self._tensor.device)
         if id(self._cuda_event) not in seen:
             seen.add(id(self._cuda_event))
-            torch.cuda.current_stream(self._tensor.device).wait_event(self._cuda_event)
-        self._tensor.record_stream(torch.cuda.current_stream(self._tensor.device))
+            stream.wait_event(self._cuda_event)
+        self._used_on(stream)
         return self._tensor
 
     def done(self) -> bool:
@@ -117,6 +130,14 @@ class _CudaCopyJob(Job[torch.Tensor]):
             self._cuda_event.synchronize()
             self.set_result(self._tensor)
         return super().wait(timeout)
+
+
+def layer_groups(blocks: int, layers: int) -> int:
+    """How many layer groups a restore of ``blocks`` blocks is copied in. Each copy call costs the
+    host ~20 us whatever its size, and a restore's calls are all issued before ``open`` returns:
+    about 128 calls in all keeps that to a few ms, while at least 4 groups (or one per layer for
+    small restores) keep the first layers' compute overlapping the later layers' copies."""
+    return max(1, min(layers, max(4, -(-128 // max(1, blocks)))))
 
 
 def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
@@ -151,7 +172,8 @@ def resolve_device(device: object) -> torch.device:
 
 
 class _LayeredCudaJob(_CudaCopyJob):
-    """Host -> device copies of several blocks, issued layer by layer: one event per layer."""
+    """Host -> device copies of several blocks, issued layer group by layer group: each layer
+    maps to the event of its group."""
 
     __slots__ = ("_layer_events",)
 
@@ -160,14 +182,16 @@ class _LayeredCudaJob(_CudaCopyJob):
         super().__init__(layer_events[-1], tensor, start)
         self._layer_events = layer_events
 
-    def stream_wait_layer(self, layer: int, seen: set[int]) -> torch.Tensor:
-        """Order the current stream after layer ``layer``'s copy, without a host sync. Blocks of
-        one restore share their layer events: ``seen`` (event ids) makes each wait happen once."""
+    def stream_wait_layer(self, layer: int, seen: set[int], stream: torch.cuda.Stream | None = None
+                          ) -> torch.Tensor:
+        """Order ``stream`` (default: the current one) after layer ``layer``'s copy, without a host
+        sync. Blocks of one restore share their events: ``seen`` (event ids) makes each wait once."""
+        stream = stream if stream is not None else torch.cuda.current_stream(self._tensor.device)
         event = self._layer_events[layer]
         if id(event) not in seen:
             seen.add(id(event))
-            torch.cuda.current_stream(self._tensor.device).wait_event(event)
-        self._tensor.record_stream(torch.cuda.current_stream(self._tensor.device))
+            stream.wait_event(event)
+        self._used_on(stream)
         return self._tensor
 
 
@@ -258,17 +282,20 @@ class CopyEngine:
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             pairs.append((src, dst))
         layers = max(src.shape[0] for src, _ in pairs)
-        events = []
+        per_group = -(-layers // layer_groups(len(pairs), layers))
+        events: list[torch.cuda.Event] = []  # per layer: its group's event
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            for layer in range(layers):
+            for first in range(0, layers, per_group):
+                last = min(first + per_group, layers)
                 for src, dst in pairs:
-                    if layer < src.shape[0]:
-                        dst[layer].copy_(src[layer], non_blocking=True)
+                    end = min(last, src.shape[0])
+                    if first < end:
+                        dst[first:end].copy_(src[first:end], non_blocking=True)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
-                events.append(event)
+                events.extend([event] * (last - first))
         jobs: list[Job[torch.Tensor]] = []
         for src, dst in pairs:
             if src.is_cuda:
