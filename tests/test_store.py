@@ -376,6 +376,27 @@ def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
         assert store.stats()["device"]["blocks"] == 0  # nothing stored
 
 
+def test_a_parameter_over_2_24_elements_is_fingerprinted(tmp_path):
+    # A float32 linspace put the last sample of such a parameter (every real embedding) one past
+    # its end: an IndexError on CPU, a device-side assert on CUDA (found on the H200).
+    model = make_model("llama", seed=8, vocab_size=70_000, hidden_size=256, intermediate_size=64,
+                       num_attention_heads=4, num_key_value_heads=2)
+    assert model.model.embed_tokens.weight.numel() > 2**24
+    ids = random_ids(9, 8)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(2, 9)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
+                           model.generate(nxt, max_new_tokens=2, do_sample=False))
+        with torch.no_grad():
+            model.model.embed_tokens.weight.view(-1)[-1] += 1.0  # the last element is sampled too
+        assert store.open(model, nxt).restored_tokens == 0
+
+
 def test_a_model_spread_over_devices_is_refused(tmp_path):
     model = make_model("llama", seed=5)
     model.lm_head.to("meta")  # as device_map="auto" leaves a model: layers on several devices

@@ -90,6 +90,15 @@ def _layer_types(text_config: Any) -> list[str]:
     return types[: len(types) - shared] + ["dummy"] * shared
 
 
+def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
+    """Evenly spread positions in ``[0, numel)``, in integers: a float32 linspace rounds the last
+    position of a parameter over 2**24 elements (any real embedding) past its end."""
+    count = min(_SAMPLES_PER_PARAM, numel)
+    if count == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -122,8 +131,7 @@ def _static_facts(model: Any) -> _Static:
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-    idx = tuple(torch.linspace(0, p.numel() - 1, min(_SAMPLES_PER_PARAM, p.numel()), device=p.device).long()
-                for p in params)
+    idx = tuple(_sample_index(p.numel(), p.device) for p in params)
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), params=params, sample_idx=idx)
 
 
