@@ -30,7 +30,9 @@ def test_decode_benchmark_reports_its_figures() -> None:
 
 def test_gpu_check_dry_run_is_exact_on_cpu() -> None:
     out = run("benchmarks/gpu_check.py", "--cpu")
-    assert out.count("| exact |") == 12 and "MISMATCH" not in out
+    # 2 models x 2 dtypes x 3 tiers, and the host-pool churn case.
+    assert out.count("| exact |") == 13 and "MISMATCH" not in out
+    assert "| 4 sessions x 4 turns" in out
     assert "(restore + prefill) / (restore alone + prefill alone)" in out
 
 

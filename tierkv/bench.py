@@ -105,7 +105,7 @@ def replay(name: str, model, system: np.ndarray, turns: list[Turn], make_cache, 
         timer = FirstTokenTimer()
         start = time.perf_counter()
         cache = make_cache(turn.session, ids)
-        out = model.generate(ids, cache=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
                              do_sample=False, streamer=timer)
         end = time.perf_counter()
         after_turn(turn.session, cache, out)

@@ -60,7 +60,7 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, reply_tokens: int,
     timer = FirstTokenTimer()
     start = time.perf_counter()
     cache = store.open(model, ids, session=session) if store is not None else None
-    out = model.generate(ids, cache=cache, max_new_tokens=reply_tokens, min_new_tokens=reply_tokens,
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=reply_tokens, min_new_tokens=reply_tokens,
                          do_sample=False, streamer=timer)
     assert timer.first_token_at is not None
     return out, timer.first_token_at - start, cache
