@@ -46,6 +46,14 @@ def make_store(stores, path, **kw) -> TieredStore:
     return store
 
 
+def converse(store: TieredStore, model, ids: torch.Tensor, session: str) -> torch.Tensor:
+    """One turn: open, generate, commit; returns the sequences."""
+    cache = store.open(model, ids, session=session)
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    return out
+
+
 def file_use(path) -> tuple[int, int]:
     """(apparent size, bytes allocated) of the LMDB data file."""
     st = os.stat(path / "data.mdb")
@@ -135,8 +143,7 @@ def test_a_forget_whose_disk_write_fails_is_retried_until_it_lands(model, stores
     store = make_store(stores, path, device_budget=0, host_budget=0)
     keep, secret = random_ids(20, 700), random_ids(20, 701)
     for session, ids in (("keep", keep), ("secret", secret)):
-        cache = store.open(model, ids, session=session)
-        cache.commit(generate(model, ids, cache))
+        converse(store, model, ids, session)
     store.flush()
     secret_keys = {k for k, m in store._index.blocks.items()
                    if {store._index.sessions[s].name for s in m.sessions} == {"secret"}}
@@ -172,8 +179,7 @@ def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, t
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget="1MiB", host_budget=0)
     secret = random_ids(20, 710)
-    cache = store.open(model, secret, session="secret")
-    cache.commit(generate(model, secret, cache))
+    converse(store, model, secret, "secret")
     store.flush()
     apply = store._disk._apply
 
@@ -184,8 +190,7 @@ def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, t
 
     store._disk._apply = no_block_writes
     other = random_ids(20, 711)
-    cache = store.open(model, other, session="other")
-    cache.commit(generate(model, other, cache))
+    converse(store, model, other, "other")
     store.flush()
     assert store.stats()["disk_failed"]
     before = _records_live(store)
@@ -201,8 +206,7 @@ def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     ids = random_ids(20, 720)
-    cache = store.open(model, ids, session="secret")
-    cache.commit(generate(model, ids, cache))
+    converse(store, model, ids, "secret")
     store.flush()
     _fail_deletes(store)
     store.forget(session="secret")
@@ -233,8 +237,7 @@ def test_a_delete_cut_short_by_a_crash_is_finished_at_reopen_not_counted_corrupt
     store = make_store(stores, path, device_budget=0, host_budget=0)
     gone, kept = random_ids(20, 730), random_ids(20, 731)
     for session, ids in (("gone", gone), ("kept", kept)):
-        cache = store.open(model, ids, session=session)
-        cache.commit(generate(model, ids, cache))
+        converse(store, model, ids, session)
     store.flush()
     key = next(k for k, m in store._index.blocks.items()
                if {store._index.sessions[s].name for s in m.sessions} == {"gone"} and m.parent not in
@@ -255,9 +258,7 @@ def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tm
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     ids = random_ids(20, 740)
-    cache = store.open(model, ids, session="s")
-    out = generate(model, ids, cache)
-    cache.commit(out)
+    out = converse(store, model, ids, "s")
     store.flush()
     load = store._disk.load
 
@@ -285,8 +286,7 @@ def test_an_owed_delete_of_a_block_committed_again_waits_for_that_write(model, s
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     secret = random_ids(20, 750)
-    cache = store.open(model, secret, session="secret")
-    cache.commit(generate(model, secret, cache))
+    converse(store, model, secret, "secret")
     store.flush()
     keys = set(store._index.blocks)
     assert len(keys) == 3 and keys <= _records_live(store)
@@ -329,8 +329,7 @@ def test_a_retried_session_drop_keeps_references_added_since(model, stores, tmp_
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     a, b = random_ids(20, 760), random_ids(20, 761)
-    cache = store.open(model, a, session="S")
-    cache.commit(generate(model, a, cache))
+    converse(store, model, a, "S")
     store.flush()
     apply = store._disk._apply
     arrived = [threading.Event(), threading.Event()]
@@ -385,8 +384,7 @@ def test_close_with_a_timeout_retries_owed_deletes(model, stores, tmp_path, capl
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     secret = random_ids(20, 770)
-    cache = store.open(model, secret, session="secret")
-    cache.commit(generate(model, secret, cache))
+    converse(store, model, secret, "secret")
     store.flush()
     keys = set(store._index.blocks)
     assert len(keys) == 3

@@ -342,56 +342,16 @@ def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_pat
 
 
 # -- 6. fingerprints ---------------------------------------------------------------------------------
-def test_hits_never_go_down_when_assisted_decoding_discards_a_restore(tmp_path):
-    # Metrics export hits as Prometheus counters: a counter that goes down reads as a reset.
-    model = make_model("llama", seed=7)
-    ids = random_ids(12, 7)
-    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
-        cache = store.open(model, ids)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, ids[:, 2:6]], dim=1)
-        cache = store.open(model, nxt)
-        restored = cache.restored_tokens
-        before = store.stats()
-        assert restored > 0 and before["discarded"] == 0
-        got = model.generate(nxt, past_key_values=cache, max_new_tokens=3, do_sample=False,
-                             prompt_lookup_num_tokens=2)
-        assert torch.equal(got, model.generate(nxt, max_new_tokens=3, do_sample=False))
-        after = store.stats()
-        assert after["hits"] == before["hits"]  # unchanged, not taken back
-        assert after["discarded"] == restored and after["misses"] == before["misses"] + restored
-
-
-def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
-    model = make_model("llama", seed=6)
-    ids = random_ids(9, 6)
-    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
-        cache = store.open(model, ids)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        for layer in cache.layers:  # what autocast leaves: KV in bfloat16 from a float32 model
-            layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
-        with pytest.raises(ValueError, match=r"KV in torch.bfloat16 but the model's weights are torch.float32"):
-            cache.commit(out)
-        assert store.stats()["device"]["blocks"] == 0  # nothing stored
-
-
 def test_a_parameter_over_2_24_elements_is_fingerprinted(tmp_path):
     # A float32 linspace put the last sample of such a parameter (every real embedding) one past
     # its end: an IndexError on CPU, a device-side assert on CUDA (found on the H200).
     model = make_model("llama", seed=8, vocab_size=70_000, hidden_size=256, intermediate_size=64,
                        num_attention_heads=4, num_key_value_heads=2)
     assert model.model.embed_tokens.weight.numel() > 2**24
-    ids = random_ids(9, 8)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
-        cache = store.open(model, ids)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(2, 9)], dim=1)
-        cache = store.open(model, nxt)
-        assert cache.restored_tokens == out.shape[1] - 1
-        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
-                           model.generate(nxt, max_new_tokens=2, do_sample=False))
+        _, out = turn(store, model, random_ids(9, 8), new=2)
+        nxt = cat(out, random_ids(2, 9))
+        turn(store, model, nxt, new=2, expect=out.shape[1] - 1)  # checked against no cache
         with torch.no_grad():
             model.model.embed_tokens.weight.view(-1)[-1] += 1.0  # the last element is sampled too
         assert store.open(model, nxt).restored_tokens == 0
@@ -651,6 +611,25 @@ def test_reopen_rebuilds_the_index_in_last_use_order(tiny_model, tmp_path):
 
 
 # -- 10. stats ---------------------------------------------------------------------------------------
+def test_hits_never_go_down_when_assisted_decoding_discards_a_restore(tmp_path):
+    # Metrics export hits as Prometheus counters: a counter that goes down reads as a reset.
+    model = make_model("llama", seed=7)
+    ids = random_ids(12, 7)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, model, ids, new=2)
+        nxt = cat(out, ids[:, 2:6])
+        cache = store.open(model, nxt)
+        restored = cache.restored_tokens
+        before = store.stats()
+        assert restored > 0 and before["discarded"] == 0
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                             prompt_lookup_num_tokens=2)
+        assert torch.equal(got, generate(model, nxt, 3))
+        after = store.stats()
+        assert after["hits"] == before["hits"]  # unchanged, not taken back
+        assert after["discarded"] == restored and after["misses"] == before["misses"] + restored
+
+
 def _verify_stats_shape(stats: dict) -> None:
     assert {"device", "host", "disk", "hits", "misses", "evictions", "corrupt"} <= set(stats)
     for tier in ("device", "host", "disk"):
@@ -707,6 +686,19 @@ def test_stats_without_a_disk_tier_report_zeros_for_disk(tiny_model):
 
 
 # -- 11. misuse ------------------------------------------------------------------------------------
+def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
+    model = make_model("llama", seed=6)
+    ids = random_ids(9, 6)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, 2, cache)
+        for layer in cache.layers:  # what autocast leaves: KV in bfloat16 from a float32 model
+            layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
+        with pytest.raises(ValueError, match=r"KV in torch.bfloat16 but the model's weights are torch.float32"):
+            cache.commit(out)
+        assert store.stats()["device"]["blocks"] == 0  # nothing stored
+
+
 @pytest.mark.parametrize(("kwargs", "error", "word"), [
     ({"device_budget": "2GX"}, ValueError, "MiB"),
     ({"host_budget": "lots"}, ValueError, "MiB"),

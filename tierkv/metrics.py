@@ -186,18 +186,13 @@ class StoreCollector(Collector):
             "tierkv_moved_bytes": [([d], stats["moved_bytes"][d]) for d in DIRECTIONS],
             "tierkv_events_dropped": [([], dropped)],
         }
-        for name, series in gauges.items():
-            doc, labels = _GAUGES[name]
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            for values, value in series:
-                gauge.add_metric(values, float(value))
-            yield gauge
-        for name, series in counters.items():
-            doc, labels = _COUNTERS[name]
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            for values, value in series:
-                counter.add_metric(values, float(value))
-            yield counter
+        for family, specs, samples in ((GaugeMetricFamily, _GAUGES, gauges), (CounterMetricFamily, _COUNTERS, counters)):
+            for name, series in samples.items():
+                doc, labels = specs[name]
+                metric = family(name, doc, labels=labels)
+                for values, value in series:
+                    metric.add_metric(values, float(value))
+                yield metric
         for name, hseries in histograms.items():
             doc, labels = _HISTOGRAMS[name]
             histogram = HistogramMetricFamily(name, doc, labels=labels)

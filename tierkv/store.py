@@ -134,6 +134,7 @@ class TieredStore:
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._read_seconds = 0.0
+        self._write_seconds = 0.0  # the writer thread's time in transactions
         self._events = EventLog()
         if self._disk is not None:
             self._load_index()
@@ -599,13 +600,8 @@ class TieredStore:
         if tier is Tier.DISK:
             assert self._disk is not None
             while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
-                meta = self._victim(Tier.DISK)
-                if meta is None:
+                if self._evict_from_disk() == 0:
                     return False
-                self._evictions += 1
-                self._delete_on_disk([meta])
-                if meta.resident is None:
-                    self._remove(meta)
             return True
         space = self._device if tier is Tier.DEVICE else self._host
         while not space.fits(nbytes):
@@ -639,18 +635,25 @@ class TieredStore:
         if job is not None and job.lease is not None:
             job.lease.unhold()
 
+    def _evict_from_disk(self) -> int:
+        """Evict the least recently used unpinned disk block; its bytes, or 0 if there is none."""
+        meta = self._victim(Tier.DISK)
+        if meta is None:
+            return 0
+        self._evictions += 1
+        self._delete_on_disk([meta])
+        if meta.resident is None:
+            self._remove(meta)
+        return meta.record_bytes
+
     def _free_disk(self, nbytes: int) -> None:
         """Evict least-recently-used disk blocks worth ``nbytes``, below what the budget asks."""
         freed = 0
         while freed < nbytes:
-            meta = self._victim(Tier.DISK)
-            if meta is None:
+            evicted = self._evict_from_disk()
+            if evicted == 0:
                 return
-            freed += meta.record_bytes
-            self._evictions += 1
-            self._delete_on_disk([meta])
-            if meta.resident is None:
-                self._remove(meta)
+            freed += evicted
 
     def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
         keys: list[bytes] = []
@@ -728,8 +731,12 @@ class TieredStore:
         """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
         assert self._disk is not None
         started = time.perf_counter()
-        results = self._disk.apply(ops)
-        seconds = time.perf_counter() - started
+        try:
+            results = self._disk.apply(ops)
+        finally:
+            # Read by stats() from other threads: a float store, atomic under the GIL.
+            seconds = time.perf_counter() - started
+            self._write_seconds += seconds
         written = sum(op.record_bytes for op, error in zip(ops, results) if isinstance(op, PutBlock) and error is None)
         if written:
             self._count_move("host_to_disk", written, seconds=seconds)
@@ -862,11 +869,6 @@ class TieredStore:
         if scan.corrupt:
             self._corrupt += len(scan.corrupt)
             logger.warning("tierkv: %d unreadable records in %s were dropped", len(scan.corrupt), self._disk.path)
-            assert self._writer is not None
-            self._submit(DeleteBlocks(scan.corrupt))
-        if scan.scrubbed:
-            assert self._writer is not None
-            self._submit(DeleteBlocks(scan.scrubbed))
         # Stamps and sequence numbers come from one clock: a block never used since its commit
         # ranks by its commit.
         order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, hs[0].seq), hs[0].seq))
@@ -891,11 +893,12 @@ class TieredStore:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
-        stored = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
-        orphans = [k for k in scan.atime if k not in stored]
-        if orphans:  # last-use stamps of blocks whose write never landed
-            assert self._writer is not None
-            self._submit(DeleteBlocks(orphans))
+        # Damaged records, deletes a crash cut short, and last-use stamps of blocks whose write
+        # never landed: gone in one write.
+        known = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
+        doomed = [*scan.corrupt, *scan.scrubbed, *(k for k in scan.atime if k not in known)]
+        if doomed:
+            self._submit(DeleteBlocks(doomed))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 
@@ -973,7 +976,7 @@ class TieredStore:
                 "moved_bytes": dict(self._moved),
                 # Wall time of the disk paths (writer transactions, reads in open); memory-tier
                 # copies are asynchronous jobs and are not timed here.
-                "move_seconds": {"host_to_disk": self._disk.write_seconds if self._disk is not None else 0.0,
+                "move_seconds": {"host_to_disk": self._write_seconds,
                                  "disk_to_host": self._read_seconds},
                 "pending_writes": len(self._pending_writes),
                 # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and

@@ -30,7 +30,6 @@ import ctypes
 import os
 import struct
 import threading
-import time
 
 try:
     import fcntl
@@ -70,6 +69,14 @@ def footprint(record_bytes: int, page_size: int) -> int:
     own), plus its rows. What the disk budget counts."""
     pages = -(-(record_bytes + _PAGE_HEADER) // page_size)
     return pages * page_size + _ROW_OVERHEAD
+
+
+def _under(key: bytes, header: RecordHeader) -> RecordHeader:
+    """``header`` if its record is stored under its own key; a record moved under another key
+    (a damaged B-tree, a bad copy) would restore another conversation's KV."""
+    if header.key != key:
+        raise CorruptRecord("record stored under another key")
+    return header
 
 
 def slack(budget: int) -> int:
@@ -151,7 +158,6 @@ class DiskTier:
         self._lock_fd = self._lock_directory(self.path)
         self._resize_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
-        self.write_seconds = 0.0  # time the writer spent in write transactions, for benchmarks
         self.map_cap = budget + slack(budget)
         self.env = lmdb.open(self.path, map_size=min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM), max_dbs=8,
                              writemap=True, subdir=True, readahead=False)
@@ -279,9 +285,7 @@ class DiskTier:
             for key, value in txn.cursor(db=self._blocks):
                 key = bytes(key)
                 try:
-                    header = decode_header(value)
-                    if header.key != key:
-                        raise CorruptRecord("record stored under another key")
+                    header = _under(key, decode_header(value))
                     result.headers.append((header, len(value)))
                 except CorruptRecord:
                     if bytes(value[:len(MAGIC)]) == bytes(len(MAGIC)):  # zeroed from its start
@@ -309,9 +313,7 @@ class DiskTier:
             for key, value in txn.cursor(db=self._blocks):
                 key = bytes(key)
                 try:
-                    header, _ = decode(value)
-                    if header.key != key:
-                        raise CorruptRecord("record stored under another key")
+                    _under(key, decode(value)[0])
                 except CorruptRecord as exc:
                     bad.append((key, str(exc)))
                 if on_record is not None:
@@ -334,19 +336,13 @@ class DiskTier:
 
             # The only copy: from the memory map into the destination, inside the transaction
             # that keeps the map's pages valid, checksummed on the way.
-            header = decode_into(buf, destination)
-            if header.key != key:
-                raise CorruptRecord("record stored under another key")
+            header = _under(key, decode_into(buf, destination))
         return header, made[0]
 
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
-        start = time.perf_counter()
-        try:
-            return self._apply(ops)
-        finally:
-            # Read by stats() from other threads: plain float/int stores, each atomic under the GIL.
-            self.write_seconds += time.perf_counter() - start
+        """One write transaction for ``ops``; one entry per op: None, or the error it failed with."""
+        return self._apply(ops)
 
     def _apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
