@@ -25,9 +25,12 @@ from tierkv.codec import (
     CorruptRecord,
     RecordHeader,
     decode,
+    decode_head,
     decode_header,
     encode,
     encode_array,
+    head_end,
+    head_size,
     record_size,
 )
 from tierkv.hashing import token_bytes
@@ -100,6 +103,30 @@ def test_round_trip(header: RecordHeader, data: st.DataObject) -> None:
     assert view.format == "B" and view.nbytes == len(payload)
     assert bytes(view) == payload
     assert decode_header(record) == header
+
+
+@given(headers, st.data())
+def test_a_head_is_the_record_up_to_its_payload(header: RecordHeader, data: st.DataObject) -> None:
+    payload = data.draw(st.binary(min_size=header.payload_nbytes, max_size=header.payload_nbytes))
+    record = encode(header, payload)
+    end = head_end(record)
+    assert end == head_size(header) == len(record) - len(payload) - 8
+    assert decode_head(record[:end]) == (header, len(record))
+
+
+def test_a_head_is_rejected_like_a_header() -> None:
+    header, _, record = make_record()
+    head = record[:head_end(record)]
+    for damaged in (head[:-1], head + b"\x00", b"XXXX" + head[4:], head[:6], b""):
+        with pytest.raises(CorruptRecord):
+            decode_head(damaged)
+    with pytest.raises(CorruptRecord, match="bad magic"):
+        head_end(b"XXXX" + record[4:])
+    with pytest.raises(CorruptRecord, match="truncated"):
+        head_end(record[:3])
+    other = craft({**raw_fields(header), "v": FORMAT_VERSION + 1})
+    with pytest.raises(CorruptRecord, match="format version"):
+        decode_head(other[:head_end(other)])
 
 
 def test_header_fields_survive_exactly() -> None:

@@ -168,9 +168,10 @@ def test_a_forget_whose_disk_write_fails_is_retried_until_it_lands(model, stores
     assert store.open(model, torch.cat([keep, random_ids(2, 703)], dim=1), session="keep").restored_tokens == 20
 
 
-def _records_live(store: TieredStore) -> set[bytes]:
+def _records_live(store: TieredStore, db: bytes = b"blocks") -> set[bytes]:
+    handle = {b"blocks": store._disk._blocks, b"heads": store._disk._heads}[db]
     with store._disk.env.begin() as txn:
-        return {bytes(k) for k, _ in txn.cursor(db=store._disk._blocks)}
+        return {bytes(k) for k in txn.cursor(db=handle).iternext(keys=True, values=False)}
 
 
 def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, tmp_path):
@@ -216,23 +217,26 @@ def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog
     assert len(errors) == 1 and "could not be written" in errors[0] and str(path) in errors[0]
 
 
-def _zero_in_place(path, key: bytes, fraction: float) -> None:
-    """What a delete's scrub leaves when the process dies before the transaction commits."""
+def _zero_in_place(path, key: bytes, head: float, record: float) -> None:
+    """What a delete's scrub leaves when the process dies before the transaction commits: the
+    head zeroed from its start (it goes first), then as much of the record."""
     import ctypes
 
     import numpy as np
 
     with lmdb.open(str(path), max_dbs=8, writemap=True) as env:
         txn = env.begin(write=True, buffers=True)
-        value = txn.get(key, db=env.open_db(b"blocks", txn=txn))
-        address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
-        ctypes.memset(address, 0, max(4, int(len(value) * fraction)))
+        for name, fraction in ((b"heads", head), (b"blocks", record)):
+            value = txn.get(key, db=env.open_db(name, txn=txn))
+            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
+            if fraction:
+                ctypes.memset(address, 0, max(4, int(len(value) * fraction)))
         txn.abort()
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.3])
+@pytest.mark.parametrize("head, record", [(0.3, 0.0), (1.0, 0.3), (1.0, 1.0)])
 def test_a_delete_cut_short_by_a_crash_is_finished_at_reopen_not_counted_corrupt(model, stores, tmp_path,
-                                                                                 fraction):
+                                                                                 head, record):
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     gone, kept = random_ids(20, 730), random_ids(20, 731)
@@ -243,12 +247,13 @@ def test_a_delete_cut_short_by_a_crash_is_finished_at_reopen_not_counted_corrupt
                if {store._index.sessions[s].name for s in m.sessions} == {"gone"} and m.parent not in
                store._index.blocks)  # the conversation's first block
     store.close()
-    _zero_in_place(path, key, fraction)
+    _zero_in_place(path, key, head, record)
     store = make_store(stores, path, device_budget=0, host_budget=0)
     assert store.stats()["corrupt"] == 0
     assert key not in store._index.blocks
     store.flush()
     assert key not in _records_live(store)
+    assert key not in _records_live(store, b"heads")
     nxt = torch.cat([generate(model, kept), random_ids(2, 732)], dim=1)
     assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 3
     assert store.open(model, torch.cat([gone, random_ids(2, 733)], dim=1)).restored_tokens == 0

@@ -400,10 +400,11 @@ def test_corrupt_records_found_at_reopen_log_one_warning_for_all(model, tmp_path
         firsts.append(first_block(store, cache.root, ids))
     store.flush()
     env = store._disk.env
-    blocks = env.open_db(b"blocks")
+    blocks, heads = env.open_db(b"blocks"), env.open_db(b"heads")
     with env.begin(write=True) as txn:
-        for key in firsts:
-            txn.put(key, b"not a record", db=blocks)  # the scan itself rejects these
+        for key in firsts:  # the scan itself rejects these: it reads the heads, then the records
+            txn.put(key, b"not a head", db=heads)
+            txn.put(key, b"not a record", db=blocks)
     store.close()
     with caplog.at_level(logging.DEBUG, logger="tierkv"):
         store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)

@@ -472,6 +472,9 @@ def test_forgotten_kv_bytes_are_gone_from_the_lmdb_file(model, stores, tmp_path)
         for key in secret_keys:
             record = txn.get(key, db=env.open_db(b"blocks"))
             markers.append(record[len(record) // 2: len(record) // 2 + 64])  # KV bytes from the payload
+            # The conversation's token ids, which a block's head (its index entry) holds too.
+            assert store._index.blocks[key].token_ids.astype("<i8").tobytes() in txn.get(key, db=env.open_db(b"heads"))
+            markers.append(store._index.blocks[key].token_ids.astype("<i8").tobytes())
     keep_marker = None
     with env.begin() as txn:
         for key, value in txn.cursor(db=env.open_db(b"blocks")):

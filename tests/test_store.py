@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
+from tierkv.codec import head_end
 from tierkv.hashing import block_key, chain_keys
 from tierkv.index import Tier
 from tierkv.tiers.disk import footprint
@@ -109,13 +110,13 @@ def _verify_budgets(store: TieredStore) -> dict:
     return stats
 
 
-def disk_records(path) -> dict[bytes, int]:
-    """Key -> record length of every block in a closed store's LMDB environment."""
+def disk_records(path) -> dict[bytes, tuple[int, int]]:
+    """Key -> (record length, head length) of every block in a closed store's LMDB environment."""
     env = lmdb.open(str(path), max_dbs=8, readonly=True, lock=False, subdir=True)
     try:
         db = env.open_db(b"blocks", create=False)
         with env.begin(db=db) as txn:
-            return {bytes(k): len(v) for k, v in txn.cursor()}
+            return {bytes(k): (len(v), head_end(v)) for k, v in txn.cursor()}
     finally:
         env.close()
 
@@ -471,7 +472,7 @@ def test_budgets_hold_in_every_tier_through_many_conversations(tiny_model, tmp_p
     assert len(records) == stats["disk"]["blocks"]
     with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
         page = env.stat()["psize"]
-    assert sum(footprint(n, page) for n in records.values()) == stats["disk"]["bytes"] <= 12 * 4400
+    assert sum(footprint(n, page, head) for n, head in records.values()) == stats["disk"]["bytes"] <= 12 * 4400
 
 
 def test_zero_memory_budgets_pass_every_block_to_disk(tiny_model, tmp_path):
@@ -608,6 +609,52 @@ def test_reopen_rebuilds_the_index_in_last_use_order(tiny_model, tmp_path):
             expect = 0 if f"c{i}" in names(before[:2], named) else B
             cache = verify_open(store, model, ids, expect=expect)
             verify_generate(model, ids, cache, 1)
+
+
+def test_a_store_written_without_heads_reopens_whole_and_gains_them(tiny_model, tmp_path):
+    # Stores written before heads existed: every block is found from its record, restores
+    # exactly, and is given a head, so that the next reopen reads no record.
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    convs = [random_ids(2 * B + 3, 800 + i) for i in range(3)]
+    outs = []
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        for ids in convs:
+            outs.append(turn(store, model, ids, new=2)[1])
+        keys = set(store._index.blocks)
+        store.flush()
+        env = store._disk.env
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(b"heads", txn=txn), delete=True)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        assert set(store._index.blocks) == keys
+        for i, out in enumerate(outs):
+            ids = cat(out, random_ids(2, 810 + i))
+            cache = verify_open(store, model, ids, expect=out.shape[1] - 1)
+            verify_generate(model, ids, cache, 2)
+        store.flush()
+        assert store._disk.scan().unindexed == {}  # every block has its head now
+    assert store.stats()["corrupt"] == 0
+
+
+def test_open_asks_the_disk_for_every_block_it_reads_before_reading_one(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    ids = random_ids(3 * B + 2, 820)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        _, out = turn(store, model, ids, new=2)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        calls: list[tuple[str, object]] = []
+        prefetch, load = store._disk.prefetch, store._disk.load
+        store._disk.prefetch = lambda keys: (calls.append(("prefetch", list(keys))), prefetch(keys))[1]
+        store._disk.load = lambda key, empty: (calls.append(("load", key)), load(key, empty))[1]
+        nxt = cat(out, random_ids(2, 821))
+        cache = verify_open(store, model, nxt, expect=out.shape[1] - 1, expect_from={"device": 0, "host": 0,
+                                                                                     "disk": out.shape[1] - 1})
+        verify_generate(model, nxt, cache, 2)
+    root = cache.root
+    planned = [k for k in keys_of(root, out[:, :out.shape[1] - 1])]
+    assert calls == [("prefetch", planned), *(("load", k) for k in planned)]
 
 
 # -- 10. stats ---------------------------------------------------------------------------------------

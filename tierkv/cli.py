@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from . import __version__
+from .codec import RecordHeader
 from .tiers.disk import DeleteBlocks, DiskTier, DropRefs, ScanResult, StoreInUse
 from .units import format_bytes
 
@@ -137,10 +138,11 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], text: Callable[[dict
 
 
 # -- stats -------------------------------------------------------------------------------------
-def summarise(path: str, meta: dict[str, int], scan: ScanResult, footprint: Callable[[int], int],
-              file_bytes: int) -> dict[str, Any]:
+def summarise(path: str, meta: dict[str, int], scan: ScanResult,
+              footprint: Callable[[RecordHeader, int], int], file_bytes: int) -> dict[str, Any]:
     """The ``stats`` report of one scanned store (JSON-ready). ``bytes`` are counted as the disk
-    budget counts them (``footprint``: records in whole pages), ``record_bytes`` as records alone."""
+    budget counts them (``footprint``: records and heads in whole pages), ``record_bytes`` as
+    records alone."""
     tenants: dict[str | None, dict[str, Any]] = {}
 
     def row(tenant: str | None) -> dict[str, Any]:
@@ -151,7 +153,7 @@ def summarise(path: str, meta: dict[str, int], scan: ScanResult, footprint: Call
         entry = row(header.tenant)
         entry["blocks"] += 1
         entry["tokens"] += header.n_tokens
-        entry["bytes"] += footprint(size)
+        entry["bytes"] += footprint(header, size)
         entry["record_bytes"] += size
     for tenant, _name, _keys in scan.sessions.values():
         row(tenant)["sessions"] += 1
@@ -195,7 +197,7 @@ def _stats_text(r: dict[str, Any]) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     tier, meta = _open_tier(args.path)
     try:
-        report = summarise(args.path, meta, tier.scan(), tier.footprint, tier.file_bytes())
+        report = summarise(args.path, meta, tier.scan(), tier.footprint_of, tier.file_bytes())
     finally:
         tier.close()
     _emit(args, report, _stats_text)

@@ -10,7 +10,9 @@ shape ``(layers, 2, kv_heads, tokens, head_dim)`` with head_dim innermost, so a 
 straight into a tensor (``decode`` returns a memoryview into the caller's buffer, no copy).
 
 ``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason;
-``decode_header`` reads only the header, for rebuilding an index without touching payloads.
+``decode_header`` reads only the header. A record's *head* is its bytes up to the payload (magic,
+length, header): the disk tier also stores it apart, and ``decode_head`` reads it there, so that
+rebuilding an index never touches a payload.
 No pickle, no torch: a record written by any version of tierkv can be rejected safely.
 """
 
@@ -118,19 +120,47 @@ def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> byt
     return encode_array(header, payload).tobytes()
 
 
+def head_size(header: RecordHeader) -> int:
+    """The exact length of a record's head (magic, length and header: everything before the payload)."""
+    return _PREFIX.size + len(_pack_header(header))
+
+
 def record_size(header: RecordHeader) -> int:
     """The exact length ``encode`` produces for ``header``, without building the record."""
-    return _PREFIX.size + len(_pack_header(header)) + header.payload_nbytes + _CHECKSUM.size
+    return head_size(header) + header.payload_nbytes + _CHECKSUM.size
 
 
-def _parse_header(buf: memoryview) -> tuple[RecordHeader, int]:
-    if buf.nbytes < _PREFIX.size + _CHECKSUM.size:
+def head_end(record: bytes | memoryview | np.ndarray) -> int:
+    """Where the head of an encoded record ends (its payload starts); checks only the framing."""
+    view = memoryview(record).cast("B")
+    if view.nbytes < _PREFIX.size:
+        raise CorruptRecord(f"record truncated: {view.nbytes} bytes")
+    magic, head_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CorruptRecord("not a tierkv block record (bad magic)")
+    return _PREFIX.size + head_len
+
+
+def decode_head(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
+    """A record's head stored apart from it (the first ``head_end`` bytes of the record, as the
+    disk tier indexes blocks): the header, and the length of the whole record it heads. Structural
+    checks only: a head has no checksum of its own; the record's, verified when the block is read,
+    is what makes a block servable."""
+    view = memoryview(buf).cast("B")
+    header, end = _parse_header(view, trailer=0)
+    if end != view.nbytes:
+        raise CorruptRecord(f"head is {view.nbytes} bytes, its length field says {end}")
+    return header, end + header.payload_nbytes + _CHECKSUM.size
+
+
+def _parse_header(buf: memoryview, trailer: int = _CHECKSUM.size) -> tuple[RecordHeader, int]:
+    if buf.nbytes < _PREFIX.size + trailer:
         raise CorruptRecord(f"record truncated: {buf.nbytes} bytes")
     magic, head_len = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptRecord("not a tierkv block record (bad magic)")
     end = _PREFIX.size + head_len
-    if end + _CHECKSUM.size > buf.nbytes:
+    if end + trailer > buf.nbytes:
         raise CorruptRecord("record truncated inside its header")
     try:
         raw = msgpack.unpackb(buf[_PREFIX.size : end], raw=False)

@@ -55,7 +55,8 @@ from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutRefs, Touch, dtype_name, op_size
+from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Touch, dtype_name,
+                         op_size)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
@@ -283,6 +284,9 @@ class TieredStore:
         first miss, since a restore is a prefix."""
         reads: dict[int, Any] = {}
         start = time.perf_counter()
+        if self._disk is not None:
+            # Every record this open reads is asked of the disk at once, not page by page.
+            self._disk.prefetch([meta.key for (meta, _), where in zip(plan, found) if where is None])
         for i, ((meta, _), where) in enumerate(zip(plan, found)):
             if where is not None:
                 continue
@@ -417,7 +421,7 @@ class TieredStore:
 
     def _footprint(self, header: RecordHeader) -> int:
         size = record_size(header)
-        return self._disk.footprint(size) if self._disk is not None else size
+        return self._disk.footprint_of(header, size) if self._disk is not None else size
 
     @staticmethod
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:
@@ -875,7 +879,7 @@ class TieredStore:
         for header, size in order:
             meta = BlockMeta(key=header.key, parent=header.parent, tenant=header.tenant,
                              token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),
-                             nbytes=header.payload_nbytes, record_bytes=self._disk.footprint(size))
+                             nbytes=header.payload_nbytes, record_bytes=self._disk.footprint_of(header, size))
             if meta.n_tokens == 0:
                 continue
             self._index.add(meta)
@@ -893,12 +897,16 @@ class TieredStore:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
-        # Damaged records, deletes a crash cut short, and last-use stamps of blocks whose write
-        # never landed: gone in one write.
+        # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose
+        # write never landed: gone in one write.
         known = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
-        doomed = [*scan.corrupt, *scan.scrubbed, *(k for k in scan.atime if k not in known)]
+        orphans = set(scan.orphans)
+        doomed = [*scan.corrupt, *scan.scrubbed, *orphans, *(k for k in scan.atime if k not in known | orphans)]
         if doomed:
             self._submit(DeleteBlocks(doomed))
+        if scan.unindexed:
+            # Records without a head were read in full by this scan; with one, the next is not.
+            self._submit(PutHeads(scan.unindexed))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
 

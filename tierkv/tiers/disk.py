@@ -2,10 +2,29 @@
 
 Sub-databases:
     blocks    key(16) -> codec record (header + raw KV bytes + checksum)
+    heads     key(16) -> the record's head (its bytes up to the payload), zeros, u64 offset of the
+                        record in the file; written and deleted with the record
     sessions  sid(16) -> msgpack [tenant, session name]
     refs      sid(16) + key(16) -> b""          (which blocks a session references)
     atime     key(16) -> u64 little-endian      (last use, to rebuild LRU order on reopen)
     meta      b"tierkv" -> msgpack {format, hash, block_size}
+
+Heads exist because py-lmdb touches every page of a value it returns (its "preload", so that page
+faults happen with the GIL released): reading a record's header from ``blocks`` reads the whole
+record from disk. Rebuilding the index from ``blocks`` read the entire store at every reopen (1 GiB
+in 20 s from a cold page cache); from ``heads`` it reads a few MiB. A block without a head (written
+before heads existed) is read in full once and given one. Readers trust a head only as far as the
+record's own verified header agrees with it (the store compares them on every read). A head is
+padded to more than half a page, so that LMDB stores it on a page of its own, as it does a record:
+a small value lives in a B-tree leaf, which every change to the leaf copies, and the copies left
+on the free list would keep a forgotten conversation's token ids where ``_scrub`` cannot reach.
+
+Reads from a cold page cache: the map is advised MADV_RANDOM (py-lmdb's ``readahead=False``), so
+touching a B-tree page or a head reads that page alone (this VM's block device reads ahead 8 MiB
+around any fault otherwise: a scan of the heads read the whole store). A record is read whole, so
+``prefetch(keys)`` asks the kernel for the records' pages at once (MADV_WILLNEED over each one's
+place in the file, which its head keeps), before ``load`` copies them: without it, each 4 KiB page
+of a record was its own synchronous read (0.05 GB/s against 1.0 GB/s with it, raw read 1.2).
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
@@ -27,6 +46,7 @@ machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import struct
 import threading
@@ -35,22 +55,27 @@ try:
     import fcntl
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import lmdb
 import msgpack
 import numpy as np
 import torch
 
-from ..codec import FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
+from ..codec import (FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_head, decode_header,
+                     decode_into, encode_array, head_end)
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
 
 _META_KEY = b"tierkv"
 _LOCK_FILE = "tierkv.lock"
 _U64 = struct.Struct("<Q")
-_INITIAL_MAP = 64 << 20
+_CHECKSUM_BYTES = 8  # the codec's trailer
+# Sparse until written (the file is truncated to the map size), and capped by the budget's map_cap.
+# Spills into a map that had to grow ran 1.3x slower than into one that did not (benchmarks.micro).
+_INITIAL_MAP = 1 << 30
 _PAGE_HEADER = 16  # LMDB's header on the first page of a multi-page (overflow) value
 _ROW_OVERHEAD = 128  # the block's B-tree node, atime row and a session ref, on average
 _DELETE_ROOM = 1 << 20  # the top of the map that only deletes and references may use
@@ -64,11 +89,74 @@ class StoreInUse(ValueError):
     """The store directory is locked by another process (or another open ``DiskTier``)."""
 
 
-def footprint(record_bytes: int, page_size: int) -> int:
+def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
     """Bytes a record takes in the file: whole pages (LMDB stores a large value on pages of its
-    own), plus its rows. What the disk budget counts."""
+    own), plus its head (on a page of its own too) and its rows. What the disk budget counts."""
     pages = -(-(record_bytes + _PAGE_HEADER) // page_size)
+    if head_bytes:
+        pages += -(-(_head_value_bytes(head_bytes, page_size) + _PAGE_HEADER) // page_size)
     return pages * page_size + _ROW_OVERHEAD
+
+
+def _head_value_bytes(head_bytes: int, page_size: int) -> int:
+    """Length of a head's value: its head and offset, padded past LMDB's largest leaf node
+    (under half a page), so that it is stored on an overflow page of its own."""
+    return max(head_bytes + _U64.size, page_size // 2)
+
+
+def _parse_head(value: memoryview | bytes) -> tuple[RecordHeader, int, int]:
+    """Header, record length and record offset from a head's value; ``CorruptRecord`` if damaged."""
+    view = memoryview(value).cast("B")
+    if view.nbytes < _U64.size:
+        raise CorruptRecord(f"head truncated: {view.nbytes} bytes")
+    end = head_end(view)
+    if end + _U64.size > view.nbytes or any(view[end:view.nbytes - _U64.size]):
+        raise CorruptRecord("head's length does not match its value")
+    header, size = decode_head(view[:end])
+    (offset,) = _U64.unpack_from(view, view.nbytes - _U64.size)
+    return header, size, offset
+
+
+def _is_zeroed(value: memoryview | bytes) -> bool:
+    """Zeroed from its start, as ``_scrub`` leaves a record or head (magic first)."""
+    return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
+
+
+_MADV_NORMAL, _MADV_RANDOM, _MADV_WILLNEED = 0, 1, 3
+_OFFSET_UNKNOWN = 2**64 - 1  # a head's offset where the map's address was not known
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return _libc.madvise(start, length, advice) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def _mapping_of(path: str, length: int) -> int | None:
+    """Start address of this process's mapping of ``path`` that is ``length`` bytes long (LMDB's
+    map, whose address py-lmdb does not tell), from /proc/self/maps; None where that is unknown."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and fields[5] == real:
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    if high - low == length:
+                        return low
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _address(buf: memoryview) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
@@ -128,7 +216,13 @@ class Touch:
     stamps: dict[bytes, int]
 
 
-DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch
+@dataclass(slots=True)
+class PutHeads:
+    """Heads for blocks written without one (before heads existed), from ``ScanResult.unindexed``."""
+    heads: dict[bytes, bytes]
+
+
+DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch | PutHeads
 
 
 @dataclass(slots=True)
@@ -140,6 +234,10 @@ class ScanResult:
     scrubbed: list[bytes] = field(default_factory=list)
     sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
+    # Sound records that have no head yet (read in full this once): key -> the head to write.
+    unindexed: dict[bytes, bytes] = field(default_factory=dict)
+    # Heads whose record is gone (a write that never landed whole, an older tierkv's delete).
+    orphans: list[bytes] = field(default_factory=list)
 
 
 def op_size(op: DiskOp) -> int:
@@ -162,6 +260,9 @@ class DiskTier:
         self.env = lmdb.open(self.path, map_size=min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM), max_dbs=8,
                              writemap=True, subdir=True, readahead=False)
         self.page_size = self.env.stat()["psize"]
+        self._map_start = self._find_map()
+        # Where each block's record lies in the file (offset, length), from its head: for prefetch.
+        self._where: dict[bytes, tuple[int, int]] = {}
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
         # Only deletes may grow it further: block writes go to free pages (else every reopen of a
@@ -176,6 +277,8 @@ class DiskTier:
                                  "pass a new or empty directory") from None
             self._check_meta(fresh, block_size)
             self._blocks = self.env.open_db(b"blocks")
+            # Created by the first write where an older store lacks it: opening writes nothing.
+            self._heads: int | None = self._open_db_if_there(b"heads", create=fresh)
             self._sessions = self.env.open_db(b"sessions")
             self._refs = self.env.open_db(b"refs")
             self._atime = self.env.open_db(b"atime")
@@ -269,29 +372,73 @@ class DiskTier:
             raise ValueError(f"{not_a_store} (no tierkv meta record)")
         return {f: meta[f] for f in fields}
 
-    def footprint(self, record_bytes: int) -> int:
-        """Bytes a record of ``record_bytes`` takes in this environment's file."""
-        return footprint(record_bytes, self.page_size)
+    def _open_db_if_there(self, name: bytes, create: bool) -> Any:
+        try:
+            return self.env.open_db(name, create=create)
+        except lmdb.NotFoundError:
+            return None
+
+    def footprint(self, record_bytes: int, head_bytes: int = 0) -> int:
+        """Bytes a record of ``record_bytes`` (of which ``head_bytes`` head) takes in this file."""
+        return footprint(record_bytes, self.page_size, head_bytes)
+
+    def footprint_of(self, header: RecordHeader, record_bytes: int) -> int:
+        """``footprint`` of a record of ``record_bytes`` with ``header`` (a scanned one)."""
+        return self.footprint(record_bytes, record_bytes - header.payload_nbytes - _CHECKSUM_BYTES)
 
     def file_bytes(self) -> int:
         """Bytes of the file in use: the high-water mark of LMDB's pages (free ones included)."""
         return (self.env.info()["last_pgno"] + 1) * self.page_size
 
     # -- reads ----------------------------------------------------------------------------------
+    def _find_map(self) -> int | None:
+        """The map's address, looked up again after every remap (callers hold ``_resize_lock``)."""
+        return _mapping_of(os.path.join(self.path, "data.mdb"), self.env.info()["map_size"])
+
+    def _offset(self, buf: memoryview) -> int:
+        """Where a value returned by this environment lies in its file."""
+        if self._map_start is None:
+            return _OFFSET_UNKNOWN
+        offset = _address(buf) - self._map_start
+        return offset if 0 <= offset < self.env.info()["map_size"] else _OFFSET_UNKNOWN
+
+    def _head(self, record: memoryview | np.ndarray, offset: int) -> bytes:
+        head = bytes(memoryview(record)[:head_end(record)])
+        return head + bytes(max(0, _head_value_bytes(len(head), self.page_size) - len(head) - _U64.size)) \
+            + _U64.pack(offset)
+
     def scan(self) -> ScanResult:
-        """Every block's header, session references and last-use stamps, for rebuilding an index."""
+        """Every block's header, session references and last-use stamps, for rebuilding an index.
+        Reads heads, not records: a damaged record is found when it is read (a counted miss)."""
         result = ScanResult()
         with self._resize_lock, self.env.begin(buffers=True) as txn:
-            for key, value in txn.cursor(db=self._blocks):
+            heads: dict[bytes, memoryview] = {}
+            if self._heads is not None:
+                heads = {bytes(key): value for key, value in txn.cursor(db=self._heads)}
+            for key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
                 key = bytes(key)
+                head = heads.pop(key, None)
+                if head is not None:
+                    try:
+                        header, size, offset = _parse_head(head)
+                        result.headers.append((_under(key, header), size))
+                        if offset != _OFFSET_UNKNOWN:
+                            self._where[key] = (offset, size)
+                        continue
+                    except CorruptRecord:
+                        if _is_zeroed(head):
+                            result.scrubbed.append(key)
+                            continue
+                # No head, or a damaged one: the record's own header decides (read in full, this
+                # once), and the record gets a new head.
+                value = txn.get(key, db=self._blocks)
                 try:
                     header = _under(key, decode_header(value))
                     result.headers.append((header, len(value)))
+                    result.unindexed[key] = self._head(value, self._offset(value))
                 except CorruptRecord:
-                    if bytes(value[:len(MAGIC)]) == bytes(len(MAGIC)):  # zeroed from its start
-                        result.scrubbed.append(key)
-                    else:
-                        result.corrupt.append(key)
+                    (result.scrubbed if _is_zeroed(value) else result.corrupt).append(key)
+            result.orphans = list(heads)
             for sid, value in txn.cursor(db=self._sessions):
                 tenant, name = msgpack.unpackb(bytes(value))
                 result.sessions[bytes(sid)] = (tenant, name, [])
@@ -305,25 +452,59 @@ class DiskTier:
         return result
 
     def verify(self, on_record: Callable[[int], None] | None = None) -> list[tuple[bytes, str]]:
-        """Every record checked in full (header, length, checksum, key), unlike ``scan``, which
-        reads headers only; returns ``(key, reason)`` of the bad ones. ``on_record(record bytes)``
-        is called after each record, for a progress bar. One read transaction: a consistent view."""
+        """Every record checked in full (header, length, checksum, key) and against its head,
+        unlike ``scan``, which reads heads only; returns ``(key, reason)`` of the bad ones, heads
+        without a record among them. ``on_record(record bytes)`` is called after each record, for
+        a progress bar. One read transaction: a consistent view."""
         bad: list[tuple[bytes, str]] = []
         with self._resize_lock, self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor(db=self._blocks):
                 key = bytes(key)
                 try:
                     _under(key, decode(value)[0])
+                    head = txn.get(key, db=self._heads) if self._heads is not None else None
+                    if head is not None and not self._heads_record(head, value):
+                        raise CorruptRecord("its index entry (head) differs from the record")
                 except CorruptRecord as exc:
                     bad.append((key, str(exc)))
                 if on_record is not None:
                     on_record(len(value))
+            if self._heads is not None:
+                cursor = txn.cursor(db=self._blocks)
+                for key in txn.cursor(db=self._heads).iternext(keys=True, values=False):
+                    if not cursor.set_key(key):
+                        bad.append((bytes(key), "an index entry (head) without its record"))
         return bad
+
+    @staticmethod
+    def _heads_record(head: memoryview, record: memoryview) -> bool:
+        try:
+            header, size, _offset = _parse_head(head)
+        except CorruptRecord:
+            return False
+        end = head_end(record)
+        return size == len(record) and bytes(head[:end]) == bytes(record[:end])
+
+    def prefetch(self, keys: Iterable[bytes]) -> None:
+        """Start reading these blocks' records from disk, all at once, without waiting: a hint (a
+        block not found, or whose place is unknown, is skipped). ``load`` then finds the pages
+        read, or on their way."""
+        with self._resize_lock:
+            start = self._map_start
+            if start is None:
+                return
+            page = self.page_size
+            for key in keys:
+                where = self._where.get(key)
+                if where is not None:
+                    begin = (start + where[0]) // page * page
+                    _madvise(begin, start + where[0] + where[1] - begin, _MADV_WILLNEED)
 
     def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
              ) -> tuple[RecordHeader, torch.Tensor]:
         """Read and verify one block into a tensor made by ``empty``. Raises ``KeyError`` if it is
-        absent and ``CorruptRecord`` if it fails any check."""
+        absent and ``CorruptRecord`` if it fails any check. Call ``prefetch`` first when the page
+        cache may not hold the record (one synchronous read per page otherwise)."""
         with self._resize_lock, self.env.begin(buffers=True) as txn:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
@@ -347,10 +528,18 @@ class DiskTier:
     def _apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
         self._reserve(sum(op.record_bytes for op in ops if isinstance(op, PutBlock)))
+        if any(isinstance(op, PutBlock) for op in ops):
+            self._advise_for_writes()
         full = False
         while True:
+            created = self._heads is None
+            placed: dict[bytes, tuple[int, int]] = {}
+            deleted: list[bytes] = []
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
+                    if created:
+                        # A handle opened in a transaction lives only if that transaction commits.
+                        self._heads = self.env.open_db(b"heads", txn=txn)
                     for i, op in enumerate(ops):
                         if isinstance(op, PutBlock):
                             if full:
@@ -367,14 +556,28 @@ class DiskTier:
                             if value.base is not self._scratch and value is not self._scratch:
                                 self._scratch = value
                             txn.put(op.header.key, value, db=self._blocks)
+                            # Where it landed: with writemap LMDB writes a value in its final pages.
+                            offset = self._offset(txn.get(op.header.key, db=self._blocks))
+                            txn.put(op.header.key, self._head(value, offset), db=self._heads)
+                            if offset != _OFFSET_UNKNOWN:
+                                placed[op.header.key] = (offset, len(value))
                         else:
                             self._apply_one(txn, op)
+                            if isinstance(op, DeleteBlocks):
+                                deleted += op.keys
+                for key in deleted:
+                    self._where.pop(key, None)
+                self._where.update(placed)
                 if full:
                     # Back below the room (LMDB keeps the map at least as large as the pages in
                     # use), so that the next batch's block writes cannot take it.
                     self._set_map(self.map_cap - _DELETE_ROOM)
                 return results
-            except lmdb.MapFullError:
+            except BaseException as exc:
+                if created:
+                    self._heads = None
+                if not isinstance(exc, lmdb.MapFullError):
+                    raise
                 results = [None] * len(ops)
                 # Block writes stop short of the cap: deletes and references, which must not be
                 # lost (a lost delete brings forgotten KV back), keep the top of the map.
@@ -394,6 +597,7 @@ class DiskTier:
             for key in op.keys:
                 self._scrub(txn, key)
                 txn.delete(key, db=self._blocks)
+                txn.delete(key, db=self._heads)
                 txn.delete(key, db=self._atime)
             for ref in op.refs:
                 txn.delete(ref, db=self._refs)
@@ -409,20 +613,29 @@ class DiskTier:
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
+        elif isinstance(op, PutHeads):
+            records = txn.cursor(db=self._blocks)  # set_key, unlike get, does not read the record
+            for key, head in op.heads.items():
+                if records.set_key(key):
+                    txn.put(key, head, db=self._heads)
+                    _header, size, offset = _parse_head(head)
+                    if offset != _OFFSET_UNKNOWN:
+                        self._where[key] = (offset, size)
         else:
             raise TypeError(f"unknown disk operation {op!r}")
 
     def _scrub(self, txn: lmdb.Transaction, key: bytes) -> None:
-        """Zero a record's bytes where they lie before deleting it. LMDB is copy-on-write: a delete
-        only moves the pages to the free list, and the KV would stay in the file until the pages
-        are reused. With ``writemap`` the map is the file, writable, so the bytes are overwritten
-        in place. A reader still holding the old snapshot then fails its checksum: a miss. The
-        zeroing reaches the file even if the transaction never commits (the process dies in it):
-        ``scan`` then finds a record zeroed from its start and finishes the delete."""
-        value = txn.get(key, db=self._blocks)
-        if value is not None and len(value):
-            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
-            ctypes.memset(address, 0, len(value))
+        """Zero a block's head, then its record, where they lie before deleting them. LMDB is
+        copy-on-write: a delete only moves the pages to the free list, and the KV (and the token
+        ids in the head) would stay in the file until the pages are reused. With ``writemap`` the
+        map is the file, writable, so the bytes are overwritten in place. A reader still holding
+        the old snapshot then fails its checksum: a miss. The zeroing reaches the file even if the
+        transaction never commits (the process dies in it): ``scan`` then finds the head zeroed
+        from its start (it goes first) and finishes the delete."""
+        for db in (self._heads, self._blocks):
+            value = txn.get(key, db=db) if db is not None else None
+            if value is not None and len(value):
+                ctypes.memset(_address(value), 0, len(value))
 
     def _grow(self, limit: int, at_least: int = 0) -> bool:
         """Grow the map (doubling, up to ``limit``); False when it is already there."""
@@ -432,12 +645,26 @@ class DiskTier:
             if size <= current:
                 return False
             self.env.set_mapsize(size)
+            self._map_start = self._find_map()
             return True
 
     def _set_map(self, size: int) -> None:
         with self._resize_lock:
             if size < self.env.info()["map_size"]:
                 self.env.set_mapsize(size)
+                self._map_start = self._find_map()
+
+    def _advise_for_writes(self) -> None:
+        """Readahead over the map's never-written end, none over the rest (writer thread). Pages
+        faulted in without readahead come one at a time; with it, in large folios: into a fresh
+        store, puts ran 1.7x faster (0.25 s against 0.41 s for 256 MiB). The written part stays
+        MADV_RANDOM, so that a B-tree page or a head read from disk is that page alone."""
+        if self._map_start is None:
+            return
+        length = self.env.info()["map_size"]
+        used = min(self.file_bytes(), length)
+        _madvise(self._map_start, used, _MADV_RANDOM)
+        _madvise(self._map_start + used, length - used, _MADV_NORMAL)
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the map before a batch that would not fit, rather than fail and redo it
