@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import tempfile
 import time
@@ -22,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from tierkv import TieredStore
+
+from .micro import drop_cached
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 hf_logging.set_verbosity_error()
@@ -55,10 +58,16 @@ def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[st
         model(ids[:, :-1], cache=prefix)
 
     tmp = tempfile.mkdtemp(prefix="tierkv-ttft-")
+    cold = os.path.join(tmp, "cold")
+
+    def disk_store(path: str) -> TieredStore:
+        return TieredStore(path, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size)
+
     stores = {
         "device": TieredStore(None, device_budget="8GiB", host_budget="8GiB", block_size=block_size),
         "host": TieredStore(None, device_budget=0, host_budget="8GiB", block_size=block_size),
-        "disk": TieredStore(tmp, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size),
+        "disk": disk_store(os.path.join(tmp, "warm")),
+        "cold": disk_store(cold),
     }
     for store in stores.values():
         cache = store.open(model, ids)
@@ -67,7 +76,14 @@ def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[st
     stores["disk"].close()
     # A restart: a new store on the same directory. Its budgets keep nothing in memory, so every
     # open below reads the blocks from LMDB (through the OS page cache, as a warm restart would).
-    stores["disk"] = TieredStore(tmp, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size)
+    stores["disk"] = disk_store(os.path.join(tmp, "warm"))
+
+    def reboot() -> None:
+        # As after a reboot: the store reopened (outside the timing, as a server opens it when it
+        # starts) on a file none of whose pages the OS still caches.
+        stores["cold"].close()
+        drop_cached(os.path.join(cold, "data.mdb"))
+        stores["cold"] = disk_store(cold)
 
     policies = {
         "recompute": lambda: None,
@@ -75,6 +91,7 @@ def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[st
         "tierkv device": lambda: stores["device"].open(model, ids),
         "tierkv host": lambda: stores["host"].open(model, ids),
         "tierkv disk (after restart)": lambda: stores["disk"].open(model, ids),
+        "tierkv disk (after reboot: cold page cache)": lambda: stores["cold"].open(model, ids),
     }
     times: dict[str, list[float]] = {name: [] for name in policies}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -82,6 +99,9 @@ def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[st
             if make is None:
                 ready = copy.deepcopy(prefix)  # outside the timed region: the floor holds it already
                 t = first_token_seconds(model, ids, lambda: ready)
+            elif "cold" in name:
+                reboot()
+                t = first_token_seconds(model, ids, make)
             else:
                 t = first_token_seconds(model, ids, make)
             times[name].append(t)

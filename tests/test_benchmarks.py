@@ -19,7 +19,8 @@ def run(*args: str) -> str:
 
 def test_ttft_benchmark_reports_every_policy() -> None:
     out = run("-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "1", "--block-size", "16", "--shapes", "small")
-    for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk"):
+    for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk (after restart)",
+                   "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
 
 
@@ -45,7 +46,8 @@ def test_chatbot_example_runs_exact(args: list[str], tmp_path: Path) -> None:
 def test_micro_benchmark_reports_every_figure() -> None:
     out = run("-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
     for figure in ("prefix hashing", "codec encode", "codec decode", "LMDB spill into a new store",
-                   "LMDB spill at the disk budget", "LMDB read", "restore from host"):
+                   "LMDB spill at the disk budget", "LMDB read + verify, 8 MiB (page cache)",
+                   "LMDB read + verify, 8 MiB (cold page cache)", "reopen of that store", "restore from host"):
         assert f"| {figure}" in out
 
 
