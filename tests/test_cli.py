@@ -261,6 +261,33 @@ def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, 
     assert restored == {**FULL, "carol": 16, "dave": 8}
 
 
+def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy: Callable[..., Path],
+                                                             model: torch.nn.Module) -> None:
+    path = copy()
+    env = lmdb.open(str(path), max_dbs=8)
+    heads = env.open_db(b"heads")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=heads)))
+        key, damaged = bytes(key), bytearray(value)
+        damaged[30] ^= 0xFF  # inside the header it copies: the head no longer agrees with its record
+        txn.put(key, bytes(damaged), db=heads)
+    env.close()
+    before = file_digest(path)
+
+    report = run("check", str(path), "--json")
+    assert report.code == 1, report
+    result = json.loads(report.out)
+    assert (result["bad"], result["stale_heads"], result["records"]) == ([], [key.hex()], BLOCKS)
+    assert file_digest(path) == before, "check without --repair wrote to the store"
+
+    repaired = run("check", str(path), "--repair")
+    assert repaired.code == 0 and "rewrote 1 heads from their records" in repaired.out, repaired
+    clean = run("check", str(path), "--json")
+    assert clean.code == 0 and json.loads(clean.out)["stale_heads"] == [], clean
+    restored, stats = reopened(path, model, built)
+    assert stats["corrupt"] == 0 and restored == FULL  # no block was lost to its head
+
+
 def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callable[..., Path],
                                                      model: torch.nn.Module,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,7 +18,8 @@ block size the store was created with; then the store is opened with it, which c
 version and takes the directory's lock, so a store that another process holds is refused rather
 than read or changed under it. ``stats`` and ``check`` open the disk tier alone; ``check``
 without ``--repair`` writes nothing to the store; ``check --repair`` drops the bad records, their
-session references, last-use stamps and the sessions left empty, in one write transaction.
+session references, last-use stamps and the sessions left empty, and rewrites the damaged heads of
+sound records from the records, in one write transaction.
 ``clear`` opens a ``TieredStore`` and calls ``forget``, so sessions, references and the zeroing of
 forgotten records stay exactly as the library keeps them.
 
@@ -39,7 +40,7 @@ import lmdb
 
 from . import __version__
 from .codec import RecordHeader
-from .tiers.disk import DeleteBlocks, DiskTier, DropRefs, ScanResult, StoreInUse
+from .tiers.disk import DeleteBlocks, DiskTier, DropRefs, PutHeads, ScanResult, StoreInUse
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ EXIT_IO = 4
 EXIT_CODES = f"""\
 exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
-  {EXIT_BAD_RECORDS}  check found bad records and did not repair them (demo, bench: a reply differed
+  {EXIT_BAD_RECORDS}  check found bad records or damaged heads and did not repair them (demo, bench: a reply differed
      from recomputation)
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
@@ -205,9 +206,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 # -- check -------------------------------------------------------------------------------------
-def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes]) -> dict[str, int]:
+def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
+           stale: dict[bytes, tuple[bytes, int]] | None = None) -> dict[str, int]:
     """Drop ``bad`` records with their session references and last-use stamps, and the sessions
-    they leave empty, in one write transaction; returns what was dropped."""
+    they leave empty, and rewrite the ``stale`` heads of sound records, in one write transaction;
+    returns what was done."""
     doomed = set(bad)
     refs: list[bytes] = []
     emptied: list[bytes] = []
@@ -217,7 +220,8 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes]) -> dict[str, 
         if held and len(held) == len(keys):
             emptied.append(sid)
     # DeleteBlocks also zeroes the records' bytes, as forget does: a bad record may still hold KV.
-    ops = [DeleteBlocks(list(doomed), refs), *(DropRefs(sid, [], drop_session=True) for sid in emptied)]
+    ops = [DeleteBlocks(list(doomed), refs), *(DropRefs(sid, [], drop_session=True) for sid in emptied),
+           *([PutHeads(dict(stale))] if stale else [])]
     try:
         errors = [e for e in tier.apply(ops) if e is not None]
         tier.sync()
@@ -226,18 +230,24 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes]) -> dict[str, 
     if errors:
         raise CliError(EXIT_IO, f"could not write the repair to {tier.path}: {errors[0]}; nothing was dropped")
     return {"records": len(doomed), "refs": len(refs), "stamps": sum(k in scan.atime for k in doomed),
-            "sessions": len(emptied)}
+            "sessions": len(emptied), "heads": len(stale or {})}
 
 
 def _check_text(r: dict[str, Any]) -> str:
     lines = [f"checked {r['records']} records ({format_bytes(r['bytes'])}) in {r['path']}: {len(r['bad'])} bad"]
     lines += [f"  {b['key']}  {b['reason']}" for b in r["bad"]]
+    if r["stale_heads"]:
+        lines.append(f"{len(r['stale_heads'])} sound records with a damaged index entry (head)")
+        lines += [f"  {key}" for key in r["stale_heads"]]
     if r["dropped"] is not None:
         d = r["dropped"]
         lines.append(f"dropped {d['records']} records, {d['refs']} session references, {d['stamps']} last-use "
                      f"stamps and {d['sessions']} sessions left empty")
-    elif r["bad"]:
-        lines.append("run `tierkv check PATH --repair` to drop them (blocks are a cache: they are recomputed)")
+        if d["heads"]:
+            lines.append(f"rewrote {d['heads']} heads from their records")
+    elif r["bad"] or r["stale_heads"]:
+        lines.append("run `tierkv check PATH --repair` to drop the bad records (blocks are a cache: they are "
+                     "recomputed) and rewrite damaged heads from their records")
     return "\n".join(lines)
 
 
@@ -245,26 +255,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     tier, _meta = _open_tier(args.path)
     try:
         scan = tier.scan()
-        total = {"records": 0, "bytes": 0}
         bar = _progress(len(scan.headers) + len(scan.corrupt), "checking", "record")
-
-        def seen(nbytes: int) -> None:
-            total["records"] += 1
-            total["bytes"] += nbytes
-            bar.update(1)
-
         try:
-            bad = tier.verify(seen)
+            checked = tier.verify(lambda _nbytes: bar.update(1))
         finally:
             bar.close()
-        dropped = repair(tier, scan, [key for key, _ in bad]) if bad and args.repair else None
+        bad = checked.bad
+        faulty = bool(bad or checked.stale)
+        dropped = repair(tier, scan, [key for key, _ in bad], checked.stale) if faulty and args.repair else None
     finally:
         tier.close()
-    report = {"path": os.path.abspath(args.path), **total,
+    report = {"path": os.path.abspath(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
+              "stale_heads": [key.hex() for key in checked.stale],
               "repaired": dropped is not None, "dropped": dropped}
     _emit(args, report, _check_text)
-    return EXIT_BAD_RECORDS if bad and dropped is None else EXIT_OK
+    return EXIT_BAD_RECORDS if faulty and dropped is None else EXIT_OK
 
 
 # -- clear -------------------------------------------------------------------------------------

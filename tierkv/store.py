@@ -55,8 +55,8 @@ from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Touch, dtype_name,
-                         op_size)
+from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
+                         dtype_name, op_size)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
@@ -332,6 +332,10 @@ class TieredStore:
                 if result is None or isinstance(result, BaseException):
                     if isinstance(result, CorruptRecord) and self._index.blocks.get(meta.key) is not meta:
                         pass  # forgotten or evicted meanwhile: its delete zeroed it, a plain miss
+                    elif isinstance(result, Scrubbed):
+                        # A delete a crash cut short left the record zeroed under a surviving head.
+                        logger.debug("tierkv: finished a delete that a crash cut short (%s)", meta.key.hex())
+                        self._drop(meta)
                     elif isinstance(result, CorruptRecord):
                         self._corrupt += 1
                         # Once per store, then counted: a damaged disk must not flood the log.
@@ -427,8 +431,9 @@ class TieredStore:
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:
         if header.fingerprint != fingerprint:
             raise CorruptRecord("record belongs to another model fingerprint")
-        if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes():
-            raise CorruptRecord("record's tenant or token ids differ from its index entry")
+        if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes() or \
+                header.parent != meta.parent or header.payload_nbytes != meta.nbytes:
+            raise CorruptRecord("record's tenant, token ids, parent or size differ from its index entry")
 
     def _promote(self, meta: BlockMeta, device_job: Job[Any], host_job: Job[Any]) -> None:
         """Rest a hit block on the device if it fits there, else in the host tier. Never waits:
@@ -900,15 +905,16 @@ class TieredStore:
         # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose
         # write never landed: gone in one write.
         known = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
-        orphans = set(scan.orphans)
-        doomed = [*scan.corrupt, *scan.scrubbed, *orphans, *(k for k in scan.atime if k not in known | orphans)]
+        gone = known | set(scan.orphans)
+        doomed = [*scan.corrupt, *scan.scrubbed, *scan.orphans, *(k for k in scan.atime if k not in gone)]
         if doomed:
             self._submit(DeleteBlocks(doomed))
-        if scan.unindexed:
-            # Records without a head were read in full by this scan; with one, the next is not.
-            self._submit(PutHeads(scan.unindexed))
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
+        heads = {k: head for k, head in scan.unindexed.items() if k in self._index.blocks}
+        if heads:
+            # Records without a sound head were read in full by this scan; with one, the next is not.
+            self._submit(PutHeads(heads))
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:

@@ -2,8 +2,8 @@
 
 Sub-databases:
     blocks    key(16) -> codec record (header + raw KV bytes + checksum)
-    heads     key(16) -> the record's head (its bytes up to the payload), zeros, u64 offset of the
-                        record in the file; written and deleted with the record
+    heads     key(16) -> the record's head (its bytes up to the payload) and where the record lies
+                        in the file (``heads.py``); written and deleted with the record
     sessions  sid(16) -> msgpack [tenant, session name]
     refs      sid(16) + key(16) -> b""          (which blocks a session references)
     atime     key(16) -> u64 little-endian      (last use, to rebuild LRU order on reopen)
@@ -14,10 +14,7 @@ faults happen with the GIL released): reading a record's header from ``blocks`` 
 record from disk. Rebuilding the index from ``blocks`` read the entire store at every reopen (1 GiB
 in 20 s from a cold page cache); from ``heads`` it reads a few MiB. A block without a head (written
 before heads existed) is read in full once and given one. Readers trust a head only as far as the
-record's own verified header agrees with it (the store compares them on every read). A head is
-padded to more than half a page, so that LMDB stores it on a page of its own, as it does a record:
-a small value lives in a B-tree leaf, which every change to the leaf copies, and the copies left
-on the free list would keep a forgotten conversation's token ids where ``_scrub`` cannot reach.
+record's own verified header agrees with it (the store compares them on every read).
 
 Reads from a cold page cache: the map is advised MADV_RANDOM (py-lmdb's ``readahead=False``), so
 touching a B-tree page or a head reads that page alone (this VM's block device reads ahead 8 MiB
@@ -46,7 +43,6 @@ machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import struct
 import threading
@@ -64,25 +60,33 @@ import msgpack
 import numpy as np
 import torch
 
-from ..codec import (FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_head, decode_header,
-                     decode_into, encode_array, head_end)
+from ..codec import FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
+from . import heads as index_entry
+from . import vm
+from .heads import OFFSET_UNKNOWN
 
 _META_KEY = b"tierkv"
 _LOCK_FILE = "tierkv.lock"
 _U64 = struct.Struct("<Q")
 _CHECKSUM_BYTES = 8  # the codec's trailer
-# Sparse until written (the file is truncated to the map size), and capped by the budget's map_cap.
-# Spills into a map that had to grow ran 1.3x slower than into one that did not (benchmarks.micro).
-_INITIAL_MAP = 1 << 30
+# Small: with writemap the file is truncated to the map's size, and tools that copy or read a store
+# naively (cp, a checksum) then handle all of it; a 1 GiB start made a new store's first spill only
+# 1.3x faster, and the test suite's copies of small stores several times slower.
+_INITIAL_MAP = 64 << 20
 _PAGE_HEADER = 16  # LMDB's header on the first page of a multi-page (overflow) value
-_ROW_OVERHEAD = 128  # the block's B-tree node, atime row and a session ref, on average
+_ROW_OVERHEAD = 160  # the block's B-tree nodes (blocks, heads), atime row and a session ref, on average
 _DELETE_ROOM = 1 << 20  # the top of the map that only deletes and references may use
 
 
 class DiskFull(RuntimeError):
     """A block write that did not fit in the LMDB map at its cap; the block stays in memory."""
+
+
+class Scrubbed(CorruptRecord):
+    """A record zeroed by a delete that a crash cut short (its head may have survived it when the
+    OS wrote the file's pages back out of order): a plain miss, not damage."""
 
 
 class StoreInUse(ValueError):
@@ -94,69 +98,13 @@ def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
     own), plus its head (on a page of its own too) and its rows. What the disk budget counts."""
     pages = -(-(record_bytes + _PAGE_HEADER) // page_size)
     if head_bytes:
-        pages += -(-(_head_value_bytes(head_bytes, page_size) + _PAGE_HEADER) // page_size)
+        pages += -(-(index_entry.value_bytes(head_bytes, page_size) + _PAGE_HEADER) // page_size)
     return pages * page_size + _ROW_OVERHEAD
-
-
-def _head_value_bytes(head_bytes: int, page_size: int) -> int:
-    """Length of a head's value: its head and offset, padded past LMDB's largest leaf node
-    (under half a page), so that it is stored on an overflow page of its own."""
-    return max(head_bytes + _U64.size, page_size // 2)
-
-
-def _parse_head(value: memoryview | bytes) -> tuple[RecordHeader, int, int]:
-    """Header, record length and record offset from a head's value; ``CorruptRecord`` if damaged."""
-    view = memoryview(value).cast("B")
-    if view.nbytes < _U64.size:
-        raise CorruptRecord(f"head truncated: {view.nbytes} bytes")
-    end = head_end(view)
-    if end + _U64.size > view.nbytes or any(view[end:view.nbytes - _U64.size]):
-        raise CorruptRecord("head's length does not match its value")
-    header, size = decode_head(view[:end])
-    (offset,) = _U64.unpack_from(view, view.nbytes - _U64.size)
-    return header, size, offset
 
 
 def _is_zeroed(value: memoryview | bytes) -> bool:
     """Zeroed from its start, as ``_scrub`` leaves a record or head (magic first)."""
     return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
-
-
-_MADV_NORMAL, _MADV_RANDOM, _MADV_WILLNEED = 0, 1, 3
-_OFFSET_UNKNOWN = 2**64 - 1  # a head's offset where the map's address was not known
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise(start: int, length: int, advice: int) -> bool:
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return _libc.madvise(start, length, advice) == 0
-    except (OSError, AttributeError, TypeError):
-        return False
-
-
-def _mapping_of(path: str, length: int) -> int | None:
-    """Start address of this process's mapping of ``path`` that is ``length`` bytes long (LMDB's
-    map, whose address py-lmdb does not tell), from /proc/self/maps; None where that is unknown."""
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.rstrip("\n").split(maxsplit=5)
-                if len(fields) == 6 and fields[5] == real:
-                    low, high = (int(x, 16) for x in fields[0].split("-"))
-                    if high - low == length:
-                        return low
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _address(buf: memoryview) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
@@ -218,11 +166,21 @@ class Touch:
 
 @dataclass(slots=True)
 class PutHeads:
-    """Heads for blocks written without one (before heads existed), from ``ScanResult.unindexed``."""
-    heads: dict[bytes, bytes]
+    """Heads for sound blocks that lack one (written before heads existed) or whose head was
+    damaged: key -> (the record's head, its offset), from ``ScanResult.unindexed``. Optional
+    writes: skipped, like block writes, when the map is at its cap."""
+    heads: dict[bytes, tuple[bytes, int]]
 
 
 DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch | PutHeads
+
+
+@dataclass(slots=True)
+class CheckResult:
+    bad: list[tuple[bytes, str]] = field(default_factory=list)  # records to drop, and heads without one
+    stale: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)  # sound records' damaged heads
+    records: int = 0
+    record_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -234,8 +192,8 @@ class ScanResult:
     scrubbed: list[bytes] = field(default_factory=list)
     sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
-    # Sound records that have no head yet (read in full this once): key -> the head to write.
-    unindexed: dict[bytes, bytes] = field(default_factory=dict)
+    # Sound records without a sound head (read in full this once): key -> (head, offset) to write.
+    unindexed: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
     # Heads whose record is gone (a write that never landed whole, an older tierkv's delete).
     orphans: list[bytes] = field(default_factory=list)
 
@@ -257,10 +215,15 @@ class DiskTier:
         self._resize_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.map_cap = budget + slack(budget)
-        self.env = lmdb.open(self.path, map_size=min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM), max_dbs=8,
-                             writemap=True, subdir=True, readahead=False)
+        # An existing file is opened at its own size: with writemap LMDB truncates the file to the
+        # map, and opening a store (for ``tierkv check`` say) must not grow it.
+        initial = min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM) if fresh else \
+            os.path.getsize(os.path.join(self.path, "data.mdb"))
+        self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True, readahead=False)
         self.page_size = self.env.stat()["psize"]
         self._map_start = self._find_map()
+        # The same file as LMDB's, for punching the pages of deleted records out of it.
+        self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         # Where each block's record lies in the file (offset, length), from its head: for prefetch.
         self._where: dict[bytes, tuple[int, int]] = {}
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
@@ -284,6 +247,7 @@ class DiskTier:
             self._atime = self.env.open_db(b"atime")
         except BaseException:
             self.env.close()
+            os.close(self._data_fd)
             self._unlock()
             raise
 
@@ -393,19 +357,16 @@ class DiskTier:
     # -- reads ----------------------------------------------------------------------------------
     def _find_map(self) -> int | None:
         """The map's address, looked up again after every remap (callers hold ``_resize_lock``)."""
-        return _mapping_of(os.path.join(self.path, "data.mdb"), self.env.info()["map_size"])
+        return vm.mapping_of(os.path.join(self.path, "data.mdb"), self.env.info()["map_size"])
 
     def _offset(self, buf: memoryview) -> int:
-        """Where a value returned by this environment lies in its file."""
-        if self._map_start is None:
-            return _OFFSET_UNKNOWN
-        offset = _address(buf) - self._map_start
-        return offset if 0 <= offset < self.env.info()["map_size"] else _OFFSET_UNKNOWN
-
-    def _head(self, record: memoryview | np.ndarray, offset: int) -> bytes:
-        head = bytes(memoryview(record)[:head_end(record)])
-        return head + bytes(max(0, _head_value_bytes(len(head), self.page_size) - len(head) - _U64.size)) \
-            + _U64.pack(offset)
+        """Where a value returned by this environment lies in its file: known for values on pages of
+        their own (overflow pages stay where LMDB put them until the value is deleted), not for the
+        small ones stored inside a B-tree leaf, which moves with every change to the leaf."""
+        if self._map_start is None or len(buf) < self.page_size // 2:
+            return OFFSET_UNKNOWN
+        offset = vm.address(buf) - self._map_start
+        return offset if 0 <= offset and offset + len(buf) <= self.env.info()["map_size"] else OFFSET_UNKNOWN
 
     def scan(self) -> ScanResult:
         """Every block's header, session references and last-use stamps, for rebuilding an index.
@@ -415,27 +376,29 @@ class DiskTier:
             heads: dict[bytes, memoryview] = {}
             if self._heads is not None:
                 heads = {bytes(key): value for key, value in txn.cursor(db=self._heads)}
+            used = self.file_bytes()
             for key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
                 key = bytes(key)
                 head = heads.pop(key, None)
                 if head is not None:
+                    if _is_zeroed(head):
+                        result.scrubbed.append(key)
+                        continue
                     try:
-                        header, size, offset = _parse_head(head)
+                        header, size, offset = index_entry.decode(head)
                         result.headers.append((_under(key, header), size))
-                        if offset != _OFFSET_UNKNOWN:
+                        if offset != OFFSET_UNKNOWN and offset + size <= used:
                             self._where[key] = (offset, size)
                         continue
                     except CorruptRecord:
-                        if _is_zeroed(head):
-                            result.scrubbed.append(key)
-                            continue
+                        pass
                 # No head, or a damaged one: the record's own header decides (read in full, this
                 # once), and the record gets a new head.
                 value = txn.get(key, db=self._blocks)
                 try:
                     header = _under(key, decode_header(value))
                     result.headers.append((header, len(value)))
-                    result.unindexed[key] = self._head(value, self._offset(value))
+                    result.unindexed[key] = (index_entry.head_of(value), self._offset(value))
                 except CorruptRecord:
                     (result.scrubbed if _is_zeroed(value) else result.corrupt).append(key)
             result.orphans = list(heads)
@@ -451,12 +414,14 @@ class DiskTier:
                 result.atime[bytes(key)] = _U64.unpack(value)[0]
         return result
 
-    def verify(self, on_record: Callable[[int], None] | None = None) -> list[tuple[bytes, str]]:
-        """Every record checked in full (header, length, checksum, key) and against its head,
-        unlike ``scan``, which reads heads only; returns ``(key, reason)`` of the bad ones, heads
-        without a record among them. ``on_record(record bytes)`` is called after each record, for
-        a progress bar. One read transaction: a consistent view."""
-        bad: list[tuple[bytes, str]] = []
+    def verify(self, on_record: Callable[[int], None] | None = None) -> CheckResult:
+        """Every record checked in full (header, length, checksum, key), and its head against it,
+        unlike ``scan``, which reads heads only. ``bad``: the records to drop, and heads without a
+        record; ``stale``: sound records whose head is damaged or differs (rewritten by
+        ``PutHeads``). A record without any head is sound (``scan`` gives it one). ``on_record(record
+        bytes)`` is called after each record, for a progress bar. One read transaction: a
+        consistent view."""
+        result = CheckResult()
         with self._resize_lock, self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor(db=self._blocks):
                 key = bytes(key)
@@ -464,26 +429,27 @@ class DiskTier:
                     _under(key, decode(value)[0])
                     head = txn.get(key, db=self._heads) if self._heads is not None else None
                     if head is not None and not self._heads_record(head, value):
-                        raise CorruptRecord("its index entry (head) differs from the record")
+                        result.stale[key] = (index_entry.head_of(value), self._offset(value))
                 except CorruptRecord as exc:
-                    bad.append((key, str(exc)))
+                    result.bad.append((key, str(exc)))
+                result.records += 1
+                result.record_bytes += len(value)
                 if on_record is not None:
                     on_record(len(value))
             if self._heads is not None:
                 cursor = txn.cursor(db=self._blocks)
                 for key in txn.cursor(db=self._heads).iternext(keys=True, values=False):
                     if not cursor.set_key(key):
-                        bad.append((bytes(key), "an index entry (head) without its record"))
-        return bad
+                        result.bad.append((bytes(key), "an index entry (head) without its record"))
+        return result
 
-    @staticmethod
-    def _heads_record(head: memoryview, record: memoryview) -> bool:
+    def _heads_record(self, head: memoryview, record: memoryview) -> bool:
         try:
-            header, size, _offset = _parse_head(head)
+            _header, size, offset = index_entry.decode(head)
         except CorruptRecord:
             return False
-        end = head_end(record)
-        return size == len(record) and bytes(head[:end]) == bytes(record[:end])
+        return size == len(record) and index_entry.head_of(head) == index_entry.head_of(record) and \
+            offset in (OFFSET_UNKNOWN, self._offset(record))
 
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Start reading these blocks' records from disk, all at once, without waiting: a hint (a
@@ -498,7 +464,7 @@ class DiskTier:
                 where = self._where.get(key)
                 if where is not None:
                     begin = (start + where[0]) // page * page
-                    _madvise(begin, start + where[0] + where[1] - begin, _MADV_WILLNEED)
+                    vm.madvise(begin, start + where[0] + where[1] - begin, vm.MADV_WILLNEED)
 
     def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
              ) -> tuple[RecordHeader, torch.Tensor]:
@@ -509,6 +475,8 @@ class DiskTier:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
                 raise KeyError(key)
+            if _is_zeroed(buf):
+                raise Scrubbed("record zeroed by a delete")
             made: list[torch.Tensor] = []
 
             def destination(header: RecordHeader) -> memoryview:
@@ -533,8 +501,8 @@ class DiskTier:
         full = False
         while True:
             created = self._heads is None
-            placed: dict[bytes, tuple[int, int]] = {}
-            deleted: list[bytes] = []
+            # (key, place or None for a delete), in the batch's order, applied once it commits.
+            moves: list[tuple[bytes, tuple[int, int] | None]] = []
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
                     if created:
@@ -558,16 +526,21 @@ class DiskTier:
                             txn.put(op.header.key, value, db=self._blocks)
                             # Where it landed: with writemap LMDB writes a value in its final pages.
                             offset = self._offset(txn.get(op.header.key, db=self._blocks))
-                            txn.put(op.header.key, self._head(value, offset), db=self._heads)
-                            if offset != _OFFSET_UNKNOWN:
-                                placed[op.header.key] = (offset, len(value))
+                            txn.put(op.header.key, index_entry.encode(index_entry.head_of(value), offset,
+                                                                      self.page_size), db=self._heads)
+                            moves.append((op.header.key, (offset, len(value)) if offset != OFFSET_UNKNOWN else None))
+                        elif isinstance(op, PutHeads):
+                            if not full:
+                                moves += self._put_heads(txn, op)
                         else:
                             self._apply_one(txn, op)
                             if isinstance(op, DeleteBlocks):
-                                deleted += op.keys
-                for key in deleted:
-                    self._where.pop(key, None)
-                self._where.update(placed)
+                                moves += [(key, None) for key in op.keys]
+                for key, where in moves:
+                    if where is None:
+                        self._where.pop(key, None)
+                    else:
+                        self._where[key] = where
                 if full:
                     # Back below the room (LMDB keeps the map at least as large as the pages in
                     # use), so that the next batch's block writes cannot take it.
@@ -613,16 +586,19 @@ class DiskTier:
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
-        elif isinstance(op, PutHeads):
-            records = txn.cursor(db=self._blocks)  # set_key, unlike get, does not read the record
-            for key, head in op.heads.items():
-                if records.set_key(key):
-                    txn.put(key, head, db=self._heads)
-                    _header, size, offset = _parse_head(head)
-                    if offset != _OFFSET_UNKNOWN:
-                        self._where[key] = (offset, size)
         else:
             raise TypeError(f"unknown disk operation {op!r}")
+
+    def _put_heads(self, txn: lmdb.Transaction, op: PutHeads) -> list[tuple[bytes, tuple[int, int] | None]]:
+        moves: list[tuple[bytes, tuple[int, int] | None]] = []
+        records = txn.cursor(db=self._blocks)  # set_key, unlike get, does not read the record
+        for key, (head, offset) in op.heads.items():
+            if records.set_key(key):
+                value = index_entry.encode(head, offset, self.page_size)
+                txn.put(key, value, db=self._heads)
+                size = index_entry.decode(value)[1]
+                moves.append((key, (offset, size) if offset != OFFSET_UNKNOWN else None))
+        return moves
 
     def _scrub(self, txn: lmdb.Transaction, key: bytes) -> None:
         """Zero a block's head, then its record, where they lie before deleting them. LMDB is
@@ -631,11 +607,47 @@ class DiskTier:
         map is the file, writable, so the bytes are overwritten in place. A reader still holding
         the old snapshot then fails its checksum: a miss. The zeroing reaches the file even if the
         transaction never commits (the process dies in it): ``scan`` then finds the head zeroed
-        from its start (it goes first) and finishes the delete."""
-        for db in (self._heads, self._blocks):
-            value = txn.get(key, db=db) if db is not None else None
-            if value is not None and len(value):
-                ctypes.memset(_address(value), 0, len(value))
+        from its start (it goes first) and finishes the delete.
+
+        A record whose place its head gives is not read to be zeroed: its whole pages are punched
+        out of the file (they read as zeros, and cost neither a read of a cold record nor a write of
+        megabytes of zeros: evictions at the disk budget did both), the ends of its first and last
+        page zeroed in place. The place is trusted only if the record found there begins with the
+        head's own bytes, its key among them."""
+        head = txn.get(key, db=self._heads) if self._heads is not None else None
+        expected = None
+        if head is not None and len(head):
+            try:
+                expected = index_entry.head_of(head)
+            except CorruptRecord:
+                pass
+            ctypes.memset(vm.address(head), 0, len(head))
+        where = self._where.get(key)
+        if expected is not None and where is not None and self._punch(where, expected):
+            return
+        value = txn.get(key, db=self._blocks)
+        if value is not None and len(value):
+            ctypes.memset(vm.address(value), 0, len(value))
+
+    def _punch(self, where: tuple[int, int], expected: bytes) -> bool:
+        """Zero the record at ``where`` (offset, length) if it begins with ``expected``; False if
+        it does not, or its place is outside the map (the caller then zeroes it through LMDB)."""
+        offset, length = where
+        if self._map_start is None or self._data_fd is None or len(expected) > length or \
+                offset + length > (self.env.info()["last_pgno"] + 1) * self.page_size:
+            return False
+        start = self._map_start + offset
+        if ctypes.string_at(start, len(expected)) != expected:
+            return False
+        page = self.page_size
+        first, last = -(-offset // page) * page, (offset + length) // page * page
+        if last <= first or not vm.punch_hole(self._data_fd, first, last - first):
+            ctypes.memset(start, 0, length)
+            return True
+        # The first page begins with LMDB's own page header, which the delete still reads.
+        ctypes.memset(start, 0, first - offset)
+        ctypes.memset(self._map_start + last, 0, offset + length - last)
+        return True
 
     def _grow(self, limit: int, at_least: int = 0) -> bool:
         """Grow the map (doubling, up to ``limit``); False when it is already there."""
@@ -663,8 +675,8 @@ class DiskTier:
             return
         length = self.env.info()["map_size"]
         used = min(self.file_bytes(), length)
-        _madvise(self._map_start, used, _MADV_RANDOM)
-        _madvise(self._map_start + used, length - used, _MADV_NORMAL)
+        vm.madvise(self._map_start, used, vm.MADV_RANDOM)
+        vm.madvise(self._map_start + used, length - used, vm.MADV_NORMAL)
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the map before a batch that would not fit, rather than fail and redo it
@@ -679,4 +691,7 @@ class DiskTier:
 
     def close(self) -> None:
         self.env.close()
+        if self._data_fd is not None:
+            os.close(self._data_fd)
+            self._data_fd = None
         self._unlock()

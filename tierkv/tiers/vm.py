@@ -1,0 +1,64 @@
+"""What the disk tier asks of the OS about LMDB's memory map and file (Linux). Every call is a
+hint or an optimisation with a fallback: each returns False (or None) where the OS cannot do it,
+and the caller then does the plain thing. py-lmdb does not tell the map's address; /proc does."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+import numpy as np
+
+MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        _libc = libc
+    return _libc
+
+
+def madvise(start: int, length: int, advice: int) -> bool:
+    try:
+        return _c().madvise(start, length, advice) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Deallocate a page-aligned range of a file: it reads as zeros, costs no write."""
+    try:
+        return _c().fallocate(fd, _FALLOC_PUNCH_HOLE, offset, length) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def mapping_of(path: str, length: int) -> int | None:
+    """Start address of this process's shared mapping of ``path`` that spans ``length`` bytes
+    (the kernel rounds a mapping up to whole pages), or None."""
+    span = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and fields[5] == real:
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    if high - low == span:
+                        return low
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def address(buf: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
