@@ -288,6 +288,26 @@ def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy:
     assert stats["corrupt"] == 0 and restored == FULL  # no block was lost to its head
 
 
+def test_check_repair_finishes_a_forget_that_a_crash_cut_short(built: Built, copy: Callable[..., Path],
+                                                               model: torch.nn.Module) -> None:
+    # A SIGKILL between zeroing a block's head and its record: the record is sound, the head gone.
+    # Rewriting the head from the record would bring a forgotten block back; it must be dropped.
+    path = copy()
+    env = lmdb.open(str(path), max_dbs=8)
+    heads = env.open_db(b"heads")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=heads)))
+        key = bytes(key)
+        txn.put(key, bytes(len(value)), db=heads)
+    env.close()
+    report = run("check", str(path), "--json")
+    assert report.code == 1, report
+    result = json.loads(report.out)
+    assert result["stale_heads"] == [] and [b["key"] for b in result["bad"]] == [key.hex()]
+    assert run("check", str(path), "--repair").code == 0
+    assert key not in records(path)
+
+
 def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callable[..., Path],
                                                      model: torch.nn.Module,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

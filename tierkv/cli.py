@@ -229,8 +229,10 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
         errors = [exc]
     if errors:
         raise CliError(EXIT_IO, f"could not write the repair to {tier.path}: {errors[0]}; nothing was dropped")
+    # Heads are optional writes, skipped when the map is at its cap: count those that landed.
+    unindexed = tier.scan().unindexed if stale else {}
     return {"records": len(doomed), "refs": len(refs), "stamps": sum(k in scan.atime for k in doomed),
-            "sessions": len(emptied), "heads": len(stale or {})}
+            "sessions": len(emptied), "heads": sum(k not in unindexed for k in stale or {})}
 
 
 def _check_text(r: dict[str, Any]) -> str:

@@ -76,6 +76,8 @@ _CHECKSUM_BYTES = 8  # the codec's trailer
 # 1.3x faster, and the test suite's copies of small stores several times slower.
 _INITIAL_MAP = 64 << 20
 _PAGE_HEADER = 16  # LMDB's header on the first page of a multi-page (overflow) value
+_OVERFLOW_HEADER = struct.Struct("<QHHI")  # that header: page number, pad, flags, pages (LMDB 0.9, 64-bit)
+_P_OVERFLOW = 0x04
 _ROW_OVERHEAD = 160  # the block's B-tree nodes (blocks, heads), atime row and a session ref, on average
 _DELETE_ROOM = 1 << 20  # the top of the map that only deletes and references may use
 
@@ -196,6 +198,17 @@ class ScanResult:
     unindexed: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
     # Heads whose record is gone (a write that never landed whole, an older tierkv's delete).
     orphans: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One ``apply``'s bookkeeping, across the attempts a ``MapFullError`` makes it repeat."""
+    # This attempt's changes of place, by key (None: deleted, or its place unknown); applied to
+    # ``_where`` once the transaction commits.
+    moves: dict[bytes, tuple[int, int] | None] = field(default_factory=dict)
+    # Records zeroed in place by an attempt: an aborted transaction does not undo that (the map is
+    # the file), so a retry finds them zeroed already.
+    zeroed: set[bytes] = field(default_factory=set)
 
 
 def op_size(op: DiskOp) -> int:
@@ -428,6 +441,9 @@ class DiskTier:
                 try:
                     _under(key, decode(value)[0])
                     head = txn.get(key, db=self._heads) if self._heads is not None else None
+                    if head is not None and _is_zeroed(head):
+                        # A forget that a crash cut short: it must be finished, never undone.
+                        raise CorruptRecord("its head was zeroed by a delete that did not finish")
                     if head is not None and not self._heads_record(head, value):
                         result.stale[key] = (index_entry.head_of(value), self._offset(value))
                 except CorruptRecord as exc:
@@ -448,8 +464,9 @@ class DiskTier:
             _header, size, offset = index_entry.decode(head)
         except CorruptRecord:
             return False
+        known = self._offset(record)  # unknown where the map's address is (no /proc)
         return size == len(record) and index_entry.head_of(head) == index_entry.head_of(record) and \
-            offset in (OFFSET_UNKNOWN, self._offset(record))
+            (offset == known or OFFSET_UNKNOWN in (offset, known))
 
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Start reading these blocks' records from disk, all at once, without waiting: a hint (a
@@ -499,10 +516,10 @@ class DiskTier:
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
         full = False
+        batch = _Batch()
         while True:
             created = self._heads is None
-            # (key, place or None for a delete), in the batch's order, applied once it commits.
-            moves: list[tuple[bytes, tuple[int, int] | None]] = []
+            batch.moves = {}
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
                     if created:
@@ -523,20 +540,13 @@ class DiskTier:
                                 continue
                             if value.base is not self._scratch and value is not self._scratch:
                                 self._scratch = value
-                            txn.put(op.header.key, value, db=self._blocks)
-                            # Where it landed: with writemap LMDB writes a value in its final pages.
-                            offset = self._offset(txn.get(op.header.key, db=self._blocks))
-                            txn.put(op.header.key, index_entry.encode(index_entry.head_of(value), offset,
-                                                                      self.page_size), db=self._heads)
-                            moves.append((op.header.key, (offset, len(value)) if offset != OFFSET_UNKNOWN else None))
+                            self._put_record(txn, op.header.key, value, batch)
                         elif isinstance(op, PutHeads):
                             if not full:
-                                moves += self._put_heads(txn, op)
+                                self._put_heads(txn, op, batch)
                         else:
-                            self._apply_one(txn, op)
-                            if isinstance(op, DeleteBlocks):
-                                moves += [(key, None) for key in op.keys]
-                for key, where in moves:
+                            self._apply_one(txn, op, batch)
+                for key, where in batch.moves.items():
                     if where is None:
                         self._where.pop(key, None)
                     else:
@@ -565,13 +575,25 @@ class DiskTier:
                 if not self._grow(self.map_cap):
                     raise
 
-    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp) -> None:
+    def _put_record(self, txn: lmdb.Transaction, key: bytes, value: np.ndarray, batch: _Batch) -> None:
+        if txn.cursor(db=self._blocks).set_key(key):
+            # Written again (after a delete that failed, say): LMDB would leave the old record's
+            # pages on the free list as they are.
+            self._scrub(txn, key, batch)
+        txn.put(key, value, db=self._blocks)
+        # Where it landed: with writemap LMDB writes a value in its final pages.
+        offset = self._offset(txn.get(key, db=self._blocks))
+        txn.put(key, index_entry.encode(index_entry.head_of(value), offset, self.page_size), db=self._heads)
+        batch.moves[key] = (offset, len(value)) if offset != OFFSET_UNKNOWN else None
+
+    def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, batch: _Batch) -> None:
         if isinstance(op, DeleteBlocks):
             for key in op.keys:
-                self._scrub(txn, key)
+                self._scrub(txn, key, batch)
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._heads)
                 txn.delete(key, db=self._atime)
+                batch.moves[key] = None
             for ref in op.refs:
                 txn.delete(ref, db=self._refs)
         elif isinstance(op, PutRefs):
@@ -589,18 +611,16 @@ class DiskTier:
         else:
             raise TypeError(f"unknown disk operation {op!r}")
 
-    def _put_heads(self, txn: lmdb.Transaction, op: PutHeads) -> list[tuple[bytes, tuple[int, int] | None]]:
-        moves: list[tuple[bytes, tuple[int, int] | None]] = []
+    def _put_heads(self, txn: lmdb.Transaction, op: PutHeads, batch: _Batch) -> None:
         records = txn.cursor(db=self._blocks)  # set_key, unlike get, does not read the record
         for key, (head, offset) in op.heads.items():
             if records.set_key(key):
                 value = index_entry.encode(head, offset, self.page_size)
                 txn.put(key, value, db=self._heads)
                 size = index_entry.decode(value)[1]
-                moves.append((key, (offset, size) if offset != OFFSET_UNKNOWN else None))
-        return moves
+                batch.moves[key] = (offset, size) if offset != OFFSET_UNKNOWN else None
 
-    def _scrub(self, txn: lmdb.Transaction, key: bytes) -> None:
+    def _scrub(self, txn: lmdb.Transaction, key: bytes, batch: _Batch) -> None:
         """Zero a block's head, then its record, where they lie before deleting them. LMDB is
         copy-on-write: a delete only moves the pages to the free list, and the KV (and the token
         ids in the head) would stay in the file until the pages are reused. With ``writemap`` the
@@ -609,11 +629,11 @@ class DiskTier:
         transaction never commits (the process dies in it): ``scan`` then finds the head zeroed
         from its start (it goes first) and finishes the delete.
 
-        A record whose place its head gives is not read to be zeroed: its whole pages are punched
-        out of the file (they read as zeros, and cost neither a read of a cold record nor a write of
-        megabytes of zeros: evictions at the disk budget did both), the ends of its first and last
-        page zeroed in place. The place is trusted only if the record found there begins with the
-        head's own bytes, its key among them."""
+        A record whose place is known is not read to be zeroed: its whole pages are zeroed in the
+        file (``vm.zero_range``: no data written, blocks kept allocated so that reusing them
+        cannot fail for want of space), the ends of its first and last page in place. Zeroing a
+        cold record through the map read it page by page first: evictions at the disk budget,
+        whose victims are the coldest blocks, ran 10x slower."""
         head = txn.get(key, db=self._heads) if self._heads is not None else None
         expected = None
         if head is not None and len(head):
@@ -622,26 +642,33 @@ class DiskTier:
             except CorruptRecord:
                 pass
             ctypes.memset(vm.address(head), 0, len(head))
-        where = self._where.get(key)
-        if expected is not None and where is not None and self._punch(where, expected):
-            return
-        value = txn.get(key, db=self._blocks)
-        if value is not None and len(value):
-            ctypes.memset(vm.address(value), 0, len(value))
+        if key in batch.zeroed and key not in batch.moves:
+            return  # zeroed by an attempt that did not commit; still this committed record
+        where = batch.moves[key] if key in batch.moves else self._where.get(key)
+        if expected is None or where is None or not self._zero_in_file(where, expected):
+            value = txn.get(key, db=self._blocks)
+            if value is not None and len(value):
+                ctypes.memset(vm.address(value), 0, len(value))
+        batch.zeroed.add(key)
 
-    def _punch(self, where: tuple[int, int], expected: bytes) -> bool:
-        """Zero the record at ``where`` (offset, length) if it begins with ``expected``; False if
-        it does not, or its place is outside the map (the caller then zeroes it through LMDB)."""
+    def _zero_in_file(self, where: tuple[int, int], expected: bytes) -> bool:
+        """Zero the record at ``where`` (offset, length); False, touching nothing, unless LMDB's
+        header of the overflow pages just before it names exactly those pages and the record there
+        begins with ``expected`` (its head, its key among the bytes)."""
         offset, length = where
+        page = self.page_size
+        first_page = offset - _PAGE_HEADER
         if self._map_start is None or self._data_fd is None or len(expected) > length or \
-                offset + length > (self.env.info()["last_pgno"] + 1) * self.page_size:
+                first_page % page or offset + length > (self.env.info()["last_pgno"] + 1) * page:
             return False
         start = self._map_start + offset
+        pgno, _pad, flags, pages = _OVERFLOW_HEADER.unpack(ctypes.string_at(start - _PAGE_HEADER, _PAGE_HEADER))
+        if pgno != first_page // page or not flags & _P_OVERFLOW or pages != -(-(length + _PAGE_HEADER) // page):
+            return False
         if ctypes.string_at(start, len(expected)) != expected:
             return False
-        page = self.page_size
         first, last = -(-offset // page) * page, (offset + length) // page * page
-        if last <= first or not vm.punch_hole(self._data_fd, first, last - first):
+        if last <= first or not vm.zero_range(self._data_fd, first, last - first):
             ctypes.memset(start, 0, length)
             return True
         # The first page begins with LMDB's own page header, which the delete still reads.

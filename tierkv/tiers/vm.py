@@ -12,7 +12,9 @@ import os
 import numpy as np
 
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
-_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+# Not FALLOC_FL_PUNCH_HOLE: LMDB reuses freed pages through its map, and a write fault on a hole
+# needs a block the filesystem may no longer have: SIGBUS, where a full disk must be a DiskFull.
+_FALLOC_ZERO_RANGE = 0x10 | 0x01  # FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE
 _libc: ctypes.CDLL | None = None
 
 
@@ -33,10 +35,11 @@ def madvise(start: int, length: int, advice: int) -> bool:
         return False
 
 
-def punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Deallocate a page-aligned range of a file: it reads as zeros, costs no write."""
+def zero_range(fd: int, offset: int, length: int) -> bool:
+    """Zero a page-aligned range of a file without writing data (ext4, xfs: unwritten extents,
+    still allocated); its cached pages are dropped."""
     try:
-        return _c().fallocate(fd, _FALLOC_PUNCH_HOLE, offset, length) == 0
+        return _c().fallocate(fd, _FALLOC_ZERO_RANGE, offset, length) == 0
     except (OSError, AttributeError, TypeError):
         return False
 
