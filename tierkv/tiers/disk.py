@@ -22,6 +22,8 @@ around any fault otherwise: a scan of the heads read the whole store). A record 
 ``prefetch(keys)`` asks the kernel for the records' pages at once (MADV_WILLNEED over each one's
 place in the file, which its head keeps), before ``load`` copies them: without it, each 4 KiB page
 of a record was its own synchronous read (0.05 GB/s against 1.0 GB/s with it, raw read 1.2).
+Writes get readahead over the map's never-written end only (``_advise_for_writes``), and deletes
+zero records in the file without reading them (``_scrub``).
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
@@ -32,9 +34,10 @@ committed. ``MapFullError`` aborts the transaction, grows the map outside any tr
 Space: the map never grows past ``map_cap`` = budget + ``slack(budget)``, so the file on disk
 stays within that whatever LMDB's free list does (freed pages are reused only some transactions
 later, and a multi-page value needs a contiguous run of them). The store counts each block at its
-``footprint`` (the record rounded up to whole pages). A batch that still does not fit at the cap
-is applied without its block writes, which fail with ``DiskFull``: the store keeps those blocks in
-memory and evicts more from disk; deletes and references in the batch still apply.
+``footprint`` (the record and its head in whole pages). A batch that still does not fit at the cap
+is applied without its block writes, which fail with ``DiskFull`` (the store keeps those blocks in
+memory and evicts more from disk), and without its head rewrites; deletes and references in the
+batch still apply.
 
 Opened with ``writemap=True``: values of 1-4 MiB then write at raw-disk speed on this kind of
 machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
@@ -235,7 +238,7 @@ class DiskTier:
         self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True, readahead=False)
         self.page_size = self.env.stat()["psize"]
         self._map_start = self._find_map()
-        # The same file as LMDB's, for punching the pages of deleted records out of it.
+        # The same file as LMDB's, for zeroing deleted records in it without reading them.
         self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         # Where each block's record lies in the file (offset, length), from its head: for prefetch.
         self._where: dict[bytes, tuple[int, int]] = {}
