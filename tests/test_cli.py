@@ -158,6 +158,26 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256((path / "data.mdb").read_bytes()).hexdigest()
 
 
+def first_head(path: Path) -> tuple[bytes, bytes]:
+    """Key and head (its index entry) of the first block of a closed store."""
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    try:
+        with env.begin() as txn:
+            key, value = next(iter(txn.cursor(db=env.open_db(b"heads", txn=txn))))
+            return bytes(key), bytes(value)
+    finally:
+        env.close()
+
+
+def put_head(path: Path, key: bytes, value: bytes) -> None:
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(b"heads", txn=txn))
+    finally:
+        env.close()
+
+
 def records(path: Path) -> dict[bytes, bytes]:
     """The raw block records, read through LMDB directly (the store must be closed)."""
     env = lmdb.open(str(path), max_dbs=8, readonly=True)
@@ -264,14 +284,10 @@ def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, 
 def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy: Callable[..., Path],
                                                              model: torch.nn.Module) -> None:
     path = copy()
-    env = lmdb.open(str(path), max_dbs=8)
-    heads = env.open_db(b"heads")
-    with env.begin(write=True) as txn:
-        key, value = next(iter(txn.cursor(db=heads)))
-        key, damaged = bytes(key), bytearray(value)
-        damaged[30] ^= 0xFF  # inside the header it copies: the head no longer agrees with its record
-        txn.put(key, bytes(damaged), db=heads)
-    env.close()
+    key, head = first_head(path)
+    damaged = bytearray(head)
+    damaged[30] ^= 0xFF  # inside the header it copies: the head no longer agrees with its record
+    put_head(path, key, bytes(damaged))
     before = file_digest(path)
 
     report = run("check", str(path), "--json")
@@ -293,13 +309,8 @@ def test_check_repair_finishes_a_forget_that_a_crash_cut_short(built: Built, cop
     # A SIGKILL between zeroing a block's head and its record: the record is sound, the head gone.
     # Rewriting the head from the record would bring a forgotten block back; it must be dropped.
     path = copy()
-    env = lmdb.open(str(path), max_dbs=8)
-    heads = env.open_db(b"heads")
-    with env.begin(write=True) as txn:
-        key, value = next(iter(txn.cursor(db=heads)))
-        key = bytes(key)
-        txn.put(key, bytes(len(value)), db=heads)
-    env.close()
+    key, head = first_head(path)
+    put_head(path, key, bytes(len(head)))
     report = run("check", str(path), "--json")
     assert report.code == 1, report
     result = json.loads(report.out)

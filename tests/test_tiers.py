@@ -3,6 +3,7 @@ verified reads, scans for rebuilding the index, map growth, and refusal of forei
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -11,7 +12,7 @@ import os
 import pathlib
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import lmdb
 import msgpack
@@ -460,31 +461,58 @@ def resident_share(path: str, offset: int, length: int) -> float:
     return sum(pages) / len(pages)
 
 
+BIG = (2, 2, 4, BLOCK, 1024)  # 256 KiB of float32: a record on LMDB overflow pages of its own
+
+
+def big_op(n: int) -> PutBlock:
+    return put_op(n, block_tensor(n, shape=BIG))
+
+
+def cold_store(path: pathlib.Path, blocks: Iterable[int], zeroing: bool = False) -> str:
+    """A closed store of ``big_op`` blocks, its file evicted from the page cache; the data file's
+    path. Skips where the filesystem keeps its pages whatever is advised (tmpfs), or, with
+    ``zeroing``, cannot zero a range without writing it."""
+    ops = [big_op(n) for n in blocks]
+    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    try:
+        assert tier.apply(ops) == [None] * len(ops)
+        tier.sync()
+    finally:
+        tier.close()
+    data = str(path / "data.mdb")
+    drop_cached(data)
+    if resident_bytes(data) > 0:
+        pytest.skip("this filesystem keeps the file's pages cached whatever is advised (tmpfs?)")
+    if zeroing:
+        with open(data, "r+b") as f:
+            if not disk_module.vm.zero_range(f.fileno(), 1 << 40, 4096):
+                pytest.skip("this filesystem cannot zero a range without writing it")
+    return data
+
+
+@contextlib.contextmanager
+def opened(path: pathlib.Path) -> Iterator[DiskTier]:
+    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
 def test_scan_reads_the_heads_not_the_records(tmp_path: pathlib.Path) -> None:
     # py-lmdb touches every page of a value it returns, so a scan that read each record's header
     # from its record read the whole store: 1 GiB in 20 s at a reopen from a cold page cache.
     path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)  # 256 KiB of float32 per block, 32 of them: 8 MiB of records
-    ops = [put_op(n, block_tensor(n, shape=shape)) for n in range(1, 33)]
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    assert tier.apply(ops) == [None] * len(ops)
-    tier.sync()
-    tier.close()
-    data = str(path / "data.mdb")
-    drop_cached(data)
-    if resident_bytes(data) > 256 << 10:
-        pytest.skip("this filesystem keeps the file's pages cached whatever is advised (tmpfs?)")
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
+    data = cold_store(path, range(1, 33))  # 8 MiB of records
+    ops = [big_op(n) for n in range(1, 33)]
+    with opened(path) as tier:
         scan = tier.scan()
         assert [(h, size) for h, size in scan.headers] == [(op.header, op.record_bytes) for op in ops]
         assert not scan.unindexed
         records = sum(op.record_bytes for op in ops)
         assert resident_bytes(data) < records // 8  # the heads and the B-trees, not the records
         _, loaded = tier.load(key(7), empty)  # a record itself is still read whole
-        assert torch.equal(loaded, block_tensor(7, shape=shape))
-    finally:
-        tier.close()
+        assert torch.equal(loaded, block_tensor(7, shape=BIG))
 
 
 def records_where_heads_say(tier: DiskTier, path: pathlib.Path) -> dict[bytes, bytes]:
@@ -520,17 +548,8 @@ def test_heads_know_where_each_record_lies_in_the_file(tmp_path: pathlib.Path,
 
 def test_prefetch_reads_the_records_before_load(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    tier.apply([put_op(n, block_tensor(n, shape=shape)) for n in range(1, 17)])
-    tier.sync()
-    tier.close()
-    data = str(path / "data.mdb")
-    drop_cached(data)
-    if resident_bytes(data) > 0:
-        pytest.skip("this filesystem keeps the file's pages cached whatever is advised (tmpfs?)")
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
+    data = cold_store(path, range(1, 17))
+    with opened(path) as tier:
         tier.scan()
         where = dict(tier._where)
         wanted, others = [key(n) for n in range(1, 17, 2)], [key(n) for n in range(2, 17, 2)]
@@ -542,9 +561,7 @@ def test_prefetch_reads_the_records_before_load(tmp_path: pathlib.Path) -> None:
         assert all(resident_share(data, *where[k]) == 1 for k in wanted)
         assert sum(resident_share(data, *where[k]) for k in others) < len(others) / 2  # not the others
         for n in range(1, 17, 2):
-            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=shape))
-    finally:
-        tier.close()
+            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
 
 
 def test_blocks_without_heads_are_read_once_and_given_heads(tmp_path: pathlib.Path) -> None:
@@ -664,20 +681,8 @@ def test_a_deleted_cold_record_is_zeroed_in_the_file_without_being_read(tmp_path
     # Zeroing a record through the map read it first, page by page when it was cold (evictions'
     # victims are), and wrote its size in zeros.
     path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)  # 256 KiB records
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    tier.apply([put_op(n, block_tensor(n, shape=shape)) for n in (1, 2, 3)])
-    tier.sync()
-    tier.close()
-    data = str(path / "data.mdb")
-    drop_cached(data)
-    if resident_bytes(data) > 0:
-        pytest.skip("this filesystem keeps the file's pages cached whatever is advised (tmpfs?)")
-    with open(data, "r+b") as f:
-        if not disk_module.vm.zero_range(f.fileno(), 1 << 40, 4096):
-            pytest.skip("this filesystem cannot zero a range without writing it")
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
+    data = cold_store(path, (1, 2, 3), zeroing=True)
+    with opened(path) as tier:
         tier.scan()
         offset, length = tier._where[key(2)]
         allocated = os.stat(data).st_blocks * 512
@@ -688,9 +693,7 @@ def test_a_deleted_cold_record_is_zeroed_in_the_file_without_being_read(tmp_path
         assert os.stat(data).st_blocks * 512 >= allocated - 2 * page  # and stay allocated for reuse
         assert key(2) not in tier._where
         for n in (1, 3):
-            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=shape))
-    finally:
-        tier.close()
+            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
     with open(data, "rb") as f:
         f.seek(offset)
         assert f.read(length) == bytes(length)
@@ -701,19 +704,9 @@ def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
     # A MapFullError aborts the transaction after its deletes zeroed their records in the file;
     # the retry must not read and zero them once more through the map.
     path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
     # Blocks 10.. keep block 1 far from the file's end, where the writes' readahead reads.
-    tier.apply([put_op(n, block_tensor(n, shape=shape)) for n in (1, 2, *range(10, 60))])
-    tier.sync()
-    tier.close()
-    data = str(path / "data.mdb")
-    drop_cached(data)
-    with open(data, "r+b") as f:
-        if resident_bytes(data) > 0 or not disk_module.vm.zero_range(f.fileno(), 1 << 40, 4096):
-            pytest.skip("this filesystem cannot evict pages or zero ranges")
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
+    data = cold_store(path, (1, 2, *range(10, 60)), zeroing=True)
+    with opened(path) as tier:
         tier.scan()
         offset, length = tier._where[key(1)]
         put_record, failed = DiskTier._put_record, []
@@ -725,61 +718,50 @@ def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
             return put_record(self, txn, k, value, batch)
 
         monkeypatch.setattr(DiskTier, "_put_record", full_once)
-        assert tier.apply([DeleteBlocks([key(1)]), put_op(3, block_tensor(3, shape=shape))]) == [None, None]
+        assert tier.apply([DeleteBlocks([key(1)]), big_op(3)]) == [None, None]
         assert failed == [key(3)]
         page = tier.page_size
         assert resident_share(data, offset + page, length - 2 * page) == 0
-        assert torch.equal(tier.load(key(3), empty)[1], block_tensor(3, shape=shape))
+        assert torch.equal(tier.load(key(3), empty)[1], block_tensor(3, shape=BIG))
         with pytest.raises(KeyError):
             tier.load(key(1), empty)
-    finally:
-        tier.close()
 
 
 def test_a_record_written_again_leaves_no_copy_of_the_old_one(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
-        tier.apply([put_op(1, block_tensor(1, shape=shape))])
+    with opened(path) as tier:
+        tier.apply([big_op(1)])
         old = tier._where[key(1)]
-        tier.apply([put_op(1, block_tensor(5, shape=shape))])  # the same key, other bytes
+        tier.apply([put_op(1, block_tensor(5, shape=BIG))])  # the same key, other bytes
         assert tier._where[key(1)] != old
         tier.sync()
         with open(path / "data.mdb", "rb") as f:
             f.seek(old[0])
             assert f.read(old[1]) == bytes(old[1])
-        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(5, shape=shape))
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(5, shape=BIG))
         assert tier.verify().bad == [] and tier.verify().stale == {}
-    finally:
-        tier.close()
 
 
 def test_a_wrong_place_never_zeroes_another_record(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "store"
-    shape = (2, 2, 4, BLOCK, 1024)
-    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    try:
-        tier.apply([put_op(n, block_tensor(n, shape=shape)) for n in (1, 2)])
+    with opened(tmp_path / "store") as tier:
+        tier.apply([big_op(1), big_op(2)])
         tier._where[key(1)] = tier._where[key(2)]  # as if the bookkeeping had gone stale
         tier.apply([DeleteBlocks([key(1)])])
-        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=shape))
+        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
         offset, length = tier._where[key(2)]  # a place off by a page: LMDB's page header disagrees
-        tier.apply([put_op(3, block_tensor(3, shape=shape))])
+        tier.apply([big_op(3)])
         tier._where[key(3)] = (offset + tier.page_size, length)
         tier.apply([DeleteBlocks([key(3)])])
-        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=shape))
+        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
         with pytest.raises(KeyError):
             tier.load(key(1), empty)
         assert tier.verify().bad == [] and tier.verify().stale == {}
-    finally:
-        tier.close()
 
 
 def test_records_inside_b_tree_leaves_have_no_place(disk: DiskTier) -> None:
     # A small value lives in a leaf page, which moves with every change to the leaf: a kept
     # offset would soon point at whatever replaced it.
-    disk.apply([put_op(1), put_op(2, block_tensor(2, shape=(2, 2, 4, BLOCK, 1024)))])
+    disk.apply([put_op(1), big_op(2)])
     assert key(1) not in disk._where and key(2) in disk._where
 
 

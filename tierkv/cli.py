@@ -54,8 +54,8 @@ EXIT_IO = 4
 EXIT_CODES = f"""\
 exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
-  {EXIT_BAD_RECORDS}  check found bad records or damaged heads and did not repair them (demo, bench: a reply differed
-     from recomputation)
+  {EXIT_BAD_RECORDS}  check found bad records or damaged heads and did not repair them (demo, bench: a
+     reply differed from recomputation)
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
   {EXIT_IO}  a disk error stopped check --repair or clear: what was to be removed may still be there

@@ -144,8 +144,8 @@ def head_end(record: bytes | memoryview | np.ndarray) -> int:
 def decode_head(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
     """A record's head stored apart from it (the first ``head_end`` bytes of the record, as the
     disk tier indexes blocks): the header, and the length of the whole record it heads. Structural
-    checks only: a head has no checksum of its own; the record's, verified when the block is read,
-    is what makes a block servable."""
+    checks only (the disk tier's index entry adds a checksum of its own, ``tiers/heads.py``); the
+    record's checksum, verified when the block is read, is what makes a block servable."""
     view = memoryview(buf).cast("B")
     header, end = _parse_header(view, trailer=0)
     if end != view.nbytes:
