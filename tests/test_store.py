@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import lmdb
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache
 
 from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
@@ -256,6 +256,31 @@ def test_a_partial_tail_another_session_references_outlives_its_supersession(tin
         tail3 = keys_of(root, out3[:, :22])[-1]
         assert tail3 != tail2
         assert set(store._index.blocks) == {k0, k1, tail2, tail3}
+
+
+@pytest.mark.parametrize("first_touch", ["update", "keys"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_restored_layers_are_the_tensors_dynamic_cache_builds(tiny_model, tmp_path, arch, first_touch):
+    # Whole blocks and a partial tail, assembled on the first update (keys and values in one
+    # concatenation) or on a first read of .keys: the same values, shape and strides as a
+    # DynamicCache prefilled with the whole prompt, so attention runs the same kernels on them.
+    model = tiny_model(arch)
+    ids = random_ids(3 * B + 5, 61)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, new=2)
+        cache = store.open(model, out)
+        assert cache.restored_tokens == out.shape[1] - 1 and cache.restored_tokens % B != 0
+        if first_touch == "keys":
+            assert cache.layers[0].keys.shape[-2] == cache.restored_tokens
+        with torch.no_grad():
+            model(out[:, -1:], past_key_values=cache, cache_position=torch.tensor([out.shape[1] - 1]))
+            ref = DynamicCache()
+            model(out, past_key_values=ref)
+        for layer, expected in zip(cache.layers, ref.layers):
+            for got, want in ((layer.keys, expected.keys), (layer.values, expected.values)):
+                assert got.shape == want.shape and got.stride() == want.stride() and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        verify_generate(model, out, store.open(model, out), 3)
 
 
 # -- 4. the L - 1 cap -------------------------------------------------------------------------------

@@ -5,14 +5,17 @@ and holds no policy:
 
 * ``describe_model(model)`` checks that the model is a decoder-only, full-attention model and
   computes its fingerprint (architecture fields of its config, dtype, and a digest of a sample of
-  its weights). The checks and the config digest are cached per model object; the weight sample
-  is read on every call, so weights changed in place never meet KV computed with the old ones.
+  its weights, ``weights.py``). The checks and the config digest are cached per model object; the
+  weight sample is read on every call, so weights changed in place never meet KV computed with
+  the old ones.
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
   assembles its keys and values only when the model first touches layer ``i`` (``update``,
   ``keys``, crop...), so restores overlap with the prefill of earlier layers. The first
-  ``update`` concatenates the restored blocks and the new tokens in one copy.
+  ``update`` concatenates the restored blocks and the new tokens in one copy, keys and values
+  together (a block holds a layer's keys and values side by side): the layer's keys and values
+  are the two contiguous halves of that one tensor.
   ``commit(sequences)`` hands the KV back to the store.
 
 Generation details handled here:
@@ -41,7 +44,8 @@ try:
 except ImportError:  # transformers before 5.x's per-layer config API
     get_layer_types_and_kwargs = None
 
-from .transfer import Job
+from .transfer import Job, _CudaCopyJob
+from .weights import WeightSample
 
 if TYPE_CHECKING:
     from .store import TieredStore
@@ -55,7 +59,6 @@ _CONFIG_FIELDS_IGNORED = frozenset({
     "decoder_start_token_id", "task_specific_params", "problem_type", "prefix", "finetuning_task",
     "chunk_size_feed_forward", "tie_word_embeddings", "torchscript", "pruned_heads",
 })
-_SAMPLES_PER_PARAM = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,8 +75,9 @@ class _Static:
 
     config_digest: bytes
     num_layers: int
-    params: tuple[torch.nn.Parameter, ...]  # in model.parameters() order
-    sample_idx: tuple[torch.Tensor, ...]  # per parameter, on its device
+    sample: WeightSample
+    device: torch.device
+    dtype: torch.dtype
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -88,15 +92,6 @@ def _layer_types(text_config: Any) -> list[str]:
                  ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers)
     shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
     return types[: len(types) - shared] + ["dummy"] * shared
-
-
-def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
-    """Evenly spread positions in ``[0, numel)``, in integers: a float32 linspace rounds the last
-    position of a parameter over 2**24 elements (any real embedding) past its end."""
-    count = min(_SAMPLES_PER_PARAM, numel)
-    if count == 1:
-        return torch.zeros(1, dtype=torch.int64, device=device)
-    return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
 
 
 def _static_facts(model: Any) -> _Static:
@@ -118,7 +113,8 @@ def _static_facts(model: Any) -> _Static:
                 "sliding_window=None)" if "sliding_attention" in other else "")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
-    params = tuple(model.parameters())
+    sample = WeightSample(model)
+    params = sample.params
     if not params:
         raise ValueError("the model has no parameters to fingerprint")
     devices = sorted({str(p.device) for p in params})
@@ -131,35 +127,29 @@ def _static_facts(model: Any) -> _Static:
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-    idx = tuple(_sample_index(p.numel(), p.device) for p in params)
-    return _Static(config_digest=h.digest(), num_layers=len(layer_types), params=params, sample_idx=idx)
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
+                   device=params[0].device, dtype=params[0].dtype)
 
 
 def describe_model(model: Any) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
     The weight sample is read on every call, so in-place writes (``load_state_dict``, assignments
-    to ``p.data``, training steps) change the fingerprint at once; it costs one small gather per
-    parameter. The config digest and validation are computed once per model object.
+    to ``p.data``, training steps) change the fingerprint at once (``weights.py``: one gather per
+    dtype on CPU). The config digest and validation are computed once per model object.
     """
     static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
-    params = tuple(model.parameters()) if static is not None else ()
     # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
-    # (model.to(...)) or cast: the cached sample points must address the live tensors.
-    if static is None or len(params) != len(static.params) or any(
-            a is not b or a.device != i.device for a, b, i in zip(params, static.params, static.sample_idx)):
+    # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
+    # the live tensors.
+    if static is None or not static.sample.current(model):
         static = _static_facts(model)
         _static_cache[model] = static
-        params = static.params
-    device, dtype = params[0].device, params[0].dtype
-    with torch.no_grad():
-        samples = torch.cat([torch.take(p.detach(), idx).to(device=device) for p, idx in
-                             zip(params, static.sample_idx)])
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
-    h.update(str(dtype).encode())
-    h.update(samples.to(dtype=torch.float64).cpu().numpy().tobytes())
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=device, dtype=dtype)
+    h.update(str(static.dtype).encode())
+    h.update(static.sample.read())
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=static.device, dtype=static.dtype)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -228,8 +218,9 @@ class TieredLayer(DynamicLayer):
         self._pending_len = sum(n for _, n in blocks)
         self.is_initialized = True
 
-    def _take_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Wait for the restored blocks; this layer's keys and values as (1, H, n, D) views."""
+    def _take_parts(self) -> list[torch.Tensor]:
+        """Wait for the restored blocks; this layer's keys and values, stacked, as (2, H, n, D)
+        views of each block."""
         blocks, self._pending = self._pending, None
         assert blocks is not None
         i = self._layer_idx
@@ -237,31 +228,35 @@ class TieredLayer(DynamicLayer):
         # host sync; any other job is waited for.
         seen: set[int] = set()
         stream = None  # looked up once: it costs more than the wait itself
-        tensors = []
+        parts = []
         for job, n in blocks:
-            if hasattr(job, "stream_wait_layer"):
+            if isinstance(job, _CudaCopyJob):
                 if stream is None:
                     stream = torch.cuda.current_stream(job.device)
-                tensors.append((job.stream_wait_layer(i, seen, stream), n))
+                tensor = job.stream_wait_layer(i, seen, stream)
             else:
-                tensors.append((job.wait(), n))
-        self.device = tensors[0][0].device
-        return ([t[i, 0:1, :, :n] for t, n in tensors], [t[i, 1:2, :, :n] for t, n in tensors])
+                tensor = job.wait()
+            # A block's keys and values of one layer lie together: a whole block is one view.
+            parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
+        self.device = parts[0].device
+        return parts
+
+    def _assemble(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Keys and values as the two halves of one (2, H, n, D) tensor: each is a contiguous
+        # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them.
+        self._keys, self._values = kv.split(1)
+        return self._keys, self._values
 
     def _materialize(self) -> None:
-        k_parts, v_parts = self._take_parts()
-        self._keys = torch.cat(k_parts, dim=-2)
-        self._values = torch.cat(v_parts, dim=-2)
+        self._assemble(torch.cat(self._take_parts(), dim=-2))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pending is not None and key_states.shape[0] == 1:
             # The first forward after a restore: one concatenation of the restored blocks and the
-            # new tokens, as DynamicLayer would do with a ready prefix, rather than two.
-            k_parts, v_parts = self._take_parts()
-            self._keys = torch.cat([*k_parts, key_states], dim=-2)
-            self._values = torch.cat([*v_parts, value_states], dim=-2)
-            return self._keys, self._values
+            # new tokens, for keys and values together, rather than a copy of the prefix first.
+            parts = self._take_parts()
+            return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2))
         if self.is_initialized:
             keys = self.keys
             if keys is not None and keys.numel() and keys.shape[0] == 1 and key_states.shape[0] > 1:

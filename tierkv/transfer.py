@@ -68,7 +68,9 @@ class Job(Generic[T]):
         return self._poll is not None and self._poll()
 
     def wait(self, timeout: float | None = None) -> T:
-        if not self._event.wait(timeout):
+        # is_set() first: a restore waits on every block once per layer, mostly done long since,
+        # and Event.wait takes a condition's lock even then.
+        if not self._event.is_set() and not self._event.wait(timeout):
             raise TimeoutError("move did not complete in time")
         if self._error is not None:
             raise self._error

@@ -1,0 +1,107 @@
+"""The weight sample behind fingerprints (tierkv/weights.py): the CPU gather reads exactly what one
+``take`` per parameter reads, and any change to which tensors a model holds is noticed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, make_model
+from tierkv.cache import describe_model
+from tierkv.weights import WeightSample, sample_index
+
+
+def reference_bytes(model: torch.nn.Module) -> bytes:
+    """The sample as tierkv 0.1 read it (every store written so far is keyed by it)."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        samples = torch.cat([torch.take(p.detach(), sample_index(p.numel(), p.device)) for p in params])
+    return samples.to(torch.float64).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_cpu_gather_reads_what_take_reads(dtype):
+    model = make_model("llama", seed=3).to(dtype)
+    sample = WeightSample(model)
+    assert sample._host is not None  # the path under test
+    assert sample.read() == reference_bytes(model) == sample.read_with_torch()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_reads_the_same_bytes(arch):
+    # Tied embeddings (gpt2, opt...) appear once in parameters(): the sample follows that order.
+    model = make_model(arch, seed=1)
+    assert WeightSample(model).read() == reference_bytes(model)
+
+
+def test_strided_scalar_empty_and_mixed_dtype_parameters():
+    model = make_model("llama", seed=4)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.in_features, model.lm_head.out_features).t())
+    assert not model.lm_head.weight.is_contiguous()
+    model.model.norm.register_parameter("scale", torch.nn.Parameter(torch.tensor(2.5)))
+    model.model.norm.register_parameter("nothing", torch.nn.Parameter(torch.empty(0, 3)))
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.weight.data = mlp.up_proj.weight.data.to(torch.bfloat16)
+    mlp.down_proj.weight.data = mlp.down_proj.weight.data.to(torch.float16)
+    sample = WeightSample(model)
+    assert sample._host is not None
+    assert sample.read() == reference_bytes(model)
+
+
+def test_a_dtype_numpy_cannot_read_goes_through_take():
+    model = make_model("llama", seed=4)
+    model.model.norm.register_parameter("q", torch.nn.Parameter(torch.arange(40, dtype=torch.int8),
+                                                                requires_grad=False))
+    sample = WeightSample(model)
+    assert sample._host is None
+    assert sample.read() == reference_bytes(model)
+
+
+def test_writes_the_framework_never_sees_change_the_sample():
+    model = make_model("llama", seed=5)
+    sample = WeightSample(model)
+    before = sample.read()
+    p = model.model.layers[1].self_attn.o_proj.weight
+    # The last sampled element, written through numpy: no version counter, no hook.
+    p.detach().numpy().reshape(-1)[-1] += 1.0
+    assert sample.current(model) and sample.read() != before
+
+
+@pytest.mark.parametrize("change", [
+    "data assigned", "parameter replaced", "submodule replaced", "slot written directly",
+    "parameter added", "reshaped in place", "cast",
+])
+def test_the_sample_is_stale_after_the_model_holds_other_tensors(change):
+    model = make_model("llama", seed=6)
+    sample = WeightSample(model)
+    assert sample.current(model)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        if change == "data assigned":
+            attn.q_proj.weight.data = attn.q_proj.weight.data.clone()
+        elif change == "parameter replaced":
+            attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.clone())
+        elif change == "submodule replaced":
+            model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        elif change == "slot written directly":
+            # As Module._apply does under torch.__future__'s overwrite flag, bypassing every hook.
+            attn.q_proj._parameters["weight"] = torch.nn.Parameter(attn.q_proj.weight.clone())
+        elif change == "parameter added":
+            attn.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+        elif change == "reshaped in place":
+            attn.q_proj.weight.data = attn.q_proj.weight.data.view(-1)  # same storage, other shape
+        elif change == "cast":
+            model.to(torch.float16)
+    assert not sample.current(model)
+
+
+def test_describe_model_follows_a_replaced_storage_to_its_new_values():
+    model = make_model("llama", seed=7)
+    first = describe_model(model).fingerprint
+    assert describe_model(model).fingerprint == first
+    w = model.model.embed_tokens.weight
+    w.data = w.data.clone()  # the old storage is freed: the old addresses must not be read again
+    assert describe_model(model).fingerprint == first
+    with torch.no_grad():
+        w.data.view(-1)[0] += 1.0
+    assert describe_model(model).fingerprint != first

@@ -1,0 +1,140 @@
+"""The weight sample behind a model's fingerprint, read on every ``store.open``.
+
+Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters there are and
+which elements of each are read (16 evenly spread ones). ``sample.current(model)`` says whether
+that still holds: the same ``Parameter`` objects in the same places of the module tree, each with
+the same storage address, dtype and shape. ``sample.read()`` returns the sampled values, as
+float64 bytes in ``model.parameters()`` order, and reads them afresh on every call, so that
+in-place writes (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at
+once. A caller rebuilds the sample when ``current`` is False, and never reads one that is not.
+
+Reading is the cost that matters, as it is paid on every open: one ``torch.take`` per parameter
+is a few microseconds of dispatch each, hundreds of microseconds for a real model against a turn
+of a few milliseconds. When every parameter lives in CPU memory in a float dtype numpy can read,
+the sample points are read by address, all of them with one numpy gather per dtype. The
+addresses are those of the storages ``current`` checked. Elsewhere (CUDA, quantised dtypes) one
+``take`` per parameter reads them; both give the same bytes, so a store's blocks keep their
+fingerprint whichever path read it.
+
+A parameter whose storage is replaced (``p.data = ...``) by another thread between ``current`` and
+``read`` would be read at its old address; as with any weight change racing a forward pass, the
+caller must not change weights while a turn is being opened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from typing import Any
+
+import numpy as np
+import torch
+
+SAMPLES_PER_PARAM = 16
+
+# numpy reads these as they are; bfloat16 is read as its 16 bits, the top half of a float32.
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64,
+                                         torch.float16: np.float16, torch.bfloat16: np.uint16}
+
+
+def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Evenly spread positions in ``[0, numel)``, in integers: a float32 linspace rounds the last
+    position of a parameter over 2**24 elements (any real embedding) past its end."""
+    count = min(SAMPLES_PER_PARAM, numel)
+    if count == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
+
+
+def _tree(model: torch.nn.Module) -> list[Any]:
+    """Every module's parameter slots, depth first: the same list means the same parameters in
+    the same places. Holds parameters only, never modules, so no reference cycle keeps a model."""
+    slots: list[Any] = []
+    stack: list[Any] = [model]
+    pop, descend, add = stack.pop, stack.extend, slots.extend
+    while stack:
+        module = pop()
+        if module is not None:  # a submodule slot set to None
+            add(module._parameters.values())
+            descend(module._modules.values())
+    return slots
+
+
+def _storage_key(params: tuple[torch.nn.Parameter, ...]) -> list[tuple[int, torch.dtype, torch.Size]]:
+    return [(p.data_ptr(), p.dtype, p.shape) for p in params]
+
+
+class _HostGather:
+    """The sample points of CPU parameters as byte offsets into one view of the address space
+    their storages span; reading them is one numpy gather per dtype."""
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...], index: tuple[torch.Tensor, ...]) -> None:
+        starts: list[np.ndarray] = []
+        kinds: list[torch.dtype] = []
+        for p, idx in zip(params, index):
+            flat = idx.numpy()
+            # Element offsets of the logical (row-major) positions ``take`` reads, under any strides.
+            elements = np.zeros_like(flat)
+            for coord, stride in zip(np.unravel_index(flat, tuple(p.shape)) if p.dim() else (), p.stride()):
+                elements += coord * stride
+            starts.append(p.data_ptr() + elements * p.element_size())
+            kinds.append(p.dtype)
+        self.count = sum(len(s) for s in starts)
+        used = [s for s in starts if len(s)]
+        lo = min(int(s.min()) for s in used) if used else 0
+        hi = max(int(s.max()) for s in used) + 8 if used else 1
+        # Only the sampled bytes of this view are ever touched; the span between storages is not.
+        self._memory = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
+        self._groups: list[tuple[np.ndarray, np.ndarray, torch.dtype]] = []
+        position = 0
+        by_dtype: dict[torch.dtype, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for s, dtype in zip(starts, kinds):
+            where, at = by_dtype.setdefault(dtype, ([], []))
+            where.append((s - lo)[:, None] + np.arange(dtype.itemsize))
+            at.append(np.arange(position, position + len(s)))
+            position += len(s)
+        for dtype, (where, at) in by_dtype.items():
+            self._groups.append((np.concatenate(where), np.concatenate(at), dtype))
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.count, dtype=np.float64)
+        for where, at, dtype in self._groups:
+            raw = self._memory[where]  # (n, itemsize) bytes
+            if dtype is torch.bfloat16:
+                values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                values = raw.view(_NUMPY_DTYPES[dtype])
+            out[at] = values.reshape(-1)
+        return out
+
+
+class WeightSample:
+    """Which weights of one model the fingerprint reads, and their current values."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = tuple(model.parameters())
+        self._tree = _tree(model)
+        self._key = _storage_key(self.params)
+        self.index = tuple(sample_index(p.numel(), p.device) for p in self.params)
+        host = all(p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES for p in self.params)
+        self._host = _HostGather(self.params, self.index) if host else None
+
+    def current(self, model: torch.nn.Module) -> bool:
+        """The model still has these parameters, in these places, at these addresses."""
+        tree = _tree(model)
+        return (len(tree) == len(self._tree) and all(map(operator.is_, tree, self._tree))
+                and _storage_key(self.params) == self._key)
+
+    def read(self) -> bytes:
+        """The sampled values, as float64 bytes in parameter order."""
+        if self._host is not None:
+            return self._host.read().tobytes()
+        return self.read_with_torch()
+
+    def read_with_torch(self) -> bytes:
+        """The same bytes, one ``take`` per parameter on its own device."""
+        device = self.params[0].device
+        with torch.no_grad():
+            samples = torch.cat([torch.take(p.detach(), idx).to(device=device)
+                                 for p, idx in zip(self.params, self.index)])
+        return samples.to(dtype=torch.float64).cpu().numpy().tobytes()
