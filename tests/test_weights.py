@@ -105,3 +105,41 @@ def test_describe_model_follows_a_replaced_storage_to_its_new_values():
     with torch.no_grad():
         w.data.view(-1)[0] += 1.0
     assert describe_model(model).fingerprint != first
+
+
+def test_a_square_weight_transposed_in_place_changes_the_fingerprint():
+    model = make_model("llama", seed=8)
+    first = describe_model(model).fingerprint
+    w = model.model.layers[0].self_attn.o_proj.weight
+    assert w.shape[0] == w.shape[1]
+    w.data = w.data.t()  # same address, dtype and shape; other logical elements
+    assert describe_model(model).fingerprint != first
+    assert WeightSample(model).read() == reference_bytes(model)
+
+
+def test_parameters_without_storage_of_their_own_are_not_read_by_address():
+    model = make_model("llama", seed=9)
+    model.model.norm.weight.untyped_storage().resize_(0)  # as FSDP frees a shard
+    assert WeightSample(model)._host is None
+    with pytest.raises(RuntimeError):
+        describe_model(model)  # torch refuses to read it, as before: never garbage from address 0
+
+
+def test_negative_views_are_read_through_take():
+    model = make_model("llama", seed=10)
+    w = model.model.layers[1].mlp.up_proj.weight
+    w.data = torch._neg_view(w.data.neg())
+    sample = WeightSample(model)
+    assert sample._host is None and sample.read() == reference_bytes(model)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16,), (torch.float16, torch.float32)])
+def test_nan_weights_give_the_bytes_take_gives(dtypes):
+    model = make_model("llama", seed=11).to(dtypes[0])
+    if len(dtypes) > 1:
+        model.lm_head.to(dtypes[1])
+    w = model.model.layers[0].self_attn.q_proj.weight
+    w.data.view(torch.int16).view(-1)[0] = 0x7C01  # a signalling float16 NaN, sampled (element 0)
+    sample = WeightSample(model)
+    assert sample._host is not None
+    assert sample.read() == reference_bytes(model)

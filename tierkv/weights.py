@@ -3,18 +3,20 @@
 Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters there are and
 which elements of each are read (16 evenly spread ones). ``sample.current(model)`` says whether
 that still holds: the same ``Parameter`` objects in the same places of the module tree, each with
-the same storage address, dtype and shape. ``sample.read()`` returns the sampled values, as
+the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled values, as
 float64 bytes in ``model.parameters()`` order, and reads them afresh on every call, so that
 in-place writes (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at
 once. A caller rebuilds the sample when ``current`` is False, and never reads one that is not.
 
 Reading is the cost that matters, as it is paid on every open: one ``torch.take`` per parameter
 is a few microseconds of dispatch each, hundreds of microseconds for a real model against a turn
-of a few milliseconds. When every parameter lives in CPU memory in a float dtype numpy can read,
-the sample points are read by address, all of them with one numpy gather per dtype. The
-addresses are those of the storages ``current`` checked. Elsewhere (CUDA, quantised dtypes) one
-``take`` per parameter reads them; both give the same bytes, so a store's blocks keep their
-fingerprint whichever path read it.
+of a few milliseconds. When every parameter is a plain strided CPU tensor in a float dtype numpy
+can read, with its sampled elements inside its own storage, the sample points are read by
+address, all of them with one numpy gather per dtype. The addresses are those of the storages
+``current`` checked. Elsewhere (CUDA, quantised dtypes, tensor subclasses, freed storages,
+negative views) one ``take`` per parameter reads them, as it does when a sampled value is NaN
+(numpy and torch widen a float16 NaN to different bits). Both give the same bytes, so a store's
+blocks keep their fingerprint whichever path read it.
 
 A parameter whose storage is replaced (``p.data = ...``) by another thread between ``current`` and
 ``read`` would be read at its old address; as with any weight change racing a forward pass, the
@@ -60,8 +62,27 @@ def _tree(model: torch.nn.Module) -> list[Any]:
     return slots
 
 
-def _storage_key(params: tuple[torch.nn.Parameter, ...]) -> list[tuple[int, torch.dtype, torch.Size]]:
-    return [(p.data_ptr(), p.dtype, p.shape) for p in params]
+def _storage_key(params: tuple[torch.nn.Parameter, ...]) -> list[tuple[Any, ...]]:
+    # Strides too: a square weight transposed in place (p.data = p.data.t()) keeps its address,
+    # dtype and shape, and the same bytes then hold other logical elements.
+    return [(p.data_ptr(), p.dtype, p.shape, p.stride()) for p in params]
+
+
+def _readable_by_address(p: torch.nn.Parameter) -> bool:
+    """A plain strided CPU tensor with storage of its own, whose sampled elements all lie inside
+    it: anything else (tensor subclasses, storages freed to 0 bytes, negative views, meta or
+    CUDA tensors, dtypes numpy cannot read) is read by ``take``, which raises where it must."""
+    data = p.data
+    if type(data) is not torch.Tensor or data.layout is not torch.strided or data.device.type != "cpu" \
+            or data.dtype not in _NUMPY_DTYPES or data.is_neg() or data.is_conj():
+        return False
+    if data.numel() == 0:
+        return True
+    if data.data_ptr() == 0:
+        return False
+    last = sum((n - 1) * st for n, st in zip(data.shape, data.stride()))
+    end = (data.storage_offset() + last + 1) * data.element_size()
+    return min(data.stride(), default=0) >= 0 and end <= data.untyped_storage().nbytes()
 
 
 class _HostGather:
@@ -116,7 +137,7 @@ class WeightSample:
         self._tree = _tree(model)
         self._key = _storage_key(self.params)
         self.index = tuple(sample_index(p.numel(), p.device) for p in self.params)
-        host = all(p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES for p in self.params)
+        host = bool(self.params) and all(map(_readable_by_address, self.params))
         self._host = _HostGather(self.params, self.index) if host else None
 
     def current(self, model: torch.nn.Module) -> bool:
@@ -128,7 +149,11 @@ class WeightSample:
     def read(self) -> bytes:
         """The sampled values, as float64 bytes in parameter order."""
         if self._host is not None:
-            return self._host.read().tobytes()
+            values = self._host.read()
+            # numpy widens a float16 NaN keeping its payload bits, torch quietens it: bytes
+            # would differ from the ones stores were keyed with. A NaN weight is rare: let torch.
+            if not np.isnan(values).any():
+                return values.tobytes()
         return self.read_with_torch()
 
     def read_with_torch(self) -> bytes:
