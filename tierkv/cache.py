@@ -76,8 +76,6 @@ class _Static:
     config_digest: bytes
     num_layers: int
     sample: WeightSample
-    device: torch.device
-    dtype: torch.dtype
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -127,8 +125,7 @@ def _static_facts(model: Any) -> _Static:
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
-                   device=params[0].device, dtype=params[0].dtype)
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample)
 
 
 def describe_model(model: Any) -> ModelInfo:
@@ -145,11 +142,12 @@ def describe_model(model: Any) -> ModelInfo:
     if static is None or not static.sample.current(model):
         static = _static_facts(model)
         _static_cache[model] = static
+    first = static.sample.params[0]  # its dtype and address were just checked by current()
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
-    h.update(str(static.dtype).encode())
+    h.update(str(first.dtype).encode())
     h.update(static.sample.read())
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=static.device, dtype=static.dtype)
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:

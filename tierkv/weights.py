@@ -91,7 +91,6 @@ class _HostGather:
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...], index: tuple[torch.Tensor, ...]) -> None:
         starts: list[np.ndarray] = []
-        kinds: list[torch.dtype] = []
         for p, idx in zip(params, index):
             flat = idx.numpy()
             # Element offsets of the logical (row-major) positions ``take`` reads, under any strides.
@@ -99,19 +98,18 @@ class _HostGather:
             for coord, stride in zip(np.unravel_index(flat, tuple(p.shape)) if p.dim() else (), p.stride()):
                 elements += coord * stride
             starts.append(p.data_ptr() + elements * p.element_size())
-            kinds.append(p.dtype)
         self.count = sum(len(s) for s in starts)
         used = [s for s in starts if len(s)]
         lo = min(int(s.min()) for s in used) if used else 0
-        hi = max(int(s.max()) for s in used) + 8 if used else 1
+        hi = max(int(s.max()) for s in used) + 8 if used else 1  # 8: the widest item read
         # Only the sampled bytes of this view are ever touched; the span between storages is not.
         self._memory = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
         self._groups: list[tuple[np.ndarray, np.ndarray, torch.dtype]] = []
         position = 0
         by_dtype: dict[torch.dtype, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        for s, dtype in zip(starts, kinds):
-            where, at = by_dtype.setdefault(dtype, ([], []))
-            where.append((s - lo)[:, None] + np.arange(dtype.itemsize))
+        for s, p in zip(starts, params):
+            where, at = by_dtype.setdefault(p.dtype, ([], []))
+            where.append((s - lo)[:, None] + np.arange(p.dtype.itemsize))
             at.append(np.arange(position, position + len(s)))
             position += len(s)
         for dtype, (where, at) in by_dtype.items():
