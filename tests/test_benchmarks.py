@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,3 +68,59 @@ def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: P
         assert tiered["peak_bytes"][tier] <= tiered["budgets"][tier]
     assert sum(tiered["hit_tokens"].values()) > 0
     assert {p.name for p in out.iterdir()} >= {"results.md", "results.json", "ttft_cdf.png", "hits_over_time.png"}
+
+
+class _EchoModel:
+    """Stands in for a model in the trace's replay: generate() appends the tokens it was asked for."""
+
+    def generate(self, ids, past_key_values=None, max_new_tokens=0, streamer=None, **kwargs):
+        out = torch.cat([ids, torch.full((1, max_new_tokens), 7)], dim=1)
+        streamer.put(ids)
+        streamer.put(out[:, -max_new_tokens:])
+        return out
+
+
+def test_chat_trace_interleaves_policies_in_rotating_rounds() -> None:
+    import numpy as np
+
+    from tierkv.bench import Policy, PolicyResult, Turn, interleave, mark_exact
+
+    turns = [Turn(s, np.array([3 + i]), 2, False) for i, s in enumerate([0, 1, 0, 0, 1, 1, 0])]
+    log: list[tuple[str, int]] = []
+
+    def policy(name: str) -> Policy:
+        return Policy(PolicyResult(name), lambda s, ids: log.append((name, ids.shape[1])),
+                      lambda *a: None, settle=lambda: log.append((name, -1)))
+
+    policies = [policy("a"), policy("b"), policy("c")]
+    interleave(policies, _EchoModel(), np.array([1, 2]), turns, 3, None)
+    played = [name for name, n in log if n >= 0]
+    # Rounds of 3 turns (the last one short), each started by the next policy in turn.
+    assert played == ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["b"] * 3 + ["c"] * 3 + ["a"] * 3 + ["c", "a", "b"]
+    assert [name for name, n in log if n < 0] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # Every policy saw the same conversation, turn by turn: each turn re-sends its session's history.
+    lengths = {name: [n for who, n in log if who == name and n >= 0] for name in "abc"}
+    assert lengths["a"] == lengths["b"] == lengths["c"] == [3, 3, 6, 9, 6, 9, 12]
+    for p in policies:
+        assert len(p.result.ttft) == len(turns) and len(p.outputs) == len(turns)
+    mark_exact(policies)
+    assert all(p.result.exact for p in policies)
+    policies[2].outputs[4] = policies[2].outputs[4].clone()
+    policies[2].outputs[4][0, -1] += 1
+    policies[1].outputs.pop()
+    mark_exact(policies)
+    assert [p.result.exact for p in policies] == [True, False, False]
+
+
+def test_chat_trace_in_several_rounds_is_exact_and_counts_every_turn(tmp_path: Path) -> None:
+    from benchmarks import chat_trace
+
+    summary = chat_trace.main(["--sessions", "3", "--turns", "7", "--layers", "1", "--hidden", "64",
+                               "--system-tokens", "32", "--user-median", "8", "--user-max", "24",
+                               "--reply-median", "3", "--reply-max", "4", "--context", "96",
+                               "--block-size", "8", "--cpu", "--round-turns", "3", "--out", str(tmp_path)])
+    policies = summary["policies"]
+    assert all(row["exact"] for row in policies.values() if "skipped" not in row)
+    tiered = policies["tierkv"]
+    assert sum(tiered["hit_tokens"].values()) + tiered["miss_tokens"] > 0
+    assert "ttft per turn tierkv / unbounded, median" in summary["ratios"]

@@ -9,6 +9,11 @@ lengths; each turn re-sends the whole conversation. The trace (seeded) is replay
   (d) tierkv-no-disk  the same budgets without a disk tier
   (e) offloaded       transformers' DynamicCache(offloading=True), one per session (CUDA only)
 
+The policies take turns, a round of ``--round-turns`` turns each in an order that rotates every
+round, so that a shared machine's drift in speed falls on all of them alike; each keeps its own
+conversations and store throughout, and a store's background disk writes are waited for at the
+end of its part of a round, never run into another policy's turns.
+
 Reported per policy: TTFT p50/p95/p99, decode tokens/s, hit tokens per tier, bytes moved per
 direction, peak bytes per tier against its budget; every policy's replies are checked equal to
 recomputation. Writes results.json, results.md and PNG plots (TTFT distribution per policy, hit
@@ -31,8 +36,10 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,30 +101,60 @@ def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_p
     return (system_tokens + finished + sum(current.values())) * kv_per_token
 
 
-def replay(name: str, model, system: np.ndarray, turns: list[Turn], make_cache, after_turn, reference, progress
-           ) -> PolicyResult:
-    result = PolicyResult(name)
-    history: dict[int, torch.Tensor] = {}
+@dataclass
+class Policy:
+    """One policy's replay: how a turn's cache is made, what follows the turn (a commit), and how
+    the policy settles its background work (a store's disk writes) at the end of a round."""
+    result: PolicyResult
+    make_cache: Callable[[int, torch.Tensor], Any]
+    after_turn: Callable[[int, Any, torch.Tensor], None]
+    settle: Callable[[], None] = lambda: None
+    history: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+def play_turn(policy: Policy, model, sys_ids: torch.Tensor, turn: Turn) -> None:
+    base = sys_ids if turn.reset or turn.session not in policy.history else policy.history[turn.session]
+    ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0)], dim=1)
+    timer = FirstTokenTimer()
+    start = time.perf_counter()
+    cache = policy.make_cache(turn.session, ids)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
+                         do_sample=False, streamer=timer)
+    end = time.perf_counter()
+    policy.after_turn(turn.session, cache, out)
+    result = policy.result
+    result.ttft.append(timer.first_token_at - start)
+    if turn.reply_tokens > 1:
+        result.decode_tps.append((turn.reply_tokens - 1) / max(end - timer.first_token_at, 1e-9))
+    policy.history[turn.session] = out
+    policy.outputs.append(out)
+
+
+def interleave(policies: list[Policy], model, system: np.ndarray, turns: list[Turn], round_turns: int,
+               progress) -> None:
+    """Every policy replays the whole trace, a round of ``round_turns`` turns at a time, in an
+    order that rotates every round (``round_turns`` 0: one round). A shared machine's speed drifts
+    over seconds; played one after the other, the policies would compare the machine's moods, not
+    themselves. At the end of its part of a round a policy settles (a store waits for its writer),
+    so that no policy's background work runs into another's turns."""
     sys_ids = torch.tensor(system).unsqueeze(0)
-    for i, turn in enumerate(turns):
-        base = sys_ids if turn.reset or turn.session not in history else history[turn.session]
-        ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0)], dim=1)
-        timer = FirstTokenTimer()
-        start = time.perf_counter()
-        cache = make_cache(turn.session, ids)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=turn.reply_tokens, min_new_tokens=turn.reply_tokens,
-                             do_sample=False, streamer=timer)
-        end = time.perf_counter()
-        after_turn(turn.session, cache, out)
-        result.ttft.append(timer.first_token_at - start)
-        if turn.reply_tokens > 1:
-            result.decode_tps.append((turn.reply_tokens - 1) / max(end - timer.first_token_at, 1e-9))
-        if reference is not None and not torch.equal(out, reference[i]):
-            result.exact = False
-        history[turn.session] = out
-        if progress is not None:
-            progress.update(1)
-    return result
+    step = round_turns if round_turns > 0 else max(1, len(turns))
+    for r, first in enumerate(range(0, len(turns), step)):
+        k = r % len(policies)
+        for policy in policies[k:] + policies[:k]:
+            for turn in turns[first:first + step]:
+                play_turn(policy, model, sys_ids, turn)
+                if progress is not None:
+                    progress.update(1)
+            policy.settle()
+
+
+def mark_exact(policies: list[Policy]) -> None:
+    """Each policy's replies against the first policy's (recomputation), turn by turn."""
+    reference = policies[0].outputs
+    for policy in policies:
+        policy.result.exact = len(policy.outputs) == len(reference) and all(map(torch.equal, policy.outputs, reference))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -141,38 +178,25 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError:  # the progress bar is a nicety of the `bench` extra
         progress = None
 
-    results: dict[str, PolicyResult] = {}
-    outputs: list[torch.Tensor] = []
-
-    # (a) recompute: also the reference every other policy must equal.
-    def keep(session, cache, out):
-        outputs.append(out)
-
-    results["recompute"] = replay("recompute", model, system, turns, lambda s, ids: None, keep, None, progress)
+    policies = [Policy(PolicyResult("recompute"), lambda s, ids: None, lambda *a: None)]  # (a): the reference
     budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (int(0.10 * ws), int(0.30 * ws), "disk"),
                "tierkv-no-disk": (int(0.10 * ws), int(0.30 * ws), None)}
     tmp = Path(tempfile.mkdtemp(prefix="tierkv-trace-"))
+    stores: dict[str, TieredStore] = {}
     for name, (dev_b, host_b, disk) in budgets.items():
-        store = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b, host_budget=host_b,
-                            disk_budget="1TiB", block_size=args.block_size)
-        peak = {"device": 0, "host": 0, "disk": 0}
-        hits_over_time: list[dict[str, int]] = []
+        store = stores[name] = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b,
+                                           host_budget=host_b, disk_budget="1TiB", block_size=args.block_size)
+        res = PolicyResult(name)
 
-        def commit(session, cache, out, store=store, peak=peak, hits_over_time=hits_over_time):
+        def commit(session, cache, out, store=store, res=res):
             cache.commit(out)
             stats = store.stats()
-            for tier in peak:
-                peak[tier] = max(peak[tier], stats[tier]["bytes"])
-            hits_over_time.append(dict(stats["hits"]))
+            for tier in ("device", "host", "disk"):
+                res.peak[tier] = max(res.peak.get(tier, 0), stats[tier]["bytes"])
+            res.hits_over_time.append(dict(stats["hits"]))
 
-        res = replay(name, model, system, turns, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"),
-                     commit, outputs, progress)
-        store.flush()
-        stats = store.stats()
-        res.final_stats, res.peak, res.hits_over_time = stats, peak, hits_over_time
-        res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
-        store.close()
-        results[name] = res
+        policies.append(Policy(res, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"), commit,
+                               settle=store.flush))
     if device.type == "cuda":
         per_session: dict[int, DynamicCache] = {}
 
@@ -182,8 +206,22 @@ def run(args: argparse.Namespace) -> dict:
                 cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
             return cache
 
-        results["offloaded"] = replay("offloaded", model, system, turns, offloaded, lambda *a: None, outputs, progress)
-    else:
+        policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None))
+    interleave(policies, model, system, turns, args.round_turns, progress)
+
+    mark_exact(policies)
+    results: dict[str, PolicyResult] = {}
+    for policy in policies:
+        res = policy.result
+        store = stores.get(res.name)
+        if store is not None:
+            store.flush()
+            stats = store.stats()
+            res.final_stats = stats
+            res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
+            store.close()
+        results[res.name] = res
+    if "offloaded" not in results:
         results["offloaded"] = PolicyResult("offloaded", skipped="needs CUDA")
         if progress is not None:
             progress.update(len(turns))
@@ -224,6 +262,11 @@ def summarise(run_: dict) -> dict:
         ratios["ttft_p50 tierkv / recompute"] = p50["tierkv"] / p50["recompute"]
     if p50.get("tierkv-no-disk") and p50.get("recompute"):
         ratios["ttft_p50 tierkv-no-disk / recompute"] = p50["tierkv-no-disk"] / p50["recompute"]
+    # Paired: the same turn under both policies, so that turns' spread of lengths cancels out.
+    for a, b in (("tierkv", "unbounded"), ("tierkv", "recompute")):
+        if a in rows and b in rows and "skipped" not in rows[a] and "skipped" not in rows[b]:
+            ratios[f"ttft per turn {a} / {b}, median"] = statistics.median(
+                x / y for x, y in zip(base[a].ttft, base[b].ttft))
     return {"policies": rows, "ratios": ratios}
 
 
@@ -231,7 +274,8 @@ def markdown(run_: dict, summary: dict) -> str:
     a = run_["args"]
     lines = [f"{run_['turns']} turns over {a['sessions']} sessions (Zipf {a['zipf']}), system prompt "
              f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
-             f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV.", "",
+             f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; policies taking turns "
+             f"in rounds of {a['round_turns'] or run_['turns']} turns.", "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
              "moved MiB d2h/h2d/to disk/from disk | disk GB/s write/read | peak MiB dev/host/disk (budget) | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -315,6 +359,9 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--round-turns", type=int, default=10,
+                        help="turns each policy plays before the next takes over, the order rotating every round; "
+                             "0: each policy plays the whole trace in turn (default: %(default)s)")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     parser.add_argument("--out", default=default_out, help="directory for the reports (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a small trace, under 3 minutes on 2 CPU cores")
