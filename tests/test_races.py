@@ -158,7 +158,9 @@ def test_close_with_a_timeout_drops_queued_writes_and_says_how_many(model, store
         cache = store.open(model, ids, session=f"s{i}")
         outs.append(generate(model, ids, cache))
         cache.commit(outs[-1])  # 2 full blocks and a 2-token tail each: 9 block writes
-    assert gate.entered.wait(WAIT)
+        if i == 0:
+            # The writer holds the first conversation's batch (its linger over): the others queue.
+            assert gate.entered.wait(WAIT)
     result: list[int] = []
     closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
     closer.start()

@@ -5,6 +5,7 @@ and flushes and drains. Threads are synchronised with events, never with sleeps.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -307,6 +308,38 @@ def test_max_batch_caps_items_per_batch(writers: list[BackgroundWriter]) -> None
     rec.release.set()
     writer.flush(timeout=WAIT)
     assert rec.batches == [["gate"], [1, 2], [3, 4], [5]]
+
+
+def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[BackgroundWriter]) -> None:
+    rec = Recorder()
+    writer = start(writers, rec, linger=1.0)
+    jobs = [writer.submit("a")]
+    time.sleep(0.1)  # without a linger the writer takes "a" alone meanwhile
+    jobs.append(writer.submit("b"))
+    assert jobs[1].wait(WAIT) is None  # applied when the linger ends, without a flush
+    assert rec.batches == [["a", "b"]]
+
+
+def test_flush_close_and_a_full_batch_do_not_wait_for_the_linger(writers: list[BackgroundWriter]) -> None:
+    long = WAIT * 10  # far past every wait below: an item applied means the linger was cut short
+    rec = Recorder()
+    writer = start(writers, rec, linger=long)
+    writer.submit(1)
+    writer.flush(timeout=WAIT)
+    assert rec.batches == [[1]]
+    full = start(writers, Recorder(), linger=long, max_batch=2)
+    full.submit("x")
+    assert full.submit("y").wait(WAIT) is None
+    closing_rec = Recorder()
+    closing = start(writers, closing_rec, linger=long)
+    job = closing.submit("z")
+    assert closing.close(timeout=WAIT) == 0
+    assert job.done() and closing_rec.batches == [["z"]]
+
+
+def test_a_negative_linger_is_refused() -> None:
+    with pytest.raises(ValueError, match="linger must be >= 0"):
+        BackgroundWriter(Recorder(), name="bad", linger=-1)
 
 
 def test_max_batch_bytes_caps_bytes_per_batch(writers: list[BackgroundWriter]) -> None:

@@ -82,6 +82,14 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+#: How long the disk writer gathers writes before a transaction. Each transaction ends in a sync
+#: (a whole-map msync and a meta-page msync: ~12 ms on the machine of benchmarks/RESULTS.md), and
+#: at a light load every turn's few blocks went in their own one: the writer was never idle, and
+#: its syncs slowed the turns. A flush, a close or a full batch (64 MiB) does not wait for it.
+#: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
+WRITE_LINGER_S = 0.1
+
+
 class TieredStore:
     """A hierarchical KV-cache store: device, host and (optionally) LMDB disk tiers."""
 
@@ -110,7 +118,8 @@ class TieredStore:
             # At a close with a timeout only block writes may be given up: deletes and session
             # references are small, and dropping them would bring forgotten data back.
             self._writer = BackgroundWriter(self._apply_writes, name="tierkv-disk-writer", size_of=op_size,
-                                            abandonable=lambda op: isinstance(op, PutBlock), device=self.device)
+                                            abandonable=lambda op: isinstance(op, PutBlock), device=self.device,
+                                            linger=WRITE_LINGER_S)
         self._index = Index()
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
