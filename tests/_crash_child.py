@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import make_model, random_ids  # noqa: E402
+import tierkv.store  # noqa: E402
 from tierkv import TieredStore  # noqa: E402
 
 
@@ -32,7 +33,11 @@ def forgotten(i: int) -> bool:
     return i % 5 == 4
 
 
-def main(path: str, seed: int, churn: bool) -> None:
+def main(path: str, seed: int, churn: bool, linger: bool = True) -> None:
+    if not linger:
+        # The writer then takes each turn's blocks at once, so that kills land inside its
+        # transactions between flushes too, not only inside flush().
+        tierkv.store.WRITE_LINGER_S = 0.0
     model = make_model("llama")
     store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0,
                         disk_budget=CHURN_DISK_BUDGET if churn else "256GiB")
@@ -49,4 +54,4 @@ def main(path: str, seed: int, churn: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["churn"])
+    main(sys.argv[1], int(sys.argv[2]), "churn" in sys.argv[3:], "nolinger" not in sys.argv[3:])

@@ -124,3 +124,6 @@ def test_chat_trace_in_several_rounds_is_exact_and_counts_every_turn(tmp_path: P
     tiered = policies["tierkv"]
     assert sum(tiered["hit_tokens"].values()) + tiered["miss_tokens"] > 0
     assert "ttft per turn tierkv / unbounded, median" in summary["ratios"]
+    assert "policies taking turns in rounds of 3 turns" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        chat_trace.main(["--round-turns", "-1", "--out", str(tmp_path)])

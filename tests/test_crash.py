@@ -24,10 +24,13 @@ from tierkv import TieredStore
 CHILD = Path(__file__).with_name("_crash_child.py")
 
 
-def run_until_killed(path: Path, seed: int, flushes: int, extra_s: float, churn: bool = False) -> int:
+def run_until_killed(path: Path, seed: int, flushes: int, extra_s: float, churn: bool = False,
+                     linger: bool = True) -> int:
     """Start the child, let it complete ``flushes`` flushes, kill it ``extra_s`` later; returns the
-    last conversation index it reported durable."""
-    child = subprocess.Popen([sys.executable, str(CHILD), str(path), str(seed), *(["churn"] if churn else [])],
+    last conversation index it reported durable. Without ``linger`` the child's writer takes each
+    turn's writes at once, so that a kill lands in its transactions between flushes too."""
+    flags = (["churn"] if churn else []) + ([] if linger else ["nolinger"])
+    child = subprocess.Popen([sys.executable, str(CHILD), str(path), str(seed), *flags],
                              stdout=subprocess.PIPE, text=True)
     last = -1
     try:
@@ -54,7 +57,7 @@ def test_sigkill_while_spilling_loses_nothing_flushed_and_serves_nothing_half_wr
     rng = random.Random(trial)
     path = tmp_path / "kv"
     seed = 100 + trial
-    last = run_until_killed(path, seed, flushes=rng.randint(1, 3), extra_s=rng.uniform(0.0, 0.3))
+    last = run_until_killed(path, seed, flushes=rng.randint(1, 3), extra_s=rng.uniform(0.0, 0.3), linger=trial % 2 == 0)
     model = make_model("llama")
     with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
         assert store.stats()["corrupt"] == 0
@@ -76,7 +79,8 @@ def test_sigkill_during_evictions_and_forgets_brings_nothing_forgotten_back(tmp_
     path = tmp_path / "kv"
     seed = 200 + trial
     # Killed soon after a flush, so the conversations the budget keeps reach back before it.
-    last = run_until_killed(path, seed, flushes=rng.randint(2, 4), extra_s=rng.uniform(0.0, 0.05), churn=True)
+    last = run_until_killed(path, seed, flushes=rng.randint(2, 4), extra_s=rng.uniform(0.0, 0.05), churn=True,
+                            linger=trial % 2 == 0)
     model = make_model("llama")
 
     def restore(store: TieredStore, i: int) -> int:

@@ -8,12 +8,14 @@ sleep is used as synchronisation.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from conftest import random_ids
+import tierkv.store
 from tierkv import TieredStore
 from tierkv.index import DiskState
 from tierkv.transfer import CopyEngine, Job
@@ -114,7 +116,7 @@ def test_forget_during_a_spill_leaves_nothing_on_disk(model, stores, tmp_path):
         cache = store.open(model, ids, session=session)
         cache.commit(generate(model, ids, cache))
     assert gate.entered.wait(WAIT)
-    assert store.forget(session="secret") == 3  # while its writes are still queued
+    assert store.forget(session="secret") == 3  # while its writes are queued, or held by the writer
     gate.release.set()
     store.flush()
     assert lmdb_rows(store, b"blocks") == 2  # keep's block and tail only
@@ -124,6 +126,21 @@ def test_forget_during_a_spill_leaves_nothing_on_disk(model, stores, tmp_path):
     store = make_store(stores, path)
     assert store.open(model, torch.cat([secret, random_ids(2, 5)], dim=1), session="secret").restored_tokens == 0
     assert store.open(model, torch.cat([keep, random_ids(2, 6)], dim=1), session="keep").restored_tokens == 12
+
+
+def test_forget_reaches_the_file_without_waiting_for_the_writers_linger(model, stores, tmp_path, monkeypatch):
+    monkeypatch.setattr(tierkv.store, "WRITE_LINGER_S", WAIT * 10)  # far longer than any wait below
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    ids = random_ids(20, 7)
+    cache = store.open(model, ids, session="secret")
+    cache.commit(generate(model, ids, cache))
+    store.flush()  # cuts the linger short
+    assert lmdb_rows(store, b"blocks") == 3
+    assert store.forget(session="secret") == 3
+    deadline = time.monotonic() + WAIT
+    while lmdb_rows(store, b"blocks") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lmdb_rows(store, b"blocks") == 0 and lmdb_rows(store, b"sessions") == 0
 
 
 def test_close_without_timeout_drains_every_queued_write(model, stores, tmp_path):

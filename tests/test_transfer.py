@@ -320,13 +320,21 @@ def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[Backg
     assert rec.batches == [["a", "b"]]
 
 
-def test_flush_close_and_a_full_batch_do_not_wait_for_the_linger(writers: list[BackgroundWriter]) -> None:
+def test_flush_nudge_close_and_a_heavy_or_full_batch_do_not_wait_for_the_linger(writers: list[BackgroundWriter]) -> None:
     long = WAIT * 10  # far past every wait below: an item applied means the linger was cut short
     rec = Recorder()
     writer = start(writers, rec, linger=long)
+    writer.flush(timeout=WAIT)  # a flush of an idle writer: its marker is the batch's first entry
     writer.submit(1)
     writer.flush(timeout=WAIT)
     assert rec.batches == [[1]]
+    nudged_rec = Recorder()
+    nudged = start(writers, nudged_rec, linger=long)
+    job = nudged.submit("n")
+    nudged.nudge()
+    assert job.wait(WAIT) is None and nudged_rec.batches == [["n"]]
+    heavy = start(writers, Recorder(), linger=long, max_batch_bytes=400, size_of=lambda item: 100)
+    assert heavy.submit("a quarter of the batch's bytes").wait(WAIT) is None
     full = start(writers, Recorder(), linger=long, max_batch=2)
     full.submit("x")
     assert full.submit("y").wait(WAIT) is None

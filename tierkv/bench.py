@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
                 cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
             return cache
 
-        policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None))
+        # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
+        policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None, settle=torch.cuda.synchronize))
     interleave(policies, model, system, turns, args.round_turns, progress)
 
     mark_exact(policies)
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     parser.add_argument("--out", default=default_out, help="directory for the reports (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a small trace, under 3 minutes on 2 CPU cores")
     args = parser.parse_args(argv)
+    if args.round_turns < 0:
+        parser.error(f"--round-turns must be 0 or more, got {args.round_turns}")
     # Set here, not at import: `tierkv` imports this module only to run it, and importers keep theirs.
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()

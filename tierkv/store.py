@@ -85,7 +85,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 #: How long the disk writer gathers writes before a transaction. Each transaction ends in a sync
 #: (a whole-map msync and a meta-page msync: ~12 ms on the machine of benchmarks/RESULTS.md), and
 #: at a light load every turn's few blocks went in their own one: the writer was never idle, and
-#: its syncs slowed the turns. A flush, a close or a full batch (64 MiB) does not wait for it.
+#: its syncs slowed the turns. A flush, a forget, a close or 16 MiB of queued writes cut it short.
 #: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
 WRITE_LINGER_S = 0.1
 
@@ -962,6 +962,9 @@ class TieredStore:
                 for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
                     self._drop(meta)
                     removed += 1
+            if self._writer is not None and (sids or removed):
+                # The deletes zero the forgotten KV in the file: not held back by the linger.
+                self._writer.nudge()
         return removed
 
     def stats(self) -> dict[str, Any]:

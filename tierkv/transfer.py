@@ -338,9 +338,10 @@ class BackgroundWriter(Generic[T]):
     ``apply(batch)`` returns one entry per item: ``None`` for success or the exception that item
     failed with. An exception raised by ``apply`` itself fails the whole batch.
 
-    With a ``linger`` (seconds), a batch is taken that long after its first item arrived, or as
-    soon as it is full, or at once when a ``flush`` or ``close`` is waiting: a light load's items
-    (a turn's few blocks at a time) then go in one batch rather than one batch each.
+    With a ``linger`` (seconds), a batch is taken that long after its first item arrived, or at
+    once when it holds a quarter of ``max_batch_bytes`` (the items' buffers stay held meanwhile),
+    when it is full, or when ``flush``, ``nudge`` or ``close`` was called: a light load's items (a
+    turn's few blocks at a time) then go in one batch rather than one batch each.
     """
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
@@ -388,6 +389,12 @@ class BackgroundWriter(Generic[T]):
         else:
             job.wait(timeout)
 
+    def nudge(self) -> None:
+        """Apply what is queued now without lingering, and without waiting for it."""
+        with self._gate:
+            if not self._closed:
+                self._queue.put((_MARKER, Job()))
+
     def close(self, timeout: float | None = None) -> int:
         """Stop once everything queued is applied. With a ``timeout``, the abandonable items still
         queued when it expires are abandoned (their jobs fail with ``WriteAbandoned``) after the
@@ -414,7 +421,7 @@ class BackgroundWriter(Generic[T]):
             batch = [entry]
             nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
             stop = False
-            flushing = entry[0] is _MARKER
+            flushing = entry[0] is _MARKER or nbytes >= self._max_batch_bytes // 4
             deadline = time.monotonic() + self._linger
             while len(batch) < self._max_batch and nbytes < self._max_batch_bytes:
                 wait = 0.0 if flushing else deadline - time.monotonic()
@@ -430,6 +437,7 @@ class BackgroundWriter(Generic[T]):
                     flushing = True  # someone waits: take what is queued now, linger no more
                 else:
                     nbytes += self._size_of(nxt[0])
+                    flushing = flushing or nbytes >= self._max_batch_bytes // 4
             self._run_batch(batch)
             if stop:
                 return
