@@ -434,7 +434,7 @@ class BackgroundWriter(Generic[T]):
                     break
                 batch.append(nxt)
                 if nxt[0] is _MARKER:
-                    flushing = True  # someone waits: take what is queued now, linger no more
+                    flushing = True  # a flush or nudge: take what is queued now, linger no more
                 else:
                     nbytes += self._size_of(nxt[0])
                     flushing = flushing or nbytes >= self._max_batch_bytes // 4
