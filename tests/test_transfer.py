@@ -312,15 +312,19 @@ def test_max_batch_caps_items_per_batch(writers: list[BackgroundWriter]) -> None
 
 def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[BackgroundWriter]) -> None:
     rec = Recorder()
-    writer = start(writers, rec, linger=1.0)
-    jobs = [writer.submit("a")]
-    time.sleep(0.1)  # without a linger the writer takes "a" alone meanwhile
-    jobs.append(writer.submit("b"))
-    assert jobs[1].wait(WAIT) is None  # applied when the linger ends, without a flush
+    writer = start(writers, rec, linger=WAIT * 10)
+    writer.submit("a")
+    time.sleep(0.1)  # not synchronisation: a gap in which a writer without a linger takes "a" alone
+    job = writer.submit("b")
+    writer.nudge()
+    assert job.wait(WAIT) is None
     assert rec.batches == [["a", "b"]]
+    # And a linger ends by itself, without a flush or a nudge.
+    expiring = start(writers, Recorder(), linger=0.05)
+    assert expiring.submit("c").wait(WAIT) is None
 
 
-def test_flush_nudge_close_and_a_heavy_or_full_batch_do_not_wait_for_the_linger(writers: list[BackgroundWriter]) -> None:
+def test_flush_nudge_close_and_a_heavy_or_full_batch_cut_the_linger(writers: list[BackgroundWriter]) -> None:
     long = WAIT * 10  # far past every wait below: an item applied means the linger was cut short
     rec = Recorder()
     writer = start(writers, rec, linger=long)

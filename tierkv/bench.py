@@ -275,8 +275,8 @@ def markdown(run_: dict, summary: dict) -> str:
     a = run_["args"]
     lines = [f"{run_['turns']} turns over {a['sessions']} sessions (Zipf {a['zipf']}), system prompt "
              f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
-             f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; policies taking turns "
-             f"in rounds of {a['round_turns'] or run_['turns']} turns.", "",
+             f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; "
+             f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.", "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
              "moved MiB d2h/h2d/to disk/from disk | disk GB/s write/read | peak MiB dev/host/disk (budget) | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
