@@ -368,6 +368,62 @@ def test_a_disk_read_does_not_hold_up_other_sessions(model, stores, tmp_path):
     assert torch.equal(generate(model, nxt_cold, cold_cache), generate(model, nxt_cold))
 
 
+def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model, stores, tmp_path):
+    """Close unmaps LMDB's map: an open still copying out of it crashed the process (SIGSEGV)."""
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    ids = random_ids(40, 95)
+    cache = store.open(model, ids)
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    store.close()
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    reading, release, closing = threading.Event(), threading.Event(), threading.Event()
+    abort = False
+    alloc = store._host.alloc
+
+    def held_alloc(shape, dtype):  # called inside the read transaction, before the copy
+        reading.set()
+        assert release.wait(WAIT)
+        if abort:
+            raise RuntimeError("the map was unmapped under this read")
+        return alloc(shape, dtype)
+
+    store._host.alloc = held_alloc
+    disk_close = store._disk.close
+
+    def close_disk():
+        closing.set()
+        disk_close()
+
+    store._disk.close = close_disk
+    nxt = torch.cat([out, random_ids(2, 96)], dim=1)
+    errors: list[BaseException] = []
+
+    def open_turn():
+        try:
+            store.open(model, nxt)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    reader = threading.Thread(target=open_turn)
+    reader.start()
+    assert reading.wait(WAIT)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    assert closing.wait(WAIT)
+    closer.join(0.5)
+    abort = not closer.is_alive()
+    release.set()
+    reader.join(WAIT)
+    closer.join(WAIT)
+    assert not abort, "the disk tier closed while a read was copying out of its map"
+    # Closed during its read or right after it, depending on which took the disk's lock first.
+    assert len(errors) == 1 and isinstance(errors[0], ValueError) and "closed" in str(errors[0])
+    with pytest.raises(ValueError, match="closed"):
+        store.open(model, nxt)
+
+
 def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, tmp_path):
     store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
     ids = random_ids(20, 90)

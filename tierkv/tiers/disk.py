@@ -29,7 +29,9 @@ Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in s
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
 one write transaction per batch. A block is visible to readers only once that transaction has
 committed. ``MapFullError`` aborts the transaction, grows the map outside any transaction
-(readers are held off by a lock while it does), and retries.
+(readers are held off by a lock while it does), and retries. ``close`` takes the same lock: it
+waits for a read in progress (whose buffers point into the map it unmaps), and reads after it
+raise ``DiskClosed``.
 
 Space: the map never grows past ``map_cap`` = budget + ``slack(budget)``, so the file on disk
 stays within that whatever LMDB's free list does (freed pages are reused only some transactions
@@ -92,6 +94,10 @@ class DiskFull(RuntimeError):
 class Scrubbed(CorruptRecord):
     """A record zeroed by a delete that a crash cut short (its head may have survived it when the
     OS wrote the file's pages back out of order): a plain miss, not damage."""
+
+
+class DiskClosed(lmdb.Error):
+    """A read of a disk tier that was closed (by another thread, the store's ``close``)."""
 
 
 class StoreInUse(ValueError):
@@ -228,7 +234,9 @@ class DiskTier:
         fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
         os.makedirs(self.path, exist_ok=True)
         self._lock_fd = self._lock_directory(self.path)
+        # Held by every read transaction, a remap and close: none unmaps the map under a reader.
         self._resize_lock = threading.Lock()
+        self._closed = False
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.map_cap = budget + slack(budget)
         # An existing file is opened at its own size: with writemap LMDB truncates the file to the
@@ -388,7 +396,7 @@ class DiskTier:
         """Every block's header, session references and last-use stamps, for rebuilding an index.
         Reads heads, not records: a damaged record is found when it is read (a counted miss)."""
         result = ScanResult()
-        with self._resize_lock, self.env.begin(buffers=True) as txn:
+        with self._resize_lock, self._read_txn() as txn:
             heads: dict[bytes, memoryview] = {}
             if self._heads is not None:
                 heads = {bytes(key): value for key, value in txn.cursor(db=self._heads)}
@@ -438,7 +446,7 @@ class DiskTier:
         bytes)`` is called after each record, for a progress bar. One read transaction: a
         consistent view."""
         result = CheckResult()
-        with self._resize_lock, self.env.begin(buffers=True) as txn:
+        with self._resize_lock, self._read_txn() as txn:
             for key, value in txn.cursor(db=self._blocks):
                 key = bytes(key)
                 try:
@@ -477,7 +485,7 @@ class DiskTier:
         read, or on their way."""
         with self._resize_lock:
             start = self._map_start
-            if start is None:
+            if start is None or self._closed:
                 return
             page = self.page_size
             for key in keys:
@@ -486,12 +494,18 @@ class DiskTier:
                     begin = (start + where[0]) // page * page
                     vm.madvise(begin, start + where[0] + where[1] - begin, vm.MADV_WILLNEED)
 
+    def _read_txn(self) -> lmdb.Transaction:
+        """A read transaction (callers hold ``_resize_lock``)."""
+        if self._closed:
+            raise DiskClosed(f"the disk tier at {self.path} is closed")
+        return self.env.begin(buffers=True)
+
     def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
              ) -> tuple[RecordHeader, torch.Tensor]:
         """Read and verify one block into a tensor made by ``empty``. Raises ``KeyError`` if it is
         absent and ``CorruptRecord`` if it fails any check. Call ``prefetch`` first when the page
         cache may not hold the record (one synchronous read per page otherwise)."""
-        with self._resize_lock, self.env.begin(buffers=True) as txn:
+        with self._resize_lock, self._read_txn() as txn:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
                 raise KeyError(key)
@@ -720,7 +734,9 @@ class DiskTier:
         self.env.sync(True)
 
     def close(self) -> None:
-        self.env.close()
+        with self._resize_lock:
+            self._closed = True
+            self.env.close()
         if self._data_fd is not None:
             os.close(self._data_fd)
             self._data_fd = None
