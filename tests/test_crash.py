@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
-from conftest import make_model
+from conftest import make_model, random_ids
 from tierkv import TieredStore
 
 CHILD = Path(__file__).with_name("_crash_child.py")
@@ -149,3 +149,36 @@ def test_a_forked_child_is_refused_the_parents_store(tmp_path):
     cache = store.open(model, ids)  # the parent goes on as before
     cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
     store.close()
+
+
+_EXIT_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import tierkv.store
+from conftest import make_model
+from tierkv import TieredStore
+
+tierkv.store.WRITE_LINGER_S = 30.0  # the writer would hold this turn's writes past the exit
+store = TieredStore({path!r}, device="cpu", block_size=8)
+model = make_model("llama")
+ids = torch.tensor([{ids!r}])
+cache = store.open(model, ids, session="s")
+out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+print("COMMITTED", cache.commit(out), flush=True)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["", "raise RuntimeError('the server crashed')"])
+def test_a_store_left_open_at_exit_is_closed_and_its_writes_drained(tmp_path, ending):
+    path = tmp_path / "kv"
+    ids = random_ids(40, 7)[0].tolist()
+    script = _EXIT_CHILD.format(tests=str(Path(__file__).parent), path=str(path), ids=ids, ending=ending)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "COMMITTED 42" in child.stdout, child.stderr
+    with TieredStore(path, device="cpu", block_size=8, device_budget=0, host_budget=0) as store:
+        model = make_model("llama")
+        nxt = torch.tensor([ids + [5, 6, 7, 8, 9]])
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_from["disk"] >= 40, "the writes queued at exit were lost"

@@ -29,17 +29,22 @@ Protocol of one conversation turn::
   touches them tail first, so eviction takes a conversation's tail before the prefix it needs.
 * Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
   still references, from every tier.
+* A store with a disk tier that is still open when the interpreter exits is closed then (its
+  queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
+  the writes it still held were lost at every exit without ``close()``.
 
 Policy works on keys and sizes; tensors pass through opaquely between tiers and the copy engine.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -88,6 +93,22 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 #: its syncs slowed the turns. A flush, a forget, a close or 16 MiB of queued writes cut it short.
 #: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
 WRITE_LINGER_S = 0.1
+
+#: How long closing the still-open stores at interpreter exit may drain their disk writes; what is
+#: still queued then is dropped (and logged), so that a stuck disk cannot hang the exit.
+EXIT_CLOSE_TIMEOUT_S = 60.0
+_open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for store in list(_open_stores):
+        # A forked child inherits the set: the parent's LMDB handle is not the child's to close.
+        if store._pid == os.getpid() and not store._closed:
+            try:
+                store.close(timeout=EXIT_CLOSE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - one store's failure must not keep the others open
+                logger.exception("tierkv: closing a store at exit failed; its queued writes are lost")
 
 
 class TieredStore:
@@ -148,6 +169,7 @@ class TieredStore:
         self._events = EventLog()
         if self._disk is not None:
             self._load_index()
+            _open_stores.add(self)
         logger.info("tierkv store opened: path=%s tiers=%s budgets device=%s host=%s disk=%s, %d blocks found",
                     path, ",".join([f"device({self.device})", "host(pinned)" if self.device.type == "cuda" else "host",
                                     *(["disk"] if path is not None else [])]),
