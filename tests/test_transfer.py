@@ -25,6 +25,17 @@ def test_completed_job() -> None:
     assert job.wait(timeout=0) is value
 
 
+def test_completed_jobs_share_nothing_but_stay_complete() -> None:
+    first, second = Job.completed(1), Job.completed(2)
+    first.set_result(3)
+    first.set_error(RuntimeError("late"))
+    assert (first.wait(), second.wait()) == (1, 2) and first.lease is None
+    pending: Job[int] = Job()
+    assert not pending.done()  # a completed job's state never leaks into a new one
+    pending.set_result(4)
+    assert pending.wait(timeout=0) == 4 and first.wait() == 1
+
+
 def test_completed_with_none_is_done() -> None:
     job = Job.completed(None)
     assert job.done() is True
