@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +147,27 @@ def test_nan_weights_give_the_bytes_take_gives(dtypes):
     sample = WeightSample(model)
     assert sample._host is not None
     assert sample.read() == reference_bytes(model)
+
+
+_FREED_UNDER_THE_READ = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from conftest import make_model
+from tierkv.weights import WeightSample
+
+model = make_model("llama", vocab_size=32768)  # an 8 MiB embedding: malloc maps it on its own
+sample = WeightSample(model)
+weight = model.model.embed_tokens.weight
+assert sample._host is not None and sample.current(model)
+with torch.no_grad():
+    weight.data = weight.data.clone()  # as another thread would, between current() and read()
+sample.read()  # read at the old addresses: unmapped once the old storage is freed
+print("READ")
+"""
+
+
+def test_a_storage_replaced_between_current_and_read_is_still_readable():
+    script = _FREED_UNDER_THE_READ.format(tests=str(Path(__file__).parent))
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and "READ" in child.stdout, (child.returncode, child.stderr[-2000:])
