@@ -20,6 +20,7 @@ import torch
 from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model, random_ids
 from tierkv import TieredStore
+from tierkv.tiers.disk import StoreInUse
 
 CHILD = Path(__file__).with_name("_crash_child.py")
 
@@ -151,6 +152,56 @@ def test_a_forked_child_is_refused_the_parents_store(tmp_path):
     store.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_childs_close_leaves_the_parents_lock_and_store_alone(tmp_path):
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=4)
+    model = make_model("llama")
+    ids = conversation(2, 0)
+    pid = os.fork()
+    if pid == 0:  # as a `with TieredStore(...)` block left in a worker would
+        try:
+            store.close()
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with pytest.raises(StoreInUse):
+        TieredStore(path, device="cpu", block_size=4)  # the parent still holds the directory
+    cache = store.open(model, ids)
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    store.close()
+
+
+_OWNER_WITH_A_WORKER = """
+import os, sys, time
+from tierkv import TieredStore
+store = TieredStore({path!r}, device="cpu", block_size=4)
+worker = os.fork()
+if worker == 0:  # a worker process (multiprocessing, DataLoader) that never touches the store
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)  # lets go of the pipes the test reads to their end
+    os.dup2(quiet, 2)
+    time.sleep(60)
+    os._exit(0)
+print(worker, flush=True)
+os._exit(0)  # the owner dies without closing (a crash, an OOM kill)
+"""
+
+
+def test_a_worker_forked_by_a_dead_owner_does_not_keep_the_store_locked(tmp_path):
+    path = tmp_path / "kv"
+    owner = subprocess.run([sys.executable, "-c", _OWNER_WITH_A_WORKER.format(path=str(path))],
+                           capture_output=True, text=True, timeout=120)
+    assert owner.returncode == 0, owner.stderr[-2000:]
+    worker = int(owner.stdout.split()[0])
+    try:
+        TieredStore(path, device="cpu", block_size=4).close()  # the restarted owner opens it
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
 _EXIT_CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -182,3 +233,32 @@ def test_a_store_left_open_at_exit_is_closed_and_its_writes_drained(tmp_path, en
         nxt = torch.tensor([ids + [5, 6, 7, 8, 9]])
         cache = store.open(model, nxt, session="s")
         assert cache.restored_from["disk"] >= 40, "the writes queued at exit were lost"
+
+
+_HUNG_DISK_CHILD = """
+import sys, threading
+sys.path.insert(0, {tests!r})
+import torch
+import tierkv.store
+from conftest import make_model
+from tierkv import TieredStore
+
+tierkv.store.EXIT_CLOSE_TIMEOUT_S = 1.0
+store = TieredStore({path!r}, device="cpu", block_size=8)
+store._disk.apply = lambda ops: threading.Event().wait()  # a disk that never answers
+model = make_model("llama")
+ids = torch.tensor([{ids!r}])
+cache = store.open(model, ids, session="s")
+cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False))
+store._writer.nudge()
+print("EXITING", flush=True)
+"""
+
+
+def test_a_hung_disk_does_not_hang_the_exit(tmp_path):
+    script = _HUNG_DISK_CHILD.format(tests=str(Path(__file__).parent), path=str(tmp_path / "kv"),
+                                     ids=random_ids(40, 8)[0].tolist())
+    # The close at exit gives up after its timeout and the grace for the transaction in flight.
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
+    assert "still running" in child.stderr  # said why the map was left to the exit

@@ -504,3 +504,89 @@ def test_the_map_cap_does_not_ratchet_up_across_reopens(tmp_path):
             assert disk.file_bytes() <= limit and file_use(path)[0] <= limit
         finally:
             disk.close()
+
+
+# -- a store that fails to open or to close still lets go of its directory -----------------------
+def _writer_threads() -> int:
+    return sum(t.name == "tierkv-disk-writer" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("how", ["close", "close_timeout"])
+def test_a_failing_sync_does_not_keep_the_store_from_closing(model, stores, tmp_path, how):
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B)
+    converse(store, model, random_ids(30, 700), "s")
+    store.flush()
+
+    def failing_sync():
+        raise lmdb.Error("msync: Input/output error")
+
+    store._disk.sync = failing_sync
+    store.close() if how == "close" else store.close(timeout=1)
+    assert store._released and store.stats()["disk_errors"] >= 1
+    reopened = make_store(stores, path)  # the directory's lock was let go
+    assert reopened.stats()["disk"]["blocks"] > 0
+
+
+def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B)
+    converse(store, model, random_ids(30, 701), "s")
+    close_writer = store._writer.close
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while close() waited for the writer
+        return close_writer(*args, **kwargs)
+
+    store._writer.close = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        store.close()
+    assert store._closed and not store._released
+    store.close()
+    assert store._released and len(calls) == 2 and not store._writer.alive()
+    assert make_store(stores, path).stats()["disk"]["blocks"] > 0
+
+
+def test_a_store_that_fails_to_open_lets_go_of_its_lock_and_writer(model, stores, tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    converse(make_store(stores, path), model, random_ids(30, 702), "s")
+    stores.pop().close()
+    before = _writer_threads()
+
+    def interrupted_scan(self):
+        raise KeyboardInterrupt  # Ctrl-C during a large store's index scan
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskTier, "scan", interrupted_scan)
+        with pytest.raises(KeyboardInterrupt):
+            TieredStore(path, device="cpu", block_size=B)
+    assert _writer_threads() == before
+    assert make_store(stores, path).stats()["disk"]["blocks"] > 0  # no StoreInUse
+
+
+@pytest.mark.parametrize("damage", ["not msgpack", "another name"])
+def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, damage):
+    path = tmp_path / "kv"
+    shared = random_ids(16, 710)  # two whole blocks both sessions start with
+    a = torch.cat([shared, random_ids(20, 711)], dim=1)
+    b = torch.cat([shared, random_ids(20, 712)], dim=1)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    out_a, out_b = converse(store, model, a, "a"), converse(store, model, b, "b")
+    stores.pop().close()
+    env = lmdb.open(str(path), max_dbs=8, writemap=True)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"sessions", txn=txn)
+        sid = next(k for k, v in txn.cursor(db=db) if b"\xa1a" in bytes(v))  # session "a"'s row
+        txn.put(sid, b"\xc1" if damage == "not msgpack" else b"\x92\xc0\xa7mallory", db=db)
+    env.close()
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.stats()["corrupt"] == 1
+    assert store.open(model, torch.cat([out_a, random_ids(2, 713)], dim=1)).restored_tokens == 16
+    assert store.open(model, torch.cat([out_b, random_ids(2, 714)], dim=1)).restored_tokens == out_b.shape[1] - 1
+    store.flush()
+    assert sid not in {bytes(k) for k in store._index.sessions}
+    stores.pop().close()
+    assert make_store(stores, path).stats()["corrupt"] == 0  # the row is gone from the file too

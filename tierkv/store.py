@@ -95,7 +95,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 WRITE_LINGER_S = 0.1
 
 #: How long closing the still-open stores at interpreter exit may drain their disk writes; what is
-#: still queued then is dropped (and logged), so that a stuck disk cannot hang the exit.
+#: still queued then is dropped (and logged), and a transaction in flight is waited for as long
+#: again, so that a stuck disk cannot hang the exit.
 EXIT_CLOSE_TIMEOUT_S = 60.0
 _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
@@ -104,9 +105,9 @@ _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 def _close_at_exit() -> None:
     for store in list(_open_stores):
         # A forked child inherits the set: the parent's LMDB handle is not the child's to close.
-        if store._pid == os.getpid() and not store._closed:
+        if store._pid == os.getpid() and not store._released:
             try:
-                store.close(timeout=EXIT_CLOSE_TIMEOUT_S)
+                store._close(EXIT_CLOSE_TIMEOUT_S, grace=EXIT_CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - one store's failure must not keep the others open
                 logger.exception("tierkv: closing a store at exit failed; its queued writes are lost")
 
@@ -152,7 +153,8 @@ class TieredStore:
         self._deletes: list[tuple[DeleteBlocks | DropRefs, Job[None]]] = []
         self._owed: list[DeleteBlocks | DropRefs] = []
         self._clock = 0
-        self._closed = False
+        self._closed = False  # no new turns, flushes or forgets
+        self._released = False  # the tiers are let go (the disk tier closed): close is done
         self._pid = os.getpid()
         self._hits = {t.value: 0 for t in Tier}
         self._misses = 0
@@ -168,7 +170,16 @@ class TieredStore:
         self._write_seconds = 0.0  # the writer thread's time in transactions
         self._events = EventLog()
         if self._disk is not None:
-            self._load_index()
+            try:
+                self._load_index()
+            except BaseException:
+                # Else the writer thread and the directory's lock outlive the failed constructor,
+                # and every retry in this process finds the store in use.
+                try:
+                    self._close(0)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    logger.exception("tierkv: releasing a store that failed to open also failed")
+                raise
             _open_stores.add(self)
         logger.info("tierkv store opened: path=%s tiers=%s budgets device=%s host=%s disk=%s, %d blocks found",
                     path, ",".join([f"device({self.device})", "host(pinned)" if self.device.type == "cuda" else "host",
@@ -224,46 +235,88 @@ class TieredStore:
 
         Without a ``timeout`` every queued write is drained first (nothing is dropped). With one,
         writes still queued when it expires are dropped and logged: those blocks are simply not
-        on disk after a restart and will be recomputed. Closing twice is harmless.
+        on disk after a restart and will be recomputed. Closing twice is harmless, and a close
+        cut short (an interrupt, a disk error) is finished by the next one.
         """
-        if self._closed:
+        return self._close(timeout)
+
+    def _close(self, timeout: float | None, grace: float | None = None) -> int:
+        """``close``; ``grace``: how long to wait for a write transaction in flight once the
+        timeout expired (None: until it ends). A writer still in one then keeps the LMDB map
+        open: unmapping it under the transaction would crash the process (exit releases it)."""
+        if self._released:
             return 0
-        if timeout is None:
+        if os.getpid() != self._pid:
+            # A forked child: the writer, the LMDB handle and the lock are the parent's to release.
+            self._closed = self._released = True
+            return 0
+        if timeout is None and not self._closed:
             try:
                 self.flush()
             except ValueError:
-                return 0  # another thread closed the store first
+                pass  # closed by another thread meanwhile: finished below, or already
+            except (lmdb.Error, OSError) as exc:
+                self._disk_fault(exc)  # a sync that fails must not keep the store from closing
         with self._lock:
-            if self._closed:
+            if self._released:
                 return 0
-            self._write_stamps()
-            self._closed = True
-            dropped = 0
-            if self._writer is not None:
-                if timeout is not None:
-                    self._retry_deletes()  # without a timeout, flush() above did
-                abandoned = self._writer.close(timeout)
-                for key in list(self._pending_writes):
-                    meta = self._index.blocks.get(key)
-                    try:
-                        self._pending_writes.pop(key).wait()
-                    except Exception:  # noqa: BLE001 - abandoned or failed: not on disk
-                        dropped += meta is not None
-                if abandoned:
-                    logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
-                                   "will be recomputed after a restart", timeout, dropped)
-                self._reap_deletes()
-                if self._owed:
-                    logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
-                                 "forgotten or evicted may still be on disk. Delete the directory (it is only a "
-                                 "cache) or reopen the store and forget them again", self._owed_keys(),
-                                 self._disk.path if self._disk is not None else None)
-            if self._disk is not None:
+            if not self._closed:
+                self._write_stamps()
+                self._closed = True
+            try:
+                return self._stop_writer(timeout, grace)
+            finally:
+                self._release()
+
+    def _stop_writer(self, timeout: float | None, grace: float | None) -> int:
+        """Drain (or, past ``timeout``, drop) the queued writes; how many block writes were dropped."""
+        if self._writer is None:
+            return 0
+        if timeout is not None:
+            self._retry_deletes()  # without a timeout, flush() did
+        abandoned = self._writer.close(timeout, grace)
+        dropped = 0
+        stuck = self._writer.alive()
+        for key in list(self._pending_writes):
+            meta = self._index.blocks.get(key)
+            job = self._pending_writes.pop(key)
+            if stuck and not job.done():
+                dropped += meta is not None  # in the transaction that never ended, or behind it
+                continue
+            try:
+                job.wait()
+            except Exception:  # noqa: BLE001 - abandoned or failed: not on disk
+                dropped += meta is not None
+        if abandoned or stuck:
+            logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
+                           "will be recomputed after a restart", timeout, dropped)
+        if not stuck:
+            self._reap_deletes()
+        if self._owed:
+            logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
+                         "forgotten or evicted may still be on disk. Delete the directory (it is only a "
+                         "cache) or reopen the store and forget them again", self._owed_keys(),
+                         self._disk.path if self._disk is not None else None)
+        return dropped
+
+    def _release(self) -> None:
+        """Close the disk tier (unless its writer is still in a transaction) and empty the memory
+        tiers. Runs whatever happened before it, so that the directory's lock is let go."""
+        if self._disk is not None:
+            if self._writer is not None and self._writer.alive():
+                logger.error("tierkv: the disk writer of %s is still running (a close cut short, or a write "
+                             "transaction that does not end); its LMDB map stays open until close() is called "
+                             "again or the process exits (LMDB transactions are atomic)", self._disk.path)
+                return
+            try:
                 self._disk.sync()
+            except (lmdb.Error, OSError) as exc:
+                self._disk_fault(exc)
+            finally:
                 self._disk.close()
-            self._device.clear()
-            self._host.clear()
-            return dropped
+        self._device.clear()
+        self._host.clear()
+        self._released = True
 
     # -- the public turn ------------------------------------------------------------------------
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
@@ -920,7 +973,11 @@ class TieredStore:
                 continue
             self._index.add(meta)
             self._index.set_disk(meta, DiskState.DURABLE)
+        damaged = dict(scan.bad_sessions)
         for sid, (tenant, name, keys) in scan.sessions.items():
+            if _session_id(tenant, name) != sid:
+                damaged[sid] = keys  # a name that is not the one this row was written under
+                continue
             dangling = []
             for key in keys:
                 meta = self._index.blocks.get(key)
@@ -933,6 +990,8 @@ class TieredStore:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
+        if damaged:
+            self._drop_damaged_sessions(damaged)
         # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose
         # write never landed: gone in one write.
         known = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
@@ -946,6 +1005,20 @@ class TieredStore:
         if heads:
             # Records without a sound head were read in full by this scan; with one, the next is not.
             self._submit(PutHeads(heads))
+
+    def _drop_damaged_sessions(self, damaged: dict[bytes, list[bytes]]) -> None:
+        """Session rows that cannot be read, or whose name does not hash to their key: the
+        session is forgotten, as ``forget`` would (its name may be the one a later forget asks
+        for, and must not leave its blocks behind), and counted as corrupt."""
+        self._corrupt += len(damaged)
+        logger.warning("tierkv: %d damaged session rows in %s were dropped, and the blocks only they referenced",
+                       len(damaged), self._disk.path if self._disk is not None else None)
+        for sid, keys in damaged.items():
+            for key in keys:
+                meta = self._index.blocks.get(key)
+                if meta is not None and not meta.sessions:
+                    self._drop(meta)
+            self._submit(DropRefs(sid, keys, drop_session=True))
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:

@@ -405,20 +405,28 @@ class BackgroundWriter(Generic[T]):
             if not self._closed:
                 self._queue.put((_MARKER, Job()))
 
-    def close(self, timeout: float | None = None) -> int:
+    def close(self, timeout: float | None = None, grace: float | None = None) -> int:
         """Stop once everything queued is applied. With a ``timeout``, the abandonable items still
         queued when it expires are abandoned (their jobs fail with ``WriteAbandoned``) after the
-        batch in flight, and the others are still applied; returns how many were abandoned."""
+        batch in flight, and the others are still applied; returns how many were abandoned.
+
+        The batch in flight is waited for up to ``grace`` seconds more (None: until it is done):
+        ``alive()`` then says whether the thread still runs, in an ``apply`` that does not return
+        (a hung disk). Calling close again waits again: a close cut short (an interrupt) can be
+        finished."""
         with self._gate:
-            if self._closed:
-                return 0
-            self._closed = True
-            self._queue.put(None)
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abandon.set()
-            self._thread.join()
+            self._thread.join(grace)
         return self._abandoned
+
+    def alive(self) -> bool:
+        """The thread still runs (before ``close``, or in a batch that ``close`` stopped waiting for)."""
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         _lower_priority()

@@ -51,6 +51,7 @@ import ctypes
 import os
 import struct
 import threading
+import weakref
 
 try:
     import fcntl
@@ -104,6 +105,28 @@ class StoreInUse(ValueError):
     """The store directory is locked by another process (or another open ``DiskTier``)."""
 
 
+_open_tiers: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
+
+
+def _forget_tiers_in_child() -> None:
+    """After a fork, in the child: drop its copies of every tier's descriptors. The directory's
+    lock (``flock``) belongs to the open file the two processes now share, so the child kept the
+    store locked after its parent died, and a child's ``close`` unlocked it under the parent."""
+    for tier in list(_open_tiers):
+        for name in ("_lock_fd", "_data_fd"):
+            fd = getattr(tier, name)
+            setattr(tier, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_tiers_in_child)
+
+
 def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
     """Bytes a record takes in the file: whole pages (LMDB stores a large value on pages of its
     own), plus its head (on a page of its own too) and its rows. What the disk budget counts."""
@@ -116,6 +139,18 @@ def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
 def _is_zeroed(value: memoryview | bytes) -> bool:
     """Zeroed from its start, as ``_scrub`` leaves a record or head (magic first)."""
     return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
+
+
+def _session_row(value: bytes) -> tuple[str | None, str] | None:
+    """A sessions row's (tenant, name), or None when it is damaged."""
+    try:
+        row = msgpack.unpackb(value)
+    except Exception:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
+        return None
+    if isinstance(row, list) and len(row) == 2 and isinstance(row[1], str) and \
+            (row[0] is None or isinstance(row[0], str)):
+        return row[0], row[1]
+    return None
 
 
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
@@ -202,6 +237,8 @@ class ScanResult:
     # what the delete wanted, so they are finished off, not counted as damage.
     scrubbed: list[bytes] = field(default_factory=list)
     sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
+    # Session rows that do not read as [tenant, name]: sid -> the blocks their refs name.
+    bad_sessions: dict[bytes, list[bytes]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
     # Sound records without a sound head (read in full this once): key -> (head, offset) to write.
     unindexed: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
@@ -234,6 +271,7 @@ class DiskTier:
         fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
         os.makedirs(self.path, exist_ok=True)
         self._lock_fd = self._lock_directory(self.path)
+        self._pid = os.getpid()
         # Held by every read transaction, a remap and close: none unmaps the map under a reader.
         self._resize_lock = threading.Lock()
         self._closed = False
@@ -274,6 +312,7 @@ class DiskTier:
             os.close(self._data_fd)
             self._unlock()
             raise
+        _open_tiers.add(self)
 
     @staticmethod
     def _lock_directory(path: str) -> int | None:
@@ -427,15 +466,21 @@ class DiskTier:
                     (result.scrubbed if _is_zeroed(value) else result.corrupt).append(key)
             result.orphans = list(heads)
             for sid, value in txn.cursor(db=self._sessions):
-                tenant, name = msgpack.unpackb(bytes(value))
-                result.sessions[bytes(sid)] = (tenant, name, [])
+                row = _session_row(bytes(value))
+                if row is None:
+                    result.bad_sessions[bytes(sid)] = []
+                else:
+                    result.sessions[bytes(sid)] = (row[0], row[1], [])
             for ref, _ in txn.cursor(db=self._refs):
                 ref = bytes(ref)
                 entry = result.sessions.get(ref[:KEY_BYTES])
                 if entry is not None:
                     entry[2].append(ref[KEY_BYTES:])
+                elif ref[:KEY_BYTES] in result.bad_sessions:
+                    result.bad_sessions[ref[:KEY_BYTES]].append(ref[KEY_BYTES:])
             for key, value in txn.cursor(db=self._atime):
-                result.atime[bytes(key)] = _U64.unpack(value)[0]
+                if len(value) == _U64.size:  # a damaged stamp only loses its block's place in the LRU order
+                    result.atime[bytes(key)] = _U64.unpack(value)[0]
         return result
 
     def verify(self, on_record: Callable[[int], None] | None = None) -> CheckResult:
@@ -734,6 +779,11 @@ class DiskTier:
         self.env.sync(True)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            # A forked child: the environment is the parent's (LMDB must not be used across a fork,
+            # and a lock another thread held at the fork is never released here).
+            self._closed = True
+            return
         with self._resize_lock:
             self._closed = True
             self.env.close()
