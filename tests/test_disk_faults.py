@@ -590,3 +590,30 @@ def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, d
     assert sid not in {bytes(k) for k in store._index.sessions}
     stores.pop().close()
     assert make_store(stores, path).stats()["corrupt"] == 0  # the row is gone from the file too
+
+
+def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):
+    # At its budget, each write transaction's evictions free pages that LMDB reuses only a few
+    # transactions later: one transaction of more than the slack above the budget cannot fit.
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=1024, device_budget=0, host_budget=0,
+                        disk_budget="32MiB")
+    stores.append(store)
+    block = 1024 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (k, v) x kv heads x head_dim x float32
+    turns = 0
+    while store.stats()["disk"]["bytes"] + 2 * block <= 32 << 20:
+        converse(store, model, random_ids(1025, 720 + turns), f"s{turns}")
+        turns += 1
+    store.flush()
+    gate, apply = threading.Event(), store._writer._apply
+
+    def held(items):
+        assert gate.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    for i in range(16):  # 8 MiB while the writer is held: they meet it all at once
+        converse(store, model, random_ids(1025, 800 + i), f"burst{i}")
+    gate.set()
+    store.flush()
+    stats = store.stats()
+    assert stats["evictions"] >= 16 and stats["disk_full"] == 0 and stats["disk_errors"] == 0
