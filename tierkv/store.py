@@ -95,6 +95,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 #: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
 WRITE_LINGER_S = 0.1
 
+
 def write_batch_bytes(disk_budget: int) -> int:
     """The most block bytes one write transaction takes: 64 MiB, less under a disk budget below
     4 GiB. A transaction's puts need free pages besides those its own evictions free (LMDB reuses
