@@ -23,6 +23,8 @@ def test_ttft_benchmark_reports_every_policy() -> None:
     for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk (after restart)",
                    "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
+    assert "| policy | TTFT / floor | paired per round | TTFT / recompute |" in out
+    assert "| floor (ready DynamicCache) | 1.00 | 1.00 | " in out  # the floor over itself, paired too
 
 
 def test_decode_benchmark_reports_its_figures() -> None:
