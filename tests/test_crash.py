@@ -262,3 +262,39 @@ def test_a_hung_disk_does_not_hang_the_exit(tmp_path):
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
     assert "still running" in child.stderr  # said why the map was left to the exit
+
+
+_STUCK_READ_CHILD = """
+import sys, threading
+sys.path.insert(0, {tests!r})
+import torch
+import tierkv.store
+from conftest import make_model
+from tierkv import TieredStore
+
+tierkv.store.EXIT_CLOSE_TIMEOUT_S = 1.0
+model = make_model("llama")
+ids = torch.tensor([{ids!r}])
+with TieredStore({path!r}, device="cpu", block_size=8) as store:
+    cache = store.open(model, ids)
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False))
+store = TieredStore({path!r}, device="cpu", block_size=8, device_budget=0, host_budget=0)
+reading = threading.Event()
+
+def stuck_alloc(shape, dtype):  # inside the read transaction: a page fault on a disk that hangs
+    reading.set()
+    threading.Event().wait()
+
+store._host.alloc = stuck_alloc
+threading.Thread(target=store.open, args=(model, ids), daemon=True).start()
+assert reading.wait(60)
+print("EXITING", flush=True)
+"""
+
+
+def test_a_read_stuck_on_a_hung_disk_does_not_hang_the_exit(tmp_path):
+    script = _STUCK_READ_CHILD.format(tests=str(Path(__file__).parent), path=str(tmp_path / "kv"),
+                                      ids=random_ids(40, 9)[0].tolist())
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
+    assert "did not end within" in child.stderr

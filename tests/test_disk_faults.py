@@ -528,25 +528,45 @@ def test_a_failing_sync_does_not_keep_the_store_from_closing(model, stores, tmp_
     assert reopened.stats()["disk"]["blocks"] > 0
 
 
-def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path):
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, caplog, timeout):
+    # The first close has a timeout, so it waits in the writer's join, not in a flush first.
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=B)
     converse(store, model, random_ids(30, 701), "s")
-    close_writer = store._writer.close
-    calls = []
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
 
-    def interrupted(*args, **kwargs):
-        calls.append(args)
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while close() waited for the writer
-        return close_writer(*args, **kwargs)
+    def held(items):  # the writer stays in its transaction until the second close waits for it
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
 
-    store._writer.close = interrupted
+    store._writer._apply = held
+    store._writer.nudge()
+    assert entered.wait(60)
+    thread = store._writer._thread
+    join = thread.join
+    joins: list = []
+
+    def interrupted_join(wait=None):
+        joins.append(wait)
+        if len(joins) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while close() waits for the writer
+        release.set()
+        return join(wait)
+
+    thread.join = interrupted_join
     with pytest.raises(KeyboardInterrupt):
-        store.close()
+        store.close(5.0)
     assert store._closed and not store._released
-    store.close()
-    assert store._released and len(calls) == 2 and not store._writer.alive()
+    # A delete that failed meanwhile: the writer no longer takes work, so it must stay owed (and
+    # be said so), not raise, nor vanish.
+    store._owed.append(DeleteBlocks([bytes(16)], []))
+    with caplog.at_level(logging.ERROR, logger="tierkv"):
+        store.close(timeout)
+    assert store._released and len(joins) >= 2 and not store._writer.alive()
+    assert "deletes could not be written" in caplog.text
     assert make_store(stores, path).stats()["disk"]["blocks"] > 0
 
 
@@ -617,3 +637,51 @@ def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path
     store.flush()
     stats = store.stats()
     assert stats["evictions"] >= 16 and stats["disk_full"] == 0 and stats["disk_errors"] == 0
+
+
+def test_refs_whose_session_row_is_gone_are_dropped_with_what_only_they_referenced(model, stores, tmp_path):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    out = converse(store, model, random_ids(30, 730), "a")
+    stores.pop().close()
+    env = lmdb.open(str(path), max_dbs=8, writemap=True)
+    with env.begin(write=True) as txn:
+        sessions, refs = env.open_db(b"sessions", txn=txn), env.open_db(b"refs", txn=txn)
+        sid, row = next(iter(txn.cursor(db=sessions)))
+        sid, row = bytes(sid), bytes(row)
+        txn.delete(sid, db=sessions)
+        txn.put(bytes([sid[0] ^ 1]) + sid[1:], row, db=sessions)  # the row's key damaged
+        assert sum(1 for _ in txn.cursor(db=refs)) > 0
+    env.close()
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.stats()["corrupt"] == 2  # the moved row, and the refs left without one
+    assert store.stats()["disk"]["blocks"] == 0  # no other session referenced them
+    assert store.open(model, torch.cat([out, random_ids(2, 731)], dim=1)).restored_tokens == 0
+    stores.pop().close()
+    env = lmdb.open(str(path), max_dbs=8, writemap=True)
+    with env.begin() as txn:
+        assert txn.stat(env.open_db(b"refs", txn=txn))["entries"] == 0
+        assert txn.stat(env.open_db(b"sessions", txn=txn))["entries"] == 0
+    env.close()
+
+
+def test_a_small_disk_budget_still_gathers_a_light_loads_writes(model, stores, tmp_path, monkeypatch):
+    # Its transactions are small (an eighth of the slack), but the linger is cut by bytes queued
+    # only at LINGER_BYTES, not at a fraction of that small cap: turns still share a sync.
+    import tierkv.store
+    monkeypatch.setattr(tierkv.store, "WRITE_LINGER_S", 30.0)  # only the flush below ends it
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=400, device_budget=0, host_budget=0,
+                        disk_budget="16MiB")
+    stores.append(store)
+    batches: list[int] = []
+    apply = store._writer._apply
+
+    def counted(items):
+        batches.append(sum(isinstance(op, PutBlock) for op in items))
+        return apply(items)
+
+    store._writer._apply = counted
+    for i in range(3):  # three turns of one 200 KiB block each (398 + 3 - 1 tokens), 512 KiB a batch
+        converse(store, model, random_ids(398, 740 + i), f"s{i}")
+    store.flush()
+    assert batches[0] == 3, batches  # without the byte cut at LINGER_BYTES: one block a batch

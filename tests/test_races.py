@@ -392,9 +392,9 @@ def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model
     store._host.alloc = held_alloc
     disk_close = store._disk.close
 
-    def close_disk():
+    def close_disk(*args, **kwargs):
         closing.set()
-        disk_close()
+        return disk_close(*args, **kwargs)
 
     store._disk.close = close_disk
     nxt = torch.cat([out, random_ids(2, 96)], dim=1)

@@ -159,6 +159,7 @@ from tierkv.weights import WeightSample
 model = make_model("llama", vocab_size=32768)  # an 8 MiB embedding: malloc maps it on its own
 sample = WeightSample(model)
 weight = model.model.embed_tokens.weight
+held = sample.hold()  # as describe_model holds them, from before current() until after read()
 assert sample._host is not None and sample.current(model)
 with torch.no_grad():
     weight.data = weight.data.clone()  # as another thread would, between current() and read()
@@ -171,3 +172,23 @@ def test_a_storage_replaced_between_current_and_read_is_still_readable():
     script = _FREED_UNDER_THE_READ.format(tests=str(Path(__file__).parent))
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0 and "READ" in child.stdout, (child.returncode, child.stderr[-2000:])
+
+
+def test_a_replaced_weight_is_freed_at_once_not_held_by_the_sample():
+    import gc
+    import weakref
+
+    import numpy as np
+
+    model = make_model("llama", seed=5)
+    weight = model.lm_head.weight
+    values = np.random.default_rng(0).random(tuple(weight.shape), dtype=np.float32)
+    with torch.no_grad():
+        weight.data = torch.from_numpy(values)  # its storage keeps ``values`` alive, and no more
+    alive = weakref.ref(values)
+    del values
+    describe_model(model)  # samples that storage by address
+    with torch.no_grad():
+        weight.data = weight.data.clone()  # as model.half() or model.to(...) replace every storage
+    gc.collect()
+    assert alive() is None, "the fingerprint's sample kept a replaced weight's memory"

@@ -136,17 +136,21 @@ def describe_model(model: Any) -> ModelInfo:
     dtype on CPU). The config digest and validation are computed once per model object.
     """
     static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
+    held = static.sample.hold() if static is not None else None  # alive until the read below
     # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
     # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
     # the live tensors.
-    if static is None or not static.sample.current(model):
+    while static is None or not static.sample.current(model):
+        # Checked again once held: a storage replaced while the sample was built is not held.
         static = _static_facts(model)
         _static_cache[model] = static
+        held = static.sample.hold()
     first = static.sample.params[0]  # its dtype and address were just checked by current()
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
     h.update(str(first.dtype).encode())
     h.update(static.sample.read())
+    del held
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype)
 
 

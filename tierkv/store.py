@@ -90,10 +90,11 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 #: How long the disk writer gathers writes before a transaction. Each transaction ends in a sync
 #: (a whole-map msync and a meta-page msync: ~12 ms on the machine of benchmarks/RESULTS.md), and
 #: at a light load every turn's few blocks went in their own one: the writer was never idle, and
-#: its syncs slowed the turns. A flush, a forget, a close or a quarter of a batch (``write_batch_bytes``,
-#: at most 16 MiB) of queued writes cut it short.
+#: its syncs slowed the turns. A flush, a forget, a close, a full batch (``write_batch_bytes``) or
+#: ``LINGER_BYTES`` of queued writes (whose buffers stay held meanwhile) cut it short.
 #: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
 WRITE_LINGER_S = 0.1
+LINGER_BYTES = 16 << 20
 
 
 def write_batch_bytes(disk_budget: int) -> int:
@@ -103,7 +104,7 @@ def write_batch_bytes(disk_budget: int) -> int:
     ``slack``. A store of 16 MiB at its budget, its turns' writes gathered up to 16 MiB at a time,
     had 313 of 1650 writes fail with DiskFull, each taking as much again off the disk, which ended
     a quarter full; with batches of an eighth of the slack, none failed."""
-    return max(256 << 10, min(64 << 20, slack(disk_budget) // 8))
+    return min(64 << 20, slack(disk_budget) // 8)
 
 
 #: How long closing the still-open stores at interpreter exit may drain their disk writes; what is
@@ -153,8 +154,8 @@ class TieredStore:
             # references are small, and dropping them would bring forgotten data back.
             self._writer = BackgroundWriter(self._apply_writes, name="tierkv-disk-writer", size_of=op_size,
                                             abandonable=lambda op: isinstance(op, PutBlock), device=self.device,
-                                            linger=WRITE_LINGER_S, max_batch_bytes=write_batch_bytes(
-                                                budgets["disk_budget"]))
+                                            linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
+                                            max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
         self._index = Index()
         self._lock = threading.RLock()
         self._pending_writes: dict[bytes, Job[None]] = {}
@@ -270,7 +271,11 @@ class TieredStore:
                 pass  # closed by another thread meanwhile: finished below, or already
             except (lmdb.Error, OSError) as exc:
                 self._disk_fault(exc)  # a sync that fails must not keep the store from closing
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if grace is None else grace):
+            logger.error("tierkv: the store at %s stayed busy in another thread; it is left to the process's "
+                         "exit", self._disk.path if self._disk is not None else None)
+            return 0
+        try:
             if self._released:
                 return 0
             if not self._closed:
@@ -279,7 +284,9 @@ class TieredStore:
             try:
                 return self._stop_writer(timeout, grace)
             finally:
-                self._release()
+                self._release(grace)
+        finally:
+            self._lock.release()
 
     def _stop_writer(self, timeout: float | None, grace: float | None) -> int:
         """Drain (or, past ``timeout``, drop) the queued writes; how many block writes were dropped."""
@@ -312,9 +319,10 @@ class TieredStore:
                          self._disk.path if self._disk is not None else None)
         return dropped
 
-    def _release(self) -> None:
-        """Close the disk tier (unless its writer is still in a transaction) and empty the memory
-        tiers. Runs whatever happened before it, so that the directory's lock is let go."""
+    def _release(self, grace: float | None = None) -> None:
+        """Close the disk tier (unless its writer is still in a transaction, or a read outlasts
+        ``grace``) and empty the memory tiers. Runs whatever happened before it, so that the
+        directory's lock is let go."""
         if self._disk is not None:
             if self._writer is not None and self._writer.alive():
                 logger.error("tierkv: the disk writer of %s is still running (a close cut short, or a write "
@@ -326,7 +334,11 @@ class TieredStore:
             except (lmdb.Error, OSError) as exc:
                 self._disk_fault(exc)
             finally:
-                self._disk.close()
+                closed = self._disk.close(timeout=grace)
+            if not closed:
+                logger.error("tierkv: a read of %s did not end within %s s; its LMDB map is left to the process's "
+                             "exit", self._disk.path, grace)
+                return
         self._device.clear()
         self._host.clear()
         self._released = True
@@ -874,6 +886,12 @@ class TieredStore:
         are still tried: they are what keeps forgotten KV from coming back after a restart."""
         deletes = isinstance(op, (DeleteBlocks, DropRefs))
         if self._writer is None or (self._disk_failed and not deletes):
+            return None
+        if self._writer.closed:
+            # A close cut short and called again: a delete that cannot be queued stays owed (and
+            # is logged as such), it is not lost.
+            if deletes:
+                self._owed.append(op)  # type: ignore[arg-type]
             return None
         job = self._writer.submit(op)
         if deletes:

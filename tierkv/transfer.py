@@ -349,22 +349,25 @@ class BackgroundWriter(Generic[T]):
     failed with. An exception raised by ``apply`` itself fails the whole batch.
 
     With a ``linger`` (seconds), a batch is taken that long after its first item arrived, or at
-    once when it holds a quarter of ``max_batch_bytes`` (the items' buffers stay held meanwhile),
-    when it is full, or when ``flush``, ``nudge`` or ``close`` was called: a light load's items (a
-    turn's few blocks at a time) then go in one batch rather than one batch each.
+    once when it holds ``linger_bytes`` (default: a quarter of ``max_batch_bytes``; the items'
+    buffers stay held meanwhile), when it is full, or when ``flush``, ``nudge`` or ``close`` was
+    called: a light load's items (a turn's few blocks at a time) then go in one batch rather than
+    one batch each.
     """
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
                  max_batch: int = 64, max_batch_bytes: int = 64 << 20,
                  size_of: Callable[[T], int] = lambda item: 0,
                  abandonable: Callable[[T], bool] = lambda item: True,
-                 device: torch.device | None = None, linger: float = 0.0) -> None:
+                 device: torch.device | None = None, linger: float = 0.0,
+                 linger_bytes: int | None = None) -> None:
         if linger < 0:
             raise ValueError(f"linger must be >= 0 seconds, got {linger}")
         self._apply = apply
         self._linger = linger
         self._max_batch = max_batch
         self._max_batch_bytes = max_batch_bytes
+        self._linger_bytes = max_batch_bytes // 4 if linger_bytes is None else linger_bytes
         self._size_of = size_of
         self._abandonable = abandonable
         self._device = device
@@ -424,6 +427,11 @@ class BackgroundWriter(Generic[T]):
             self._thread.join(grace)
         return self._abandoned
 
+    @property
+    def closed(self) -> bool:
+        """``close`` was called: ``submit`` raises from then on."""
+        return self._closed
+
     def alive(self) -> bool:
         """The thread still runs (before ``close``, or in a batch that ``close`` stopped waiting for)."""
         return self._thread.is_alive()
@@ -439,7 +447,7 @@ class BackgroundWriter(Generic[T]):
             batch = [entry]
             nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
             stop = False
-            flushing = entry[0] is _MARKER or nbytes >= self._max_batch_bytes // 4
+            flushing = entry[0] is _MARKER or nbytes >= self._linger_bytes
             deadline = time.monotonic() + self._linger
             while len(batch) < self._max_batch and nbytes < self._max_batch_bytes:
                 wait = 0.0 if flushing else deadline - time.monotonic()
@@ -455,7 +463,7 @@ class BackgroundWriter(Generic[T]):
                     flushing = True  # a flush or nudge: take what is queued now, linger no more
                 else:
                     nbytes += self._size_of(nxt[0])
-                    flushing = flushing or nbytes >= self._max_batch_bytes // 4
+                    flushing = flushing or nbytes >= self._linger_bytes
             self._run_batch(batch)
             if stop:
                 return

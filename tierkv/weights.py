@@ -18,12 +18,13 @@ negative views) one ``take`` per parameter reads them, as it does when a sampled
 (numpy and torch widen a float16 NaN to different bits). Both give the same bytes, so a store's
 blocks keep their fingerprint whichever path read it.
 
-A sample keeps the storages it reads by address alive: a parameter whose storage another thread
-replaces (``p.data = ...``) between ``current`` and ``read`` is read at its old address, which
-must still be mapped (it was freed there, and the read crashed the process). Its fingerprint is
-then the old weights', as with any weight change racing a forward pass; the caller must not
-change weights while a turn is being opened. Like the replaced ``Parameter`` objects themselves,
-old storages are released when the next ``current`` fails and the caller rebuilds the sample.
+A caller holds ``sample.hold()`` (the parameters' storages) from before ``current`` until after
+``read``: a parameter whose storage another thread replaces (``p.data = ...``) in between is then
+read at its old address, still mapped (it was freed there, and the read crashed the process). Its
+fingerprint is then the old weights', as with any weight change racing a forward pass; the
+caller must not change weights while a turn is being opened. A storage replaced before ``hold``
+or during ``current`` fails ``current``. Nothing is held between calls, so a model cast or moved
+(``model.half()``, ``model.to(...)``) frees its old weights at once.
 """
 
 from __future__ import annotations
@@ -140,7 +141,11 @@ class WeightSample:
         self.index = tuple(sample_index(p.numel(), p.device) for p in self.params)
         host = bool(self.params) and all(map(_readable_by_address, self.params))
         self._host = _HostGather(self.params, self.index) if host else None
-        self._storages = [p.untyped_storage() for p in self.params] if host else []
+
+    def hold(self) -> list[Any] | None:
+        """The storages ``read`` reads by address, to keep alive from before ``current`` until
+        after ``read`` (None where ``read`` reads through torch, which holds them itself)."""
+        return None if self._host is None else [p.untyped_storage() for p in self.params]
 
     def current(self, model: torch.nn.Module) -> bool:
         """The model still has these parameters, in these places, at these addresses."""

@@ -237,7 +237,8 @@ class ScanResult:
     # what the delete wanted, so they are finished off, not counted as damage.
     scrubbed: list[bytes] = field(default_factory=list)
     sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
-    # Session rows that do not read as [tenant, name]: sid -> the blocks their refs name.
+    # Session rows that do not read as [tenant, name], and refs without a row: sid -> the blocks
+    # their refs name.
     bad_sessions: dict[bytes, list[bytes]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
     # Sound records without a sound head (read in full this once): key -> (head, offset) to write.
@@ -476,8 +477,8 @@ class DiskTier:
                 entry = result.sessions.get(ref[:KEY_BYTES])
                 if entry is not None:
                     entry[2].append(ref[KEY_BYTES:])
-                elif ref[:KEY_BYTES] in result.bad_sessions:
-                    result.bad_sessions[ref[:KEY_BYTES]].append(ref[KEY_BYTES:])
+                else:  # its row is damaged, or gone (a damaged key): its session cannot be named
+                    result.bad_sessions.setdefault(ref[:KEY_BYTES], []).append(ref[KEY_BYTES:])
             for key, value in txn.cursor(db=self._atime):
                 if len(value) == _U64.size:  # a damaged stamp only loses its block's place in the LRU order
                     result.atime[bytes(key)] = _U64.unpack(value)[0]
@@ -778,16 +779,24 @@ class DiskTier:
     def sync(self) -> None:
         self.env.sync(True)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for a read in progress (up to ``timeout`` seconds), then close; False when the read
+        did not end: the map is then left open (to the process's exit) and later reads fail."""
         if os.getpid() != self._pid:
             # A forked child: the environment is the parent's (LMDB must not be used across a fork,
             # and a lock another thread held at the fork is never released here).
             self._closed = True
-            return
-        with self._resize_lock:
+            return True
+        if not self._resize_lock.acquire(timeout=-1 if timeout is None else timeout):
+            self._closed = True
+            return False
+        try:
             self._closed = True
             self.env.close()
+        finally:
+            self._resize_lock.release()
         if self._data_fd is not None:
             os.close(self._data_fd)
             self._data_fd = None
         self._unlock()
+        return True
