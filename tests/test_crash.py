@@ -202,6 +202,12 @@ def test_a_worker_forked_by_a_dead_owner_does_not_keep_the_store_locked(tmp_path
         os.kill(worker, signal.SIGKILL)
 
 
+def run_exiting_child(template: str, path: Path, ids: list[int], **fields: str) -> subprocess.CompletedProcess:
+    """Run ``template`` (a script exiting with a store in some state) in a fresh interpreter."""
+    script = template.format(tests=str(Path(__file__).parent), path=str(path), ids=ids, **fields)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
 _EXIT_CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -225,8 +231,7 @@ print("COMMITTED", cache.commit(out), flush=True)
 def test_a_store_left_open_at_exit_is_closed_and_its_writes_drained(tmp_path, ending):
     path = tmp_path / "kv"
     ids = random_ids(40, 7)[0].tolist()
-    script = _EXIT_CHILD.format(tests=str(Path(__file__).parent), path=str(path), ids=ids, ending=ending)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    child = run_exiting_child(_EXIT_CHILD, path, ids, ending=ending)
     assert "COMMITTED 42" in child.stdout, child.stderr
     with TieredStore(path, device="cpu", block_size=8, device_budget=0, host_budget=0) as store:
         model = make_model("llama")
@@ -256,10 +261,8 @@ print("EXITING", flush=True)
 
 
 def test_a_hung_disk_does_not_hang_the_exit(tmp_path):
-    script = _HUNG_DISK_CHILD.format(tests=str(Path(__file__).parent), path=str(tmp_path / "kv"),
-                                     ids=random_ids(40, 8)[0].tolist())
     # The close at exit gives up after its timeout and the grace for the transaction in flight.
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    child = run_exiting_child(_HUNG_DISK_CHILD, tmp_path / "kv", random_ids(40, 8)[0].tolist())
     assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
     assert "still running" in child.stderr  # said why the map was left to the exit
 
@@ -293,8 +296,6 @@ print("EXITING", flush=True)
 
 
 def test_a_read_stuck_on_a_hung_disk_does_not_hang_the_exit(tmp_path):
-    script = _STUCK_READ_CHILD.format(tests=str(Path(__file__).parent), path=str(tmp_path / "kv"),
-                                      ids=random_ids(40, 9)[0].tolist())
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    child = run_exiting_child(_STUCK_READ_CHILD, tmp_path / "kv", random_ids(40, 9)[0].tolist())
     assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
     assert "did not end within" in child.stderr
