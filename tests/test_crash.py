@@ -115,7 +115,7 @@ def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
     first = TieredStore(path, device="cpu", block_size=4)
     with pytest.raises(ValueError, match="in use by another TieredStore") as info:
         TieredStore(path, device="cpu", block_size=4)
-    assert f"pid {os.getpid()}" in str(info.value)
+    assert f"pid {os.getpid()}, this process" in str(info.value) and "call close() on it" in str(info.value)
     first.close()
     TieredStore(path, device="cpu", block_size=4).close()  # free again once closed
 

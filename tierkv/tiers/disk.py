@@ -327,6 +327,12 @@ class DiskTier:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            if holder == str(os.getpid()):
+                # A notebook cell run again, say: the first store is still open (its writer
+                # thread keeps it alive even once nothing else refers to it).
+                raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}, this process): "
+                                 "a store that was not closed; call close() on it first (or open stores "
+                                 "with `with TieredStore(...) as store:`), or keep using that one") from None
             raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
                              "serves one process at a time: close the other store first, or give each "
                              "process its own directory") from None
