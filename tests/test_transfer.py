@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
-from tierkv.transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
+from tierkv.transfer import _MARKER, BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
 
 WAIT = 10.0  # generous upper bound for anything that should happen promptly
 
@@ -443,6 +443,25 @@ def test_flush_of_an_idle_writer_applies_nothing(writers: list[BackgroundWriter]
     writer.flush(timeout=WAIT)
     writer.flush(timeout=WAIT)
     assert rec.batches == []
+
+
+def test_flush_whose_marker_is_done_before_it_looks_returns(writers: list[BackgroundWriter]) -> None:
+    # The writer may take a flush's marker before flush() looks at it again (the main thread
+    # preempted right after queueing it): flush took that for a closed writer and joined the
+    # thread of one that was not closing, forever. Forced here: the queueing waits for the marker.
+    writer = start(writers, Recorder())
+    put = writer._queue.put
+
+    def put_then_let_the_writer_run(entry, *args, **kwargs):
+        put(entry, *args, **kwargs)
+        if entry is not None and entry[0] is _MARKER:
+            entry[1].wait(WAIT)
+
+    writer._queue.put = put_then_let_the_writer_run
+    flusher = threading.Thread(target=writer.flush)
+    flusher.start()
+    flusher.join(WAIT)
+    assert not flusher.is_alive(), "flush() waited for a writer that was not closing"
 
 
 def test_close_drains_queued_items(writers: list[BackgroundWriter]) -> None:

@@ -393,11 +393,12 @@ class BackgroundWriter(Generic[T]):
         has been closed, which drains everything queued before it)."""
         job: Job[None] = Job()
         with self._gate:
-            if self._closed:
-                job = Job.completed(None)
-            else:
+            closed = self._closed
+            if not closed:
                 self._queue.put((_MARKER, job))
-        if job.done():
+        # Decided under the gate: a marker the writer already took is done by now too, and
+        # joining a writer that is not closing waited forever.
+        if closed:
             self._thread.join(timeout)
         else:
             job.wait(timeout)
