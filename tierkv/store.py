@@ -117,8 +117,7 @@ _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 @atexit.register
 def _close_at_exit() -> None:
     for store in list(_open_stores):
-        # A forked child inherits the set: the parent's LMDB handle is not the child's to close.
-        if store._pid == os.getpid() and not store._released:
+        if not store._released:  # a forked child's copies close nothing (``_close``)
             try:
                 store._close(EXIT_CLOSE_TIMEOUT_S, grace=EXIT_CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - one store's failure must not keep the others open
@@ -1045,11 +1044,23 @@ class TieredStore:
         logger.warning("tierkv: %d damaged session rows in %s were dropped, and the blocks only they referenced",
                        len(damaged), self._disk.path if self._disk is not None else None)
         for sid, keys in damaged.items():
-            for key in keys:
-                meta = self._index.blocks.get(key)
-                if meta is not None and not meta.sessions:
-                    self._drop(meta)
+            self._forget_session(sid, keys)
+
+    def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
+        """Drop a session's references to ``keys`` and the blocks no other session references,
+        from every tier and the disk; returns how many blocks were dropped."""
+        removed = 0
+        for key in keys:
+            meta = self._index.blocks.get(key)
+            if meta is None:
+                continue
+            meta.sessions.discard(sid)
+            if not meta.sessions:
+                self._drop(meta)
+                removed += 1
+        if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True))
+        return removed
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:
@@ -1072,18 +1083,7 @@ class TieredStore:
             sids = [sid for sid, info in self._index.sessions.items()
                     if (session is None or info.name == session) and (tenant is _UNSET or info.tenant == tenant)]
             for sid in sids:
-                info = self._index.sessions.pop(sid)
-                keys = list(info.keys)
-                for key in keys:
-                    meta = self._index.blocks.get(key)
-                    if meta is None:
-                        continue
-                    meta.sessions.discard(sid)
-                    if not meta.sessions:
-                        self._drop(meta)
-                        removed += 1
-                if self._writer is not None:
-                    self._submit(DropRefs(sid, keys, drop_session=True))
+                removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
             if session is None:
                 for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
                     self._drop(meta)
