@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -124,6 +125,7 @@ def main() -> None:
         spilled = time.perf_counter()
         spill_bytes = store.stats()["disk"]["bytes"]
         store.close()
+    shutil.rmtree(path, ignore_errors=True)  # scratch: the spilled stores
     print(f"| spill size per round | {spill_bytes / 2**20:.0f} MiB ({spill_tokens} tokens) |")
     print(f"| decode p50 during spill / no spill | {percentile(busy, 0.5) / percentile(quiet, 0.5):.3f} |")
     print(f"| decode p99 during spill / no spill | {percentile(busy, 0.99) / percentile(quiet, 0.99):.3f} |")

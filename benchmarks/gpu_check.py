@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def check_exactness(device: torch.device) -> list[str]:
                                   model.generate(ids, max_new_tokens=5, do_sample=False))
                 pool = store.stats()["host_pool"]
                 store.close()
+                shutil.rmtree(path, ignore_errors=True)
                 pool_note = f" (pool fallbacks {pool['fallbacks']})" if pool else ""
                 lines.append(f"| {model_type} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{'exact' if ok else 'MISMATCH'}{pool_note} | {restored} | {after} |")
@@ -114,6 +116,7 @@ def check_pool_churn(device: torch.device) -> list[str]:
     store.flush()
     pool = store.stats()["host_pool"]
     store.close()
+    shutil.rmtree(path, ignore_errors=True)
     return [f"| 4 sessions x 4 turns, device 4 blocks, host 8 blocks | {'exact' if ok else 'MISMATCH'} | "
             f"{restored} | {pool} |"]
 

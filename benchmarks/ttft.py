@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -110,6 +111,7 @@ def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[st
             times[name].append(t)
     for store in stores.values():
         store.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # scratch: the stores' files
     return {name: ts[1:] for name, ts in times.items()}
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -12,14 +14,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str) -> str:
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def run(tmp_path: Path, *args: str) -> str:
+    """The program's stdout; it must leave no scratch of its own in the temporary directory."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not left_behind(scratch)
     return result.stdout
 
 
-def test_ttft_benchmark_reports_every_policy() -> None:
-    out = run("-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "1", "--block-size", "16", "--shapes", "small")
+def left_behind(scratch: Path) -> list[str]:
+    return sorted(p.name for p in scratch.iterdir() if p.name.startswith("tierkv-"))
+
+
+def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
+    out = run(tmp_path, "-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "1", "--block-size", "16", "--shapes", "small")
     for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk (after restart)",
                    "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
@@ -27,35 +38,43 @@ def test_ttft_benchmark_reports_every_policy() -> None:
     assert "| floor (ready DynamicCache) | 1.00 | 1.00 | " in out  # the floor over itself, paired too
 
 
-def test_decode_benchmark_reports_its_figures() -> None:
-    out = run("-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
+def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
+    out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
     assert "TieredCache / DynamicCache" in out and "p99 during spill" in out
 
 
-def test_gpu_check_dry_run_is_exact_on_cpu() -> None:
-    out = run("benchmarks/gpu_check.py", "--cpu")
+def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
+    out = run(tmp_path, "benchmarks/gpu_check.py", "--cpu")
     # 2 models x 2 dtypes x 3 tiers, and the host-pool churn case.
     assert out.count("| exact |") == 13 and "MISMATCH" not in out
     assert "| 4 sessions x 4 turns" in out
     assert "(restore + prefill) / (restore alone + prefill alone)" in out
 
 
-@pytest.mark.parametrize("args", [["--quick"]])
-def test_chatbot_example_runs_exact(args: list[str], tmp_path: Path) -> None:
-    out = run("examples/chatbot.py", *args, "--store", str(tmp_path / "kv"))
+@pytest.mark.parametrize("kept", [True, False], ids=["store-given", "temporary-store"])
+def test_chatbot_example_runs_exact(kept: bool, tmp_path: Path) -> None:
+    store = ["--store", str(tmp_path / "kv")] if kept else []
+    out = run(tmp_path, "examples/chatbot.py", "--quick", *store)
     assert "restart" in out and " NO" not in out
+    # A store it was given is the user's, and stays; its own temporary one is removed (run checks).
+    assert (tmp_path / "kv" / "data.mdb").is_file() == kept
 
 
-def test_micro_benchmark_reports_every_figure() -> None:
-    out = run("-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
+def test_micro_benchmark_reports_every_figure(tmp_path: Path) -> None:
+    out = run(tmp_path, "-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
     for figure in ("prefix hashing", "codec encode", "codec decode", "LMDB spill into a new store",
                    "LMDB spill at the disk budget", "LMDB read + verify, 8 MiB (page cache)",
                    "LMDB read + verify, 8 MiB (cold page cache)", "reopen of that store", "restore from host"):
         assert f"| {figure}" in out
 
 
-def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:
+def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import chat_trace
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
 
     out = tmp_path / "trace"
     summary = chat_trace.main(["--sessions", "3", "--turns", "8", "--layers", "1", "--hidden", "64",
@@ -70,6 +89,7 @@ def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: P
         assert tiered["peak_bytes"][tier] <= tiered["budgets"][tier]
     assert sum(tiered["hit_tokens"].values()) > 0
     assert {p.name for p in out.iterdir()} >= {"results.md", "results.json", "ttft_cdf.png", "hits_over_time.png"}
+    assert not left_behind(scratch)  # the policies' stores were scratch
 
 
 class _EchoModel:

@@ -181,47 +181,55 @@ def run(args: argparse.Namespace) -> dict:
     policies = [Policy(PolicyResult("recompute"), lambda s, ids: None, lambda *a: None)]  # (a): the reference
     budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (int(0.10 * ws), int(0.30 * ws), "disk"),
                "tierkv-no-disk": (int(0.10 * ws), int(0.30 * ws), None)}
-    tmp = Path(tempfile.mkdtemp(prefix="tierkv-trace-"))
     stores: dict[str, TieredStore] = {}
-    for name, (dev_b, host_b, disk) in budgets.items():
-        store = stores[name] = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b,
-                                           host_budget=host_b, disk_budget="1TiB", block_size=args.block_size)
-        res = PolicyResult(name)
+    # The stores' files are scratch: removed whatever happens, so that repeated runs (the tests run
+    # this at every test run) do not fill the temporary directory.
+    with tempfile.TemporaryDirectory(prefix="tierkv-trace-", ignore_cleanup_errors=True) as scratch:
+        tmp = Path(scratch)
+        try:
+            for name, (dev_b, host_b, disk) in budgets.items():
+                store = stores[name] = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b,
+                                                   host_budget=host_b, disk_budget="1TiB", block_size=args.block_size)
+                res = PolicyResult(name)
 
-        def commit(session, cache, out, store=store, res=res):
-            cache.commit(out)
-            stats = store.stats()
-            for tier in ("device", "host", "disk"):
-                res.peak[tier] = max(res.peak.get(tier, 0), stats[tier]["bytes"])
-            res.hits_over_time.append(dict(stats["hits"]))
+                def commit(session, cache, out, store=store, res=res):
+                    cache.commit(out)
+                    stats = store.stats()
+                    for tier in ("device", "host", "disk"):
+                        res.peak[tier] = max(res.peak.get(tier, 0), stats[tier]["bytes"])
+                    res.hits_over_time.append(dict(stats["hits"]))
 
-        policies.append(Policy(res, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"), commit,
-                               settle=store.flush))
-    if device.type == "cuda":
-        per_session: dict[int, DynamicCache] = {}
+                policies.append(Policy(res, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"), commit,
+                                       settle=store.flush))
+            if device.type == "cuda":
+                per_session: dict[int, DynamicCache] = {}
 
-        def offloaded(session, ids):
-            cache = per_session.get(session)
-            if cache is None or cache.get_seq_length() >= ids.shape[1]:
-                cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
-            return cache
+                def offloaded(session, ids):
+                    cache = per_session.get(session)
+                    if cache is None or cache.get_seq_length() >= ids.shape[1]:
+                        cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
+                    return cache
 
-        # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
-        policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None, settle=torch.cuda.synchronize))
-    interleave(policies, model, system, turns, args.round_turns, progress)
+                # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
+                policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None,
+                                       settle=torch.cuda.synchronize))
+            interleave(policies, model, system, turns, args.round_turns, progress)
 
-    mark_exact(policies)
-    results: dict[str, PolicyResult] = {}
-    for policy in policies:
-        res = policy.result
-        store = stores.get(res.name)
-        if store is not None:
-            store.flush()
-            stats = store.stats()
-            res.final_stats = stats
-            res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
-            store.close()
-        results[res.name] = res
+            mark_exact(policies)
+            results: dict[str, PolicyResult] = {}
+            for policy in policies:
+                res = policy.result
+                store = stores.get(res.name)
+                if store is not None:
+                    store.flush()
+                    stats = store.stats()
+                    res.final_stats = stats
+                    res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
+                    store.close()
+                results[res.name] = res
+        finally:
+            for store in stores.values():
+                store.close()
     if "offloaded" not in results:
         results["offloaded"] = PolicyResult("offloaded", skipped="needs CUDA")
         if progress is not None:

@@ -18,6 +18,7 @@ A program, like the benchmarks: it prints, and imports transformers directly.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 import warnings
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--reply-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--store", default=None, help="disk tier directory (default: a temporary one)")
+    parser.add_argument("--store", default=None, help="disk tier directory, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer turns")
     args = parser.parse_args(argv)
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     typical = (args.system_tokens + 200) * kv_per_token
     budgets = dict(device_budget=typical, host_budget=2 * typical, disk_budget="4GiB")
     path = args.store or tempfile.mkdtemp(prefix="tierkv-chatbot-")
-    print(f"tiny llama: {args.layers} layers, hidden {args.hidden}, KV {kv_per_token} B/token; store at {path}")
+    kept = "" if args.store else " (temporary: removed at the end; --store DIR keeps one)"
+    print(f"tiny llama: {args.layers} layers, hidden {args.hidden}, KV {kv_per_token} B/token; store at {path}{kept}")
     print(f"budgets: device {budgets['device_budget'] // 1024} KiB, host {budgets['host_budget'] // 1024} KiB, "
           f"disk 4 GiB; block {args.block_size} tokens\n")
 
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         run_turn(turn, f"user{user_idx}")
     stats = store.stats()
     store.close()
+    if not args.store:
+        shutil.rmtree(path, ignore_errors=True)
     print(f"\nsince the restart: hit tokens {stats['hits']}, computed tokens {stats['misses']}, evictions {stats['evictions']}")
     for tier in ("device", "host", "disk"):
         s = stats[tier]
