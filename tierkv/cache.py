@@ -3,11 +3,20 @@
 The only module that imports transformers. It adapts a model and a conversation to the store
 and holds no policy:
 
-* ``describe_model(model)`` checks that the model is a decoder-only, full-attention model and
-  computes its fingerprint (architecture fields of its config, dtype, and a digest of a sample of
-  its weights, ``weights.py``). The checks and the config digest are cached per model object; the
-  weight sample is read on every call, so weights changed in place never meet KV computed with
-  the old ones.
+* ``describe_model(model)`` checks that the model is a decoder-only, full-attention, text-only
+  model whose keys and values share one shape, and computes its fingerprint: architecture fields
+  of its config, dtype, and a digest of every byte of its weights (``weights.py``). The checks and
+  the config digest are cached per model object; the weight sample is read on every call, and the
+  full digest is computed again whenever the sample or a parameter's version counter moved, so
+  weights changed in place never meet KV computed with the old ones. RoPE recomputed from each
+  forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
+  restores and keeps KV within it only.
+* ``describe_model`` also puts a forward pre-hook on the model (``_check_forward``), which does
+  nothing unless a call passes a ``TieredCache``. While the cache holds less than its
+  conversation, a forward must be fed the conversation's next ids (every row alike: beams),
+  not ``inputs_embeds``; an ``attention_mask`` that hides a token ends what ``commit`` keeps
+  there, and one that hides a restored token is refused. ``generate`` feeds a pre-filled cache
+  only the ids past it, so ids edited inside the restored prefix are caught at ``commit``.
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
@@ -30,6 +39,8 @@ Generation details handled here:
 from __future__ import annotations
 
 import json
+import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,10 +56,12 @@ except ImportError:  # transformers before 5.x's per-layer config API
     get_layer_types_and_kwargs = None
 
 from .transfer import Job, _CudaCopyJob
-from .weights import WeightSample
+from .weights import WeightSample, digest_weights, versions
 
 if TYPE_CHECKING:
     from .store import TieredStore
+
+logger = logging.getLogger("tierkv")
 
 # Config fields that do not change the keys and values a model computes.
 _CONFIG_FIELDS_IGNORED = frozenset({
@@ -67,15 +80,31 @@ class ModelInfo:
     num_layers: int
     device: torch.device
     dtype: torch.dtype
+    # RoPE whose frequencies depend on the length of the forward pass ("dynamic" NTK, "longrope"):
+    # the longest sequence whose every forward uses the base frequencies. KV is restored and kept
+    # only within it; None when the frequencies are fixed.
+    position_limit: int | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
+class _Weights:
+    """A digest of every weight byte, and what it was computed from: it is computed again when
+    the sampled values or the parameters' version counters move."""
+
+    sample: bytes
+    versions: tuple[int, ...] | None
+    digest: bytes
+
+
+@dataclass(slots=True)
 class _Static:
     """What does not change while a model object lives: architecture facts and sample points."""
 
     config_digest: bytes
     num_layers: int
     sample: WeightSample
+    position_limit: int | None
+    weights: _Weights | None = None
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -92,6 +121,46 @@ def _layer_types(text_config: Any) -> list[str]:
     return types[: len(types) - shared] + ["dummy"] * shared
 
 
+def _position_limit(text_config: Any) -> int | None:
+    """For RoPE recomputed from the length of each forward pass, the longest sequence computed
+    with the base frequencies throughout (transformers' ``dynamic_rope_update``): "longrope"
+    switches to its long factors past ``original_max_position_embeddings``; dynamic NTK rescales
+    past ``max_position_embeddings`` and, having grown, resets only below it. A prefix computed
+    short and restored into a longer conversation would not equal the longer prefill."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    variants = [params] if "rope_type" in params or "type" in params else \
+        [v for v in params.values() if isinstance(v, dict)]  # per layer type
+    limits = []
+    for v in variants:
+        kind = str(v.get("rope_type", v.get("type", "default")))
+        top = getattr(text_config, "max_position_embeddings", None)
+        original = v.get("original_max_position_embeddings") or getattr(text_config, "original_max_position_embeddings",
+                                                                        None)
+        if kind == "longrope":
+            limits.append(int(original or top))
+        elif "dynamic" in kind:
+            limits.append(int(min(x for x in (top, original) if x)) - 1)
+    return min(limits) if limits else None
+
+
+def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
+    """Models whose KV is not a function of their token ids alone, or not of one shape."""
+    name = type(model).__name__
+    for part in ("vision_config", "audio_config", "vision_tower", "speech_config"):
+        if getattr(config, part, None) is not None:
+            raise ValueError(f"{name} embeds images or audio ({part}); tierkv keys KV on token ids alone, and an "
+                             "image's placeholder ids are the same for every image. Use it with a text-only "
+                             "language model (AutoModelForCausalLM on the text config)")
+    v_dim = getattr(text_config, "v_head_dim", None)
+    qk_dim = getattr(text_config, "qk_head_dim", None) or (
+        (getattr(text_config, "qk_nope_head_dim", 0) or 0) + (getattr(text_config, "qk_rope_head_dim", 0) or 0))
+    if getattr(text_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
+        raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
+                         f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -104,6 +173,7 @@ def _static_facts(model: Any) -> _Static:
         raise ValueError(f"{type(model).__name__} does not use a standard KV cache (recurrent or custom state); "
                          "tierkv supports decoder-only full-attention models")
     text_config = config.get_text_config(decoder=True)
+    _refuse_unsupported(model, config, text_config)
     layer_types = _layer_types(text_config)
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
@@ -111,6 +181,8 @@ def _static_facts(model: Any) -> _Static:
                 "sliding_window=None)" if "sliding_attention" in other else "")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
+    if not any(hook is _check_forward for hook in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_check_forward, with_kwargs=True)
     sample = WeightSample(model)
     params = sample.params
     if not params:
@@ -125,15 +197,30 @@ def _static_facts(model: Any) -> _Static:
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample)
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
+                   position_limit=_position_limit(text_config))
+
+
+def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook on every model ``describe_model`` has seen (kept for the model's life;
+    it does nothing unless the call passes a ``TieredCache``): a forward that feeds the cache
+    KV not computed from its conversation's ids is refused before it runs."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")
+    if isinstance(cache, TieredCache):
+        cache._check_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"),
+                            kwargs.get("attention_mask"))
 
 
 def describe_model(model: Any) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
-    The weight sample is read on every call, so in-place writes (``load_state_dict``, assignments
-    to ``p.data``, training steps) change the fingerprint at once (``weights.py``: one gather per
-    dtype on CPU). The config digest and validation are computed once per model object.
+    The weight sample is read on every call (``weights.py``: one gather per dtype on CPU) with the
+    parameters' version counters; when either moved, every weight byte is digested again, so
+    in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
+    fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
+    changes a sampled value. The config digest and validation are computed once per model object.
     """
     static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
     held = static.sample.hold() if static is not None else None  # alive until the read below
@@ -146,12 +233,22 @@ def describe_model(model: Any) -> ModelInfo:
         _static_cache[model] = static
         held = static.sample.hold()
     first = static.sample.params[0]  # its dtype and address were just checked by current()
+    sampled = static.sample.read()
+    counters = versions(static.sample.params)
+    weights = static.weights
+    if weights is None or weights.sample != sampled or weights.versions != counters:
+        started = time.perf_counter()
+        weights = static.weights = _Weights(sampled, counters, digest_weights(static.sample.params))
+        seconds = time.perf_counter() - started
+        (logger.info if seconds > 1 else logger.debug)(
+            "tierkv: digested %s's weights in %.2f s", type(model).__name__, seconds)
+    del held
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
     h.update(str(first.dtype).encode())
-    h.update(static.sample.read())
-    del held
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype)
+    h.update(weights.digest)
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
+                     position_limit=static.position_limit)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -292,6 +389,7 @@ class TieredCache(Cache):
         self.tenant = tenant
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
+        self._masked_from: int | None = None  # the first token a forward's attention_mask hid
         if blocks:
             for i, layer in enumerate(layers):
                 layer.restore(i, blocks)
@@ -307,6 +405,41 @@ class TieredCache(Cache):
         KV the store now has for this conversation.
         """
         return self._store._commit(self, sequences)
+
+    def _check_inputs(self, input_ids: Any, inputs_embeds: Any, attention_mask: Any) -> None:
+        """A forward's inputs, while the cache still holds less than its conversation: they must be
+        the conversation's next ids (every row, where beams expand the batch), unpadded, and ids
+        rather than embeddings, since blocks are keyed on ids. Tokens past the conversation (the
+        ones generated) are not checked."""
+        done, want = self.get_seq_length(), self.input_ids
+        if done >= len(want):
+            return
+        if inputs_embeds is not None:
+            raise ValueError("a TieredCache was given inputs_embeds; its blocks are keyed on token ids, so KV "
+                             "computed from embeddings (soft prompts, prompt tuning) would be served for those ids. "
+                             "Pass input_ids, or use a plain DynamicCache for this turn")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return  # the model rejects it itself
+        got = input_ids.detach().cpu().numpy()
+        n = min(got.shape[1], len(want) - done)
+        if not (got[:, :n] == want[done:done + n]).all():
+            if got.shape[0] > 1 and not (got == got[:1]).all():
+                raise ValueError(f"a TieredCache holds one conversation, but the model got a batch of {got.shape[0]} "
+                                 "different rows; open one cache per conversation and generate each with batch 1")
+            raise ValueError(f"the model was given ids that are not this cache's conversation from token {done} on "
+                             f"(it holds {done} of the {len(want)} ids store.open got): pass generate() the same "
+                             "whole conversation that was given to store.open, not only the new message")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            # KV computed under a mask is not a function of the ids alone: nothing from the first
+            # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
+            hidden = int(torch.nonzero(attention_mask[0] == 0)[0, 0]) if not bool(attention_mask[0].all()) else \
+                int(attention_mask.shape[1])
+            if hidden < done:
+                raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
+                                 "computed without that mask (generate() masks pad_token_id wherever it appears "
+                                 "in the ids). Pass the same attention_mask every turn (or none), pass "
+                                 "pad_token_id=<your eos id> to generate(), or do not pad one conversation")
+            self._masked_from = hidden if self._masked_from is None else min(self._masked_from, hidden)
 
     def activate_past_recording(self) -> None:
         # transformers calls this only when assisted decoding starts; see the module docstring.

@@ -362,7 +362,10 @@ class TieredStore:
             with self._lock:
                 self._check_open()
                 self._reap()
-                plan = self._match(root, ids)
+                limit = info.position_limit
+                # Past the limit the prefill's RoPE frequencies differ from those the blocks were
+                # computed with (``ModelInfo.position_limit``): nothing is restored.
+                plan = self._match(root, ids) if limit is None or len(ids) <= limit else []
                 self._pin(pins, [meta.key for meta, _ in plan])
                 found = [self._source(meta) for meta, _ in plan]
                 for where in found:
@@ -598,6 +601,13 @@ class TieredStore:
             # Beams and extra return sequences share only the prompt's KV; generated rows are
             # not aligned with the returned sequences.
             n = min(n, len(opened))
+        if cache._masked_from is not None:
+            n = min(n, cache._masked_from)  # KV from there on depends on the mask, not the ids alone
+        limit = cache.model_info.position_limit
+        if limit is not None:
+            # Tokens before the limit were computed with the base frequencies only if the prompt's
+            # prefill was within it; each later token's own forward reached just past it.
+            n = min(n, limit) if len(opened) <= limit else 0
         ids = seq[:n]
         B = self.block_size
         with self._lock:

@@ -1,4 +1,12 @@
-"""The weight sample behind a model's fingerprint, read on every ``store.open``.
+"""The weights behind a model's fingerprint: a digest of every byte (``digest_weights``), and the
+cheap sample, read on every ``store.open``, that says when to compute it again.
+
+Two model objects whose weights differ anywhere have different digests; a sample of 16 values
+per parameter alone let a fine-tune of a few embedding rows share its base model's KV. The
+digest reads every weight once per model object (a host copy, slice by slice, for weights on a
+device), and again when the sample's values or the parameters' version counters (``versions``)
+moved. A write through ``p.data`` bumps no counter and is seen only where it changes a sampled
+value.
 
 Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters there are and
 which elements of each are read (16 evenly spread ones). ``sample.current(model)`` says whether
@@ -35,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 SAMPLES_PER_PARAM = 16
 
@@ -129,6 +138,45 @@ class _HostGather:
                 values = raw.view(_NUMPY_DTYPES[dtype])
             out[at] = values.reshape(-1)
         return out
+
+
+def versions(params: tuple[torch.nn.Parameter, ...]) -> tuple[int, ...] | None:
+    """The parameters' version counters, which every in-place torch write bumps (optimizer steps,
+    ``load_state_dict``, ``copy_`` under ``no_grad``); None where one has none (inference tensors)."""
+    try:
+        return tuple(p._version for p in params)
+    except RuntimeError:
+        return None
+
+
+# Host copies of device weights are hashed in slices of this many bytes, so a large embedding
+# never needs a second full copy in host memory.
+_DIGEST_SLICE = 64 << 20
+
+
+def digest_weights(params: tuple[torch.nn.Parameter, ...]) -> bytes:
+    """xxh3-128 over every byte of every parameter, in order, with its shape and dtype: two
+    models whose weights differ anywhere differ here (the sample alone misses a change that
+    avoids its points, such as a fine-tune of a few embedding rows). Weights on a device are
+    copied to the host slice by slice; a tensor subclass that cannot be viewed as bytes (some
+    quantised formats) is hashed through its sampled values instead."""
+    h = xxhash.xxh3_128()
+    with torch.no_grad():
+        for p in params:
+            h.update(f"{tuple(p.shape)}:{p.dtype}:".encode())
+            data = p.detach()
+            try:
+                flat = data.contiguous().reshape(-1).view(torch.uint8)
+            except (RuntimeError, TypeError, NotImplementedError):
+                h.update(torch.take(data, sample_index(data.numel(), data.device)).to(torch.float64).cpu()
+                         .numpy().tobytes())
+                continue
+            if flat.device.type == "cpu":
+                h.update(flat.numpy())
+                continue
+            for start in range(0, flat.numel(), _DIGEST_SLICE):
+                h.update(flat[start:start + _DIGEST_SLICE].cpu().numpy())
+    return h.digest()
 
 
 class WeightSample:

@@ -1,0 +1,217 @@
+"""What a turn's KV is keyed on, and the inputs that would make it wrong: weights that differ
+where the sample does not look, forwards fed other ids, embeddings or a mask, models whose KV
+is not a function of their ids, and RoPE recomputed from the sequence length. Each case once
+gave output that differed from plain transformers without an error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import VOCAB, make_model, random_ids
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tierkv import TieredStore
+from tierkv.weights import sample_index
+
+NEW = 5
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def one_turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, session: str = "s",
+             **kwargs: object) -> torch.Tensor:
+    cache = store.open(model, ids, session=session)
+    out = greedy(model, ids, past_key_values=cache, **kwargs)
+    cache.commit(out)
+    return out
+
+
+def unsampled_row(weight: torch.Tensor) -> int:
+    """A row of ``weight`` that holds none of the fingerprint's sample points."""
+    sampled = {int(i) // weight.shape[1] for i in sample_index(weight.numel())}
+    return next(r for r in range(3, weight.shape[0]) if r not in sampled)
+
+
+# -- weights ------------------------------------------------------------------------------------
+def test_models_whose_weights_differ_only_off_the_sample_never_share_kv() -> None:
+    a = make_model("llama")
+    b = copy.deepcopy(a)
+    row = unsampled_row(b.model.embed_tokens.weight)
+    with torch.no_grad():
+        b.model.embed_tokens.weight[row] += 1.0  # a fine-tune of one new token's embedding
+    ids = torch.cat([random_ids(20, 1), torch.full((1, 4), row)], dim=1)
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, a, ids)
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(b, later, session="s")
+        assert cache.restored_tokens == 0
+        assert torch.equal(greedy(b, later, past_key_values=cache), greedy(b, later))
+
+
+def test_an_in_place_write_off_the_sample_changes_the_fingerprint() -> None:
+    model = make_model("llama")
+    weight = model.model.embed_tokens.weight
+    row = unsampled_row(weight)
+    ids = torch.cat([random_ids(20, 1), torch.full((1, 4), row)], dim=1)
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, model, ids)
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        assert store.open(model, later, session="s").restored_tokens == out.shape[1] - 1
+        with torch.no_grad():
+            weight[row] += 1.0  # in place, under no_grad: the version counter moves, the sample does not
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 0
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
+# -- what a forward is fed ----------------------------------------------------------------------
+def restored_cache(store: TieredStore, model: torch.nn.Module, extra: int = 3) -> tuple[object, torch.Tensor]:
+    out = one_turn(store, model, random_ids(20, 1))
+    later = torch.cat([out, random_ids(extra, 2)], dim=1)
+    cache = store.open(model, later, session="s")
+    assert cache.restored_tokens > 0
+    return cache, later
+
+
+def test_a_batch_of_other_conversations_is_refused() -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model)
+        other = random_ids(later.shape[1], 7)
+        with pytest.raises(ValueError, match="batch of 2 different rows"):
+            greedy(model, torch.cat([later, other]), past_key_values=cache)
+
+
+def test_generate_given_only_the_new_message_is_refused() -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model, extra=30)
+        with pytest.raises(ValueError, match="not only the new message"):
+            greedy(model, later[:, -30:], past_key_values=cache)
+
+
+def test_beams_of_the_same_conversation_pass_the_check() -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model)
+        got = model.generate(later, past_key_values=cache, max_new_tokens=NEW, num_beams=3, do_sample=False)
+        assert torch.equal(got, model.generate(later, max_new_tokens=NEW, num_beams=3, do_sample=False))
+
+
+def test_inputs_embeds_are_refused() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    embeds = model.get_input_embeddings()(ids).detach()
+    embeds[:, :4] += 0.5  # a soft prompt: KV that the ids alone do not give
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="tuned")
+        with pytest.raises(ValueError, match="inputs_embeds"):
+            model.generate(input_ids=ids, inputs_embeds=embeds, past_key_values=cache, max_new_tokens=NEW,
+                           do_sample=False)
+        assert store.stats()["device"]["blocks"] == 0
+
+
+def test_a_padded_turn_is_exact_and_its_masked_kv_is_not_kept() -> None:
+    model = make_model("llama")
+    pad = 0
+    ids = torch.cat([torch.full((1, 4), pad), random_ids(18, 1)], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 18, dtype=torch.long)], dim=1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="a")
+        out = greedy(model, ids, attention_mask=mask, past_key_values=cache, pad_token_id=pad)
+        assert torch.equal(out, greedy(model, ids, attention_mask=mask, pad_token_id=pad))
+        assert cache.commit(out) == 0  # every token's KV depended on the hidden pads
+        later = torch.cat([ids, random_ids(3, 9)], dim=1)
+        cache = store.open(model, later, session="b")
+        assert cache.restored_tokens == 0
+        ones = torch.ones_like(later)
+        assert torch.equal(greedy(model, later, attention_mask=ones, past_key_values=cache, pad_token_id=pad),
+                           greedy(model, later, attention_mask=ones, pad_token_id=pad))
+
+
+def test_a_mask_hiding_restored_tokens_is_refused() -> None:
+    model = make_model("llama")
+    pad = 5
+    ids = torch.cat([random_ids(10, 1), torch.full((1, 1), pad), random_ids(12, 2)], dim=1)
+    with TieredStore(None, block_size=8) as store:
+        # Stored unmasked (generate masks no pad it was not told of), then asked with the pad masked.
+        out = one_turn(store, model, ids)
+        later = torch.cat([out, random_ids(3, 3)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens > 10
+        with pytest.raises(ValueError, match="hides token 10"):
+            greedy(model, later, past_key_values=cache, pad_token_id=pad)
+        # The same turn with the mask from its start: nothing restored past the pad, exact.
+        cache = store.open(model, later[:, :10], session="other")
+        assert cache.restored_tokens == 9
+
+
+# -- models whose KV is not a function of their ids ---------------------------------------------
+def test_a_vision_language_model_is_refused() -> None:
+    text = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    config = AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_index=500,
+                                  image_seq_length=4, vision_feature_layer=-1)
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="embeds images"):
+        store.open(model, random_ids(12, 1))
+
+
+def test_multi_head_latent_attention_is_refused() -> None:
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="latent attention"):
+        store.open(model, random_ids(12, 1))
+
+
+# -- RoPE recomputed from the sequence length ---------------------------------------------------
+def longrope_model() -> torch.nn.Module:
+    return make_model("phi3", initializer_range=0.2, max_position_embeddings=64, original_max_position_embeddings=24,
+                      rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                                           long_factor=[4.0] * 8, original_max_position_embeddings=24))
+
+
+def test_longrope_restores_within_its_original_length_only() -> None:
+    model = longrope_model()
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, model, random_ids(14, 1))  # 19 ids: within the 24 of short factors
+        within = torch.cat([out, random_ids(4, 2)], dim=1)
+        cache = store.open(model, within, session="s")
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(greedy(model, within, past_key_values=cache), greedy(model, within))
+        past = torch.cat([out, random_ids(20, 3)], dim=1)  # 39 ids: its prefill uses the long factors
+        cache = store.open(model, past, session="s")
+        assert cache.restored_tokens == 0
+        with torch.no_grad():
+            restored = model(past, past_key_values=cache).logits[0, -1]
+            assert torch.equal(restored, model(past).logits[0, -1])
+        # A turn past the limit keeps nothing: its KV was computed with the long factors.
+        assert cache.commit(past) == 0
+
+
+def test_dynamic_ntk_keeps_kv_below_its_limit_only() -> None:
+    model = make_model("llama", max_position_embeddings=24,
+                       rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0))
+    with TieredStore(None, block_size=8) as store:
+        ids = random_ids(16, 1)
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        # 27 ids: the forwards up to position 22 ran below max_position_embeddings, unscaled.
+        assert cache.commit(out) == 23
+        later = torch.cat([out[:, :20], random_ids(2, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 20
+        assert torch.equal(greedy(model, later, past_key_values=cache)[:, :23],
+                           greedy(model, later)[:, :23])
