@@ -7,6 +7,7 @@
 
     python -m benchmarks.decode
     python -m benchmarks.decode --context 512 --steps 16 --spill-mb 20    # a quick look
+    python -m benchmarks.decode --cpu          # on CPU where CUDA is present
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from transformers.utils import logging as hf_logging
 
 from tierkv import TieredStore
 
+from .micro import pick_device, sync
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 hf_logging.set_verbosity_error()
 
 
-def kv_heavy_model() -> torch.nn.Module:
+def kv_heavy_model(device: torch.device) -> torch.nn.Module:
     # 16 KV heads of 64 dims on 4 layers: 32 KiB of KV per token against a small MLP.
     config = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=512,
                                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
                                   max_position_embeddings=16384)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
 @torch.no_grad()
@@ -42,10 +45,12 @@ def decode_steps(model: torch.nn.Module, cache, first: torch.Tensor, steps: int)
     """Greedy single-token forwards; seconds per step."""
     token = first
     times = []
+    sync(first.device)
     for _ in range(steps):
         start = time.perf_counter()
-        logits = model(token, cache=cache).logits
+        logits = model(token, past_key_values=cache).logits
         token = logits[:, -1:].argmax(-1)
+        sync(first.device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -61,29 +66,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--spill-mb", type=int, default=100)
+    parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     args = parser.parse_args()
-    model = kv_heavy_model()
+    device = pick_device(args.cpu)
+    model = kv_heavy_model(device)
     cfg = model.config
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, cfg.vocab_size, (1, args.context), generator=gen)
+    ids = torch.randint(3, cfg.vocab_size, (1, args.context), generator=gen).to(device)
     with torch.no_grad():
         first = model(ids).logits[:, -1:].argmax(-1)
 
     # -- 1. per-token decode: TieredCache vs DynamicCache ------------------------------------------
-    store = TieredStore(None, device_budget="4GiB", host_budget=0, block_size=256)
+    store = TieredStore(None, device=device, device_budget="4GiB", host_budget=0, block_size=256)
     warm = store.open(model, ids)
     with torch.no_grad():
-        model(ids[:, warm.restored_tokens:], cache=warm)
+        model(ids[:, warm.restored_tokens:], past_key_values=warm)
     warm.commit(ids)
     per_token = {"DynamicCache": [], "TieredCache": []}
     for _ in range(args.repeats + 1):
         dyn = DynamicCache()
         with torch.no_grad():
-            model(ids, cache=dyn)
+            model(ids, past_key_values=dyn)
         tiered = store.open(model, ids)
         with torch.no_grad():
-            model(ids[:, tiered.restored_tokens:], cache=tiered)
+            model(ids[:, tiered.restored_tokens:], past_key_values=tiered)
         assert tiered.get_seq_length() == dyn.get_seq_length() == args.context
         # Alternate which goes first, so allocator and cache warmth favour neither.
         runs = [("DynamicCache", dyn), ("TieredCache", tiered)]
@@ -92,29 +99,31 @@ def main() -> None:
     store.close()
     dyn_t = statistics.median(per_token["DynamicCache"][1:])
     tier_t = statistics.median(per_token["TieredCache"][1:])
-    print(f"model: 4 layers, 16 KV heads x 64, {kv_per_token // 1024} KiB KV/token; context {args.context}, "
+    print(f"model: 4 layers, 16 KV heads x 64, {kv_per_token // 1024} KiB KV/token, on {device.type}; "
+          f"context {args.context}, "
           f"{args.steps} decode steps, median of {args.repeats}")
     print("| figure | value |\n|---|---|")
     print(f"| decode time per token, TieredCache / DynamicCache | {tier_t / dyn_t:.3f} |")
 
     # -- 2. decode latency while ~100 MB spill to LMDB ------------------------------------------------
     spill_tokens = max(args.context, args.spill_mb * 2**20 // kv_per_token)
-    spill_ids = torch.randint(3, cfg.vocab_size, (1, spill_tokens), generator=gen)
+    spill_ids = torch.randint(3, cfg.vocab_size, (1, spill_tokens), generator=gen).to(device)
     path = tempfile.mkdtemp(prefix="tierkv-decode-")
     quiet, busy = [], []
     for round_ in range(args.repeats):
-        store = TieredStore(f"{path}/{round_}", device_budget="4GiB", host_budget=0, disk_budget="8GiB",
-                            block_size=256)
+        store = TieredStore(f"{path}/{round_}", device=device, device_budget="4GiB", host_budget=0,
+                            disk_budget="8GiB", block_size=256)
         spill = store.open(model, spill_ids)
         with torch.no_grad():
-            model(spill_ids, cache=spill)  # the spilled conversation's KV, computed before timing
+            model(spill_ids, past_key_values=spill)  # the spilled conversation's KV, computed before timing
         dyn = DynamicCache()
         with torch.no_grad():
-            model(ids, cache=dyn)
+            model(ids, past_key_values=dyn)
         quiet.extend(decode_steps(model, dyn, first, args.steps))
         dyn = DynamicCache()
         with torch.no_grad():
-            model(ids, cache=dyn)
+            model(ids, past_key_values=dyn)
+        sync(device)
         start = time.perf_counter()
         spill.commit(spill_ids)  # write-through: the writer thread now spills to LMDB
         committed = time.perf_counter()
@@ -122,6 +131,7 @@ def main() -> None:
         decoded = time.perf_counter()
         pending = store.stats()["pending_writes"]
         store.flush()
+        sync(device)
         spilled = time.perf_counter()
         spill_bytes = store.stats()["disk"]["bytes"]
         store.close()

@@ -8,6 +8,7 @@ same round).
 
     python -m benchmarks.ttft                  # 1k-token session, two model shapes
     python -m benchmarks.ttft --tokens 256 --repeats 3 --shapes small   # a quick look
+    python -m benchmarks.ttft --cpu            # on CPU where CUDA is present
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from transformers.utils import logging as hf_logging
 
 from tierkv import TieredStore
 
-from .micro import drop_cached
+from .micro import drop_cached, pick_device, sync
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 hf_logging.set_verbosity_error()
@@ -40,42 +41,46 @@ SHAPES = {
 }
 
 
-def build(shape: str) -> torch.nn.Module:
+def build(shape: str, device: torch.device) -> torch.nn.Module:
     config = AutoConfig.for_model("llama", vocab_size=4096, max_position_embeddings=8192, **SHAPES[shape])
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
 def first_token_seconds(model: torch.nn.Module, ids: torch.Tensor, make_cache) -> float:
+    sync(ids.device)
     start = time.perf_counter()
     cache = make_cache()
-    model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+    # past_key_values=, not cache=: transformers 5.17 (the GPU machine's) has no cache= in generate.
+    model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    sync(ids.device)
     return time.perf_counter() - start
 
 
-def run_shape(shape: str, tokens: int, repeats: int, block_size: int) -> dict[str, list[float]]:
+def run_shape(shape: str, tokens: int, repeats: int, block_size: int, device: torch.device) -> dict[str, list[float]]:
     """Each policy's TTFT per round, in seconds, the warm-up round dropped."""
-    model = build(shape)
-    ids = torch.randint(3, 4096, (1, tokens), generator=torch.Generator().manual_seed(1))
+    model = build(shape, device)
+    ids = torch.randint(3, 4096, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     prefix = DynamicCache()
     with torch.no_grad():
-        model(ids[:, :-1], cache=prefix)
+        model(ids[:, :-1], past_key_values=prefix)
 
     tmp = tempfile.mkdtemp(prefix="tierkv-ttft-")
     cold = os.path.join(tmp, "cold")
 
     def disk_store(path: str) -> TieredStore:
-        return TieredStore(path, device_budget=0, host_budget=0, disk_budget="8GiB", block_size=block_size)
+        return TieredStore(path, device=device, device_budget=0, host_budget=0, disk_budget="8GiB",
+                           block_size=block_size)
 
     stores = {
-        "device": TieredStore(None, device_budget="8GiB", host_budget="8GiB", block_size=block_size),
-        "host": TieredStore(None, device_budget=0, host_budget="8GiB", block_size=block_size),
+        "device": TieredStore(None, device=device, device_budget="8GiB", host_budget="8GiB", block_size=block_size),
+        "host": TieredStore(None, device=device, device_budget=0, host_budget="8GiB", block_size=block_size),
         "disk": disk_store(os.path.join(tmp, "warm")),
         "cold": disk_store(cold),
     }
     for store in stores.values():
         cache = store.open(model, ids)
-        out = model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
         cache.commit(out)
     stores["disk"].close()
     # A restart: a new store on the same directory. Its budgets keep nothing in memory, so every
@@ -127,14 +132,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     args = parser.parse_args()
+    device = pick_device(args.cpu)
     for shape in args.shapes:
-        times = run_shape(shape, args.tokens, args.repeats, args.block_size)
+        times = run_shape(shape, args.tokens, args.repeats, args.block_size, device)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         floor_name = "floor (ready DynamicCache)"
         floor, recompute = med[floor_name], med["recompute"]
-        print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}), "
-              f"returning session of {args.tokens} tokens, median of {args.repeats}")
+        print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}) "
+              f"on {device.type}, returning session of {args.tokens} tokens, median of {args.repeats}")
         print("| policy | TTFT / floor | paired per round | TTFT / recompute |")
         print("|---|---|---|---|")
         for name, t in med.items():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import sys
 from pathlib import Path
 
@@ -68,35 +67,87 @@ def test_micro_benchmark_reports_every_figure(tmp_path: Path) -> None:
         assert f"| {figure}" in out
 
 
-def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import chat_trace
+TOY_TRACE = ["--sessions", "3", "--turns", "8", "--layers", "1", "--hidden", "64", "--system-tokens", "32",
+             "--user-median", "8", "--user-max", "24", "--reply-median", "3", "--reply-max", "4", "--context", "96",
+             "--block-size", "8", "--cpu"]
 
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+def prompt_lengths(args: dict) -> list[int]:
+    """Each turn's prompt length in the trace these args make: the session's history (or the system
+    prompt, at a reset or a first turn) plus the user's tokens."""
+    import argparse
+
+    from tierkv.bench import make_trace
+
+    _, turns = make_trace(argparse.Namespace(**args), 4096)
+    history: dict[int, int] = {}
+    prompts = []
+    for t in turns:
+        prompt = (args["system_tokens"] if t.reset or t.session not in history else history[t.session]) + len(t.user_tokens)
+        prompts.append(prompt)
+        history[t.session] = prompt + t.reply_tokens
+    return prompts
+
+
+def check_trace_report(report: dict, device_budget: int, host_budget: int) -> None:
+    """What every chat-trace report must hold, against figures computed here from its own args."""
+    policies = report["policies"]
+    assert set(policies) == {"recompute", "unbounded", "tierkv", "tierkv-no-disk", "offloaded"}
+    prompt_tokens = sum(prompt_lengths(report["args"]))
+    for name, row in policies.items():
+        if "skipped" in row:
+            continue
+        assert row["exact"], name
+        assert row["ttft_p50_ms"] <= row["ttft_p95_ms"] <= row["ttft_p99_ms"], name
+        if name != "recompute":
+            # Every prompt token of every turn is either restored from a tier or recomputed.
+            assert sum(row["hit_tokens"].values()) + row["miss_tokens"] == prompt_tokens, name
+    tiered, no_disk = policies["tierkv"], policies["tierkv-no-disk"]
+    for row in (tiered, no_disk):
+        assert (row["budgets"]["device"], row["budgets"]["host"]) == (device_budget, host_budget)
+        for tier in ("device", "host"):
+            assert row["peak_bytes"][tier] <= row["budgets"][tier]
+    assert tiered["hit_tokens"]["disk"] > 0 and tiered["budgets"]["disk"] > 0
+    assert no_disk["hit_tokens"]["disk"] == 0 and no_disk["budgets"]["disk"] == 0
+    # GB/s only where bytes moved: (d) moved none to or from a disk it lacks.
+    assert tiered["gb_per_s"]["host_to_disk"] > 0
+    assert no_disk["gb_per_s"]["host_to_disk"] is None and no_disk["gb_per_s"]["disk_to_host"] is None
+    if report["device"] == "cpu":
+        # A CPU device tier hands its blocks to the host tier and back without a timed copy.
+        assert tiered["moved_bytes"]["device_to_host"] > 0 and tiered["gb_per_s"]["device_to_host"] is None
+
+
+def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:
+    import json
 
     out = tmp_path / "trace"
-    summary = chat_trace.main(["--sessions", "3", "--turns", "8", "--layers", "1", "--hidden", "64",
-                               "--system-tokens", "32", "--user-median", "8", "--user-max", "24",
-                               "--reply-median", "3", "--reply-max", "4", "--context", "96",
-                               "--block-size", "8", "--cpu", "--out", str(out)])
-    policies = summary["policies"]
-    assert set(policies) == {"recompute", "unbounded", "tierkv", "tierkv-no-disk", "offloaded"}
-    assert all(row["exact"] for row in policies.values() if "skipped" not in row)
-    tiered = policies["tierkv"]
-    for tier in ("device", "host"):
-        assert tiered["peak_bytes"][tier] <= tiered["budgets"][tier]
-    assert sum(tiered["hit_tokens"].values()) > 0
+    # As a newcomer runs it: the module entry, in a process of its own.
+    table = run(tmp_path, "-m", "benchmarks.chat_trace", *TOY_TRACE, "--out", str(out))
+    report = json.loads((out / "results.json").read_text())
+    ws = report["working_set_bytes"]
+    check_trace_report(report, int(0.10 * ws), int(0.30 * ws))
+    assert {report["args"][k] for k in ("device_budget", "host_budget", "disk_budget")} == {"10%", "30%", "1TiB"}
+    assert "budgets of (c) and (d) device 10%, host 30%, (c) disk 1TiB" in table
     assert {p.name for p in out.iterdir()} >= {"results.md", "results.json", "ttft_cdf.png", "hits_over_time.png"}
-    assert not left_behind(scratch)  # the policies' stores were scratch
+    # The table reports "-" for the GB/s of directions that moved nothing, not 0.00.
+    no_disk_line = next(line for line in table.splitlines() if line.startswith("| tierkv-no-disk |"))
+    assert no_disk_line.split(" | ")[8] == "-/-/-/-"
 
 
 class _EchoModel:
-    """Stands in for a model in the trace's replay: generate() appends the tokens it was asked for."""
+    """Stands in for a model in the trace's replay: generate() appends the tokens it was asked for,
+    and counts the calls that were timed (those given a streamer) and those that were not."""
+
+    def __init__(self) -> None:
+        self.untimed: list[int] = []  # the call numbers of generates without a streamer
+        self.calls = 0
 
     def generate(self, ids, past_key_values=None, max_new_tokens=0, streamer=None, **kwargs):
+        self.calls += 1
         out = torch.cat([ids, torch.full((1, max_new_tokens), 7)], dim=1)
+        if streamer is None:
+            self.untimed.append(self.calls)
+            return out
         streamer.put(ids)
         streamer.put(out[:, -max_new_tokens:])
         return out
@@ -115,7 +166,10 @@ def test_chat_trace_interleaves_policies_in_rotating_rounds() -> None:
                       lambda *a: None, settle=lambda: log.append((name, -1)))
 
     policies = [policy("a"), policy("b"), policy("c")]
-    interleave(policies, _EchoModel(), np.array([1, 2]), turns, 3, None)
+    model = _EchoModel()
+    interleave(policies, model, np.array([1, 2]), turns, 3, None)
+    # One untimed warm-up generate, first: a process's first one costs several times the next.
+    assert model.untimed == [1] and model.calls == 3 * len(turns) + 1
     played = [name for name, n in log if n >= 0]
     # Rounds of 3 turns (the last one short), each started by the next policy in turn.
     assert played == ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["b"] * 3 + ["c"] * 3 + ["a"] * 3 + ["c", "a", "b"]
@@ -134,18 +188,142 @@ def test_chat_trace_interleaves_policies_in_rotating_rounds() -> None:
     assert [p.result.exact for p in policies] == [True, False, False]
 
 
-def test_chat_trace_in_several_rounds_is_exact_and_counts_every_turn(tmp_path: Path) -> None:
+def test_chat_trace_in_several_rounds_with_budgets_given_as_flags(tmp_path: Path) -> None:
+    import json
+
     from benchmarks import chat_trace
 
-    summary = chat_trace.main(["--sessions", "3", "--turns", "7", "--layers", "1", "--hidden", "64",
-                               "--system-tokens", "32", "--user-median", "8", "--user-max", "24",
-                               "--reply-median", "3", "--reply-max", "4", "--context", "96",
-                               "--block-size", "8", "--cpu", "--round-turns", "3", "--out", str(tmp_path)])
-    policies = summary["policies"]
-    assert all(row["exact"] for row in policies.values() if "skipped" not in row)
-    tiered = policies["tierkv"]
-    assert sum(tiered["hit_tokens"].values()) + tiered["miss_tokens"] > 0
+    summary = chat_trace.main([*TOY_TRACE, "--round-turns", "3", "--device-budget", "4KiB", "--host-budget", "20%",
+                               "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["policies"] == json.loads(json.dumps(summary["policies"]))
+    check_trace_report(report, 4096, int(0.20 * report["working_set_bytes"]))
     assert "ttft per turn tierkv / unbounded, median" in summary["ratios"]
-    assert "policies taking turns in rounds of 3 turns" in (tmp_path / "results.md").read_text()
-    with pytest.raises(SystemExit):
-        chat_trace.main(["--round-turns", "-1", "--out", str(tmp_path)])
+    md = (tmp_path / "results.md").read_text()
+    assert "policies taking turns in rounds of 3 turns" in md and "device 4KiB, host 20%" in md
+
+
+def test_chat_trace_disk_budget_flag_reaches_the_store(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks import chat_trace
+
+    chat_trace.main([*TOY_TRACE, "--turns", "2", "--disk-budget", "3MiB", "--out", str(tmp_path)])
+    policies = json.loads((tmp_path / "results.json").read_text())["policies"]
+    assert policies["tierkv"]["budgets"]["disk"] == 3 * 2**20 and policies["tierkv-no-disk"]["budgets"]["disk"] == 0
+
+
+def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
+    from tierkv.bench import QUICK, parse_args
+
+    quick = parse_args(["--quick"])
+    assert {k: getattr(quick, k) for k in QUICK} == QUICK
+    given = parse_args(["--quick", "--sessions", "32", "--context", "4096"])
+    assert (given.sessions, given.context, given.turns) == (32, 4096, QUICK["turns"])
+    assert parse_args([]).sessions == 16  # without --quick, the full trace's defaults
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sessions", "0"], "--sessions must be 1 or more"),
+    (["--turns", "-1"], "--turns must be 1 or more"),
+    (["--layers", "0"], "--layers must be 1 or more"),
+    (["--block-size", "0"], "--block-size must be 1 or more"),
+    (["--user-median", "0"], "--user-median must be 1 or more"),
+    (["--user-median", "64", "--user-max", "32"], "--user-max (32) must be at least --user-median (64)"),
+    (["--reply-median", "1", "--reply-max", "1"], "--reply-max must be 2 or more"),
+    (["--reply-median", "8", "--reply-max", "4"], "--reply-max (4) must be at least --reply-median (8)"),
+    (["--hidden", "96"], "--hidden must be 64 or a positive multiple of 128"),
+    (["--hidden", "0"], "--hidden must be 64 or a positive multiple of 128"),
+    (["--context", "832"], "give --context 833 or more"),
+    (["--zipf", "-0.5"], "--zipf must be a finite number of 0 or more"),
+    (["--zipf", "nan"], "--zipf must be a finite number of 0 or more"),
+    (["--round-turns", "-1"], "--round-turns must be 0 or more"),
+    (["--device-budget", "ten%"], "give a percentage of the working set"),
+    (["--host-budget=-5%"], "give a percentage of the working set"),
+    (["--disk-budget", "3 parsecs"], "or a percentage of the working set"),
+    (["--device-budget", "12XB"], "unknown byte unit"),
+])
+def test_chat_trace_refuses_bad_flags_saying_what_to_give(flags: list[str], message: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_chat_trace_accepts_the_edges_of_each_flag() -> None:
+    from tierkv.bench import parse_args
+
+    args = parse_args(["--context", "833", "--zipf", "0", "--reply-median", "2", "--reply-max", "2", "--hidden", "128",
+                       "--device-budget", "0", "--host-budget", "150%", "--disk-budget", "1.5GB"])
+    assert (args.context, args.hidden, args.host_budget) == (833, 128, "150%")
+
+
+def test_budget_flags_read_percentages_of_the_working_set_and_byte_sizes() -> None:
+    from tierkv.bench import budget_bytes
+
+    assert budget_bytes("10%", 12345, "--device-budget") == int(0.10 * 12345)
+    assert budget_bytes(" 12.5% ", 1000, "--device-budget") == 125
+    assert budget_bytes("64MiB", 1, "--host-budget") == 64 * 2**20
+    assert budget_bytes("1000", 1, "--host-budget") == 1000
+    with pytest.raises(ValueError, match="--host-budget"):
+        budget_bytes("lots", 1, "--host-budget")
+
+
+def test_gb_per_s_only_where_bytes_moved_and_time_was_taken() -> None:
+    from tierkv.bench import achieved_gb_per_s
+
+    moved = {"device_to_host": 4096, "host_to_device": 0, "host_to_disk": 2_000_000_000, "disk_to_host": 0}
+    seconds = {"host_to_disk": 2.0, "disk_to_host": 0.25}  # a store times only its disk paths
+    assert achieved_gb_per_s(moved, seconds) == {"device_to_host": None, "host_to_device": None,
+                                                 "host_to_disk": 1.0, "disk_to_host": None}
+
+
+def test_chat_trace_without_matplotlib_says_how_to_get_the_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.bench import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises
+    assert plots({"results": {}}, tmp_path) == []
+    assert 'pip install -e ".[bench]"' in capsys.readouterr().out
+
+
+def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_holds() -> None:
+    """At a context that resets conversations often, with the new prompt often longer than the old
+    cache, a cache per session (policy (e)'s rule, with a plain DynamicCache) must give exactly the
+    replies of recomputation."""
+    import argparse
+
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from tierkv.bench import Policy, PolicyResult, SessionCaches, extends, interleave, make_trace, mark_exact
+
+    args = dict(seed=0, sessions=2, turns=20, zipf=0.0, system_tokens=32, user_median=12, user_max=24,
+                reply_median=3, reply_max=4, context=70)
+    system, turns = make_trace(argparse.Namespace(**args), 512)
+    prompts = prompt_lengths(args)
+    # The case the rule exists for: a reset whose prompt is longer than the session's last output.
+    last: dict[int, int] = {}
+    longer_resets = 0
+    for t, prompt in zip(turns, prompts, strict=True):
+        longer_resets += t.reset and prompt > last.get(t.session, prompt)
+        last[t.session] = prompt + t.reply_tokens
+    assert longer_resets >= 2
+
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    made: list[DynamicCache] = []
+    caches = SessionCaches(lambda: made.append(DynamicCache()) or made[-1])
+    policies = [Policy(PolicyResult("recompute"), lambda s, ids: None, lambda *a: None),
+                Policy(PolicyResult("per-session cache"), caches.cache_for, caches.after_turn)]
+    interleave(policies, model, system, turns, 5, None)
+    mark_exact(policies)
+    assert policies[1].result.exact
+    assert len(made) <= len(turns) - 5  # and it did reuse: a rule that never reuses is not the rule
+
+    a = torch.tensor([[1, 2, 3]])
+    assert extends(a, torch.tensor([[1, 2, 3, 4]])) and not extends(None, a)
+    assert not extends(a, torch.tensor([[1, 2, 9, 4]])) and not extends(a, a)

@@ -5,7 +5,8 @@ lengths; each turn re-sends the whole conversation. The trace (seeded) is replay
 
   (a) recompute       no reuse across turns
   (b) unbounded       an unbounded device tier: the ideal that scarce VRAM cannot afford
-  (c) tierkv          device budget 10% of the working set, host 30%, disk unlimited
+  (c) tierkv          device budget 10% of the working set, host 30%, disk unlimited (--device-budget,
+                      --host-budget, --disk-budget)
   (d) tierkv-no-disk  the same budgets without a disk tier
   (e) offloaded       transformers' DynamicCache(offloading=True), one per session (CUDA only)
 
@@ -24,7 +25,7 @@ tokens per tier over time) to --out.
     python -m benchmarks.chat_trace ...    # the same, from a checkout (writes benchmarks/out/chat_trace)
 
 A program, like the demo: it prints, and imports transformers directly. The progress bar (tqdm)
-and the plots (matplotlib) are used when installed (the `bench` extra) and skipped otherwise.
+and the plots (matplotlib) are used when installed (the `bench` extra) and skipped otherwise, with a note.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from transformers.utils import logging as hf_logging
 
 from .demo import FirstTokenTimer
 from .store import TieredStore
+from .units import parse_bytes
 
 
 @dataclass(slots=True)
@@ -113,9 +115,36 @@ class Policy:
     outputs: list[torch.Tensor] = field(default_factory=list)
 
 
+def extends(previous: torch.Tensor | None, ids: torch.Tensor) -> bool:
+    """Whether a turn's ``ids`` continue the conversation whose output was ``previous`` (the ids
+    a session's cache was built from), with at least one new token to compute. A reset starts
+    over from the system prompt: its ids may be longer than the old cache, yet differ from it."""
+    if previous is None or ids.shape[1] <= previous.shape[1]:
+        return False
+    return torch.equal(ids[:, :previous.shape[1]], previous)
+
+
+class SessionCaches:
+    """One transformers cache per session (policy (e)), reused for a turn only where the turn's
+    ids extend the output that cache last saw; otherwise (a reset, a first turn) a new one."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.caches: dict[int, Any] = {}
+        self.last: dict[int, torch.Tensor] = {}
+
+    def cache_for(self, session: int, ids: torch.Tensor) -> Any:
+        if session not in self.caches or not extends(self.last.get(session), ids):
+            self.caches[session] = self.make()
+        return self.caches[session]
+
+    def after_turn(self, session: int, cache: Any, out: torch.Tensor) -> None:
+        self.last[session] = out
+
+
 def play_turn(policy: Policy, model, sys_ids: torch.Tensor, turn: Turn) -> None:
     base = sys_ids if turn.reset or turn.session not in policy.history else policy.history[turn.session]
-    ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0)], dim=1)
+    ids = torch.cat([base, torch.tensor(turn.user_tokens).unsqueeze(0).to(base.device)], dim=1)
     timer = FirstTokenTimer()
     start = time.perf_counter()
     cache = policy.make_cache(turn.session, ids)
@@ -138,7 +167,13 @@ def interleave(policies: list[Policy], model, system: np.ndarray, turns: list[Tu
     over seconds; played one after the other, the policies would compare the machine's moods, not
     themselves. At the end of its part of a round a policy settles (a store waits for its writer),
     so that no policy's background work runs into another's turns."""
-    sys_ids = torch.tensor(system).unsqueeze(0)
+    # Where the model is: generate does not move its inputs there.
+    sys_ids = torch.tensor(system).unsqueeze(0).to(getattr(model, "device", "cpu"))
+    if turns:
+        # Untimed: a process's first generate pays one-off costs (allocator, lazy initialisation:
+        # 55-78 ms against 18-20 ms after, here) that would otherwise fall on whichever policy plays first.
+        warm = torch.cat([sys_ids, torch.tensor(turns[0].user_tokens).unsqueeze(0).to(sys_ids.device)], dim=1)
+        model.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False)
     step = round_turns if round_turns > 0 else max(1, len(turns))
     for r, first in enumerate(range(0, len(turns), step)):
         k = r % len(policies)
@@ -161,9 +196,29 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+def budget_bytes(text: str, working_set: int, flag: str) -> int:
+    """A budget flag's bytes: ``"10%"`` of the working set (rounded down), or a byte size such as
+    ``"64MiB"`` or ``"65536"``. Raises ValueError saying what to give instead."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            percent = float("nan")
+        if not (math.isfinite(percent) and percent >= 0):
+            raise ValueError(f"{flag} {text!r}: give a percentage of the working set of 0 or more, like "
+                             f"\"10%\", or a byte size like \"64MiB\"")
+        return int(percent / 100 * working_set)
+    try:
+        return parse_bytes(text, flag)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e}; or a percentage of the working set, like \"10%\"") from None
+
+
 def run(args: argparse.Namespace) -> dict:
     config = AutoConfig.for_model("llama", vocab_size=4096, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                                  num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                                  num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                  # parse_args allows 64 (1 head) or multiples of 128, so that heads divide evenly
                                   num_key_value_heads=max(1, args.hidden // 128),
                                   max_position_embeddings=args.context + 64)
     torch.manual_seed(args.seed)
@@ -179,8 +234,11 @@ def run(args: argparse.Namespace) -> dict:
         progress = None
 
     policies = [Policy(PolicyResult("recompute"), lambda s, ids: None, lambda *a: None)]  # (a): the reference
-    budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (int(0.10 * ws), int(0.30 * ws), "disk"),
-               "tierkv-no-disk": (int(0.10 * ws), int(0.30 * ws), None)}
+    dev_budget = budget_bytes(args.device_budget, ws, "--device-budget")
+    host_budget = budget_bytes(args.host_budget, ws, "--host-budget")
+    disk_budget = budget_bytes(args.disk_budget, ws, "--disk-budget")
+    budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (dev_budget, host_budget, "disk"),
+               "tierkv-no-disk": (dev_budget, host_budget, None)}
     stores: dict[str, TieredStore] = {}
     # The stores' files are scratch: removed whatever happens, so that repeated runs (the tests run
     # this at every test run) do not fill the temporary directory.
@@ -189,7 +247,8 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for name, (dev_b, host_b, disk) in budgets.items():
                 store = stores[name] = TieredStore(tmp / name if disk else None, device=device, device_budget=dev_b,
-                                                   host_budget=host_b, disk_budget="1TiB", block_size=args.block_size)
+                                                   host_budget=host_b, disk_budget=disk_budget,
+                                                   block_size=args.block_size)
                 res = PolicyResult(name)
 
                 def commit(session, cache, out, store=store, res=res):
@@ -202,16 +261,9 @@ def run(args: argparse.Namespace) -> dict:
                 policies.append(Policy(res, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"), commit,
                                        settle=store.flush))
             if device.type == "cuda":
-                per_session: dict[int, DynamicCache] = {}
-
-                def offloaded(session, ids):
-                    cache = per_session.get(session)
-                    if cache is None or cache.get_seq_length() >= ids.shape[1]:
-                        cache = per_session[session] = DynamicCache(config=model.config, offloading=True)
-                    return cache
-
+                offloaded = SessionCaches(lambda: DynamicCache(config=model.config, offloading=True))
                 # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
-                policies.append(Policy(PolicyResult("offloaded"), offloaded, lambda *a: None,
+                policies.append(Policy(PolicyResult("offloaded"), offloaded.cache_for, offloaded.after_turn,
                                        settle=torch.cuda.synchronize))
             interleave(policies, model, system, turns, args.round_turns, progress)
 
@@ -240,6 +292,17 @@ def run(args: argparse.Namespace) -> dict:
             "turns": len(turns), "results": results}
 
 
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
+
+
+def achieved_gb_per_s(moved: dict[str, int], seconds: dict[str, float]) -> dict[str, float | None]:
+    """GB/s per direction, None where it would mean nothing: no bytes moved (a store without a disk
+    tier still times its opens' empty disk reads), or no time taken or recorded (the store times only
+    its disk paths; a CPU device tier's moves to and from the host are hand-overs that copy nothing)."""
+    return {d: moved[d] / seconds[d] / 1e9 if moved.get(d, 0) > 0 and seconds.get(d, 0) > 0 else None
+            for d in DIRECTIONS if d in moved}
+
+
 def summarise(run_: dict) -> dict:
     rows = {}
     base = run_["results"]
@@ -255,11 +318,7 @@ def summarise(run_: dict) -> dict:
             row["hit_tokens"] = r.final_stats["hits"]
             row["miss_tokens"] = r.final_stats["misses"]
             row["moved_bytes"] = r.final_stats["moved_bytes"]
-            secs = r.final_stats["move_seconds"]
-            moved = r.final_stats["moved_bytes"]
-            row["disk_gb_per_s"] = {
-                "write": moved["host_to_disk"] / secs["host_to_disk"] / 1e9 if secs["host_to_disk"] else None,
-                "read": moved["disk_to_host"] / secs["disk_to_host"] / 1e9 if secs["disk_to_host"] else None}
+            row["gb_per_s"] = achieved_gb_per_s(r.final_stats["moved_bytes"], r.final_stats["move_seconds"])
             row["peak_bytes"] = r.peak
             row["budgets"] = r.budgets
         rows[name] = row
@@ -284,9 +343,11 @@ def markdown(run_: dict, summary: dict) -> str:
     lines = [f"{run_['turns']} turns over {a['sessions']} sessions (Zipf {a['zipf']}), system prompt "
              f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
              f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; "
+             f"budgets of (c) and (d) device {a['device_budget']}, host {a['host_budget']}, (c) disk {a['disk_budget']}; "
              f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.", "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
-             "moved MiB d2h/h2d/to disk/from disk | disk GB/s write/read | peak MiB dev/host/disk (budget) | exact |",
+             "moved MiB d2h/h2d/to disk/from disk | GB/s d2h/h2d/to disk/from disk | peak MiB dev/host/disk (budget) | "
+             "exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = 2**20
     for name, row in summary["policies"].items():
@@ -296,14 +357,13 @@ def markdown(run_: dict, summary: dict) -> str:
         hits = row.get("hit_tokens")
         hit_s = f"{hits['device']}/{hits['host']}/{hits['disk']}" if hits else "-"
         moved = row.get("moved_bytes")
-        moved_s = "/".join(f"{moved[k] / mib:.1f}" for k in ("device_to_host", "host_to_device", "host_to_disk",
-                                                               "disk_to_host")) if moved else "-"
+        moved_s = "/".join(f"{moved[k] / mib:.1f}" for k in DIRECTIONS) if moved else "-"
         peak = row.get("peak_bytes")
         budgets = row.get("budgets", {})
         peak_s = ", ".join(f"{peak[t] / mib:.1f} ({budgets[t] / mib:.1f})" if budgets.get(t, 0) < 1 << 40
                            else f"{peak[t] / mib:.1f} (unbounded)" for t in ("device", "host", "disk")) if peak else "-"
-        gbs = row.get("disk_gb_per_s")
-        gbs_s = "/".join("-" if gbs is None or gbs[k] is None else f"{gbs[k]:.2f}" for k in ("write", "read"))
+        gbs = row.get("gb_per_s")
+        gbs_s = "/".join("-" if gbs is None or gbs.get(k) is None else f"{gbs[k]:.2f}" for k in DIRECTIONS)
         lines.append(f"| {name} | {row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {row['ttft_p99_ms']:.1f} | "
                      f"{row['decode_tokens_per_s']:.0f} | {hit_s} | {row.get('miss_tokens', '-')} | {moved_s} | "
                      f"{gbs_s} | {peak_s} | {'yes' if row['exact'] else 'NO'} |")
@@ -318,6 +378,8 @@ def plots(run_: dict, out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print('no PNG plots: they need matplotlib, the `bench` extra (pip install -e ".[bench]" in a checkout, '
+              'pip install "tierkv[bench]" otherwise)')
         return []
     written = []
     results = {n: r for n, r in run_["results"].items() if not r.skipped}
@@ -350,38 +412,85 @@ def plots(run_: dict, out: Path) -> list[str]:
     return written
 
 
-def main(argv: list[str] | None = None, prog: str | None = None, default_out: str = "tierkv-bench") -> dict:
-    """Run the trace and write its reports; returns the summary. ``argv`` defaults to
-    ``sys.argv[1:]``, ``prog`` names it in ``--help``, ``default_out`` is ``--out``'s default."""
+# --quick's trace: defaults only, so that a flag given beside it still wins.
+QUICK = dict(sessions=8, turns=40, layers=2, hidden=256, context=1024)
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None,
+               default_out: str = "tierkv-bench") -> argparse.Namespace:
+    """The trace's flags, checked: a bad value exits through ``parser.error`` saying what to give."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=120)
-    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--zipf", type=float, default=1.1, help="session popularity exponent, 0: uniform")
     parser.add_argument("--system-tokens", type=int, default=256)
     parser.add_argument("--user-median", type=int, default=48)
     parser.add_argument("--user-max", type=int, default=512)
     parser.add_argument("--reply-median", type=int, default=16)
     parser.add_argument("--reply-max", type=int, default=64)
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=2048,
+                        help="a conversation longer than this starts over from the system prompt")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=512, help="64 or a multiple of 128")
     parser.add_argument("--block-size", type=int, default=64)
+    budget_help = "budget of (c) and (d): a percentage of the working set or a byte size like 64MiB (default: %(default)s)"
+    parser.add_argument("--device-budget", default="10%", help="device " + budget_help)
+    parser.add_argument("--host-budget", default="30%", help="host " + budget_help)
+    parser.add_argument("--disk-budget", default="1TiB",
+                        help="disk budget of (c), a percentage or byte size as above (default: %(default)s, unlimited)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-turns", type=int, default=10,
                         help="turns each policy plays before the next takes over, the order rotating every round; "
                              "0: each policy plays the whole trace in turn (default: %(default)s)")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     parser.add_argument("--out", default=default_out, help="directory for the reports (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a small trace, under 3 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small trace, under 3 minutes on 2 CPU cores: "
+                             + ", ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+
+    for flag in ("sessions", "turns", "layers", "block_size", "user_median", "reply_median"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
+    if args.system_tokens < 0:
+        parser.error(f"--system-tokens must be 0 or more, got {args.system_tokens}")
+    for kind in ("user", "reply"):
+        median, top = getattr(args, f"{kind}_median"), getattr(args, f"{kind}_max")
+        if top < median:
+            parser.error(f"--{kind}-max ({top}) must be at least --{kind}-median ({median}): raise it or lower the median")
+    if args.reply_max < 2:
+        parser.error(f"--reply-max must be 2 or more (decode tokens/s needs a second token), got {args.reply_max}")
+    if not (args.hidden == 64 or (args.hidden > 0 and args.hidden % 128 == 0)):
+        parser.error(f"--hidden must be 64 or a positive multiple of 128 (the model has hidden/64 query heads "
+                     f"sharing hidden/128 KV heads), got {args.hidden}")
+    longest_turn = args.system_tokens + args.user_max + args.reply_max
+    if args.context <= longest_turn:
+        parser.error(f"--context ({args.context}) must be more than --system-tokens + --user-max + --reply-max "
+                     f"({longest_turn}), or every long turn starts the conversation over: give --context "
+                     f"{longest_turn + 1} or more")
+    if not (math.isfinite(args.zipf) and args.zipf >= 0):
+        parser.error(f"--zipf must be a finite number of 0 or more (0: sessions equally popular), got {args.zipf}")
     if args.round_turns < 0:
         parser.error(f"--round-turns must be 0 or more, got {args.round_turns}")
+    for flag in ("device_budget", "host_budget", "disk_budget"):
+        try:
+            budget_bytes(getattr(args, flag), 1, f"--{flag.replace('_', '-')}")
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str | None = None, default_out: str = "tierkv-bench") -> dict:
+    """Run the trace and write its reports; returns the summary. ``argv`` defaults to
+    ``sys.argv[1:]``, ``prog`` names it in ``--help``, ``default_out`` is ``--out``'s default."""
+    args = parse_args(argv, prog, default_out)
     # Set here, not at import: `tierkv` imports this module only to run it, and importers keep theirs.
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
-    if args.quick:
-        args.sessions, args.turns, args.layers, args.hidden, args.context = 8, 40, 2, 256, 1024
     run_ = run(args)
     summary = summarise(run_)
     out = Path(args.out)
