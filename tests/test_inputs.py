@@ -163,6 +163,16 @@ def test_a_vision_language_model_is_refused() -> None:
     model = AutoModelForImageTextToText.from_config(config).eval()
     with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="embeds images"):
         store.open(model, random_ids(12, 1))
+    # No vision config, but its forward takes image patches.
+    from transformers import FuyuConfig, FuyuForCausalLM
+
+    fuyu = FuyuForCausalLM(FuyuConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, patch_size=4, num_channels=3,
+                                      text_config=dict(model_type="persimmon", vocab_size=VOCAB, hidden_size=64,
+                                                       intermediate_size=128, num_hidden_layers=2,
+                                                       num_attention_heads=4))).eval()
+    with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="image_patches"):
+        store.open(fuyu, random_ids(12, 1))
 
 
 def test_multi_head_latent_attention_is_refused() -> None:
@@ -215,3 +225,71 @@ def test_dynamic_ntk_keeps_kv_below_its_limit_only() -> None:
         assert cache.restored_tokens == 20
         assert torch.equal(greedy(model, later, past_key_values=cache)[:, :23],
                            greedy(model, later)[:, :23])
+
+
+def test_a_generated_pad_token_ends_what_commit_keeps() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    plain = greedy(model, ids)
+    pad = int(plain[0, 22])  # a token this model generates: a real pad id can be one too
+    assert pad not in ids[0].tolist()
+    model.generation_config.pad_token_id = pad
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = greedy(model, ids, past_key_values=cache)
+        assert torch.equal(out, plain)
+        # generate() masks the pad in the next turn's ids, but it was computed unmasked here.
+        assert cache.commit(out) == 22
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 22
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
+def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 4)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match="position_ids"):
+            model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 7)
+        with pytest.raises(ValueError, match="2-D attention_mask"):
+            model(ids, past_key_values=cache, attention_mask=torch.ones(1, 1, 20, 20))
+        with pytest.raises(ValueError, match="not as a positional argument"):
+            model(ids, None, None, cache)
+        model(ids, past_key_values=cache, position_ids=torch.arange(20)[None])  # its own positions pass
+        assert cache.get_seq_length() == 20
+        gpt2 = make_model("gpt2")
+        cache = store.open(gpt2, ids, session="g")
+        with pytest.raises(ValueError, match="token_type_ids"):
+            gpt2(ids, past_key_values=cache, token_type_ids=torch.full_like(ids, 3))
+
+
+def test_commit_refuses_an_edited_reply_and_keeps_no_kv_fed_as_embeddings() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = greedy(model, ids, past_key_values=cache)
+        edited = out.clone()
+        edited[0, -2] = (edited[0, -2] + 1) % VOCAB  # same length, one generated id changed
+        with pytest.raises(ValueError, match="differ from the ones the model generated"):
+            cache.commit(edited)
+        assert cache.commit(out) == out.shape[1] - 1
+        cache = store.open(model, ids, session="e")
+        with torch.no_grad():
+            model(ids[:, cache.get_seq_length():], past_key_values=cache)
+            nxt = torch.tensor([[7, 8]])
+            model(inputs_embeds=model.get_input_embeddings()(nxt), past_key_values=cache)
+        assert cache.commit(torch.cat([ids, nxt, nxt[:, :1]], dim=1)) == ids.shape[1]
+
+
+def test_longrope_generation_past_its_original_length_commits_within_it() -> None:
+    model = longrope_model()
+    ids = random_ids(14, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        # Phi-3's generate() drops the cache once the ids pass 24 and goes on without it.
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=15, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=15, do_sample=False))
+        assert cache.commit(out) == 24

@@ -13,10 +13,14 @@ and holds no policy:
   restores and keeps KV within it only.
 * ``describe_model`` also puts a forward pre-hook on the model (``_check_forward``), which does
   nothing unless a call passes a ``TieredCache``. While the cache holds less than its
-  conversation, a forward must be fed the conversation's next ids (every row alike: beams),
-  not ``inputs_embeds``; an ``attention_mask`` that hides a token ends what ``commit`` keeps
-  there, and one that hides a restored token is refused. ``generate`` feeds a pre-filled cache
-  only the ids past it, so ids edited inside the restored prefix are caught at ``commit``.
+  conversation, a forward must be fed the conversation's next ids (every row alike: beams) at
+  their own positions, not ``inputs_embeds`` nor ``token_type_ids``, under at most a 2-D mask;
+  an ``attention_mask`` that hides a token ends what ``commit`` keeps there, and one that hides
+  a restored token is refused. Past the conversation the ids fed are noted (references, no
+  device sync), and ``commit`` compares them with the sequences it is given. ``generate`` feeds
+  a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
+  at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
+  ``commit`` keeps wherever it appears.
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
@@ -38,8 +42,10 @@ Generation details handled here:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -84,6 +90,9 @@ class ModelInfo:
     # the longest sequence whose every forward uses the base frequencies. KV is restored and kept
     # only within it; None when the frequencies are fixed.
     position_limit: int | None = None
+    # The pad id generate() masks wherever it appears (one that is not an eos id), or None: KV
+    # computed while it was not masked (a reply that generated it) is not kept past it.
+    masked_token: int | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +117,7 @@ class _Static:
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
+_describe_lock = threading.Lock()
 
 
 def _layer_types(text_config: Any) -> list[str]:
@@ -140,16 +150,30 @@ def _position_limit(text_config: Any) -> int | None:
                                                                         None)
         if kind == "longrope":
             limits.append(int(original or top))
-        elif "dynamic" in kind:
-            limits.append(int(min(x for x in (top, original) if x)) - 1)
+        elif "dynamic" in kind and top:
+            # Every rotary class resets below max_position_embeddings itself (original_max_seq_len).
+            limits.append(int(top) - 1)
     return min(limits) if limits else None
+
+
+def _masked_token(model: Any) -> int | None:
+    """The pad id ``generate`` masks by default: its generation config's, unless that is an eos id."""
+    config = getattr(model, "generation_config", None)
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    eos_ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return pad if isinstance(pad, int) and pad not in eos_ids else None
 
 
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     """Models whose KV is not a function of their token ids alone, or not of one shape."""
     name = type(model).__name__
-    for part in ("vision_config", "audio_config", "vision_tower", "speech_config"):
-        if getattr(config, part, None) is not None:
+    try:
+        inputs = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        inputs = set()
+    media = sorted(inputs & {"pixel_values", "image_patches", "pixel_values_videos", "input_features", "input_values"})
+    for part in ("vision_config", "audio_config", "vision_tower", "speech_config", "vq_config", *media):
+        if getattr(config, part, None) is not None or part in media:
             raise ValueError(f"{name} embeds images or audio ({part}); tierkv keys KV on token ids alone, and an "
                              "image's placeholder ids are the same for every image. Use it with a text-only "
                              "language model (AutoModelForCausalLM on the text config)")
@@ -203,14 +227,17 @@ def _static_facts(model: Any) -> _Static:
 
 def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook on every model ``describe_model`` has seen (kept for the model's life;
-    it does nothing unless the call passes a ``TieredCache``): a forward that feeds the cache
-    KV not computed from its conversation's ids is refused before it runs."""
+    it does nothing unless the call passes a ``TieredCache``): a forward that would feed the cache
+    KV not computed from its conversation's ids is refused before it runs, and the ids fed after
+    the conversation are noted for ``commit`` to compare."""
     cache = kwargs.get("past_key_values")
     if cache is None:
         cache = kwargs.get("cache")
     if isinstance(cache, TieredCache):
-        cache._check_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"),
-                            kwargs.get("attention_mask"))
+        cache._check_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs)
+    elif any(isinstance(a, TieredCache) for a in args):
+        raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
+                         "not as a positional argument")
 
 
 def describe_model(model: Any) -> ModelInfo:
@@ -229,26 +256,32 @@ def describe_model(model: Any) -> ModelInfo:
     # the live tensors.
     while static is None or not static.sample.current(model):
         # Checked again once held: a storage replaced while the sample was built is not held.
-        static = _static_facts(model)
-        _static_cache[model] = static
+        with _describe_lock:  # one thread builds (and hooks) a new model, not each of them
+            static = _static_cache.get(model)
+            if static is None or not static.sample.current(model):
+                static = _static_facts(model)
+                _static_cache[model] = static
         held = static.sample.hold()
     first = static.sample.params[0]  # its dtype and address were just checked by current()
     sampled = static.sample.read()
     counters = versions(static.sample.params)
     weights = static.weights
     if weights is None or weights.sample != sampled or weights.versions != counters:
-        started = time.perf_counter()
-        weights = static.weights = _Weights(sampled, counters, digest_weights(static.sample.params))
-        seconds = time.perf_counter() - started
-        (logger.info if seconds > 1 else logger.debug)(
-            "tierkv: digested %s's weights in %.2f s", type(model).__name__, seconds)
+        with _describe_lock:  # a large model's digest takes seconds: once, not once per thread
+            weights = static.weights
+            if weights is None or weights.sample != sampled or weights.versions != counters:
+                started = time.perf_counter()
+                weights = static.weights = _Weights(sampled, counters, digest_weights(static.sample.params))
+                seconds = time.perf_counter() - started
+                (logger.info if seconds > 1 else logger.debug)(
+                    "tierkv: digested %s's weights in %.2f s", type(model).__name__, seconds)
     del held
     h = xxhash.xxh3_128()
     h.update(static.config_digest)
     h.update(str(first.dtype).encode())
     h.update(weights.digest)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
-                     position_limit=static.position_limit)
+                     position_limit=static.position_limit, masked_token=_masked_token(model))
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -390,6 +423,7 @@ class TieredCache(Cache):
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
         self._masked_from: int | None = None  # the first token a forward's attention_mask hid
+        self._fed: list[tuple[int, torch.Tensor | None]] = []  # past the conversation: (position, ids or embeds)
         if blocks:
             for i, layer in enumerate(layers):
                 layer.restore(i, blocks)
@@ -406,18 +440,27 @@ class TieredCache(Cache):
         """
         return self._store._commit(self, sequences)
 
-    def _check_inputs(self, input_ids: Any, inputs_embeds: Any, attention_mask: Any) -> None:
-        """A forward's inputs, while the cache still holds less than its conversation: they must be
-        the conversation's next ids (every row, where beams expand the batch), unpadded, and ids
-        rather than embeddings, since blocks are keyed on ids. Tokens past the conversation (the
-        ones generated) are not checked."""
+    def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any]) -> None:
+        """A forward's inputs. While the cache holds less than its conversation they must be its
+        next ids (every row alike, where beams expand the batch), at their own positions, as ids
+        (not embeddings, not with token types), under at most a 2-D mask; a mask that hides a
+        token ends what ``commit`` keeps there, and one that hides a restored token is refused.
+        Past the conversation, the ids fed are noted (no device sync) for ``commit``."""
         done, want = self.get_seq_length(), self.input_ids
+        embeds = kwargs.get("inputs_embeds")
         if done >= len(want):
+            if embeds is not None:
+                self._fed.append((done, None))
+            elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+                self._fed.append((done, input_ids[0]))
             return
-        if inputs_embeds is not None:
+        if embeds is not None:
             raise ValueError("a TieredCache was given inputs_embeds; its blocks are keyed on token ids, so KV "
                              "computed from embeddings (soft prompts, prompt tuning) would be served for those ids. "
                              "Pass input_ids, or use a plain DynamicCache for this turn")
+        if kwargs.get("token_type_ids") is not None:
+            raise ValueError("a TieredCache was given token_type_ids, which change the KV of the ids it is keyed on; "
+                             "pass input_ids alone, or use a plain DynamicCache for this turn")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return  # the model rejects it itself
         got = input_ids.detach().cpu().numpy()
@@ -427,19 +470,64 @@ class TieredCache(Cache):
                 raise ValueError(f"a TieredCache holds one conversation, but the model got a batch of {got.shape[0]} "
                                  "different rows; open one cache per conversation and generate each with batch 1")
             raise ValueError(f"the model was given ids that are not this cache's conversation from token {done} on "
-                             f"(it holds {done} of the {len(want)} ids store.open got): pass generate() the same "
-                             "whole conversation that was given to store.open, not only the new message")
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            # KV computed under a mask is not a function of the ids alone: nothing from the first
-            # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
-            hidden = int(torch.nonzero(attention_mask[0] == 0)[0, 0]) if not bool(attention_mask[0].all()) else \
-                int(attention_mask.shape[1])
-            if hidden < done:
-                raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
-                                 "computed without that mask (generate() masks pad_token_id wherever it appears "
-                                 "in the ids). Pass the same attention_mask every turn (or none), pass "
-                                 "pad_token_id=<your eos id> to generate(), or do not pad one conversation")
+                             f"(it holds {done} of the {len(want)} ids store.open got): generate() takes the whole "
+                             "conversation given to store.open, not only the new message; model() takes the ids "
+                             "past cache.get_seq_length()")
+        hidden = self._hidden_token(kwargs.get("attention_mask"), done)
+        positions = kwargs.get("position_ids")
+        if isinstance(positions, torch.Tensor):
+            # Up to the first hidden token: generate() shifts the positions after it, which are not kept.
+            k = n if hidden is None else max(0, min(n, hidden - done))
+            at = positions.detach().reshape(-1, positions.shape[-1])[:, :k].cpu().numpy()
+            if not (at == np.arange(done, done + k)).all():
+                raise ValueError(f"a TieredCache's tokens must sit at their own positions: the model was given "
+                                 f"position_ids that do not start at {done} and count up; pass position_ids=None")
+        if hidden is not None:
             self._masked_from = hidden if self._masked_from is None else min(self._masked_from, hidden)
+        if got.shape[1] > n:  # this forward goes on past the conversation (assisted decoding's candidates)
+            self._fed.append((len(want), input_ids[0, n:]))
+
+    def _hidden_token(self, mask: Any, done: int) -> int | None:
+        """The first token a 2-D attention mask hides, None if none; other masks are refused."""
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError("a TieredCache takes a 2-D attention_mask (batch, tokens) or none; a custom mask "
+                             f"({type(mask).__name__}{'' if not isinstance(mask, torch.Tensor) else f' of {mask.dim()} dims'}) "
+                             "makes the KV depend on more than the ids it is keyed on")
+        if bool(mask.all()):
+            return None
+        # KV computed under a mask is not a function of the ids alone: nothing from the first
+        # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
+        hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
+        if hidden < done:
+            raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
+                             "computed without that mask (generate() masks pad_token_id wherever it appears "
+                             "in the ids). Pass the same attention_mask every turn (or none), pass "
+                             "pad_token_id=<your eos id> to generate(), or do not pad one conversation")
+        return hidden
+
+    def _fed_ids(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+        """The ids the model was fed at positions ``[start, stop)``, later forwards overriding
+        earlier ones (assisted decoding crops rejected tokens and feeds others), and where what
+        was fed stops being known ids: the first position fed as embeddings or never fed."""
+        out = np.full(max(0, stop - start), -1, dtype=np.int64)
+        known = [(at, t) for at, t in self._fed if t is not None]
+        flat = torch.cat([t.reshape(-1) for _, t in known]).cpu().numpy() if known else np.empty(0, np.int64)
+        i = 0
+        for at, t in self._fed:
+            if t is None:
+                lo = max(at, start) - start
+                if lo < len(out):
+                    out[lo:] = -1
+                continue
+            k = int(t.numel())
+            lo, hi = max(at, start), min(at + k, stop)
+            if lo < hi:
+                out[lo - start:hi - start] = flat[i + lo - at:i + hi - at]
+            i += k
+        missing = np.flatnonzero(out < 0)
+        return out, start + (int(missing[0]) if len(missing) else len(out))
 
     def activate_past_recording(self) -> None:
         # transformers calls this only when assisted decoding starts; see the module docstring.

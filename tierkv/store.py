@@ -587,7 +587,10 @@ class TieredStore:
         if n > len(seq):
             raise ValueError(f"the cache holds KV for {n} tokens but commit() got only {len(seq)} ids; pass the "
                              "full sequences that generate() returned")
-        if n < len(seq) - 1:
+        limit = cache.model_info.position_limit
+        # Past a RoPE limit, Phi-3's generate() drops the cache and goes on without it.
+        crossed = limit is not None and len(seq) - 1 > limit
+        if n < len(seq) - 1 and not crossed:
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
         kv_dtype = cache.kv_dtype()
@@ -603,7 +606,21 @@ class TieredStore:
             n = min(n, len(opened))
         if cache._masked_from is not None:
             n = min(n, cache._masked_from)  # KV from there on depends on the mask, not the ids alone
-        limit = cache.model_info.position_limit
+        if n > len(opened):
+            # The ids generated with this cache, as the model was fed them: a reply edited before
+            # commit (or fed as embeddings) would be keyed on ids that did not compute its KV.
+            fed, known = cache._fed_ids(len(opened), n)
+            n = known
+            if not np.array_equal(fed[:n - len(opened)], seq[len(opened):n]):
+                raise ValueError("commit() got ids that differ from the ones the model generated with this cache; "
+                                 "pass the sequences that generate() returned, unedited")
+        token = cache.model_info.masked_token
+        if token is not None:
+            # generate() masks this id wherever it appears in a later turn's ids, and KV computed
+            # while it was not masked (it was generated, or the mask was given) would not match.
+            where = np.flatnonzero(seq[:n] == token)
+            if len(where):
+                n = int(where[0])
         if limit is not None:
             # Tokens before the limit were computed with the base frequencies only if the prompt's
             # prefill was within it; each later token's own forward reached just past it.
