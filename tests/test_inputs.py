@@ -30,6 +30,14 @@ def one_turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, sess
     return out
 
 
+def assert_next_turn_exact(store: TieredStore, model: torch.nn.Module, out: torch.Tensor, restored: int) -> None:
+    """The conversation's next turn restores ``restored`` tokens and equals plain generate."""
+    later = torch.cat([out, random_ids(3, 2)], dim=1)
+    cache = store.open(model, later, session="s")
+    assert cache.restored_tokens == restored
+    assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
 def unsampled_row(weight: torch.Tensor) -> int:
     """A row of ``weight`` that holds none of the fingerprint's sample points."""
     sampled = {int(i) // weight.shape[1] for i in sample_index(weight.numel())}
@@ -46,10 +54,7 @@ def test_models_whose_weights_differ_only_off_the_sample_never_share_kv() -> Non
     ids = torch.cat([random_ids(20, 1), torch.full((1, 4), row)], dim=1)
     with TieredStore(None, block_size=8) as store:
         out = one_turn(store, a, ids)
-        later = torch.cat([out, random_ids(3, 2)], dim=1)
-        cache = store.open(b, later, session="s")
-        assert cache.restored_tokens == 0
-        assert torch.equal(greedy(b, later, past_key_values=cache), greedy(b, later))
+        assert_next_turn_exact(store, b, out, restored=0)
 
 
 def test_an_in_place_write_off_the_sample_changes_the_fingerprint() -> None:
@@ -240,10 +245,7 @@ def test_a_generated_pad_token_ends_what_commit_keeps() -> None:
         assert torch.equal(out, plain)
         # generate() masks the pad in the next turn's ids, but it was computed unmasked here.
         assert cache.commit(out) == 22
-        later = torch.cat([out, random_ids(3, 2)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert cache.restored_tokens == 22
-        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+        assert_next_turn_exact(store, model, out, restored=22)
 
 
 def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> None:
