@@ -150,7 +150,7 @@ def test_a_mask_hiding_restored_tokens_is_refused() -> None:
         assert cache.restored_tokens > 10
         with pytest.raises(ValueError, match="hides token 10"):
             greedy(model, later, past_key_values=cache, pad_token_id=pad)
-        # The same turn with the mask from its start: nothing restored past the pad, exact.
+        # A conversation that ends before the pad still restores all but its last token.
         cache = store.open(model, later[:, :10], session="other")
         assert cache.restored_tokens == 9
 
