@@ -5,7 +5,9 @@ gave output that differed from plain transformers without an error."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from conftest import VOCAB, make_model, random_ids
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tierkv import TieredStore
+from tierkv.cache import TieredLayer
 from tierkv.weights import sample_index
 
 NEW = 5
@@ -295,3 +298,86 @@ def test_longrope_generation_past_its_original_length_commits_within_it() -> Non
         out = model.generate(ids, past_key_values=cache, max_new_tokens=15, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=15, do_sample=False))
         assert cache.commit(out) == 24
+
+
+# -- a forward that raised part-way ---------------------------------------------------------------
+@contextlib.contextmanager
+def out_of_memory_at(modules: list[torch.nn.Module], call: int) -> Iterator[None]:
+    """The ``call``-th forward of any of ``modules`` (counted from now) raises out of memory."""
+    calls = [0]
+
+    def hook(module: torch.nn.Module, args: object, kwargs: object) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_a_prefill_that_failed_part_way_is_refused_and_commit_keeps_what_every_layer_holds() -> None:
+    model = make_model("llama", num_hidden_layers=3)
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model, extra=6)
+        restored = cache.restored_tokens
+        with out_of_memory_at(list(model.model.layers), 2), pytest.raises(torch.OutOfMemoryError):
+            greedy(model, later, past_key_values=cache)  # layer 0 took the new ids, layers 1-2 did not
+        with pytest.raises(ValueError, match="stopped after 1 of its 3 layers"):
+            greedy(model, later, past_key_values=cache)
+        assert cache.commit(later) == restored
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == restored
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
+def test_a_decode_step_that_failed_keeps_the_tokens_every_layer_holds() -> None:
+    model = make_model("llama", num_hidden_layers=3)
+    ids = random_ids(20, 1)
+    plain = greedy(model, ids)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        # Three layer calls per forward: the prefill, two decode steps, then layer 1 of the third,
+        # which was fed token 22. Layer 0 holds 23 tokens, layers 1-2 hold 22.
+        with out_of_memory_at(list(model.model.layers), 3 + 2 * 3 + 2), pytest.raises(torch.OutOfMemoryError):
+            greedy(model, ids, past_key_values=cache)
+        # One more token fed: layers 1-2 would miss position 22's KV, with no error (it did).
+        with pytest.raises(ValueError, match="last forward did not finish"):
+            model(plain[:, 23:24], past_key_values=cache)
+        shown = plain[:, :23]  # what a streamer showed: the three tokens generated
+        assert cache.commit(shown) == 22
+        assert_next_turn_exact(store, model, shown, restored=22)
+
+
+def test_a_restored_layer_whose_assembly_failed_keeps_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model)
+        assemble = TieredLayer._assemble
+
+        def fail_once(layer: TieredLayer, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            monkeypatch.setattr(TieredLayer, "_assemble", assemble)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        monkeypatch.setattr(TieredLayer, "_assemble", fail_once)
+        with pytest.raises(torch.OutOfMemoryError):
+            greedy(model, later, past_key_values=cache)
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
+def test_generate_on_a_cache_that_holds_every_id_is_refused() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        # Out of memory in the head, after every layer took the prompt: the cache holds all of it,
+        # and generate() would feed the whole prompt again on top.
+        with out_of_memory_at([model.lm_head], 1), pytest.raises(torch.OutOfMemoryError):
+            greedy(model, ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="holds all 20 ids"):
+            greedy(model, ids, past_key_values=cache)
+        assert cache.commit(ids) == 20
+        assert_next_turn_exact(store, model, ids, restored=20)

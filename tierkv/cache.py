@@ -20,7 +20,11 @@ and holds no policy:
   device sync), and ``commit`` compares them with the sequences it is given. ``generate`` feeds
   a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
   at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
-  ``commit`` keeps wherever it appears.
+  ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
+  of memory, Ctrl-C) left the first layers ahead of the last: any forward after it is refused, and
+  ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
+  conversation is refused the several-token forward that ``generate`` then feeds (the whole
+  conversation again).
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
@@ -352,8 +356,9 @@ class TieredLayer(DynamicLayer):
 
     def _take_parts(self) -> list[torch.Tensor]:
         """Wait for the restored blocks; this layer's keys and values, stacked, as (2, H, n, D)
-        views of each block."""
-        blocks, self._pending = self._pending, None
+        views of each block. The blocks stay pending until ``_assemble`` succeeds: a wait or a
+        concatenation that raises (out of memory, Ctrl-C) leaves the layer as it was."""
+        blocks = self._pending
         assert blocks is not None
         i = self._layer_idx
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
@@ -376,8 +381,9 @@ class TieredLayer(DynamicLayer):
     def _assemble(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Keys and values as the two halves of one (2, H, n, D) tensor: each is a contiguous
         # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them.
-        self._keys, self._values = kv.split(1)
-        return self._keys, self._values
+        keys, values = kv.split(1)
+        self._keys, self._values, self._pending = keys, values, None
+        return keys, values
 
     def _materialize(self) -> None:
         self._assemble(torch.cat(self._take_parts(), dim=-2))
@@ -400,6 +406,15 @@ class TieredLayer(DynamicLayer):
         if self._pending is not None:
             return self._pending_len
         return super().get_seq_length()
+
+    def held_tokens(self) -> int:
+        """Tokens whose keys and values this layer both holds (they differ after a forward that
+        raised between its two concatenations)."""
+        if self._pending is not None:
+            return self._pending_len
+        if self._keys is None or self._values is None or not self.is_initialized:
+            return 0
+        return min(self._keys.shape[-2], self._values.shape[-2])
 
     def reset(self) -> None:
         self._pending = None
@@ -445,13 +460,36 @@ class TieredCache(Cache):
         next ids (every row alike, where beams expand the batch), at their own positions, as ids
         (not embeddings, not with token types), under at most a 2-D mask; a mask that hides a
         token ends what ``commit`` keeps there, and one that hides a restored token is refused.
-        Past the conversation, the ids fed are noted (no device sync) for ``commit``."""
+        Past the conversation, the ids fed are noted (no device sync) for ``commit``; a forward of
+        several tokens there must start at the cache's length. Layers that disagree (a forward that
+        raised part-way) refuse every forward."""
         done, want = self.get_seq_length(), self.input_ids
+        behind = self.layers[-1].get_seq_length()
+        if behind != done:
+            # Layers are updated in order: a forward that raised part-way (out of memory, Ctrl-C)
+            # left the first ones a token or more ahead of the last, and a forward now would put
+            # the new tokens' KV at other positions in each.
+            ahead = sum(layer.get_seq_length() == done for layer in self.layers)
+            raise ValueError(f"this TieredCache's last forward did not finish: it stopped after {ahead} of its "
+                             f"{len(self.layers)} layers (an exception such as out of memory or Ctrl-C), which now "
+                             f"hold {done} and {behind} tokens, and a forward would compute wrong KV. Commit it "
+                             "(commit keeps the tokens every layer holds) and open a new cache with store.open")
         embeds = kwargs.get("inputs_embeds")
         if done >= len(want):
             if embeds is not None:
                 self._fed.append((done, None))
             elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+                positions = kwargs.get("position_ids")
+                # Several tokens at once (read with a device sync, unlike a decode step's one):
+                # generate() given a cache that holds every id feeds the whole conversation again.
+                if input_ids.shape[1] > 1 and isinstance(positions, torch.Tensor) and positions.numel() \
+                        and int(positions.reshape(-1)[0]) != done:
+                    raise ValueError(f"this TieredCache holds all {len(want)} ids it was opened with, and the model "
+                                     f"was given tokens at positions from {int(positions.reshape(-1)[0])} on, not "
+                                     f"from {done}: generate() on such a cache feeds the conversation again, "
+                                     "and its KV would be held twice. Commit this cache and open a new one with the "
+                                     "conversation and its new message (store.open restores at most all but the "
+                                     "last id)")
                 self._fed.append((done, input_ids[0]))
             return
         if embeds is not None:
@@ -540,6 +578,11 @@ class TieredCache(Cache):
         super().activate_past_recording()
 
     # -- for the store ---------------------------------------------------------------------------
+    def held_tokens(self) -> int:
+        """Tokens whose KV every layer holds: ``get_seq_length()`` (layer 0's) unless a forward
+        raised part-way through the layers."""
+        return min(layer.held_tokens() for layer in self.layers)
+
     def kv_dtype(self) -> torch.dtype | None:
         keys = self.layers[0].keys if self.layers else None
         return None if keys is None or keys.numel() == 0 else keys.dtype

@@ -583,14 +583,19 @@ class TieredStore:
         if len(seq) < len(opened) or not np.array_equal(seq[:len(opened)], opened):
             raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
                              "pass the sequences that generate() returned for this cache")
-        n = cache.get_seq_length()
+        n = cache.held_tokens()
+        # A forward raised part-way through the layers (out of memory, Ctrl-C): what every layer
+        # holds is kept, up to the ids given (the prompt, or what a streamer showed).
+        unfinished = n < cache.get_seq_length()
+        if unfinished:
+            n = min(n, len(seq))
         if n > len(seq):
             raise ValueError(f"the cache holds KV for {n} tokens but commit() got only {len(seq)} ids; pass the "
                              "full sequences that generate() returned")
         limit = cache.model_info.position_limit
         # Past a RoPE limit, Phi-3's generate() drops the cache and goes on without it.
         crossed = limit is not None and len(seq) - 1 > limit
-        if n < len(seq) - 1 and not crossed:
+        if n < len(seq) - 1 and not crossed and not unfinished:
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
         kv_dtype = cache.kv_dtype()
