@@ -353,6 +353,48 @@ def test_forget_drops_a_session_or_a_tenant_from_every_tier_and_keeps_shared_blo
     assert disk_records(path) == {}
 
 
+def commit_failing_at(cache: TieredCache, out: torch.Tensor, monkeypatch: pytest.MonkeyPatch, owner: object,
+                      name: str, call: int) -> None:
+    """``cache.commit(out)``, with the ``call``-th call of ``owner.name`` raising out of memory."""
+    real = getattr(owner, name)
+    calls = [0]
+
+    def failing(*args: object) -> object:
+        calls[0] += 1
+        if calls[0] == call:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.commit(out)
+    monkeypatch.setattr(owner, name, real)
+
+
+def test_a_commit_that_raised_part_way_leaves_its_stored_blocks_to_forget(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    ids = random_ids(40, 47)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        commit_failing_at(cache, out, monkeypatch, cache, "block_tensor", 3)  # the third block's copy
+        assert len(store._index.blocks) == 2
+        assert store.forget(session="s") == 2  # they were the session's, though its commit raised
+        assert store._index.blocks == {} and store.stats()["device"]["blocks"] == 0
+
+
+def test_a_block_whose_host_copy_raised_leaves_no_index_entry(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    ids = random_ids(40, 48)
+    with TieredStore(None, device="cpu", device_budget=0, block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        commit_failing_at(cache, out, monkeypatch, store._engine, "to_host", 2)
+        assert [m.resident for m in store._index.blocks.values()] == [Tier.HOST]
+        cache = verify_open(store, model, out, session="s", expect=B)
+        verify_generate(model, out, cache, 2)
+
+
 def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_path):
     model = tiny_model("llama")
     with TieredStore(None, device="cpu", block_size=B) as store:

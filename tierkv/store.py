@@ -660,12 +660,14 @@ class TieredStore:
                     parent = key
             finally:
                 self._unpin(pins)
-            # A failed disk write reaped meanwhile can still have removed a block of the chain.
-            kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
-            self._touch_chain(kept)
-            if sid is not None:
-                self._reference(sid, cache.tenant, cache.session, cache.root, ids, kept)
-            self._write_stamps()
+                # Also when a block's copy raised (out of memory): the blocks stored before it are
+                # the session's, so that forget(session=...) finds them.
+                # A failed disk write reaped meanwhile can still have removed a block of the chain.
+                kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
+                self._touch_chain(kept)
+                if sid is not None:
+                    self._reference(sid, cache.tenant, cache.session, cache.root, ids, kept)
+                self._write_stamps()
             return sum(m.n_tokens for m in kept)
 
     def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
@@ -677,6 +679,17 @@ class TieredStore:
         meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=self._footprint(header))
         self._index.add(meta)
+        try:
+            return self._place_block(meta, header, tensor)
+        except BaseException:
+            # A copy that raised (out of memory for a host buffer): no index entry without a tier.
+            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(key) is meta:
+                self._remove(meta)
+            raise
+
+    def _place_block(self, meta: BlockMeta, header: RecordHeader, tensor: Any) -> BlockMeta | None:
+        """Rest a new block in the highest tier with room, and queue its disk write."""
+        key = meta.key
         host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
             self._device.put(key, self._engine.ready(tensor), meta.nbytes)
