@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -368,16 +369,68 @@ def test_a_restored_layer_whose_assembly_failed_keeps_its_blocks(monkeypatch: py
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
-def test_generate_on_a_cache_that_holds_every_id_is_refused() -> None:
-    model = make_model("llama")
+def test_a_last_layer_whose_values_missed_a_token_is_refused() -> None:
+    model = make_model("llama", num_hidden_layers=3)
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        model(ids, past_key_values=cache)
+        last = cache.layers[-1]
+
+        def keys_only(layer: TieredLayer, keys: torch.Tensor, values: torch.Tensor, *args: object,
+                      **kwargs: object) -> None:
+            layer.keys = torch.cat([layer.keys, keys], dim=-2)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, at the values' concatenation)")
+
+        last.update = types.MethodType(keys_only, last)
+        with pytest.raises(torch.OutOfMemoryError):
+            model(random_ids(1, 5), past_key_values=cache)
+        del last.update
+        # Every layer's keys hold 21 tokens; the last one's values 20, which attention takes silently.
+        with pytest.raises(ValueError, match="stopped after 2 of its 3 layers"):
+            model(random_ids(1, 6), past_key_values=cache)
+        assert cache.held_tokens() == 20
+
+
+def bloom() -> torch.nn.Module:
+    """A model whose forward takes no position_ids (ALiBi)."""
+    config = AutoConfig.for_model("bloom", vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "bloom"])
+def test_generate_on_a_cache_that_holds_every_id_is_refused(arch: str) -> None:
+    model = make_model("llama") if arch == "llama" else bloom()
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
         cache = store.open(model, ids, session="s")
         # Out of memory in the head, after every layer took the prompt: the cache holds all of it,
         # and generate() would feed the whole prompt again on top.
-        with out_of_memory_at([model.lm_head], 1), pytest.raises(torch.OutOfMemoryError):
+        head = model.get_output_embeddings()
+        with out_of_memory_at([head], 1), pytest.raises(torch.OutOfMemoryError):
             greedy(model, ids, past_key_values=cache)
         with pytest.raises(ValueError, match="holds all 20 ids"):
             greedy(model, ids, past_key_values=cache)
         assert cache.commit(ids) == 20
         assert_next_turn_exact(store, model, ids, restored=20)
+
+
+@pytest.mark.parametrize("decoding", ["assistant", "prompt_lookup", "second generate"])
+def test_forwards_past_the_conversation_pass_with_a_masked_pad_in_the_prompt(decoding: str) -> None:
+    # generate() counts positions over the mask: past a masked pad they stay below the cache's length.
+    model = make_model("llama", pad_token_id=0)
+    model.generation_config.pad_token_id = 0
+    pattern = random_ids(4, 3)
+    ids = torch.cat([random_ids(6, 1), torch.zeros(1, 1, dtype=torch.long), pattern, pattern, pattern], dim=1)
+    extra: dict[str, object] = {"assistant": dict(assistant_model=copy.deepcopy(model)),
+                                "prompt_lookup": dict(prompt_lookup_num_tokens=3)}.get(decoding, {})
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = greedy(model, ids, past_key_values=cache, **extra)
+        assert torch.equal(out, greedy(model, ids, **extra))
+        if decoding == "second generate":
+            later = torch.cat([out, random_ids(5, 9)], dim=1)
+            assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+        else:
+            assert cache.commit(out) == 6  # up to the pad

@@ -23,8 +23,7 @@ and holds no policy:
   ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
   of memory, Ctrl-C) left the first layers ahead of the last: any forward after it is refused, and
   ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
-  conversation is refused the several-token forward that ``generate`` then feeds (the whole
-  conversation again).
+  conversation is refused those ids fed again (``generate`` feeds them all to such a cache).
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
@@ -460,16 +459,18 @@ class TieredCache(Cache):
         next ids (every row alike, where beams expand the batch), at their own positions, as ids
         (not embeddings, not with token types), under at most a 2-D mask; a mask that hides a
         token ends what ``commit`` keeps there, and one that hides a restored token is refused.
-        Past the conversation, the ids fed are noted (no device sync) for ``commit``; a forward of
-        several tokens there must start at the cache's length. Layers that disagree (a forward that
-        raised part-way) refuse every forward."""
+        Past the conversation, the ids fed are noted (no device sync) for ``commit``; the whole
+        conversation fed again there is refused. Layers that disagree (a forward that raised
+        part-way) refuse every forward."""
         done, want = self.get_seq_length(), self.input_ids
-        behind = self.layers[-1].get_seq_length()
+        # The last layer's keys and values both: out of memory between its two concatenations
+        # left its keys a token ahead of its values, with every layer's keys alike.
+        behind = self.layers[-1].held_tokens()
         if behind != done:
             # Layers are updated in order: a forward that raised part-way (out of memory, Ctrl-C)
             # left the first ones a token or more ahead of the last, and a forward now would put
             # the new tokens' KV at other positions in each.
-            ahead = sum(layer.get_seq_length() == done for layer in self.layers)
+            ahead = sum(layer.held_tokens() == done for layer in self.layers)
             raise ValueError(f"this TieredCache's last forward did not finish: it stopped after {ahead} of its "
                              f"{len(self.layers)} layers (an exception such as out of memory or Ctrl-C), which now "
                              f"hold {done} and {behind} tokens, and a forward would compute wrong KV. Commit it "
@@ -479,17 +480,15 @@ class TieredCache(Cache):
             if embeds is not None:
                 self._fed.append((done, None))
             elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
-                positions = kwargs.get("position_ids")
-                # Several tokens at once (read with a device sync, unlike a decode step's one):
-                # generate() given a cache that holds every id feeds the whole conversation again.
-                if input_ids.shape[1] > 1 and isinstance(positions, torch.Tensor) and positions.numel() \
-                        and int(positions.reshape(-1)[0]) != done:
-                    raise ValueError(f"this TieredCache holds all {len(want)} ids it was opened with, and the model "
-                                     f"was given tokens at positions from {int(positions.reshape(-1)[0])} on, not "
-                                     f"from {done}: generate() on such a cache feeds the conversation again, "
-                                     "and its KV would be held twice. Commit this cache and open a new one with the "
-                                     "conversation and its new message (store.open restores at most all but the "
-                                     "last id)")
+                # generate() given a cache that holds every id it is given feeds them all again. Read
+                # (a device sync) only for a forward as long as the conversation, never a decode step.
+                if input_ids.shape[1] >= len(want) > 1 and \
+                        (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
+                    raise ValueError(f"this TieredCache already holds all {len(want)} ids it was opened with, and "
+                                     "the model was given them again (generate() on a cache that holds every id "
+                                     "feeds the whole conversation on top of it): their KV would be held twice. "
+                                     "Commit this cache and open a new one with the conversation and its new "
+                                     "message (store.open restores at most all but the last id)")
                 self._fed.append((done, input_ids[0]))
             return
         if embeds is not None:
