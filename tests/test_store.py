@@ -383,6 +383,60 @@ def test_a_commit_that_raised_part_way_leaves_its_stored_blocks_to_forget(tiny_m
         assert store._index.blocks == {} and store.stats()["device"]["blocks"] == 0
 
 
+def test_a_commit_that_raised_part_way_keeps_the_sessions_older_tail(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    ids = random_ids(20, 49)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", new=1, expect_stored=20)  # two blocks and a 4-token tail
+        later = cat(out, random_ids(19, 50))
+        cache = verify_open(store, model, later, session="s", expect=20)
+        out2 = verify_generate(model, later, cache, 1)
+        commit_failing_at(cache, out2, monkeypatch, cache, "block_tensor", 1)  # its first new block's copy
+        # Nothing the failed commit stored covers the old tail's tokens: it is still the session's.
+        verify_open(store, model, later, session="s", expect=20)
+
+
+def test_a_block_whose_disk_copy_raised_is_dropped_from_every_tier(tiny_model, tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    ids = random_ids(40, 51)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        # The first block rests on the device, then the host copy for its disk write raises.
+        commit_failing_at(cache, out, monkeypatch, store._engine, "to_host", 1)
+        assert store._index.blocks == {} and len(store._device) == 0
+        verify_open(store, model, out, session="other", expect=0)
+
+
+def test_a_victim_whose_host_copy_raised_leaves_no_entry_a_commit_would_reuse(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    a, b = random_ids(17, 52), random_ids(17, 53)
+    with TieredStore(None, device="cpu", device_budget=2 * full, host_budget=8 * full, block_size=B) as store:
+        turn(store, model, a, session="A", new=1, expect_stored=17)
+        cache = store.open(model, b, session="B")
+        out = model.generate(b, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        # B's blocks evict A's from the device; the host copy of the first victim raises.
+        commit_failing_at(cache, out, monkeypatch, store._engine, "to_host", 1)
+        assert all(m.resident is not None for m in store._index.blocks.values())
+        later = cat(a, random_ids(3, 54))
+        _, out = turn(store, model, later, session="A", new=1, expect=8, expect_stored=20)  # stored again
+        verify_open(store, model, out, session="A", expect=20)
+
+
+def test_a_commit_stores_again_a_block_an_interrupt_left_in_no_tier(tiny_model):
+    model = tiny_model("llama")
+    ids = random_ids(17, 55)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", new=1, expect_stored=17)
+        # As a Ctrl-C between taking a block out of its tier and settling where it goes leaves it.
+        second = store._index.blocks[keys_of(store.open(model, out).root, out)[1]]
+        store._device.pop(second.key)
+        store._index.set_resident(second, None)
+        _, out = turn(store, model, out, session="s", new=1, expect=8, expect_stored=18)
+        verify_open(store, model, out, session="s", expect=18)
+
+
 def test_a_block_whose_host_copy_raised_leaves_no_index_entry(tiny_model, monkeypatch):
     model = tiny_model("llama")
     ids = random_ids(40, 48)

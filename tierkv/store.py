@@ -650,9 +650,12 @@ class TieredStore:
                 for start, end, key in spans:
                     self._pin(pins, [key])
                     meta = self._index.blocks.get(key)
-                    if meta is None or not np.array_equal(meta.token_ids, ids[start:end]):
+                    if meta is None or not np.array_equal(meta.token_ids, ids[start:end]) or \
+                            (meta.resident is None and meta.disk is DiskState.NONE):
                         if meta is not None:
-                            self._drop(meta)  # a 128-bit collision: the newer block wins
+                            # A 128-bit collision (the newer block wins), or an entry an exception
+                            # left in no tier: stored again.
+                            self._drop(meta)
                         meta = self._store_block(key, parent, cache, ids[start:end], start, end)
                         if meta is None:
                             break
@@ -666,7 +669,9 @@ class TieredStore:
                 kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
                 self._touch_chain(kept)
                 if sid is not None:
-                    self._reference(sid, cache.tenant, cache.session, cache.root, ids, kept)
+                    # The ids the kept chain covers: an older tail past them is not superseded.
+                    covered = ids[:sum(m.n_tokens for m in kept)]
+                    self._reference(sid, cache.tenant, cache.session, cache.root, covered, kept)
                 self._write_stamps()
             return sum(m.n_tokens for m in kept)
 
@@ -682,9 +687,13 @@ class TieredStore:
         try:
             return self._place_block(meta, header, tensor)
         except BaseException:
-            # A copy that raised (out of memory for a host buffer): no index entry without a tier.
-            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(key) is meta:
-                self._remove(meta)
+            # A copy that raised (out of memory for a host buffer, Ctrl-C): the block is dropped
+            # whole, from wherever it got, not left unreferenced where forget() cannot find it.
+            if self._index.blocks.get(key) is meta:
+                self._drop(meta)
+            for space in (self._device, self._host):
+                if key in space:  # put there, not yet marked resident
+                    space.pop(key)
             raise
 
     def _place_block(self, meta: BlockMeta, header: RecordHeader, tensor: Any) -> BlockMeta | None:
@@ -775,16 +784,21 @@ class TieredStore:
             block = space.pop(meta.key)
             self._index.set_resident(meta, None)
             self._evictions += 1
-            if tier is Tier.DEVICE and meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
-                # A block on its way to disk already has a host copy: no second one.
-                host_job = self._inflight.get(meta.key)
-                if host_job is None:
-                    host_job = self._engine.to_host(block)
-                    self._count_move("device_to_host", meta.nbytes, host_job)
-                self._host.put(meta.key, host_job, meta.nbytes)
-                self._index.set_resident(meta, Tier.HOST)
-            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
-                self._remove(meta)
+            try:
+                if tier is Tier.DEVICE and meta.nbytes <= self._host.budget and \
+                        self._make_room(Tier.HOST, meta.nbytes):
+                    # A block on its way to disk already has a host copy: no second one.
+                    host_job = self._inflight.get(meta.key)
+                    if host_job is None:
+                        host_job = self._engine.to_host(block)
+                        self._count_move("device_to_host", meta.nbytes, host_job)
+                    self._host.put(meta.key, host_job, meta.nbytes)
+                    self._index.set_resident(meta, Tier.HOST)
+            finally:
+                # Also when its host copy raised (out of memory for a pinned buffer): a block in
+                # no tier leaves the index, or later commits would take it as stored.
+                if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
+                    self._remove(meta)
         return True
 
     def _set_inflight(self, key: bytes, job: Job[Any]) -> None:
