@@ -3,9 +3,11 @@ budgets, restores KV equal to recomputation and never exceeds a budget."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,7 +18,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from transformers import DynamicCache
 
 from conftest import VOCAB, make_model
-from tierkv import TieredStore
+from tierkv import TieredCache, TieredStore
 from tierkv.index import DiskState, Tier
 from tierkv.pool import HostPool
 from tierkv.transfer import CopyEngine, Job
@@ -135,6 +137,64 @@ class StoreMachine(RuleBasedStateMachine):
         assert 0 <= stored <= out.shape[1] - 1
         self.turns += 1
         return (torch.cat([out, torch.tensor([extra])], dim=1), session, tenant)
+
+    @contextlib.contextmanager
+    def _out_of_memory(self, where: str, call: int) -> Iterator[None]:
+        """The ``call``-th call of ``where`` during the block raises out of memory: a copy of the
+        engine's, a block's copy at commit, or a decoder layer's forward."""
+        calls = [0]
+
+        def fail() -> None:
+            calls[0] += 1
+            if calls[0] == call:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        if where == "layer":
+            handles = [layer.register_forward_pre_hook(lambda *_: fail()) for layer in MODEL.model.layers]
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+            return
+        owner = TieredCache if where == "block_tensor" else self.store._engine
+        real = getattr(owner, where)
+
+        def failing(*args):
+            fail()
+            return real(*args)
+
+        setattr(owner, where, failing)
+        try:
+            yield
+        finally:
+            setattr(owner, where, real)
+
+    # Where a turn runs out of memory, and at which call there: open copies to the device once.
+    faults = st.one_of(st.tuples(st.just("to_device_many"), st.just(1)),
+                       st.tuples(st.sampled_from(["to_host", "block_tensor", "layer"]), st.integers(1, 6)))
+
+    @rule(conv=conversations, fault=faults, new_tokens=st.integers(1, 3))
+    def failing_turn(self, conv, fault: tuple[str, int], new_tokens: int) -> None:
+        """A turn that runs out of memory somewhere, then commits what it can: the invariants hold
+        whatever it left, and every later turn stays exact."""
+        where, call = fault
+        ids, session, tenant = conv
+        cache = out = None
+        with self._out_of_memory(where, call):
+            try:
+                cache = self.store.open(MODEL, ids, session=session, tenant=tenant)
+                out = MODEL.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+                cache.commit(out)
+                return
+            except torch.OutOfMemoryError:
+                pass
+        if cache is None or cache.get_seq_length() == cache.restored_tokens:
+            return  # out of memory in open, or before the first layer took a token
+        if out is None:
+            # generate() raised: the ids a streamer showed, and the one fed last.
+            out = torch.cat([ids[0], *(t.reshape(-1) for _, t in cache._fed if t is not None)])[None]
+        assert 0 <= cache.commit(out) <= out.shape[1]
 
     @rule(target=conversations, conv=fresh, extra=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6),
           new_tokens=st.integers(1, 3))
