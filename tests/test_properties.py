@@ -269,6 +269,23 @@ class StoreMachine(RuleBasedStateMachine):
             assert stats["disk"] == {"bytes": 0, "budget": 0, "blocks": 0}
 
 
+def test_a_promotion_whose_victims_host_copy_raised_leaves_no_block_in_no_tier() -> None:
+    """Found by the machine: an open promoting a host block to the device, whose victim's host
+    copy ran out of memory, left the promoted block in no tier."""
+    machine = StoreMachine()
+    machine.start(device_blocks=2, host_blocks=1, disk=None, engine="handover")
+    try:
+        conv = machine.first_turn(conv=(torch.tensor([[3]]), "a", None), extra=[3, 3, 3, 3, 4], new_tokens=1)
+        machine.failing_turn(conv=conv, fault=("to_host", 1), new_tokens=1)
+        machine.edited_turn(conv=conv, cut=1, extra=[3])
+        machine.failing_turn(conv=conv, fault=("to_host", 1), new_tokens=1)
+        machine.index_agrees_with_the_tiers()
+        machine.next_turn(conv=conv, extra=[5], new_tokens=2)
+        machine.index_agrees_with_the_tiers()
+    finally:
+        machine.teardown()
+
+
 StoreMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_store_machine = StoreMachine.TestCase

@@ -437,6 +437,22 @@ def test_a_commit_stores_again_a_block_an_interrupt_left_in_no_tier(tiny_model):
         verify_open(store, model, out, session="s", expect=18)
 
 
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST])
+def test_an_open_finds_a_block_gone_from_the_tier_its_index_entry_names(tiny_model, tier):
+    model = tiny_model("llama")
+    ids = random_ids(17, 56)
+    budgets = dict(device_budget=0) if tier is Tier.HOST else {}
+    with TieredStore(None, device="cpu", block_size=B, **budgets) as store:
+        _, out = turn(store, model, ids, session="s", new=1, expect_stored=17)
+        # As a Ctrl-C between taking a block out of its tier and updating the index leaves it.
+        second = store._index.blocks[keys_of(store.open(model, out).root, out)[1]]
+        assert second.resident is tier
+        (store._device if tier is Tier.DEVICE else store._host).pop(second.key)
+        cache = verify_open(store, model, out, session="s", expect=8)
+        verify_generate(model, out, cache, 2)
+        assert second.key not in store._index.blocks
+
+
 def test_a_block_whose_host_copy_raised_leaves_no_index_entry(tiny_model, monkeypatch):
     model = tiny_model("llama")
     ids = random_ids(40, 48)

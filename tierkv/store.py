@@ -525,10 +525,17 @@ class TieredStore:
     def _source(self, meta: BlockMeta) -> tuple[Tier, Job[Any]] | None:
         """Where a planned block is read from in memory, and its tensor there (a job); None when
         it must be read from disk."""
-        if meta.resident is Tier.DEVICE:
-            return Tier.DEVICE, self._device.get(meta.key)
-        if meta.resident is Tier.HOST:
-            return Tier.HOST, self._host.get(meta.key)
+        if meta.resident is not None:
+            job = (self._device if meta.resident is Tier.DEVICE else self._host).get(meta.key)
+            if job is not None:
+                return meta.resident, job
+            # An interrupt (Ctrl-C) between a block's leaving its tier and the index's update: the
+            # index follows the tier, and the block is read from disk or is a miss.
+            logger.debug("tierkv: block %s was not in the %s tier the index named", meta.key.hex(), meta.resident.value)
+            self._index.set_resident(meta, None)
+            if meta.disk is DiskState.NONE:
+                self._remove(meta)
+                return None
         if meta.disk is DiskState.PENDING:
             # On its way to disk: served from the write's own buffer, not read back half-written.
             return Tier.DISK, self._inflight[meta.key]
@@ -556,15 +563,22 @@ class TieredStore:
             # Out of the host tier first, so that making room on the device cannot evict it.
             self._host.pop(meta.key)
             self._index.set_resident(meta, None)
-        if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
-            self._device.put(meta.key, device_job, meta.nbytes)
-            self._index.set_resident(meta, Tier.DEVICE)
-        elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
-            self._host.put(meta.key, host_job, meta.nbytes)
-            self._index.set_resident(meta, Tier.HOST)
-        elif meta.disk is DiskState.NONE:
-            self._evictions += 1
-            self._remove(meta)  # the restore in progress holds its own reference
+        try:
+            if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
+                self._device.put(meta.key, device_job, meta.nbytes)
+                self._index.set_resident(meta, Tier.DEVICE)
+            elif meta.nbytes <= self._host.budget and self._make_room(Tier.HOST, meta.nbytes):
+                self._host.put(meta.key, host_job, meta.nbytes)
+                self._index.set_resident(meta, Tier.HOST)
+            elif meta.disk is DiskState.NONE:
+                self._evictions += 1
+                self._remove(meta)  # the restore in progress holds its own reference
+        except BaseException:
+            # Making room raised (out of memory for a victim's host copy): a block in no tier
+            # leaves the index rather than stay there as if stored.
+            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
+                self._remove(meta)
+            raise
 
     # -- commit -----------------------------------------------------------------------------------
     def _commit(self, cache: TieredCache, sequences: Any) -> int:
