@@ -280,6 +280,8 @@ def test_a_promotion_whose_victims_host_copy_raised_leaves_no_block_in_no_tier()
         machine.edited_turn(conv=conv, cut=1, extra=[3])
         machine.failing_turn(conv=conv, fault=("to_host", 1), new_tokens=1)
         machine.index_agrees_with_the_tiers()
+        # The victim whose host copy failed is gone; the block being promoted went back to the host.
+        assert sorted(m.resident.value for m in machine.store._index.blocks.values()) == ["device", "host"]
         machine.next_turn(conv=conv, extra=[5], new_tokens=2)
         machine.index_agrees_with_the_tiers()
     finally:

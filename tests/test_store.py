@@ -453,6 +453,27 @@ def test_an_open_finds_a_block_gone_from_the_tier_its_index_entry_names(tiny_mod
         assert second.key not in store._index.blocks
 
 
+def test_an_open_interrupted_between_a_promotions_put_and_the_index_keeps_them_agreeing(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    ids = random_ids(30, 57)
+    with TieredStore(None, device="cpu", device_budget=full_block_bytes(model), block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", new=1, expect_stored=30)  # one block on the device
+        put = store._host.put
+
+        def put_then_interrupt(*args: object) -> bool:
+            put(*args)
+            raise KeyboardInterrupt  # a Ctrl-C before the index records where the block went
+
+        monkeypatch.setattr(store._host, "put", put_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            store.open(model, out, session="s")
+        monkeypatch.setattr(store._host, "put", put)
+        assert store._host.used == store._index.bytes[Tier.HOST]
+        assert set(store._host._blocks) <= set(store._index.blocks)
+        cache = verify_open(store, model, out, session="s", expect=30)
+        verify_generate(model, out, cache, 2)
+
+
 def test_a_block_whose_host_copy_raised_leaves_no_index_entry(tiny_model, monkeypatch):
     model = tiny_model("llama")
     ids = random_ids(40, 48)

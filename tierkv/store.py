@@ -574,10 +574,17 @@ class TieredStore:
                 self._evictions += 1
                 self._remove(meta)  # the restore in progress holds its own reference
         except BaseException:
-            # Making room raised (out of memory for a victim's host copy): a block in no tier
-            # leaves the index rather than stay there as if stored.
-            if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
-                self._remove(meta)
+            # Making room raised (out of memory for a victim's host copy), or an interrupt came
+            # between a put and the index's update: the index follows the tiers. A block in none
+            # goes back to the host tier if it fits, else leaves the index rather than stay there
+            # as if stored.
+            if meta.resident is None and self._index.blocks.get(meta.key) is meta:
+                if meta.key in self._device:
+                    self._index.set_resident(meta, Tier.DEVICE)
+                elif meta.key in self._host or self._host.put(meta.key, host_job, meta.nbytes):
+                    self._index.set_resident(meta, Tier.HOST)
+                elif meta.disk is DiskState.NONE:
+                    self._remove(meta)
             raise
 
     # -- commit -----------------------------------------------------------------------------------
