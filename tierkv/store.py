@@ -529,13 +529,9 @@ class TieredStore:
             job = (self._device if meta.resident is Tier.DEVICE else self._host).get(meta.key)
             if job is not None:
                 return meta.resident, job
-            # An interrupt (Ctrl-C) between a block's leaving its tier and the index's update: the
-            # index follows the tier, and the block is read from disk or is a miss.
+            # An interrupt (Ctrl-C) between a block's leaving its tier and the index's update.
             logger.debug("tierkv: block %s was not in the %s tier the index named", meta.key.hex(), meta.resident.value)
-            self._index.set_resident(meta, None)
-            if meta.disk is DiskState.NONE:
-                self._remove(meta)
-                return None
+            return self._source(meta) if self._settle(meta) else None
         if meta.disk is DiskState.PENDING:
             # On its way to disk: served from the write's own buffer, not read back half-written.
             return Tier.DISK, self._inflight[meta.key]
@@ -575,16 +571,11 @@ class TieredStore:
                 self._remove(meta)  # the restore in progress holds its own reference
         except BaseException:
             # Making room raised (out of memory for a victim's host copy), or an interrupt came
-            # between a put and the index's update: the index follows the tiers. A block in none
-            # goes back to the host tier if it fits, else leaves the index rather than stay there
-            # as if stored.
-            if meta.resident is None and self._index.blocks.get(meta.key) is meta:
-                if meta.key in self._device:
-                    self._index.set_resident(meta, Tier.DEVICE)
-                elif meta.key in self._host or self._host.put(meta.key, host_job, meta.nbytes):
-                    self._index.set_resident(meta, Tier.HOST)
-                elif meta.disk is DiskState.NONE:
-                    self._remove(meta)
+            # between a put and the index's update. A block in no tier goes back to the host tier
+            # it was just taken from, if it fits.
+            if self._index.blocks.get(meta.key) is meta and meta.key not in self._device and meta.key not in self._host:
+                self._host.put(meta.key, host_job, meta.nbytes)
+            self._settle(meta)
             raise
 
     # -- commit -----------------------------------------------------------------------------------
@@ -710,11 +701,8 @@ class TieredStore:
         except BaseException:
             # A copy that raised (out of memory for a host buffer, Ctrl-C): the block is dropped
             # whole, from wherever it got, not left unreferenced where forget() cannot find it.
-            if self._index.blocks.get(key) is meta:
+            if self._settle(meta):
                 self._drop(meta)
-            for space in (self._device, self._host):
-                if key in space:  # put there, not yet marked resident
-                    space.pop(key)
             raise
 
     def _place_block(self, meta: BlockMeta, header: RecordHeader, tensor: Any) -> BlockMeta | None:
@@ -818,8 +806,20 @@ class TieredStore:
             finally:
                 # Also when its host copy raised (out of memory for a pinned buffer): a block in
                 # no tier leaves the index, or later commits would take it as stored.
-                if meta.resident is None and meta.disk is DiskState.NONE and self._index.blocks.get(meta.key) is meta:
-                    self._remove(meta)
+                self._settle(meta)
+        return True
+
+    def _settle(self, meta: BlockMeta) -> bool:
+        """Make a block's index entry follow the tiers, after a move that ended or that an
+        exception cut short (out of memory, Ctrl-C): resident where a tier holds its key, and out
+        of the index where it rests nowhere. Whether it is still in the index."""
+        if self._index.blocks.get(meta.key) is not meta:
+            return False
+        where = Tier.DEVICE if meta.key in self._device else Tier.HOST if meta.key in self._host else None
+        self._index.set_resident(meta, where)
+        if where is None and meta.disk is DiskState.NONE:
+            self._remove(meta)
+            return False
         return True
 
     def _set_inflight(self, key: bytes, job: Job[Any]) -> None:
