@@ -59,6 +59,7 @@ from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
+from .interrupts import defer_interrupts
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
                          dtype_name, op_size, slack)
@@ -223,7 +224,7 @@ class TieredStore:
 
     def flush(self) -> None:
         """Block until every move and disk write queued before this call is done and durable."""
-        with self._lock:
+        with defer_interrupts(), self._lock:
             self._check_open()
             self._write_stamps()
             self._retry_deletes()
@@ -233,7 +234,7 @@ class TieredStore:
             self._writer.flush()
         for job in copies:
             job.wait()
-        with self._lock:
+        with defer_interrupts(), self._lock:
             if self._closed:
                 return  # closed meanwhile by another thread: close drained everything
             # Only this call's snapshot: its writes are applied now, so nothing here waits on
@@ -356,34 +357,37 @@ class TieredStore:
                              f"device={str(info.device)!r}")
         ids = token_ids_of(input_ids)
         root = root_key(info.fingerprint, tenant)
-        pins: list[bytes] = []
-        held: list[Any] = []  # pool buffers this open reads from: none is reused before its copy
-        try:
-            with self._lock:
-                self._check_open()
-                self._reap()
-                limit = info.position_limit
-                # Past the limit the prefill's RoPE frequencies differ from those the blocks were
-                # computed with (``ModelInfo.position_limit``): nothing is restored.
-                plan = self._match(root, ids) if limit is None or len(ids) <= limit else []
-                self._pin(pins, [meta.key for meta, _ in plan])
-                found = [self._source(meta) for meta, _ in plan]
-                for where in found:
-                    if where is not None and where[1].lease is not None:
-                        where[1].lease.hold()
-                        held.append(where[1].lease)
-            # Disk blocks are read and verified outside the store lock, so other sessions' turns
-            # go on meanwhile; the planned blocks are pinned against eviction.
-            reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint, held)
-            with self._lock:
-                self._check_open()
-                self._read_seconds += read_seconds
-                cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
-        finally:
-            with self._lock:
-                self._unpin(pins)
-                for lease in held:
-                    lease.unhold()
+        # Ctrl-C is held off to the end of the open: an interrupt between a block's move and its
+        # index update, or in the unpinning, left the store inconsistent (``interrupts.py``).
+        with defer_interrupts():
+            pins: list[bytes] = []
+            held: list[Any] = []  # pool buffers this open reads from: none is reused before its copy
+            try:
+                with self._lock:
+                    self._check_open()
+                    self._reap()
+                    limit = info.position_limit
+                    # Past the limit the prefill's RoPE frequencies differ from those the blocks were
+                    # computed with (``ModelInfo.position_limit``): nothing is restored.
+                    plan = self._match(root, ids) if limit is None or len(ids) <= limit else []
+                    self._pin(pins, [meta.key for meta, _ in plan])
+                    found = [self._source(meta) for meta, _ in plan]
+                    for where in found:
+                        if where is not None and where[1].lease is not None:
+                            where[1].lease.hold()
+                            held.append(where[1].lease)
+                # Disk blocks are read and verified outside the store lock, so other sessions' turns
+                # go on meanwhile; the planned blocks are pinned against eviction.
+                reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint, held)
+                with self._lock:
+                    self._check_open()
+                    self._read_seconds += read_seconds
+                    cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
+            finally:
+                with self._lock:
+                    self._unpin(pins)
+                    for lease in held:
+                        lease.unhold()
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
@@ -644,7 +648,7 @@ class TieredStore:
             n = min(n, limit) if len(opened) <= limit else 0
         ids = seq[:n]
         B = self.block_size
-        with self._lock:
+        with defer_interrupts(), self._lock:
             self._check_open()
             self._reap()
             keys = chain_keys(cache.root, ids, B)
@@ -1157,7 +1161,7 @@ class TieredStore:
         if tenant is not _UNSET:
             _check_name(tenant, "tenant")
         removed = 0
-        with self._lock:
+        with defer_interrupts(), self._lock:
             self._check_open()
             self._reap()
             sids = [sid for sid, info in self._index.sessions.items()
