@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import lmdb
 import pytest
@@ -147,6 +148,7 @@ def _sweep(config: dict, stride: int) -> list[str]:
         machine.index_agrees_with_the_tiers()
         machine.persist(reopen=True)
         machine.index_agrees_with_the_tiers()
+        assert machine.store.stats()["corrupt"] == 0  # no session row on disk left damaged
         machine.next_turn(conv=a, extra=[21], new_tokens=2)
         return reached
     finally:
@@ -167,11 +169,11 @@ def test_a_sigint_anywhere_in_a_turns_bookkeeping_leaves_the_store_consistent(co
     assert {"open", "commit"} <= {where.split(":")[0] for where in reached}, reached
 
 
-@pytest.mark.parametrize("operation", ["forget", "flush"])
-def test_a_sigint_in_forget_or_flush_leaves_the_store_consistent(operation: str) -> None:
+@pytest.mark.parametrize("operation", ["forget", "flush", "stats"])
+def test_a_sigint_in_forget_flush_or_stats_leaves_the_store_consistent(operation: str) -> None:
     """A forget interrupted anywhere still forgets the whole session (the interrupt is raised as
-    it ends); a flush interrupted anywhere (its wait for the writer included) leaves the store as
-    consistent as after a plain one."""
+    it ends); a flush interrupted anywhere (its wait for the writer included), or a ``stats()``
+    settling writes that landed, leaves the store as consistent as after a plain one."""
     reached = []
     for k in range(1, 10**6):
         machine = StoreMachine()
@@ -181,13 +183,17 @@ def test_a_sigint_in_forget_or_flush_leaves_the_store_consistent(operation: str)
             b = machine.first_turn(conv=(torch.tensor([[3, 4, 6]]), "b", None), extra=[12, 13], new_tokens=3)
             machine.next_turn(conv=b, extra=[14], new_tokens=5)
             before = {sid: set(info.keys) for sid, info in machine.store._index.sessions.items() if info.name == "b"}
+            if operation == "stats":
+                machine.store._writer.flush()  # written, not yet settled: stats() reaps them
             sigint = _SigintAt(k)
             sys.setprofile(sigint)
             try:
                 if operation == "forget":
                     machine.store.forget(session="b")
-                else:
+                elif operation == "flush":
                     machine.store.flush()
+                else:
+                    machine.store.stats()
             except KeyboardInterrupt as exc:
                 raised_in = exc.__traceback__
                 while raised_in.tb_next is not None:
@@ -212,14 +218,18 @@ def test_a_sigint_in_forget_or_flush_leaves_the_store_consistent(operation: str)
             machine.next_turn(conv=a, extra=[15], new_tokens=2)
             machine.persist(reopen=True)
             machine.index_agrees_with_the_tiers()
+            assert machine.store.stats()["corrupt"] == 0, context  # no session row on disk left damaged
         finally:
             machine.teardown()
     assert len(reached) > 5, reached
 
 
-def test_a_sigint_in_a_flush_never_loses_an_owed_delete() -> None:
-    """A forget whose delete hit a disk error is owed and retried by the next flush; a flush
-    interrupted anywhere keeps it owed or queued, so forgotten KV still leaves the file."""
+@pytest.mark.parametrize("operation", ["flush", "close"])
+def test_a_sigint_in_a_flush_or_close_never_loses_an_owed_delete(operation: str) -> None:
+    """A forget whose delete hit a disk error is owed and retried by the next flush or close; one
+    interrupted anywhere keeps it owed or queued, so forgotten KV still leaves the file (before,
+    ``close(timeout=...)``, the exit's close, lost them without a word, and a close called again
+    after one cut short never retried them)."""
     reached = []
     for k in range(1, 10**6):
         machine = StoreMachine()
@@ -245,7 +255,10 @@ def test_a_sigint_in_a_flush_never_loses_an_owed_delete() -> None:
             sigint = _SigintAt(k)
             sys.setprofile(sigint)
             try:
-                store.flush()
+                if operation == "flush":
+                    store.flush()
+                else:
+                    store.close(timeout=5)
             except KeyboardInterrupt:
                 pass
             else:
@@ -254,7 +267,11 @@ def test_a_sigint_in_a_flush_never_loses_an_owed_delete() -> None:
             finally:
                 sys.setprofile(None)
             reached.append(sigint.where)
-            store.flush()
+            if operation == "flush":
+                store.flush()
+            else:
+                store.close()  # finishes the close cut short
+                machine.store = store = machine._new_store()
             with store._disk.env.begin() as txn:
                 on_disk = {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)}
             assert not secret & on_disk, f"SIGINT at call {k} ({sigint.where}) lost an owed delete"
@@ -307,3 +324,118 @@ def test_a_child_forked_by_the_main_thread_during_a_section_goes_on_in_it() -> N
         if pid == 0:
             os._exit(code)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_a_swap_back_cut_short_never_swallows_ctrl_c(monkeypatch) -> None:
+    """Another signal's handler raising (a timeout) while a section swaps SIGINT's handler back
+    left the recording one in place with nothing to restore: every later Ctrl-C was swallowed."""
+    from tierkv import interrupts
+
+    real = interrupts._sig
+    failures = [TimeoutError("another signal's handler raised")]
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def signal(self, signum, handler):
+            if handler is not interrupts._record and failures:
+                raise failures.pop()
+            return real.signal(signum, handler)
+
+    monkeypatch.setattr(interrupts, "_sig", Flaky())
+    with pytest.raises(TimeoutError):
+        with defer_interrupts():
+            pass
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)  # outside every section: raised at once
+    with pytest.raises(KeyboardInterrupt):
+        with defer_interrupts():
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("operation", ["open", "forget", "commit"])
+def test_ctrl_c_while_another_thread_holds_the_store_is_raised_at_once(operation: str) -> None:
+    """A close draining the writer holds the store's lock; a held-off section waiting for it
+    kept Ctrl-C waiting too (4.5 s of a 5 s hold, where the lock's own wait took 0.1 s)."""
+    machine = StoreMachine()
+    machine.start(device_blocks=2, host_blocks=2, disk=None, engine="handover")
+    try:
+        conv = machine.first_turn(conv=(torch.tensor([[3, 4, 5]]), "a", None), extra=[7], new_tokens=3)
+        store = machine.store
+        cache = store.open(MODEL, conv[0], session="a")
+        out = MODEL.generate(conv[0], past_key_values=cache, max_new_tokens=2, do_sample=False)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store._lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if operation == "open":
+                    store.open(MODEL, conv[0], session="a")
+                elif operation == "forget":
+                    store.forget(session="a")
+                else:
+                    cache.commit(out)
+            waited = time.monotonic() - started
+        finally:
+            release.set()
+            holder.join()
+            timer.cancel()
+        assert waited < 5, waited
+        machine.index_agrees_with_the_tiers()
+        machine.next_turn(conv=conv, extra=[9], new_tokens=2)
+    finally:
+        machine.teardown()
+
+
+def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
+    """A restore from a cold disk can take seconds: after a Ctrl-C the open reads no further
+    block, hands what it has to the index, and raises as it ends."""
+    machine = StoreMachine()
+    machine.start(device_blocks=0, host_blocks=0, disk=10**9, engine="handover")
+    try:
+        ids = torch.arange(3, 3 + 17).unsqueeze(0)  # four whole blocks of 4 tokens on disk
+        conv = machine.first_turn(conv=(ids, "a", None), extra=[7], new_tokens=3)
+        store = machine.store
+        store.flush()
+        load, loads = store._disk.load, []
+
+        def interrupted_load(key, empty):
+            loads.append(key)
+            if len(loads) == 1:
+                signal.raise_signal(signal.SIGINT)
+            return load(key, empty)
+
+        store._disk.load = interrupted_load
+        with pytest.raises(KeyboardInterrupt):
+            store.open(MODEL, conv[0], session="a")
+        assert len(loads) == 1
+        store._disk.load = load
+        machine.index_agrees_with_the_tiers()
+        assert not store._pinned
+        machine.next_turn(conv=conv, extra=[9], new_tokens=2)
+    finally:
+        machine.teardown()
+
+
+def test_a_handler_the_program_installs_inside_a_section_stays() -> None:
+    mine = lambda signum, frame: None  # noqa: E731
+    try:
+        with pytest.raises(KeyboardInterrupt):  # came before the program's new handler
+            with defer_interrupts():
+                signal.raise_signal(signal.SIGINT)
+                signal.signal(signal.SIGINT, mine)
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

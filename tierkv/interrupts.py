@@ -13,12 +13,19 @@ it as the section exits: the ``KeyboardInterrupt`` is raised there, with the sto
 Sections nest; only the outermost one swaps the handler. Elsewhere it does nothing: other threads
 never receive ``KeyboardInterrupt``, and ``SIG_IGN``/``SIG_DFL`` never raise one.
 
+A section must not keep Ctrl-C waiting long. Take a lock before entering one (``with lock,
+defer_interrupts():``), so that the wait for it stays interruptible; inside a section, a long
+wait polls ``interrupt_pending()`` and stops short (the store's disk reads), or, with nothing
+done yet to undo, ``raise_pending()`` delivers the interrupt at once. ``close`` draining the
+writer is not held off at all, only its bookkeeping.
+
 It costs two ``sigaction`` calls per outermost section, about 2.5 us here with ``_signal``'s own
 functions (``signal``'s wrappers convert each handler to an enum through a raised ``ValueError``:
-14 us). It wraps whole calls (an ``open``, a commit, a ``forget``), gaps between their lock
-sections included. It is not used where a call can wait long (``close`` draining the writer):
-Ctrl-C must still cut that short. While a section runs, ``signal.getsignal(SIGINT)`` returns its
-recording handler; a child forked by another thread meanwhile gets the program's handler back.
+14 us). While a section runs, ``signal.getsignal(SIGINT)`` returns its recording handler; a
+handler the program installs meanwhile is left in place; a child forked by another thread
+meanwhile gets the program's handler back. If an exception (another signal's handler raising)
+cuts the swap back short, the recording handler delivers each SIGINT at once until the next
+section puts the program's handler back.
 """
 
 from __future__ import annotations
@@ -39,12 +46,35 @@ _MAIN = threading.main_thread().ident
 
 class _State:
     depth = 0
-    previous: Any = None  # the handler the outermost section replaced, or None
+    # The handler the outermost section replaced: set before the swap, cleared only once it is
+    # back, so that an exception between the two (another signal's handler raising) never
+    # leaves the recording handler in place with nothing to restore.
+    previous: Any = None
     pending: tuple[int, FrameType | None] | None = None
 
 
+def _handler() -> Any:
+    return _State.previous if _State.previous is not None else _sig.default_int_handler
+
+
 def _record(signum: int, frame: FrameType | None) -> None:
+    if _State.depth == 0:
+        # Outside every section (a swap back that an exception cut short): as if never swapped.
+        _handler()(signum, frame)
+        return
     _State.pending = (signum, frame)
+
+
+def interrupt_pending() -> bool:
+    """A Ctrl-C came during the section in progress: a long wait in it may stop short."""
+    return _State.pending is not None
+
+
+def raise_pending() -> None:
+    """Deliver a Ctrl-C that came during the section now, where the caller has nothing to undo."""
+    pending, _State.pending = _State.pending, None
+    if pending is not None:
+        _handler()(*pending)
 
 
 def _after_fork_in_child() -> None:
@@ -55,7 +85,7 @@ def _after_fork_in_child() -> None:
     # main thread was in does not go on here: left in place, its recording handler would swallow
     # every Ctrl-C of the child.
     _MAIN = threading.get_ident()
-    if _State.previous is not None:
+    if _State.previous is not None and _sig.getsignal(_SIGINT) is _record:
         _sig.signal(_SIGINT, _State.previous)
     _State.depth, _State.previous, _State.pending = 0, None, None
 
@@ -76,14 +106,16 @@ class defer_interrupts:
         if threading.get_ident() != _MAIN:
             return
         if _State.depth == 0:
-            previous = _sig.getsignal(_SIGINT)
-            if callable(previous) and previous is not _record:
-                # An interrupt before this call returns is raised here, before depth counts
-                # this section: nothing to undo. One after it is recorded. A record left by a
-                # section whose exit a second interrupt cut short is stale: dropped.
+            current = _sig.getsignal(_SIGINT)
+            if current is not _record and callable(current):
+                # An interrupt before the swap is raised here, before depth counts this section:
+                # nothing to undo. One after it is recorded. A record left by a section whose
+                # exit a second interrupt cut short is stale: dropped.
                 _State.pending = None
+                _State.previous = current
                 _sig.signal(_SIGINT, _record)
-                _State.previous = previous
+            # Already _record: a swap back that an exception cut short; _State.previous holds
+            # the program's handler still.
         _State.depth += 1
         self._active = True
 
@@ -95,8 +127,10 @@ class defer_interrupts:
         _State.depth -= 1
         if _State.depth or _State.previous is None:
             return
-        previous, _State.previous = _State.previous, None
-        _sig.signal(_SIGINT, previous)
+        previous = _State.previous
+        if _sig.getsignal(_SIGINT) is _record:  # else the program installed a handler meanwhile
+            _sig.signal(_SIGINT, previous)
+        _State.previous = None
         pending, _State.pending = _State.pending, None
         if pending is not None:
             previous(*pending)  # default_int_handler raises KeyboardInterrupt here

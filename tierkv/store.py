@@ -39,6 +39,7 @@ Policy works on keys and sizes; tensors pass through opaquely between tiers and 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -46,7 +47,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lmdb
@@ -59,7 +60,7 @@ from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, root_key
 from .index import BlockMeta, DiskState, Index, Tier
-from .interrupts import defer_interrupts
+from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
                          dtype_name, op_size, slack)
@@ -224,7 +225,7 @@ class TieredStore:
 
     def flush(self) -> None:
         """Block until every move and disk write queued before this call is done and durable."""
-        with defer_interrupts(), self._lock:
+        with self._lock, defer_interrupts():
             self._check_open()
             self._write_stamps()
             self._retry_deletes()
@@ -234,7 +235,7 @@ class TieredStore:
             self._writer.flush()
         for job in copies:
             job.wait()
-        with defer_interrupts(), self._lock:
+        with self._lock, defer_interrupts():
             if self._closed:
                 return  # closed meanwhile by another thread: close drained everything
             # Only this call's snapshot: its writes are applied now, so nothing here waits on
@@ -292,8 +293,8 @@ class TieredStore:
         """Drain (or, past ``timeout``, drop) the queued writes; how many block writes were dropped."""
         if self._writer is None:
             return 0
-        if timeout is not None:
-            self._retry_deletes()  # without a timeout, flush() did
+        # Also after flush() retried them: a close cut short and called again skips flush().
+        self._retry_deletes()
         abandoned = self._writer.close(timeout, grace)
         dropped = 0
         stuck = self._writer.alive()
@@ -311,7 +312,8 @@ class TieredStore:
             logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                            "will be recomputed after a restart", timeout, dropped)
         if not stuck:
-            self._reap_deletes()
+            with defer_interrupts():
+                self._reap_deletes()
         if self._owed:
             logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "
@@ -358,12 +360,13 @@ class TieredStore:
         ids = token_ids_of(input_ids)
         root = root_key(info.fingerprint, tenant)
         # Ctrl-C is held off to the end of the open: an interrupt between a block's move and its
-        # index update, or in the unpinning, left the store inconsistent (``interrupts.py``).
+        # index update, or in the unpinning, left the store inconsistent (``interrupts.py``). It
+        # still cuts short the wait for the lock before anything is done, and the disk reads.
         with defer_interrupts():
             pins: list[bytes] = []
             held: list[Any] = []  # pool buffers this open reads from: none is reused before its copy
             try:
-                with self._lock:
+                with self._locked_unless_interrupted():
                     self._check_open()
                     self._reap()
                     limit = info.position_limit
@@ -384,14 +387,26 @@ class TieredStore:
                     self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
             finally:
-                with self._lock:
-                    self._unpin(pins)
-                    for lease in held:
-                        lease.unhold()
+                if pins or held:
+                    with self._lock:
+                        self._unpin(pins)
+                        for lease in held:
+                            lease.unhold()
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
         return cache
+
+    @contextlib.contextmanager
+    def _locked_unless_interrupted(self) -> Iterator[None]:
+        """The store lock, for a section held off from Ctrl-C that has done nothing yet: a Ctrl-C
+        while another thread holds the lock (a close draining the writer) is raised at once."""
+        while not self._lock.acquire(timeout=0.05):
+            raise_pending()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                           fingerprint: bytes, held: list[Any]) -> tuple[dict[int, Any], float]:
@@ -405,8 +420,8 @@ class TieredStore:
         for i, ((meta, _), where) in enumerate(zip(plan, found)):
             if where is not None:
                 continue
-            if self._disk is None:
-                break
+            if self._disk is None or interrupt_pending():
+                break  # after a Ctrl-C, a shorter restore: the open ends (and raises) soon
             leases: list[Any] = []
 
             def empty(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -648,7 +663,7 @@ class TieredStore:
             n = min(n, limit) if len(opened) <= limit else 0
         ids = seq[:n]
         B = self.block_size
-        with defer_interrupts(), self._lock:
+        with self._lock, defer_interrupts():
             self._check_open()
             self._reap()
             keys = chain_keys(cache.root, ids, B)
@@ -1001,6 +1016,10 @@ class TieredStore:
         """Queue the owed deletes again, less what was stored again since: a block written again
         (same key, so the same KV) stays, a block whose new write is still queued stays owed until
         that write is settled, and references and sessions that are live again stay."""
+        with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
+            self._retry_owed()
+
+    def _retry_owed(self) -> None:
         self._reap()
         owed, self._owed = self._owed, []
         for op in owed:
@@ -1065,7 +1084,7 @@ class TieredStore:
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): those tokens are computed
         after all. Hits stay as they were (counters only grow: metrics export them as such)."""
-        with self._lock:
+        with self._lock, defer_interrupts():
             self._discarded += cache.restored_tokens
             self._misses += cache.restored_tokens
 
@@ -1161,7 +1180,7 @@ class TieredStore:
         if tenant is not _UNSET:
             _check_name(tenant, "tenant")
         removed = 0
-        with defer_interrupts(), self._lock:
+        with self._lock, defer_interrupts():
             self._check_open()
             self._reap()
             sids = [sid for sid, info in self._index.sessions.items()
@@ -1189,7 +1208,7 @@ class TieredStore:
         ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
         None); ``sessions``.
         """
-        with self._lock:
+        with self._lock, defer_interrupts():
             if not self._closed:
                 self._reap()
             disk_budget = self._disk.budget if self._disk is not None else 0
