@@ -439,3 +439,54 @@ def test_a_handler_the_program_installs_inside_a_section_stays() -> None:
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_another_thread_never_takes_the_main_threads_ctrl_c() -> None:
+    """A worker polling for an interrupt (an open waiting for the lock) took the main thread's
+    record and raised it in the worker; the main thread's section then ended with nothing."""
+    from tierkv.interrupts import interrupt_pending, raise_pending
+
+    seen = []
+
+    def worker() -> None:
+        seen.append(interrupt_pending())
+        raise_pending()
+        seen.append("no interrupt in the worker")
+
+    with pytest.raises(KeyboardInterrupt):
+        with defer_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            assert interrupt_pending()
+            thread = threading.Thread(target=worker)
+            thread.start()
+            thread.join()
+    assert seen == [False, "no interrupt in the worker"]
+
+
+def test_a_ctrl_c_during_the_swap_back_is_raised_once_and_not_again_later(monkeypatch) -> None:
+    """A SIGINT run by the swap back's own check for pending signals was raised from inside it,
+    leaving the section's earlier record behind: the next section, with no Ctrl-C, raised it."""
+    from tierkv import interrupts
+
+    real = interrupts._sig
+
+    class Sending:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def signal(self, signum, handler):
+            if handler is not interrupts._record:
+                signal.raise_signal(signal.SIGINT)  # the user's second Ctrl-C, just then
+            return real.signal(signum, handler)
+
+    monkeypatch.setattr(interrupts, "_sig", Sending())
+    with pytest.raises(KeyboardInterrupt):
+        with defer_interrupts():
+            signal.raise_signal(signal.SIGINT)
+    monkeypatch.setattr(interrupts, "_sig", real)
+    try:
+        with defer_interrupts():
+            pass
+    except KeyboardInterrupt:
+        pytest.fail("a later section raised a Ctrl-C already delivered")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

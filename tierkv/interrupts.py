@@ -65,13 +65,22 @@ def _record(signum: int, frame: FrameType | None) -> None:
     _State.pending = (signum, frame)
 
 
+def _in_section() -> bool:
+    # The record is the main thread's: another thread seeing it would take the user's Ctrl-C.
+    return _State.depth > 0 and threading.get_ident() == _MAIN
+
+
 def interrupt_pending() -> bool:
-    """A Ctrl-C came during the section in progress: a long wait in it may stop short."""
-    return _State.pending is not None
+    """A Ctrl-C came during the main thread's section in progress: a long wait in it may stop
+    short. Always False in other threads."""
+    return _State.pending is not None and _in_section()
 
 
 def raise_pending() -> None:
-    """Deliver a Ctrl-C that came during the section now, where the caller has nothing to undo."""
+    """Deliver a Ctrl-C that came during the main thread's section now, where the caller has
+    nothing to undo. Does nothing in other threads."""
+    if not _in_section():
+        return
     pending, _State.pending = _State.pending, None
     if pending is not None:
         _handler()(*pending)
@@ -106,12 +115,13 @@ class defer_interrupts:
         if threading.get_ident() != _MAIN:
             return
         if _State.depth == 0:
+            # A record left by a section whose exit an interrupt or an exception cut short is
+            # stale: dropped.
+            _State.pending = None
             current = _sig.getsignal(_SIGINT)
             if current is not _record and callable(current):
                 # An interrupt before the swap is raised here, before depth counts this section:
-                # nothing to undo. One after it is recorded. A record left by a section whose
-                # exit a second interrupt cut short is stale: dropped.
-                _State.pending = None
+                # nothing to undo. One after it is recorded.
                 _State.previous = current
                 _sig.signal(_SIGINT, _record)
             # Already _record: a swap back that an exception cut short; _State.previous holds
@@ -124,13 +134,19 @@ class defer_interrupts:
         if not self._active:
             return
         self._active = False
-        _State.depth -= 1
-        if _State.depth or _State.previous is None:
-            return
         previous = _State.previous
-        if _sig.getsignal(_SIGINT) is _record:  # else the program installed a handler meanwhile
-            _sig.signal(_SIGINT, previous)
-        _State.previous = None
+        if _State.depth > 1 or previous is None:
+            _State.depth -= 1
+            return
+        try:
+            # Swapped back while this section still counts: a SIGINT that the swap's own check
+            # for pending signals runs is recorded, not raised from inside it with the earlier
+            # record left behind.
+            if _sig.getsignal(_SIGINT) is _record:  # else the program installed a handler meanwhile
+                _sig.signal(_SIGINT, previous)
+            _State.previous = None
+        finally:
+            _State.depth -= 1
         pending, _State.pending = _State.pending, None
         if pending is not None:
             previous(*pending)  # default_int_handler raises KeyboardInterrupt here
