@@ -104,6 +104,24 @@ class _SigintAt:
             signal.raise_signal(signal.SIGINT)
 
 
+def _interrupt_at(k: int, call) -> tuple[_SigintAt, str | None]:
+    """``call()`` with a SIGINT at its ``k``-th call into the store: where the signal came, and the
+    file the ``KeyboardInterrupt`` was raised in (None when ``call`` made fewer calls)."""
+    sigint = _SigintAt(k)
+    sys.setprofile(sigint)
+    try:
+        call()
+    except KeyboardInterrupt as exc:
+        tb = exc.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return sigint, tb.tb_frame.f_code.co_filename
+    finally:
+        sys.setprofile(None)
+    assert sigint.where is None, f"SIGINT at call {k} ({sigint.where}) raised nothing"
+    return sigint, None
+
+
 def _sweep(config: dict, stride: int) -> list[str]:
     """Conversation ``b``'s next turn again and again, each time interrupted at a later call into
     the store, on one store: after each, the invariants hold; an interrupt inside ``open`` or a
@@ -117,20 +135,9 @@ def _sweep(config: dict, stride: int) -> list[str]:
         b = machine.first_turn(conv=(torch.tensor([[3, 4, 6]]), "b", None), extra=[12, 13], new_tokens=3)
         a = machine.next_turn(conv=a, extra=[14, 15, 16], new_tokens=2)
         for k in range(1, 10**6, stride):
-            sigint = _SigintAt(k)
-            sys.setprofile(sigint)
-            try:
-                machine.next_turn(conv=b, extra=[17], new_tokens=3)
-            except KeyboardInterrupt as exc:
-                raised_in = exc.__traceback__
-                while raised_in.tb_next is not None:
-                    raised_in = raised_in.tb_next
-                raised_in = raised_in.tb_frame.f_code.co_filename
-            else:
-                assert sigint.where is None, f"SIGINT at call {k} ({sigint.where}) raised nothing"
+            sigint, raised_in = _interrupt_at(k, lambda: machine.next_turn(conv=b, extra=[17], new_tokens=3))
+            if raised_in is None:
                 break  # the whole turn made fewer calls
-            finally:
-                sys.setprofile(None)
             reached.append(sigint.where)
             context = f"SIGINT at call {k} ({sigint.where})"
             if sigint.where.startswith(("open", "commit")):
@@ -185,25 +192,11 @@ def test_a_sigint_in_forget_flush_or_stats_leaves_the_store_consistent(operation
             before = {sid: set(info.keys) for sid, info in machine.store._index.sessions.items() if info.name == "b"}
             if operation == "stats":
                 machine.store._writer.flush()  # written, not yet settled: stats() reaps them
-            sigint = _SigintAt(k)
-            sys.setprofile(sigint)
-            try:
-                if operation == "forget":
-                    machine.store.forget(session="b")
-                elif operation == "flush":
-                    machine.store.flush()
-                else:
-                    machine.store.stats()
-            except KeyboardInterrupt as exc:
-                raised_in = exc.__traceback__
-                while raised_in.tb_next is not None:
-                    raised_in = raised_in.tb_next
-                raised_in = raised_in.tb_frame.f_code.co_filename
-            else:
-                assert sigint.where is None, f"SIGINT at call {k} ({sigint.where}) raised nothing"
+            call = {"forget": lambda: machine.store.forget(session="b"), "flush": machine.store.flush,
+                    "stats": machine.store.stats}[operation]
+            sigint, raised_in = _interrupt_at(k, call)
+            if raised_in is None:
                 break
-            finally:
-                sys.setprofile(None)
             reached.append(sigint.where)
             context = f"SIGINT at call {k} ({sigint.where})"
             machine.index_agrees_with_the_tiers()
@@ -252,20 +245,10 @@ def test_a_sigint_in_a_flush_or_close_never_loses_an_owed_delete(operation: str)
             store.flush()
             assert store.stats()["owed_deletes"] >= len(secret) > 0
             store._disk._apply = apply  # the disk recovers
-            sigint = _SigintAt(k)
-            sys.setprofile(sigint)
-            try:
-                if operation == "flush":
-                    store.flush()
-                else:
-                    store.close(timeout=5)
-            except KeyboardInterrupt:
-                pass
-            else:
-                assert sigint.where is None, f"SIGINT at call {k} ({sigint.where}) raised nothing"
+            call = store.flush if operation == "flush" else lambda: store.close(timeout=5)
+            sigint, raised_in = _interrupt_at(k, call)
+            if raised_in is None:
                 break
-            finally:
-                sys.setprofile(None)
             reached.append(sigint.where)
             if operation == "flush":
                 store.flush()
