@@ -29,6 +29,10 @@ Protocol of one conversation turn::
   touches them tail first, so eviction takes a conversation's tail before the prefix it needs.
 * Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
   still references, from every tier.
+* Ctrl-C in the main thread is held off inside ``open``, a commit, ``forget``, ``flush`` and
+  ``stats`` (``interrupts.py``) and raised as the call ends, with tiers, index and pins
+  consistent; it is not held off while a call waits for the lock to start, and it stops an
+  open's disk reads at the next block.
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
   the writes it still held were lost at every exit without ``close()``.
