@@ -19,7 +19,7 @@ wait polls ``interrupt_pending()`` and stops short (the store's disk reads), or,
 done yet to undo, ``raise_pending()`` delivers the interrupt at once. ``close`` draining the
 writer is not held off at all, only its bookkeeping.
 
-It costs two ``sigaction`` calls per outermost section, about 2.5 us here with ``_signal``'s own
+It costs two ``sigaction`` calls per outermost section, about 2 us here with ``_signal``'s own
 functions (``signal``'s wrappers convert each handler to an enum through a raised ``ValueError``:
 14 us). While a section runs, ``signal.getsignal(SIGINT)`` returns its recording handler; a
 handler the program installs meanwhile is left in place; a child forked by another thread
@@ -106,10 +106,7 @@ if hasattr(os, "register_at_fork"):
 class defer_interrupts:
     """Hold SIGINT off for the duration of a ``with`` block (main thread; see the module)."""
 
-    __slots__ = ("_active",)
-
-    def __init__(self) -> None:
-        self._active = False
+    __slots__ = ()
 
     def __enter__(self) -> None:
         if threading.get_ident() != _MAIN:
@@ -126,14 +123,12 @@ class defer_interrupts:
                 _sig.signal(_SIGINT, _record)
             # Already _record: a swap back that an exception cut short; _State.previous holds
             # the program's handler still.
-        _State.depth += 1
-        self._active = True
+        _State.depth += 1  # last: an __enter__ that raises is never exited, so counts nothing
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if not self._active:
-            return
-        self._active = False
+        if threading.get_ident() != _MAIN or _State.depth == 0:
+            return  # entered by another thread (a no-op), or before a fork the child is past
         previous = _State.previous
         if _State.depth > 1 or previous is None:
             _State.depth -= 1
