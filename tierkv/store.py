@@ -1021,27 +1021,25 @@ class TieredStore:
         (same key, so the same KV) stays, a block whose new write is still queued stays owed until
         that write is settled, and references and sessions that are live again stay."""
         with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
-            self._retry_owed()
-
-    def _retry_owed(self) -> None:
-        self._reap()
-        owed, self._owed = self._owed, []
-        for op in owed:
-            if isinstance(op, DeleteBlocks):
-                state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
-                         for k in op.keys}
-                later = [k for k in op.keys if state[k] is DiskState.PENDING]
-                if later:
-                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
-                now = [k for k in op.keys if state[k] is DiskState.NONE]
-                refs = [r for r in op.refs if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
-                if now:
-                    self._submit(DeleteBlocks(now, refs))
-            else:
-                keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
-                drop_session = op.drop_session and op.sid not in self._index.sessions
-                if keys or drop_session:
-                    self._submit(DropRefs(op.sid, keys, drop_session))
+            self._reap()
+            owed, self._owed = self._owed, []
+            for op in owed:
+                if isinstance(op, DeleteBlocks):
+                    state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
+                             for k in op.keys}
+                    later = [k for k in op.keys if state[k] is DiskState.PENDING]
+                    if later:
+                        self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
+                    now = [k for k in op.keys if state[k] is DiskState.NONE]
+                    refs = [r for r in op.refs
+                            if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
+                    if now:
+                        self._submit(DeleteBlocks(now, refs))
+                else:
+                    keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
+                    drop_session = op.drop_session and op.sid not in self._index.sessions
+                    if keys or drop_session:
+                        self._submit(DropRefs(op.sid, keys, drop_session))
 
     def _live_ref(self, sid: bytes, key: bytes) -> bool:
         info = self._index.sessions.get(sid)
@@ -1088,7 +1086,7 @@ class TieredStore:
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): those tokens are computed
         after all. Hits stay as they were (counters only grow: metrics export them as such)."""
-        with self._lock, defer_interrupts():
+        with self._lock:
             self._discarded += cache.restored_tokens
             self._misses += cache.restored_tokens
 
