@@ -412,6 +412,55 @@ def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
         machine.teardown()
 
 
+def test_ctrl_c_while_another_thread_holds_the_store_after_an_opens_reads_is_raised_at_once() -> None:
+    """Past its disk reads an open takes the lock again, to hand its blocks to the index, and then
+    to unpin them. Another thread holding it (a close draining the writer) kept Ctrl-C waiting
+    for as long as it did; now the open gives up at once and leaves its pins to the next turn."""
+    machine = StoreMachine()
+    machine.start(device_blocks=0, host_blocks=0, disk=10**9, engine="handover")
+    try:
+        ids = torch.arange(3, 3 + 17).unsqueeze(0)  # four whole blocks of 4 tokens on disk
+        conv = machine.first_turn(conv=(ids, "a", None), extra=[7], new_tokens=3)
+        store = machine.store
+        store.flush()
+        read, held, release = store._read_disk_blocks, threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store._lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+
+        def read_then_lose_the_lock(*args):
+            result = read(*args)
+            holder.start()
+            held.wait(10)
+            return result
+
+        store._read_disk_blocks = read_then_lose_the_lock
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                store.open(MODEL, conv[0], session="a")
+            waited = time.monotonic() - started
+            left, pinned = sorted(store._orphaned_pins), sorted(store._pinned)
+        finally:
+            release.set()
+            holder.join()
+            timer.cancel()
+            store._read_disk_blocks = read
+        assert waited < 5, waited
+        assert left and left == pinned  # handed over, not dropped: the holder may be evicting
+        machine.next_turn(conv=conv, extra=[9], new_tokens=2)  # its _reap unpins them
+        assert not store._orphaned_pins
+        machine.index_agrees_with_the_tiers()
+    finally:
+        machine.teardown()
+
+
 def test_a_handler_the_program_installs_inside_a_section_stays() -> None:
     mine = lambda signum, frame: None  # noqa: E731
     try:

@@ -31,8 +31,9 @@ Protocol of one conversation turn::
   still references, from every tier.
 * Ctrl-C in the main thread is held off inside ``open``, a commit, ``forget``, ``flush`` and
   ``stats`` (``interrupts.py``) and raised as the call ends, with tiers, index and pins
-  consistent; it is not held off while a call waits for the lock to start, and it stops an
-  open's disk reads at the next block.
+  consistent; it is not held off while a call waits for the lock to start, it stops an open's
+  disk reads at the next block, and an open that then finds the lock taken raises at once,
+  leaving its pins to the next call that takes the lock.
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
   the writes it still held were lost at every exit without ``close()``.
@@ -50,7 +51,7 @@ import os
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -167,6 +168,7 @@ class TieredStore:
         self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
+        self._orphaned_pins: deque[bytes] = deque()  # see _let_go
         # Deletes whose batch is queued, and those whose batch failed: retried at every flush
         # and at close, since a lost delete would bring forgotten KV back after a restart.
         self._deletes: list[tuple[DeleteBlocks | DropRefs, Job[None]]] = []
@@ -386,16 +388,18 @@ class TieredStore:
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
                 reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint, held)
-                with self._lock:
+                with self._locked_unless_interrupted():
                     self._check_open()
                     self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
+                    self._unpin(pins)
+                    pins = []
             finally:
-                if pins or held:
-                    with self._lock:
-                        self._unpin(pins)
-                        for lease in held:
-                            lease.unhold()
+                # The pool's own lock guards a lease: no wait for the store's.
+                for lease in held:
+                    lease.unhold()
+                if pins:
+                    self._let_go(pins)
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
@@ -403,14 +407,27 @@ class TieredStore:
 
     @contextlib.contextmanager
     def _locked_unless_interrupted(self) -> Iterator[None]:
-        """The store lock, for a section held off from Ctrl-C that has done nothing yet: a Ctrl-C
-        while another thread holds the lock (a close draining the writer) is raised at once."""
+        """The store lock, for a section held off from Ctrl-C that has changed nothing yet but pins
+        (and leases, which the caller lets go of): a Ctrl-C while another thread holds the lock (a
+        close draining the writer) is raised at once."""
         while not self._lock.acquire(timeout=0.05):
             raise_pending()
         try:
             yield
         finally:
             self._lock.release()
+
+    def _let_go(self, pins: list[bytes]) -> None:
+        """Unpin, or, while another thread holds the lock, leave the pins to whoever takes it next
+        (``_reap``): an open that raises never waits for the lock to clean up after itself, and
+        a pin left a moment longer only keeps a block from eviction that moment."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._unpin(pins)
+            finally:
+                self._lock.release()
+        else:
+            self._orphaned_pins.extend(pins)  # one C call: atomic against the popleft in _reap
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                           fingerprint: bytes, held: list[Any]) -> tuple[dict[int, Any], float]:
@@ -913,6 +930,11 @@ class TieredStore:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
         block stays in memory only. Never waits."""
         if keys is None:
+            if self._orphaned_pins:
+                left: list[bytes] = []
+                while self._orphaned_pins:
+                    left.append(self._orphaned_pins.popleft())
+                self._unpin(left)
             self._reap_deletes()
             self._host.reclaim()
         for key in list(self._pending_writes) if keys is None else keys:
