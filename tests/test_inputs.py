@@ -77,6 +77,48 @@ def test_an_in_place_write_off_the_sample_changes_the_fingerprint() -> None:
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
+def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused_and_stores_nothing() -> None:
+    a, b = make_model("llama", seed=0), make_model("llama", seed=1)  # same shapes, other weights
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        store.open(b, ids, session="other")  # b is known to tierkv (its forwards are checked)
+        cache = store.open(a, ids, session="s")
+        with pytest.raises(ValueError, match="opened with another LlamaForCausalLM"):
+            greedy(b, ids, past_key_values=cache)
+        assert store.stats()["device"]["blocks"] == 0  # nothing of b's stored under a's fingerprint
+        out = one_turn(store, a, ids)
+        assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
+
+
+def test_commit_keeps_no_kv_from_a_forward_on_a_model_tierkv_never_saw(caplog) -> None:
+    a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(a, ids, session="s")
+        out = greedy(b, ids, past_key_values=cache)  # unchecked: b computed this KV, not a
+        with caplog.at_level("WARNING", logger="tierkv"):
+            assert cache.commit(out) == 0
+        assert "not seen" in caplog.text
+        assert store.open(a, ids, session="s").restored_tokens == 0
+        out = one_turn(store, a, ids)  # a's own turn is kept, and exact afterwards
+        assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
+
+
+def test_a_copy_of_the_model_and_a_wrappers_inner_model_may_run_its_cache() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        twin = copy.deepcopy(model)  # the same weights, so the same KV; and tierkv's hook, copied
+        out = greedy(twin, ids, past_key_values=cache)
+        assert torch.equal(out, greedy(model, ids))
+        cache.commit(out)
+        # The inner model is known to tierkv too (its own forwards are checked): its hook runs
+        # inside the outer model's forward, with the outer model's cache.
+        store.open(model.model, ids, session="inner")
+        assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
+
+
 # -- what a forward is fed ----------------------------------------------------------------------
 def restored_cache(store: TieredStore, model: torch.nn.Module, extra: int = 3) -> tuple[object, torch.Tensor]:
     out = one_turn(store, model, random_ids(20, 1))

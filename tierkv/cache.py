@@ -231,12 +231,14 @@ def _static_facts(model: Any) -> _Static:
 def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook on every model ``describe_model`` has seen (kept for the model's life;
     it does nothing unless the call passes a ``TieredCache``): a forward that would feed the cache
-    KV not computed from its conversation's ids is refused before it runs, and the ids fed after
-    the conversation are noted for ``commit`` to compare."""
+    KV not computed from its conversation's ids, or by another model than the one it was opened
+    with, is refused before it runs, and the ids fed after the conversation are noted for
+    ``commit`` to compare."""
     cache = kwargs.get("past_key_values")
     if cache is None:
         cache = kwargs.get("cache")
     if isinstance(cache, TieredCache):
+        cache._check_model(module)
         cache._check_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs)
     elif any(isinstance(a, TieredCache) for a in args):
         raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
@@ -445,11 +447,16 @@ class TieredCache(Cache):
 
     def __init__(self, *, store: "TieredStore", info: ModelInfo, input_ids: np.ndarray, root: bytes,
                  session: str | None, tenant: str | None,
-                 blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int]) -> None:
+                 blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int],
+                 model: torch.nn.Module | None = None) -> None:
         layers = [TieredLayer() for _ in range(info.num_layers)]
         super().__init__(layers=layers)
         self._store = store
         self.model_info = info
+        # Weak: a cache kept after its turn must not keep a model alive. Other model objects a
+        # forward ran on, found to compute the same KV (see _check_model).
+        self._model = weakref.ref(model) if model is not None else None
+        self._also_fine: list[weakref.ref[torch.nn.Module]] = []
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -458,6 +465,9 @@ class TieredCache(Cache):
         self.restored_tokens = sum(restored_from.values())
         self._masked_from: int | None = None  # the first token a forward's attention_mask hid
         self._fed: list[tuple[int, torch.Tensor | None]] = []  # past the conversation: (position, ids or embeds)
+        # The conversation's first tokens whose KV was restored or computed by forwards the hook
+        # checked; a forward it never saw (a model tierkv never opened a cache with) is not kept.
+        self._checked = self.restored_tokens
         if blocks:
             restore = _Restore(blocks)
             for i, layer in enumerate(layers):
@@ -474,6 +484,26 @@ class TieredCache(Cache):
         KV the store now has for this conversation.
         """
         return self._store._commit(self, sequences)
+
+    def _check_model(self, module: torch.nn.Module) -> None:
+        """A forward on a model other than the one this cache was opened with is refused, unless
+        it computes the same KV: a part of that model (a wrapper's inner model, whose own hook
+        runs inside the wrapper's forward), or a model of the same fingerprint (a copy). Otherwise
+        ``commit`` would store its KV under the opened model's fingerprint, and every later turn
+        of that model would restore it. Checked once per cache and model object."""
+        opened = self._model() if self._model is not None else None
+        if module is opened or self._model is None:
+            return
+        for ref in self._also_fine:
+            if ref() is module:
+                return
+        inside = opened is not None and any(m is module for m in opened.modules())
+        if not inside and describe_model(module).fingerprint != self.model_info.fingerprint:
+            was = f"{type(opened).__name__} object" if opened is not None else "model that no longer exists"
+            raise ValueError(f"this TieredCache was opened with another {was}, whose weights or config differ "
+                             f"from this {type(module).__name__}'s: its KV would be stored as the other model's. "
+                             "Open a cache with the model that runs it: cache = store.open(model, input_ids)")
+        self._also_fine.append(weakref.ref(module))
 
     def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any]) -> None:
         """A forward's inputs. While the cache holds less than its conversation they must be its
@@ -542,6 +572,8 @@ class TieredCache(Cache):
                                  f"position_ids that do not start at {done} and count up; pass position_ids=None")
         if hidden is not None:
             self._masked_from = hidden if self._masked_from is None else min(self._masked_from, hidden)
+        if done <= self._checked:
+            self._checked = done + n
         if got.shape[1] > n:  # this forward goes on past the conversation (assisted decoding's candidates)
             self._fed.append((len(want), input_ids[0, n:]))
 

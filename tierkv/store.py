@@ -169,6 +169,7 @@ class TieredStore:
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._orphaned_pins: deque[bytes] = deque()  # see _let_go
+        self._unchecked_commits = 0
         # Deletes whose batch is queued, and those whose batch failed: retried at every flush
         # and at close, since a lost delete would bring forgotten KV back after a restart.
         self._deletes: list[tuple[DeleteBlocks | DropRefs, Job[None]]] = []
@@ -391,7 +392,8 @@ class TieredStore:
                 with self._locked_unless_interrupted():
                     self._check_open()
                     self._read_seconds += read_seconds
-                    cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds)
+                    cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
+                                               model)
                     self._unpin(pins)
                     pins = []
             finally:
@@ -474,7 +476,7 @@ class TieredStore:
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                     reads: dict[int, Any], read_seconds: float) -> TieredCache:
+                     reads: dict[int, Any], read_seconds: float, model: Any = None) -> TieredCache:
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
         read_bytes = 0
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
@@ -533,7 +535,7 @@ class TieredStore:
             self._hits[tier_name] += n
         self._misses += len(ids) - restored
         return TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
-                           blocks=blocks, restored_from=restored_from)
+                           blocks=blocks, restored_from=restored_from, model=model)
 
     def _match(self, root: bytes, ids: np.ndarray) -> list[tuple[BlockMeta, int]]:
         """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens."""
@@ -663,6 +665,14 @@ class TieredStore:
             n = min(n, len(opened))
         if cache._masked_from is not None:
             n = min(n, cache._masked_from)  # KV from there on depends on the mask, not the ids alone
+        if cache._checked < min(n, len(opened)):
+            # A forward tierkv's hook did not see: its ids were never compared, nor its model.
+            (logger.warning if not self._unchecked_commits else logger.debug)(
+                "tierkv: commit() kept %d of %d tokens: the rest was computed by a forward on a model tierkv has "
+                "not seen (no store.open with it), so neither its ids nor its weights were checked; run the "
+                "cache on the model it was opened with", cache._checked, n)
+            self._unchecked_commits += 1
+            n = cache._checked
         if n > len(opened):
             # The ids generated with this cache, as the model was fed them: a reply edited before
             # commit (or fed as embeddings) would be keyed on ids that did not compute its KV.
