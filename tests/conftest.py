@@ -29,6 +29,23 @@ _SHAPES: dict[str, dict[str, object]] = {
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64),
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    # Normalised queries and keys (qwen3, olmo2), scaled embeddings (gemma), partial rotary (gptj,
+    # phi), ALiBi (bloom), parallel blocks (cohere, gptj), multipliers (granite), biases (starcoder2).
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "olmo2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+    "cohere": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2),
+    "starcoder2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, sliding_window=None),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.05),  # at 0.02 the prefix barely moves its logits
+    "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
 }
 ARCHITECTURES = list(_SHAPES)
 

@@ -441,6 +441,20 @@ def bloom() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def test_a_model_whose_generate_feeds_every_id_at_every_step_is_refused_as_such() -> None:
+    """transformers' MPT re-feeds the whole sequence at each decode step (a DynamicCache ends up
+    holding 110 tokens for a 20-token prompt and 5 new ones): the error names the model's
+    generate(), not the caller. Played here with llama's forward, as that generate() calls it."""
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        with torch.no_grad():
+            step = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            with pytest.raises(ValueError, match="feeds every id at every step"):
+                model(torch.cat([ids, step], dim=1), past_key_values=cache)
+
+
 @pytest.mark.parametrize("arch", ["llama", "bloom"])
 def test_generate_on_a_cache_that_holds_every_id_is_refused(arch: str) -> None:
     model = make_model("llama") if arch == "llama" else bloom()

@@ -535,6 +535,13 @@ class TieredCache(Cache):
                 # (a device sync) only for a forward as long as the conversation, never a decode step.
                 if input_ids.shape[1] >= len(want) > 1 and \
                         (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
+                    if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
+                        # Right after a prefill this cache computed: the model's own generate()
+                        # re-feeds every id at each step (transformers' MPT does), not the caller.
+                        raise ValueError(f"the model was given all {done + 1} ids on top of the {done} this "
+                                         "TieredCache computed a step before: its generate() feeds every id at "
+                                         "every step instead of the ids past the cache (transformers' MPT does "
+                                         "this), so it cannot use a TieredCache; generate with it without tierkv")
                     raise ValueError(f"this TieredCache already holds all {len(want)} ids it was opened with, and "
                                      "the model was given them again (generate() on a cache that holds every id "
                                      "feeds the whole conversation on top of it): their KV would be held twice. "
