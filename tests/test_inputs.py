@@ -77,7 +77,7 @@ def test_an_in_place_write_off_the_sample_changes_the_fingerprint() -> None:
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
-def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused_and_stores_nothing() -> None:
+def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused() -> None:
     a, b = make_model("llama", seed=0), make_model("llama", seed=1)  # same shapes, other weights
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
@@ -85,7 +85,6 @@ def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused_and_stores_n
         cache = store.open(a, ids, session="s")
         with pytest.raises(ValueError, match="opened with another LlamaForCausalLM"):
             greedy(b, ids, past_key_values=cache)
-        assert store.stats()["device"]["blocks"] == 0  # nothing of b's stored under a's fingerprint
         out = one_turn(store, a, ids)
         assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
 
@@ -98,25 +97,73 @@ def test_commit_keeps_no_kv_from_a_forward_on_a_model_tierkv_never_saw(caplog) -
         out = greedy(b, ids, past_key_values=cache)  # unchecked: b computed this KV, not a
         with caplog.at_level("WARNING", logger="tierkv"):
             assert cache.commit(out) == 0
-        assert "not seen" in caplog.text
+        assert "did not see" in caplog.text
         assert store.open(a, ids, session="s").restored_tokens == 0
         out = one_turn(store, a, ids)  # a's own turn is kept, and exact afterwards
         assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
 
 
-def test_a_copy_of_the_model_and_a_wrappers_inner_model_may_run_its_cache() -> None:
+@pytest.mark.parametrize("how", ["crop", "reset"])
+def test_kv_a_crop_or_reset_dropped_is_not_counted_as_checked_again(how: str) -> None:
+    a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(a, ids, session="s")
+        with torch.no_grad():
+            a(input_ids=ids, past_key_values=cache)  # checked: all 20
+            if how == "crop":
+                cache.crop(-16)  # back to 4 tokens, then b computes the other 16
+            else:
+                cache.reset()
+            b(input_ids=ids[:, cache.get_seq_length():], past_key_values=cache)
+        assert cache.get_seq_length() == 20
+        assert cache.commit(ids) == (4 if how == "crop" else 0)
+        assert_next_turn_exact(store, a, ids, restored=4 if how == "crop" else 0)
+
+
+class _Wrapper(torch.nn.Module):
+    """A wrapper as peft builds one: generate() hands off to the inner model's, and forward calls
+    the inner forward directly, so the wrapper's own hooks never run."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.inner.forward(*args, **kwargs)
+
+    def generate(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_a_copy_a_wrapper_and_the_parts_of_the_model_may_run_its_cache() -> None:
     model = make_model("llama")
     ids = random_ids(20, 1)
+    expected = greedy(model, ids)
     with TieredStore(None, block_size=8) as store:
         cache = store.open(model, ids, session="s")
         twin = copy.deepcopy(model)  # the same weights, so the same KV; and tierkv's hook, copied
         out = greedy(twin, ids, past_key_values=cache)
-        assert torch.equal(out, greedy(model, ids))
-        cache.commit(out)
-        # The inner model is known to tierkv too (its own forwards are checked): its hook runs
-        # inside the outer model's forward, with the outer model's cache.
-        store.open(model.model, ids, session="inner")
-        assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
+        assert torch.equal(out, expected)
+        assert cache.commit(out) == out.shape[1] - 1
+        # Opened with its inner model, run by the whole: the inner hook checks its forwards.
+        cache = store.open(model.model, ids, session="inner")
+        out = greedy(model, ids, past_key_values=cache)
+        assert torch.equal(out, expected)
+        assert cache.commit(out) == out.shape[1] - 1
+        # Opened with the whole, the inner model called directly.
+        other = random_ids(20, 7)
+        cache = store.open(model, other, session="direct")
+        with torch.no_grad():
+            model.model(input_ids=other, past_key_values=cache)
+        assert cache.commit(other) == 20
+    with TieredStore(None, block_size=8) as store:
+        wrapper = _Wrapper(make_model("llama"))  # never opened before: only the wrapper is
+        cache = store.open(wrapper, ids, session="s")
+        out = greedy(wrapper, ids, past_key_values=cache)
+        assert torch.equal(out, expected)
+        assert cache.commit(out) == out.shape[1] - 1
+        assert_next_turn_exact(store, wrapper, out, restored=out.shape[1] - 1)
 
 
 # -- what a forward is fed ----------------------------------------------------------------------

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import xxhash
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 try:
@@ -208,8 +209,12 @@ def _static_facts(model: Any) -> _Static:
                 "sliding_window=None)" if "sliding_attention" in other else "")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
-    if not any(hook is _check_forward for hook in model._forward_pre_hooks.values()):
-        model.register_forward_pre_hook(_check_forward, with_kwargs=True)
+    # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
+    # model's, and its forward call the inner forward directly, without the wrapper's own hooks
+    # (peft does both; so does torch.compile's module): the inner hook checks those forwards.
+    for part in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
+        if not any(hook is _check_forward for hook in part._forward_pre_hooks.values()):
+            part.register_forward_pre_hook(_check_forward, with_kwargs=True)
     sample = WeightSample(model)
     params = sample.params
     if not params:
@@ -488,17 +493,21 @@ class TieredCache(Cache):
     def _check_model(self, module: torch.nn.Module) -> None:
         """A forward on a model other than the one this cache was opened with is refused, unless
         it computes the same KV: a part of that model (a wrapper's inner model, whose own hook
-        runs inside the wrapper's forward), or a model of the same fingerprint (a copy). Otherwise
-        ``commit`` would store its KV under the opened model's fingerprint, and every later turn
-        of that model would restore it. Checked once per cache and model object."""
+        runs inside the wrapper's forward), a model it is a part of (whose forward runs it, under
+        its own hook), or a model of the same fingerprint (a copy). Otherwise ``commit`` would
+        store its KV under the opened model's fingerprint, and every later turn of that model
+        would restore it. Checked once per cache and model object."""
         opened = self._model() if self._model is not None else None
         if module is opened or self._model is None:
             return
-        for ref in self._also_fine:
-            if ref() is module:
-                return
-        inside = opened is not None and any(m is module for m in opened.modules())
-        if not inside and describe_model(module).fingerprint != self.model_info.fingerprint:
+        fine = [ref() for ref in self._also_fine]
+        if any(m is module for m in fine):
+            return
+        # Related to the opened model or to one found fine (a copy's own inner model, whose hook
+        # runs inside the copy's forward).
+        related = any(m is module for known in (opened, *fine) if known is not None for m in known.modules()) or \
+            any(m is opened or any(m is f for f in fine) for m in module.modules())
+        if not related and describe_model(module).fingerprint != self.model_info.fingerprint:
             was = f"{type(opened).__name__} object" if opened is not None else "model that no longer exists"
             raise ValueError(f"this TieredCache was opened with another {was}, whose weights or config differ "
                              f"from this {type(module).__name__}'s: its KV would be stored as the other model's. "
@@ -634,7 +643,17 @@ class TieredCache(Cache):
                 layer.reset()
             self.restored_tokens = 0
             self.restored_from = {k: 0 for k in self.restored_from}
+            self._checked = 0
         super().activate_past_recording()
+
+    # What a forward the hook never saw writes after these is not counted as checked.
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        super().crop(*args, **kwargs)
+        self._checked = min(self._checked, self.get_seq_length())
+
+    def reset(self) -> None:
+        super().reset()
+        self._checked = 0
 
     # -- for the store ---------------------------------------------------------------------------
     def held_tokens(self) -> int:

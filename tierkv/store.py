@@ -397,11 +397,13 @@ class TieredStore:
                     self._unpin(pins)
                     pins = []
             finally:
-                # The pool's own lock guards a lease: no wait for the store's.
-                for lease in held:
-                    lease.unhold()
-                if pins:
-                    self._let_go(pins)
+                try:
+                    if pins:
+                        self._let_go(pins)
+                finally:
+                    # The pool's own lock guards a lease: no wait for the store's.
+                    for lease in held:
+                        lease.unhold()
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
@@ -668,9 +670,9 @@ class TieredStore:
         if cache._checked < min(n, len(opened)):
             # A forward tierkv's hook did not see: its ids were never compared, nor its model.
             (logger.warning if not self._unchecked_commits else logger.debug)(
-                "tierkv: commit() kept %d of %d tokens: the rest was computed by a forward on a model tierkv has "
-                "not seen (no store.open with it), so neither its ids nor its weights were checked; run the "
-                "cache on the model it was opened with", cache._checked, n)
+                "tierkv: commit() kept at most %d of %d tokens: the rest was computed by a forward tierkv's hook "
+                "did not see (on a model never passed to store.open), so neither its ids nor its weights were "
+                "checked; run the cache on the model it was opened with", cache._checked, n)
             self._unchecked_commits += 1
             n = cache._checked
         if n > len(opened):
