@@ -16,7 +16,7 @@ from conftest import VOCAB, make_model, random_ids
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tierkv import TieredStore
-from tierkv.cache import TieredLayer
+from tierkv.cache import TieredCache, TieredLayer
 from tierkv.weights import sample_index
 
 NEW = 5
@@ -134,6 +134,18 @@ class _Wrapper(torch.nn.Module):
 
     def generate(self, *args: object, **kwargs: object) -> torch.Tensor:
         return self.inner.generate(*args, **kwargs)
+
+
+def test_an_inner_models_hook_does_not_check_its_wrappers_forward_again(monkeypatch) -> None:
+    model = make_model("llama")  # LlamaForCausalLM's forward runs LlamaModel's: both are hooked
+    checks = []
+    monkeypatch.setattr(TieredCache, "_check_inputs",
+                        lambda self, *args, _real=TieredCache._check_inputs: checks.append(1) or _real(self, *args))
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, random_ids(20, 1), session="s")
+        greedy(model, random_ids(20, 1), past_key_values=cache)
+    # One per forward (NEW of them), and the inner model's own at the first, which finds it fine.
+    assert len(checks) == NEW + 1
 
 
 def test_a_copy_a_wrapper_and_the_parts_of_the_model_may_run_its_cache() -> None:

@@ -243,8 +243,7 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     if cache is None:
         cache = kwargs.get("cache")
     if isinstance(cache, TieredCache):
-        cache._check_model(module)
-        cache._check_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs)
+        cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
     elif any(isinstance(a, TieredCache) for a in args):
         raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
                          "not as a positional argument")
@@ -447,6 +446,10 @@ class TieredLayer(DynamicLayer):
         super().reset()
 
 
+# The forward arguments besides the ids that ``_check_inputs`` reads.
+_CHECKED_KWARGS = ("attention_mask", "position_ids", "inputs_embeds", "token_type_ids")
+
+
 class TieredCache(Cache):
     """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``."""
 
@@ -462,6 +465,7 @@ class TieredCache(Cache):
         # forward ran on, found to compute the same KV (see _check_model).
         self._model = weakref.ref(model) if model is not None else None
         self._also_fine: list[weakref.ref[torch.nn.Module]] = []
+        self._last_checked: tuple[int, tuple[Any, ...]] | None = None  # see _check_forward
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -490,6 +494,25 @@ class TieredCache(Cache):
         """
         return self._store._commit(self, sequences)
 
+    def _check_forward(self, module: torch.nn.Module, input_ids: Any, kwargs: dict[str, Any]) -> None:
+        """The hook's checks, once per forward: an inner model's hook runs them again inside its
+        wrapper's forward, on the same inputs (a decode step's cost twice over). Skipped there when
+        the inputs are the very objects just checked, at the same length, by a model found fine."""
+        done = self.get_seq_length()
+        seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
+        last = self._last_checked
+        if last is not None and last[0] == done and all(a is b for a, b in zip(last[1], seen)) and \
+                self._is_fine(module):
+            return
+        self._check_model(module)
+        self._check_inputs(input_ids, kwargs, done)
+        self._last_checked = (done, seen)
+
+    def _is_fine(self, module: torch.nn.Module) -> bool:
+        if self._model is None or module is self._model():
+            return True
+        return any(ref() is module for ref in self._also_fine)
+
     def _check_model(self, module: torch.nn.Module) -> None:
         """A forward on a model other than the one this cache was opened with is refused, unless
         it computes the same KV: a part of that model (a wrapper's inner model, whose own hook
@@ -514,7 +537,7 @@ class TieredCache(Cache):
                              "Open a cache with the model that runs it: cache = store.open(model, input_ids)")
         self._also_fine.append(weakref.ref(module))
 
-    def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any]) -> None:
+    def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any], done: int) -> None:
         """A forward's inputs. While the cache holds less than its conversation they must be its
         next ids (every row alike, where beams expand the batch), at their own positions, as ids
         (not embeddings, not with token types), under at most a 2-D mask; a mask that hides a
@@ -522,7 +545,7 @@ class TieredCache(Cache):
         Past the conversation, the ids fed are noted (no device sync) for ``commit``; the whole
         conversation fed again there is refused. Layers that disagree (a forward that raised
         part-way) refuse every forward."""
-        done, want = self.get_seq_length(), self.input_ids
+        want = self.input_ids
         # The last layer's keys and values both: out of memory between its two concatenations
         # left its keys a token ahead of its values, with every layer's keys alike.
         behind = self.layers[-1].held_tokens()
