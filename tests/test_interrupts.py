@@ -382,16 +382,21 @@ def test_ctrl_c_while_another_thread_holds_the_store_is_raised_at_once(operation
         machine.teardown()
 
 
+def _on_disk_only(machine: StoreMachine) -> tuple[tuple, object]:
+    """A conversation whose blocks (four whole ones of 4 tokens) rest on disk alone, written."""
+    machine.start(device_blocks=0, host_blocks=0, disk=10**9, engine="handover")
+    ids = torch.arange(3, 3 + 17).unsqueeze(0)
+    conv = machine.first_turn(conv=(ids, "a", None), extra=[7], new_tokens=3)
+    machine.store.flush()
+    return conv, machine.store
+
+
 def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
     """A restore from a cold disk can take seconds: after a Ctrl-C the open reads no further
     block, hands what it has to the index, and raises as it ends."""
     machine = StoreMachine()
-    machine.start(device_blocks=0, host_blocks=0, disk=10**9, engine="handover")
     try:
-        ids = torch.arange(3, 3 + 17).unsqueeze(0)  # four whole blocks of 4 tokens on disk
-        conv = machine.first_turn(conv=(ids, "a", None), extra=[7], new_tokens=3)
-        store = machine.store
-        store.flush()
+        conv, store = _on_disk_only(machine)
         load, loads = store._disk.load, []
 
         def interrupted_load(key, empty):
@@ -413,16 +418,12 @@ def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
 
 
 def test_ctrl_c_while_another_thread_holds_the_store_after_an_opens_reads_is_raised_at_once() -> None:
-    """Past its disk reads an open takes the lock again, to hand its blocks to the index, and then
-    to unpin them. Another thread holding it (a close draining the writer) kept Ctrl-C waiting
-    for as long as it did; now the open gives up at once and leaves its pins to the next turn."""
+    """Past its disk reads an open takes the lock again, to hand its blocks to the index and
+    unpin them. Another thread holding it (a close draining the writer) kept Ctrl-C waiting for
+    as long as it did; now the open gives up at once and leaves its pins to the next turn."""
     machine = StoreMachine()
-    machine.start(device_blocks=0, host_blocks=0, disk=10**9, engine="handover")
     try:
-        ids = torch.arange(3, 3 + 17).unsqueeze(0)  # four whole blocks of 4 tokens on disk
-        conv = machine.first_turn(conv=(ids, "a", None), extra=[7], new_tokens=3)
-        store = machine.store
-        store.flush()
+        conv, store = _on_disk_only(machine)
         read, held, release = store._read_disk_blocks, threading.Event(), threading.Event()
 
         def hold() -> None:
