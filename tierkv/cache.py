@@ -520,12 +520,10 @@ class TieredCache(Cache):
         its own hook), or a model of the same fingerprint (a copy). Otherwise ``commit`` would
         store its KV under the opened model's fingerprint, and every later turn of that model
         would restore it. Checked once per cache and model object."""
+        if self._is_fine(module):
+            return
         opened = self._model() if self._model is not None else None
-        if module is opened or self._model is None:
-            return
         fine = [ref() for ref in self._also_fine]
-        if any(m is module for m in fine):
-            return
         # Related to the opened model or to one found fine (a copy's own inner model, whose hook
         # runs inside the copy's forward).
         related = any(m is module for known in (opened, *fine) if known is not None for m in known.modules()) or \
