@@ -549,3 +549,165 @@ def test_forwards_past_the_conversation_pass_with_a_masked_pad_in_the_prompt(dec
             assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
         else:
             assert cache.commit(out) == 6  # up to the pad
+
+
+# -- forwards past the conversation, and the model's modes -------------------------------------------
+def decode_past(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, steps: int,
+                **step_kwargs: object) -> torch.Tensor:
+    """The conversation's prefill, then ``steps`` greedy single-token forwards past it, each
+    given ``step_kwargs`` (callables of the step's position); the ids they make."""
+    out = ids
+    with torch.no_grad():
+        logits = model(ids[:, cache.get_seq_length():], past_key_values=cache).logits
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            at = out.shape[1]
+            logits = model(token, past_key_values=cache, **{k: f(at) for k, f in step_kwargs.items()}).logits
+            out = torch.cat([out, token], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("given", ["mask hiding a token", "positions off"])
+def test_kv_computed_past_the_conversation_under_a_mask_or_at_other_positions_is_not_kept(given: str) -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 4)
+
+    def hiding(at: int) -> torch.Tensor:
+        mask = torch.ones(1, at + 1, dtype=torch.long)
+        mask[0, 3] = 0
+        return mask
+
+    step = {"attention_mask": hiding} if given == "mask hiding a token" else \
+        {"position_ids": lambda at: torch.tensor([[at + 10]])}
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = decode_past(model, cache, ids, 4, **step)
+        assert cache.commit(out) == 20  # the conversation's own KV only
+        assert_next_turn_exact(store, model, out, restored=20)
+        cache = store.open(model, ids, session="t")  # the control: the same steps without them
+        out = decode_past(model, cache, ids, 4)
+        assert cache.commit(out) == 24
+
+
+def test_a_second_generate_whose_mask_hides_a_generated_token_keeps_what_came_before() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        first = greedy(model, ids, past_key_values=cache)  # the cache holds 24
+        later = torch.cat([first, random_ids(4, 2)], dim=1)
+        mask = torch.ones_like(later)
+        mask[0, 22] = 0  # a token the first generate() made, hidden from the second's
+        second = greedy(model, later, past_key_values=cache, attention_mask=mask)
+        assert cache.commit(second) == 24
+        assert_next_turn_exact(store, model, second, restored=24)
+
+
+def test_ids_fed_past_the_conversation_are_copied_when_fed() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        # A decode loop feeding views of one buffer, the reply edited in it before commit.
+        cache = store.open(model, ids, session="s")
+        buf = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+        logits = model(ids, past_key_values=cache).logits
+        for at in range(20, 24):
+            buf[0, at] = logits[0, -1].argmax()
+            logits = model(buf[:, at:at + 1], past_key_values=cache).logits
+        buf[0, 24] = logits[0, -1].argmax()
+        buf[0, 21:23] = torch.tensor([7, 8])
+        with pytest.raises(ValueError, match="differ from the ones the model generated"):
+            cache.commit(buf)
+        # One step tensor written again each step: the ids it held when fed are the ones kept.
+        cache = store.open(model, ids, session="t")
+        step, made = torch.zeros(1, 1, dtype=torch.long), []
+        logits = model(ids, past_key_values=cache).logits
+        for _ in range(4):
+            step[0, 0] = logits[0, -1].argmax()
+            made.append(int(step))
+            logits = model(step, past_key_values=cache).logits
+        assert cache.commit(torch.cat([ids, torch.tensor([made])], dim=1)) == 24
+
+
+def test_a_crop_forgets_the_ids_fed_past_the_new_length() -> None:
+    a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(a, ids, session="s")
+        out = greedy(a, ids, past_key_values=cache)  # 24 held: 4 past the conversation
+        cache.crop(-3)
+        with torch.no_grad():
+            b(out[:, 21:24], past_key_values=cache)  # b's KV where a's ids were noted
+        assert cache.get_seq_length() == 24
+        assert cache.commit(out) == 21
+        assert_next_turn_exact(store, a, out, restored=21)
+
+
+def test_a_sample_selected_from_several_keeps_only_the_conversation() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        torch.manual_seed(0)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=True, num_return_sequences=3)
+        assert not torch.equal(out[0], out[2])
+        cache.batch_select_indices(torch.tensor([2]))  # row 2's KV, while row 0's ids were noted
+        assert cache.commit(out[2:3]) == 20
+        assert_next_turn_exact(store, model, out[2:3], restored=20)
+
+
+def test_a_model_in_training_mode_or_under_autocast_is_refused() -> None:
+    model = make_model("gpt2")  # with dropout
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        one_turn(store, model, ids)
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 19
+        model.train()
+        try:
+            with pytest.raises(ValueError, match=r"training mode.*model\.eval\(\)"):
+                greedy(model, ids, past_key_values=cache)
+        finally:
+            model.eval()
+        for restored in (True, False):
+            cache = store.open(model, ids if restored else random_ids(20, 5), session="s")
+            with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+                greedy(model, ids, past_key_values=cache)
+        assert store.stats()["device"]["blocks"] == 3  # the first turn's only
+
+
+def test_kv_in_another_dtype_than_the_restored_blocks_is_refused() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        one_turn(store, model, ids)
+        cache = store.open(model, ids, session="s")
+        keys = torch.zeros(1, 2, 1, 8)  # (batch, kv heads, tokens, head dim) of the llama shape
+        with pytest.raises(ValueError, match="computed keys in torch.float32 and values in torch.bfloat16"):
+            cache.layers[0].update(keys, keys.bfloat16(), 0)
+        assert cache.layers[0].get_seq_length() == 19  # still the restore, untouched
+        cache = store.open(model, random_ids(20, 5), session="t")
+        out = greedy(model, random_ids(20, 5), past_key_values=cache)
+        for layer in cache.layers:  # values alone in another dtype
+            layer.values = layer.values.bfloat16()
+        with pytest.raises(ValueError, match="KV in torch.bfloat16 but"):
+            cache.commit(out)
+
+
+def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() -> None:
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = greedy(model, ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="positions from 4 on, but this TieredCache holds 24"):
+            greedy(model, ids, past_key_values=cache)  # the first prompt again: a slice of it is fed
+        with torch.no_grad(), pytest.raises(ValueError, match="attention_mask over 1 tokens rather than 25"):
+            model(out[:, -1:], past_key_values=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
+        cache = store.open(model, ids, session="b")
+        greedy(model, ids, past_key_values=cache, num_beams=3)
+        with pytest.raises(ValueError, match="holds 3 rows"):
+            greedy(model, torch.cat([ids, random_ids(2, 3)], dim=1), past_key_values=cache)
+        cache = store.open(model, ids, session="c")
+        with pytest.raises(ValueError, match="use_cache=False"):
+            greedy(model, ids, past_key_values=cache, use_cache=False)

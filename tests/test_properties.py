@@ -193,7 +193,7 @@ class StoreMachine(RuleBasedStateMachine):
             return  # out of memory in open, or before the first layer took a token
         if out is None:
             # generate() raised: the ids a streamer showed, and the one fed last.
-            out = torch.cat([ids[0], *(t.reshape(-1) for _, t in cache._fed if t is not None)])[None]
+            out = torch.cat([ids[0], *(f.ids.reshape(-1) for f in cache._fed if f.ids is not None)])[None]
         assert 0 <= cache.commit(out) <= out.shape[1]
 
     @rule(target=conversations, conv=fresh, extra=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6),

@@ -16,8 +16,10 @@ and holds no policy:
   conversation, a forward must be fed the conversation's next ids (every row alike: beams) at
   their own positions, not ``inputs_embeds`` nor ``token_type_ids``, under at most a 2-D mask;
   an ``attention_mask`` that hides a token ends what ``commit`` keeps there, and one that hides
-  a restored token is refused. Past the conversation the ids fed are noted (references, no
-  device sync), and ``commit`` compares them with the sequences it is given. ``generate`` feeds
+  a restored token is refused. Past the conversation the ids fed are noted, with whether the
+  mask hid a token and the positions given (copies, no device sync), and ``commit`` keeps what
+  was computed from known ids, unmasked, at their own positions, if they are the sequences it
+  is given. ``generate`` feeds
   a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
   at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
   ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
@@ -52,7 +54,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -419,6 +421,11 @@ class TieredLayer(DynamicLayer):
             # The first forward after a restore: one concatenation of the restored blocks and the
             # new tokens, for keys and values together, rather than a copy of the prefix first.
             parts = self._take_parts()
+            if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
+                # torch.cat would promote them to one dtype, and the output differ from recomputation.
+                raise ValueError(f"the model computed keys in {key_states.dtype} and values in {value_states.dtype}, "
+                                 f"but this TieredCache restored them in {parts[0].dtype}, its weights' dtype; "
+                                 "tierkv needs a model that computes its KV in the dtype of its weights")
             return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2))
         if self.is_initialized:
             keys = self.keys
@@ -450,6 +457,18 @@ class TieredLayer(DynamicLayer):
 _CHECKED_KWARGS = ("attention_mask", "position_ids", "inputs_embeds", "token_type_ids")
 
 
+class _Fed(NamedTuple):
+    """A forward past the conversation, as ``commit`` reads it: where it started; its ids (row
+    0, copied: a caller's decode loop may reuse or edit the tensor), None where it was fed
+    embeddings or token types; and, left on the device until ``commit`` (no sync per decode
+    step), whether its 2-D mask hid nothing and the ``position_ids`` it was given."""
+
+    at: int
+    ids: torch.Tensor | None
+    unmasked: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
 class TieredCache(Cache):
     """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``."""
 
@@ -473,7 +492,10 @@ class TieredCache(Cache):
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
         self._masked_from: int | None = None  # the first token a forward's attention_mask hid
-        self._fed: list[tuple[int, torch.Tensor | None]] = []  # past the conversation: (position, ids or embeds)
+        self._fed: list[_Fed] = []  # the forwards past the conversation
+        # A forward past the conversation fed several rows (beams, samples): the rows' KV there no
+        # longer follows row 0's ids once they are reordered or selected, so none is kept.
+        self._rows_diverged = False
         # The conversation's first tokens whose KV was restored or computed by forwards the hook
         # checked; a forward it never saw (a model tierkv never opened a cache with) is not kept.
         self._checked = self.restored_tokens
@@ -498,6 +520,18 @@ class TieredCache(Cache):
         """The hook's checks, once per forward: an inner model's hook runs them again inside its
         wrapper's forward, on the same inputs (a decode step's cost twice over). Skipped there when
         the inputs are the very objects just checked, at the same length, by a model found fine."""
+        if module.training:
+            # Dropout makes KV differ from run to run: what commit kept would not be the KV the
+            # ids and weights give, and every later turn would restore it.
+            raise ValueError(f"the {type(module).__name__} is in training mode (from_config() and train() leave it "
+                             "so): dropout would make the KV this TieredCache stores random. Call model.eval() "
+                             "before generating with it")
+        if torch.is_autocast_enabled(self.model_info.device.type):
+            # Under autocast keys and values come out in different dtypes (RoPE promotes the keys),
+            # neither the model's: KV restored into it, or kept from it, would not equal recomputation.
+            raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
+                             f"{self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
+                             "(model.to(torch.bfloat16)) and run it without autocast")
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
@@ -557,27 +591,17 @@ class TieredCache(Cache):
                              f"hold {done} and {behind} tokens, and a forward would compute wrong KV. Commit it "
                              "(commit keeps the tokens every layer holds) and open a new cache with store.open")
         embeds = kwargs.get("inputs_embeds")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(input_ids, torch.Tensor) and \
+                input_ids.dim() == 2 and mask.shape[1] != done + input_ids.shape[1]:
+            # A 2-D mask covers the cached tokens and the new ones. generate() given ids shorter than
+            # the cache feeds a slice of them, at other positions, with a mask as long as the ids.
+            raise ValueError(f"the model was given {input_ids.shape[1]} ids on top of the {done} this TieredCache "
+                             f"holds, with an attention_mask over {mask.shape[1]} tokens rather than "
+                             f"{done + input_ids.shape[1]}: generate() takes the whole conversation, the cache's "
+                             "ids and the new ones (and model() a mask over both)")
         if done >= len(want):
-            if embeds is not None:
-                self._fed.append((done, None))
-            elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
-                # generate() given a cache that holds every id it is given feeds them all again. Read
-                # (a device sync) only for a forward as long as the conversation, never a decode step.
-                if input_ids.shape[1] >= len(want) > 1 and \
-                        (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
-                    if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
-                        # Right after a prefill this cache computed: the model's own generate()
-                        # re-feeds every id at each step (transformers' MPT does), not the caller.
-                        raise ValueError(f"the model was given all {done + 1} ids on top of the {done} this "
-                                         "TieredCache computed a step before: its generate() feeds every id at "
-                                         "every step instead of the ids past the cache (transformers' MPT does "
-                                         "this), so it cannot use a TieredCache; generate with it without tierkv")
-                    raise ValueError(f"this TieredCache already holds all {len(want)} ids it was opened with, and "
-                                     "the model was given them again (generate() on a cache that holds every id "
-                                     "feeds the whole conversation on top of it): their KV would be held twice. "
-                                     "Commit this cache and open a new one with the conversation and its new "
-                                     "message (store.open restores at most all but the last id)")
-                self._fed.append((done, input_ids[0]))
+            self._note_past(input_ids, embeds, kwargs, done)
             return
         if embeds is not None:
             raise ValueError("a TieredCache was given inputs_embeds; its blocks are keyed on token ids, so KV "
@@ -612,7 +636,64 @@ class TieredCache(Cache):
         if done <= self._checked:
             self._checked = done + n
         if got.shape[1] > n:  # this forward goes on past the conversation (assisted decoding's candidates)
-            self._fed.append((len(want), input_ids[0, n:]))
+            # Its mask was read above, into _masked_from.
+            self._note(len(want), input_ids[:, n:], None,
+                       positions[..., n:] if isinstance(positions, torch.Tensor) else None)
+
+    def _note_past(self, input_ids: Any, embeds: Any, kwargs: dict[str, Any], done: int) -> None:
+        """A forward past the conversation: noted for ``commit``, which keeps its KV only where it
+        was computed from known ids, unmasked, at their own positions."""
+        want = self.input_ids
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            self._hidden_token(mask, done)  # raises: a custom mask
+        if embeds is not None or kwargs.get("token_type_ids") is not None or \
+                not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            self._fed.append(_Fed(done, None))
+            return
+        rows = self.batch_rows()
+        if rows > 1 and input_ids.shape[0] != rows:
+            raise ValueError(f"this TieredCache holds {rows} rows (beams or num_return_sequences) past its "
+                             f"conversation, and the model was given {input_ids.shape[0]}: commit it (which keeps "
+                             "the conversation's KV) and open a new cache for the next generate()")
+        # generate() given a cache that holds every id it is given feeds them all again. Read
+        # (a device sync) only for a forward as long as the conversation, never a decode step.
+        if input_ids.shape[1] >= len(want) > 1 and \
+                (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
+            if kwargs.get("use_cache") is False:
+                raise ValueError("generate() was called with use_cache=False, so it feeds every id at every step: "
+                                 "a TieredCache would hold their KV twice. Leave use_cache at its default")
+            if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
+                # Right after a prefill this cache computed: the model's own generate() re-feeds
+                # every id at each step (transformers' MPT does), not the caller.
+                raise ValueError(f"the model was given all {done + 1} ids on top of the {done} this "
+                                 "TieredCache computed a step before: its generate() feeds every id at "
+                                 "every step instead of the ids past the cache (transformers' MPT does "
+                                 "this), so it cannot use a TieredCache; generate with it without tierkv")
+            raise ValueError(f"this TieredCache already holds all {len(want)} ids it was opened with, and "
+                             "the model was given them again (generate() on a cache that holds every id "
+                             "feeds the whole conversation on top of it): their KV would be held twice. "
+                             "Commit this cache and open a new one with the conversation and its new "
+                             "message (store.open restores at most all but the last id)")
+        positions = kwargs.get("position_ids")
+        positions = positions if isinstance(positions, torch.Tensor) else None
+        # Read (a sync) for a forward of several ids only, never a decode step; generate() counts
+        # positions over the mask, so past a masked token they stay behind the cache's length.
+        if positions is not None and input_ids.shape[1] > 1 and (mask is None or bool(mask.all())) and \
+                int(positions.detach().reshape(-1)[0]) != done:
+            # generate() given fewer ids than the cache holds feeds the last of them at their
+            # positions in those ids, not after the cache.
+            raise ValueError(f"the model was given {input_ids.shape[1]} ids at positions from "
+                             f"{int(positions.reshape(-1)[0])} on, but this TieredCache holds {done} tokens: "
+                             "generate() takes the whole conversation the cache holds and its new ids (pass the "
+                             "sequences the last generate() returned, with the new message appended)")
+        self._note(done, input_ids, mask if isinstance(mask, torch.Tensor) else None, positions)
+
+    def _note(self, at: int, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+        if ids.shape[0] > 1:
+            self._rows_diverged = True
+        self._fed.append(_Fed(at, ids[0].clone(), None if mask is None else mask.all(),
+                              None if positions is None else positions.clone()))
 
     def _hidden_token(self, mask: Any, done: int) -> int | None:
         """The first token a 2-D attention mask hides, None if none; other masks are refused."""
@@ -637,18 +718,38 @@ class TieredCache(Cache):
     def _fed_ids(self, start: int, stop: int) -> tuple[np.ndarray, int]:
         """The ids the model was fed at positions ``[start, stop)``, later forwards overriding
         earlier ones (assisted decoding crops rejected tokens and feeds others), and where what
-        was fed stops being known ids: the first position fed as embeddings or never fed."""
+        was fed stops being known ids: the first position never fed, or fed as embeddings, under
+        a mask that hid a token, or at other positions than its own."""
         out = np.full(max(0, stop - start), -1, dtype=np.int64)
-        known = [(at, t) for at, t in self._fed if t is not None]
-        flat = torch.cat([t.reshape(-1) for _, t in known]).cpu().numpy() if known else np.empty(0, np.int64)
-        i = 0
-        for at, t in self._fed:
-            if t is None:
+        fed = self._fed
+        # One read each (a device sync on CUDA), for every forward at once.
+        flat = _flat_numpy([f.ids for f in fed if f.ids is not None])
+        unmasked = [f.unmasked for f in fed if f.unmasked is not None]
+        unmasked_at = torch.stack(unmasked).cpu().numpy().tolist() if unmasked else []
+        positions = _flat_numpy([f.positions for f in fed if f.positions is not None])
+        i = m = p = 0
+        for f in fed:
+            at = f.at
+            if f.ids is None:
+                known = False
+            else:
+                k = int(f.ids.numel())
+                known = True
+                if f.unmasked is not None:
+                    known = bool(unmasked_at[m])
+                    m += 1
+                if f.positions is not None:
+                    rows = int(f.positions.numel()) // max(1, k)
+                    given = positions[p:p + rows * k].reshape(rows, k) if rows * k == f.positions.numel() else None
+                    p += int(f.positions.numel())
+                    known = known and given is not None and bool((given == np.arange(at, at + k)).all())
+            if not known:
                 lo = max(at, start) - start
                 if lo < len(out):
                     out[lo:] = -1
+                if f.ids is not None:
+                    i += k
                 continue
-            k = int(t.numel())
             lo, hi = max(at, start), min(at + k, stop)
             if lo < hi:
                 out[lo - start:hi - start] = flat[i + lo - at:i + hi - at]
@@ -664,17 +765,28 @@ class TieredCache(Cache):
                 layer.reset()
             self.restored_tokens = 0
             self.restored_from = {k: 0 for k in self.restored_from}
-            self._checked = 0
+            self._forget_forwards()
         super().activate_past_recording()
 
-    # What a forward the hook never saw writes after these is not counted as checked.
+    # What a forward the hook never saw writes after these is neither counted as checked nor
+    # known by the ids fed before them there.
     def crop(self, *args: Any, **kwargs: Any) -> None:
         super().crop(*args, **kwargs)
-        self._checked = min(self._checked, self.get_seq_length())
+        length = self.get_seq_length()
+        self._checked = min(self._checked, length)
+        self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
+                     for f in self._fed if f.at < length]
 
     def reset(self) -> None:
         super().reset()
+        self._forget_forwards()
+
+    def _forget_forwards(self) -> None:
+        """What the hook noted of forwards whose KV the cache no longer holds."""
         self._checked = 0
+        self._fed = []
+        self._masked_from = None
+        self._rows_diverged = False
 
     # -- for the store ---------------------------------------------------------------------------
     def held_tokens(self) -> int:
@@ -682,9 +794,11 @@ class TieredCache(Cache):
         raised part-way through the layers."""
         return min(layer.held_tokens() for layer in self.layers)
 
-    def kv_dtype(self) -> torch.dtype | None:
-        keys = self.layers[0].keys if self.layers else None
-        return None if keys is None or keys.numel() == 0 else keys.dtype
+    def kv_dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the keys and values every layer computed (a layer still waiting for its
+        restore holds the store's, in the model's dtype)."""
+        return {t.dtype for layer in self.layers for t in (layer._keys, layer._values)
+                if t is not None and t.numel()}
 
     def batch_rows(self) -> int:
         keys = self.layers[0].keys
@@ -695,3 +809,14 @@ class TieredCache(Cache):
         return torch.stack([
             torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
         ]).contiguous()
+
+
+def _crop_fed(fed: _Fed, length: int) -> _Fed:
+    """A forward's record cut to the positions before ``length``."""
+    k = length - fed.at
+    assert fed.ids is not None
+    return fed._replace(ids=fed.ids[:k], positions=None if fed.positions is None else fed.positions[..., :k])
+
+
+def _flat_numpy(tensors: list[torch.Tensor]) -> np.ndarray:
+    return torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy() if tensors else np.empty(0, np.int64)
