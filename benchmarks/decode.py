@@ -55,6 +55,26 @@ def decode_steps(model: torch.nn.Module, cache, first: torch.Tensor, steps: int)
     return times
 
 
+@torch.no_grad()
+def paired_steps(model: torch.nn.Module, caches: dict[str, object], first: torch.Tensor,
+                 steps: int) -> dict[str, list[float]]:
+    """Greedy single-token forwards on every cache in turn, step by step, the order alternating:
+    each step's times are taken within milliseconds of each other, so a shared machine's drift
+    in speed (runs of one cache after the other spread 0.91-1.06 here) falls on both alike."""
+    tokens = dict.fromkeys(caches, first)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    names = list(caches)
+    sync(first.device)
+    for step in range(steps):
+        for name in names if step % 2 else names[::-1]:
+            start = time.perf_counter()
+            logits = model(tokens[name], past_key_values=caches[name]).logits
+            tokens[name] = logits[:, -1:].argmax(-1)
+            sync(first.device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -83,8 +103,9 @@ def main() -> None:
     with torch.no_grad():
         model(ids[:, warm.restored_tokens:], past_key_values=warm)
     warm.commit(ids)
-    per_token = {"DynamicCache": [], "TieredCache": []}
-    for _ in range(args.repeats + 1):
+    per_token: dict[str, list[float]] = {"DynamicCache": [], "TieredCache": []}
+    paired: list[float] = []
+    for repeat in range(args.repeats + 1):
         dyn = DynamicCache()
         with torch.no_grad():
             model(ids, past_key_values=dyn)
@@ -92,18 +113,23 @@ def main() -> None:
         with torch.no_grad():
             model(ids[:, tiered.restored_tokens:], past_key_values=tiered)
         assert tiered.get_seq_length() == dyn.get_seq_length() == args.context
-        # Alternate which goes first, so allocator and cache warmth favour neither.
-        runs = [("DynamicCache", dyn), ("TieredCache", tiered)]
-        for name, cache in runs if len(per_token["DynamicCache"]) % 2 else runs[::-1]:
-            per_token[name].append(statistics.median(decode_steps(model, cache, first, args.steps)))
+        times = paired_steps(model, {"DynamicCache": dyn, "TieredCache": tiered}, first, args.steps)
+        if repeat == 0:
+            continue  # warm-up: first-touch allocations and the hook's first checks
+        for name, steps in times.items():
+            per_token[name].append(statistics.median(steps))
+        paired.extend(t / d for t, d in zip(times["TieredCache"], times["DynamicCache"]))
     store.close()
-    dyn_t = statistics.median(per_token["DynamicCache"][1:])
-    tier_t = statistics.median(per_token["TieredCache"][1:])
+    dyn_t = statistics.median(per_token["DynamicCache"])
+    tier_t = statistics.median(per_token["TieredCache"])
+    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
     print(f"model: 4 layers, 16 KV heads x 64, {kv_per_token // 1024} KiB KV/token, on {device.type}; "
-          f"context {args.context}, "
-          f"{args.steps} decode steps, median of {args.repeats}")
+          f"context {args.context}, {args.steps} decode steps per cache, interleaved step by step, "
+          f"{args.repeats} repeats after a warm-up")
     print("| figure | value |\n|---|---|")
-    print(f"| decode time per token, TieredCache / DynamicCache | {tier_t / dyn_t:.3f} |")
+    print(f"| decode time per token, TieredCache / DynamicCache, paired per step (median) | {statistics.median(paired):.3f} |")
+    print(f"| the same, quartiles of the paired ratios | {quartiles[0]:.3f} - {quartiles[2]:.3f} |")
+    print(f"| the same, median step of each / median step of the other | {tier_t / dyn_t:.3f} |")
 
     # -- 2. decode latency while ~100 MB spill to LMDB ------------------------------------------------
     spill_tokens = max(args.context, args.spill_mb * 2**20 // kv_per_token)

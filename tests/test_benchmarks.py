@@ -39,7 +39,8 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
 
 def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
     out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
-    assert "TieredCache / DynamicCache" in out and "p99 during spill" in out
+    assert "| decode time per token, TieredCache / DynamicCache, paired per step (median) |" in out
+    assert "p99 during spill" in out
 
 
 def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
