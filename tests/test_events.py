@@ -145,6 +145,22 @@ def verify_moves(events: list, stats: dict) -> dict[str, int]:
     return moved
 
 
+def test_moved_bytes_count_kv_bytes_to_and_from_disk_alike(model, tmp_path) -> None:
+    # A record's footprint holds its header and padding too; the moves count the KV it carries.
+    ids = random_ids(20, 1)
+    kw = dict(device="cpu", device_budget=0, host_budget=0, block_size=B)
+    with TieredStore(tmp_path / "kv", **kw) as store:
+        cache = store.open(model, ids, session="a")
+        out = generate(model, ids, cache)
+        kept = cache.commit(out)
+        store.flush()
+        assert store.stats()["moved_bytes"]["host_to_disk"] == block_bytes(model, kept)
+        assert store.stats()["disk"]["bytes"] > block_bytes(model, kept)
+    with TieredStore(tmp_path / "kv", **kw) as store:
+        restored = store.open(model, torch.cat([out, random_ids(2, 2)], dim=1), session="a").restored_tokens
+        assert restored == kept and store.stats()["moved_bytes"]["disk_to_host"] == block_bytes(model, kept)
+
+
 def test_a_store_emits_one_event_per_open_and_commit_and_moves_that_add_up_to_stats(model, tmp_path) -> None:
     path = tmp_path / "kv"
     # Three blocks fit the device: the second session demotes the first to the host tier.

@@ -991,7 +991,9 @@ class TieredStore:
             # Read by stats() from other threads: a float store, atomic under the GIL.
             seconds = time.perf_counter() - started
             self._write_seconds += seconds
-        written = sum(op.record_bytes for op, error in zip(ops, results) if isinstance(op, PutBlock) and error is None)
+        # KV bytes, as every other direction counts them; the records' footprints are the disk tier's bytes.
+        written = sum(op.header.payload_nbytes for op, error in zip(ops, results)
+                      if isinstance(op, PutBlock) and error is None)
         if written:
             self._count_move("host_to_disk", written, seconds=seconds)
         return results
@@ -1240,8 +1242,8 @@ class TieredStore:
         tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
         too), ``evictions``, ``corrupt``;
         ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
-        cap), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` and
-        ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
+        cap), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` (KV
+        bytes, without the records' headers and padding) and ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
         None); ``sessions``.
         """
         with self._lock, defer_interrupts():
