@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,7 +63,8 @@ def test_chatbot_example_runs_exact(kept: bool, tmp_path: Path) -> None:
 
 def test_micro_benchmark_reports_every_figure(tmp_path: Path) -> None:
     out = run(tmp_path, "-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
-    for figure in ("prefix hashing", "codec encode", "codec decode", "LMDB spill into a new store",
+    for figure in ("prefix hashing", "codec encode", "codec decode: copy + checksum", "codec checksum of a record",
+                   "LMDB spill into a new store",
                    "LMDB spill at the disk budget", "LMDB read + verify, 8 MiB (page cache)",
                    "LMDB read + verify, 8 MiB (cold page cache)", "reopen of that store", "restore from host"):
         assert f"| {figure}" in out
@@ -116,6 +118,18 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
     if report["device"] == "cpu":
         # A CPU device tier hands its blocks to the host tier and back without a timed copy.
         assert tiered["moved_bytes"]["device_to_host"] > 0 and tiered["gb_per_s"]["device_to_host"] is None
+    else:
+        assert tiered["gb_per_s"]["device_to_host"] > 0 and tiered["gb_per_s"]["host_to_device"] > 0
+    # KV bytes read back: no more than the disk hits' (a block still on its way to disk is a disk
+    # hit served from the write's own buffer, with no read).
+    kv_per_token = report["kv_bytes_per_token"]
+    assert tiered["moved_bytes"]["disk_to_host"] % kv_per_token == 0
+    assert tiered["moved_bytes"]["disk_to_host"] <= tiered["hit_tokens"]["disk"] * kv_per_token
+    for name in ("unbounded", "tierkv", "tierkv-no-disk"):
+        row = policies[name]
+        assert len(row["ttft_ms"]) == len(prompt_lengths(report["args"]))
+        assert row["ttft_p50_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 50)))
+        assert 0 < row["commit_p50_ms"] <= row["commit_p99_ms"]
 
 
 def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:
@@ -243,6 +257,8 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     (["--host-budget=-5%"], "give a percentage of the working set"),
     (["--disk-budget", "3 parsecs"], "or a percentage of the working set"),
     (["--device-budget", "12XB"], "unknown byte unit"),
+    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--out", __file__], "is a file; give a directory"),
 ])
 def test_chat_trace_refuses_bad_flags_saying_what_to_give(flags: list[str], message: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -328,3 +344,15 @@ def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_ho
     a = torch.tensor([[1, 2, 3]])
     assert extends(a, torch.tensor([[1, 2, 3, 4]])) and not extends(None, a)
     assert not extends(a, torch.tensor([[1, 2, 9, 4]])) and not extends(a, a)
+
+
+@pytest.mark.parametrize("program, flags, message", [
+    ("benchmarks.micro", ["--repeats", "0"], "--repeats: 0 is too small: give 1 or more"),
+    ("benchmarks.micro", ["--mib", "-4"], "--mib: -4 is too small: give 1 or more"),
+    ("benchmarks.ttft", ["--tokens", "1"], "--tokens: 1 is too small: give 2 or more"),
+    ("benchmarks.decode", ["--steps", "zero"], "--steps: 'zero' is not an integer"),
+])
+def test_the_other_benchmarks_refuse_bad_flags_saying_what_to_give(program: str, flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", program, *flags], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and message in result.stderr

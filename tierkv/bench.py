@@ -15,8 +15,10 @@ round, so that a shared machine's drift in speed falls on all of them alike; eac
 conversations and store throughout, and a store's background disk writes are waited for at the
 end of its part of a round, never run into another policy's turns.
 
-Reported per policy: TTFT p50/p95/p99, decode tokens/s, hit tokens per tier, bytes moved per
-direction, peak bytes per tier against its budget; every policy's replies are checked equal to
+Reported per policy: TTFT p50/p95/p99 (and each turn's, in the JSON), decode tokens/s, hit tokens
+per tier, KV bytes moved per direction and the GB/s achieved (disk transactions timed on the
+host, CUDA copies by their events), peak bytes per tier against its budget, and commit() time,
+which follows each reply and is in no TTFT; every policy's replies are checked equal to
 recomputation. Writes results.json, results.md and PNG plots (TTFT distribution per policy, hit
 tokens per tier over time) to --out.
 
@@ -48,6 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from .demo import FirstTokenTimer
+from .events import MoveEvent
 from .store import TieredStore
 from .units import parse_bytes
 
@@ -66,6 +69,10 @@ class PolicyResult:
     ttft: list[float] = field(default_factory=list)
     decode_tps: list[float] = field(default_factory=list)
     hits_over_time: list[dict[str, int]] = field(default_factory=list)
+    commit_seconds: list[float] = field(default_factory=list)  # each turn's commit(), after its reply
+    # Seconds of the copies the store timed on the GPU, per direction (device_to_host,
+    # host_to_device); on CPU those moves are hand-overs that copy nothing and take no time.
+    copy_seconds: dict[str, float] = field(default_factory=dict)
     budgets: dict[str, int] = field(default_factory=dict)
     peak: dict[str, int] = field(default_factory=dict)
     final_stats: dict | None = None
@@ -251,15 +258,28 @@ def run(args: argparse.Namespace) -> dict:
                                                    block_size=args.block_size)
                 res = PolicyResult(name)
 
+                moves = store.subscribe()
+
                 def commit(session, cache, out, store=store, res=res):
+                    started = time.perf_counter()
                     cache.commit(out)
+                    res.commit_seconds.append(time.perf_counter() - started)
                     stats = store.stats()
                     for tier in ("device", "host", "disk"):
                         res.peak[tier] = max(res.peak.get(tier, 0), stats[tier]["bytes"])
                     res.hits_over_time.append(dict(stats["hits"]))
 
+                def settle(store=store, moves=moves, res=res):
+                    store.flush()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # every copy's timer can be read
+                    for event in moves.drain():
+                        if isinstance(event, MoveEvent) and event.direction in ("device_to_host", "host_to_device"):
+                            res.copy_seconds[event.direction] = res.copy_seconds.get(event.direction, 0.0) + \
+                                (event.seconds or 0.0)
+
                 policies.append(Policy(res, lambda s, ids, store=store: store.open(model, ids, session=f"s{s}"), commit,
-                                       settle=store.flush))
+                                       settle=settle))
             if device.type == "cuda":
                 offloaded = SessionCaches(lambda: DynamicCache(config=model.config, offloading=True))
                 # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
@@ -273,7 +293,7 @@ def run(args: argparse.Namespace) -> dict:
                 res = policy.result
                 store = stores.get(res.name)
                 if store is not None:
-                    store.flush()
+                    policy.settle()
                     stats = store.stats()
                     res.final_stats = stats
                     res.budgets = {tier: stats[tier]["budget"] for tier in ("device", "host", "disk")}
@@ -297,8 +317,9 @@ DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"
 
 def achieved_gb_per_s(moved: dict[str, int], seconds: dict[str, float]) -> dict[str, float | None]:
     """GB/s per direction, None where it would mean nothing: no bytes moved (a store without a disk
-    tier still times its opens' empty disk reads), or no time taken or recorded (the store times only
-    its disk paths; a CPU device tier's moves to and from the host are hand-overs that copy nothing)."""
+    tier still times its opens' empty disk reads), or no time taken or recorded (the store times its
+    disk paths, and its CUDA copies by their events; a CPU device tier's moves to and from the host
+    are hand-overs that copy nothing)."""
     return {d: moved[d] / seconds[d] / 1e9 if moved.get(d, 0) > 0 and seconds.get(d, 0) > 0 else None
             for d in DIRECTIONS if d in moved}
 
@@ -310,7 +331,8 @@ def summarise(run_: dict) -> dict:
         if r.skipped:
             rows[name] = {"skipped": r.skipped}
             continue
-        row = {"ttft_p50_ms": percentile(r.ttft, 50) * 1e3, "ttft_p95_ms": percentile(r.ttft, 95) * 1e3,
+        row = {"ttft_ms": [t * 1e3 for t in r.ttft],  # per turn, in the trace's order
+               "ttft_p50_ms": percentile(r.ttft, 50) * 1e3, "ttft_p95_ms": percentile(r.ttft, 95) * 1e3,
                "ttft_p99_ms": percentile(r.ttft, 99) * 1e3,
                "decode_tokens_per_s": statistics.median(r.decode_tps) if r.decode_tps else float("nan"),
                "exact": r.exact}
@@ -318,7 +340,10 @@ def summarise(run_: dict) -> dict:
             row["hit_tokens"] = r.final_stats["hits"]
             row["miss_tokens"] = r.final_stats["misses"]
             row["moved_bytes"] = r.final_stats["moved_bytes"]
-            row["gb_per_s"] = achieved_gb_per_s(r.final_stats["moved_bytes"], r.final_stats["move_seconds"])
+            row["gb_per_s"] = achieved_gb_per_s(r.final_stats["moved_bytes"],
+                                                {**r.final_stats["move_seconds"], **r.copy_seconds})
+            row["commit_p50_ms"] = percentile(r.commit_seconds, 50) * 1e3
+            row["commit_p99_ms"] = percentile(r.commit_seconds, 99) * 1e3
             row["peak_bytes"] = r.peak
             row["budgets"] = r.budgets
         rows[name] = row
@@ -347,12 +372,12 @@ def markdown(run_: dict, summary: dict) -> str:
              f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.", "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
              "moved MiB d2h/h2d/to disk/from disk | GB/s d2h/h2d/to disk/from disk | peak MiB dev/host/disk (budget) | "
-             "exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "commit ms p50/p99 | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = 2**20
     for name, row in summary["policies"].items():
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | | |")
             continue
         hits = row.get("hit_tokens")
         hit_s = f"{hits['device']}/{hits['host']}/{hits['disk']}" if hits else "-"
@@ -364,9 +389,10 @@ def markdown(run_: dict, summary: dict) -> str:
                            else f"{peak[t] / mib:.1f} (unbounded)" for t in ("device", "host", "disk")) if peak else "-"
         gbs = row.get("gb_per_s")
         gbs_s = "/".join("-" if gbs is None or gbs.get(k) is None else f"{gbs[k]:.2f}" for k in DIRECTIONS)
+        commit_s = f"{row['commit_p50_ms']:.2f}/{row['commit_p99_ms']:.2f}" if "commit_p50_ms" in row else "-"
         lines.append(f"| {name} | {row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {row['ttft_p99_ms']:.1f} | "
                      f"{row['decode_tokens_per_s']:.0f} | {hit_s} | {row.get('miss_tokens', '-')} | {moved_s} | "
-                     f"{gbs_s} | {peak_s} | {'yes' if row['exact'] else 'NO'} |")
+                     f"{gbs_s} | {peak_s} | {commit_s} | {'yes' if row['exact'] else 'NO'} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in summary["ratios"].items()]
     return "\n".join(lines) + "\n"
@@ -476,6 +502,10 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
         parser.error(f"--zipf must be a finite number of 0 or more (0: sessions equally popular), got {args.zipf}")
     if args.round_turns < 0:
         parser.error(f"--round-turns must be 0 or more, got {args.round_turns}")
+    if args.seed < 0:
+        parser.error(f"--seed must be 0 or more, got {args.seed}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out!r} is a file; give a directory for the reports (made if missing)")
     for flag in ("device_budget", "host_budget", "disk_budget"):
         try:
             budget_bytes(getattr(args, flag), 1, f"--{flag.replace('_', '-')}")
@@ -491,14 +521,15 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     # Set here, not at import: `tierkv` imports this module only to run it, and importers keep theirs.
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the run: one that cannot be made fails at once
     run_ = run(args)
     summary = summarise(run_)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown(run_, summary)
     (out / "results.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
                                                   "working_set_bytes": run_["working_set_bytes"],
+                                                  "kv_bytes_per_token": run_["kv_bytes_per_token"],
                                                   **summary}, indent=2, default=str))
     written = plots(run_, out)
     print(table)
