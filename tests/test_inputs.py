@@ -683,9 +683,10 @@ def test_kv_in_another_dtype_than_the_restored_blocks_is_refused() -> None:
         one_turn(store, model, ids)
         cache = store.open(model, ids, session="s")
         keys = torch.zeros(1, 2, 1, 8)  # (batch, kv heads, tokens, head dim) of the llama shape
-        with pytest.raises(ValueError, match="computed keys in torch.float32 and values in torch.bfloat16"):
-            cache.layers[0].update(keys, keys.bfloat16(), 0)
-        assert cache.layers[0].get_seq_length() == 19  # still the restore, untouched
+        for rows in (1, 3):  # one conversation, or beams meeting the restored prefix
+            with pytest.raises(ValueError, match="computed keys in torch.float32 and values in torch.bfloat16"):
+                cache.layers[0].update(keys.expand(rows, -1, -1, -1), keys.bfloat16().expand(rows, -1, -1, -1), 0)
+            assert cache.layers[0].get_seq_length() == 19  # still the restore, untouched
         cache = store.open(model, random_ids(20, 5), session="t")
         out = greedy(model, random_ids(20, 5), past_key_values=cache)
         for layer in cache.layers:  # values alone in another dtype
@@ -711,3 +712,19 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
+
+
+def test_a_chunked_prefill_under_a_mask_that_hides_a_token_it_computed_is_exact() -> None:
+    # Each chunk after the first is given the mask over the chunks before it, hiding a token the
+    # cache computed itself (under that mask): not one it restored.
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    mask = torch.ones_like(ids)
+    mask[0, 13] = 0
+    with TieredStore(None, block_size=8) as store:
+        one_turn(store, model, ids[:, :12])
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 12
+        out = greedy(model, ids, past_key_values=cache, attention_mask=mask, prefill_chunk_size=8)
+        assert torch.equal(out, greedy(model, ids, attention_mask=mask, prefill_chunk_size=8))
+        assert cache.commit(out) == 13

@@ -417,16 +417,18 @@ class TieredLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._pending is not None and key_states.shape[0] == 1:
-            # The first forward after a restore: one concatenation of the restored blocks and the
-            # new tokens, for keys and values together, rather than a copy of the prefix first.
+        if self._pending is not None:
             parts = self._take_parts()
             if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
                 raise ValueError(f"the model computed keys in {key_states.dtype} and values in {value_states.dtype}, "
                                  f"but this TieredCache restored them in {parts[0].dtype}, its weights' dtype; "
                                  "tierkv needs a model that computes its KV in the dtype of its weights")
-            return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2))
+            if key_states.shape[0] == 1:
+                # The first forward after a restore: one concatenation of the restored blocks and the
+                # new tokens, for keys and values together, rather than a copy of the prefix first.
+                return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2))
+            self._assemble(torch.cat(parts, dim=-2))
         if self.is_initialized:
             keys = self.keys
             if keys is not None and keys.numel() and keys.shape[0] == 1 and key_states.shape[0] > 1:
@@ -622,7 +624,7 @@ class TieredCache(Cache):
                              f"(it holds {done} of the {len(want)} ids store.open got): generate() takes the whole "
                              "conversation given to store.open, not only the new message; model() takes the ids "
                              "past cache.get_seq_length()")
-        hidden = self._hidden_token(kwargs.get("attention_mask"), done)
+        hidden = self._hidden_token(kwargs.get("attention_mask"))
         positions = kwargs.get("position_ids")
         if isinstance(positions, torch.Tensor):
             # Up to the first hidden token: generate() shifts the positions after it, which are not kept.
@@ -646,7 +648,7 @@ class TieredCache(Cache):
         want = self.input_ids
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-            self._hidden_token(mask, done)  # raises: a custom mask
+            self._hidden_token(mask)  # raises: a custom mask
         if embeds is not None or kwargs.get("token_type_ids") is not None or \
                 not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             self._fed.append(_Fed(done, None))
@@ -692,10 +694,14 @@ class TieredCache(Cache):
     def _note(self, at: int, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         if ids.shape[0] > 1:
             self._rows_diverged = True
+        if self._masked_from is not None and at >= self._masked_from:
+            # Nothing from there on is kept: no copies, and no reduction over a mask as long as the
+            # cache (generate() passes a mask only when it hides a token, a pad it masked before).
+            return
         self._fed.append(_Fed(at, ids[0].clone(), None if mask is None else mask.all(),
                               None if positions is None else positions.clone()))
 
-    def _hidden_token(self, mask: Any, done: int) -> int | None:
+    def _hidden_token(self, mask: Any) -> int | None:
         """The first token a 2-D attention mask hides, None if none; other masks are refused."""
         if mask is None:
             return None
@@ -708,7 +714,7 @@ class TieredCache(Cache):
         # KV computed under a mask is not a function of the ids alone: nothing from the first
         # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
         hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
-        if hidden < done:
+        if hidden < self.restored_tokens:
             raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
                              "computed without that mask (generate() masks pad_token_id wherever it appears "
                              "in the ids). Pass the same attention_mask every turn (or none), pass "
