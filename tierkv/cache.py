@@ -19,7 +19,9 @@ and holds no policy:
   a restored token is refused. Past the conversation the ids fed are noted, with whether the
   mask hid a token and the positions given (copies, no device sync), and ``commit`` keeps what
   was computed from known ids, unmasked, at their own positions, if they are the sequences it
-  is given. ``generate`` feeds
+  is given; forwards in several rows there (samples, beams) keep none. A mask must cover the
+  cache and the new ids. A model in training mode (dropout) and a forward under autocast (KV
+  in other dtypes than the weights') are refused. ``generate`` feeds
   a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
   at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
   ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
