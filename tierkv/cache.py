@@ -814,8 +814,7 @@ class TieredCache(Cache):
                 if t is not None and t.numel()}
 
     def batch_rows(self) -> int:
-        keys = self.layers[0].keys
-        return 1 if keys is None or keys.numel() == 0 else int(keys.shape[0])
+        return max(1, self.layers[0]._rows())
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim)."""
