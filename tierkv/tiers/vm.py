@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
+PAGE = mmap.PAGESIZE
 # Not FALLOC_FL_PUNCH_HOLE: LMDB reuses freed pages through its map, and a write fault on a hole
 # needs a block the filesystem may no longer have: SIGBUS, where a full disk must be a DiskFull.
 _FALLOC_ZERO_RANGE = 0x10 | 0x01  # FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE
@@ -24,6 +25,7 @@ def _c() -> ctypes.CDLL:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc
     return _libc
 
@@ -42,6 +44,19 @@ def zero_range(fd: int, offset: int, length: int) -> bool:
         return _c().fallocate(fd, _FALLOC_ZERO_RANGE, offset, length) == 0
     except (OSError, AttributeError, TypeError):
         return False
+
+
+def resident(start: int, length: int) -> np.ndarray | None:
+    """Which pages of the mapped, page-aligned range ``[start, start + length)`` the page cache
+    holds: one bool per page, or None where the OS cannot tell."""
+    pages = -(-length // PAGE)
+    vec = np.zeros(pages, dtype=np.uint8)
+    try:
+        if _c().mincore(start, length, vec.ctypes.data) != 0:
+            return None
+    except (OSError, AttributeError, TypeError):
+        return None
+    return (vec & 1).astype(bool)
 
 
 def mapping_of(path: str, length: int) -> int | None:
