@@ -713,7 +713,7 @@ class DiskTier:
         in place. Zeroing a cold record through the map read it page by page first: evictions at
         the disk budget, whose victims are the coldest blocks, ran 10x slower. Zeroing cached
         pages in the file dropped them from the cache instead, and each write that reused one
-        faulted it in again: a spill at the disk budget ran at 0.37 of a raw write, 0.63-0.73
+        faulted it in again: a spill at the disk budget ran at 0.28-0.37 of a raw write, 0.46-0.69
         with them zeroed in place (``benchmarks.micro``)."""
         head = txn.get(key, db=self._heads) if self._heads is not None else None
         expected = None
