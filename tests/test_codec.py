@@ -520,3 +520,38 @@ def test_decode_into_copies_and_verifies() -> None:
         broken[position] ^= 0x01
         with pytest.raises(CorruptRecord):
             decode_into(bytes(broken), lambda header: memoryview(bytearray(header.payload_nbytes)))
+
+
+def test_decode_into_verifies_every_slice_of_a_record_larger_than_one() -> None:
+    from tierkv.codec import decode_into
+
+    # Copied and checksummed in 1 MiB slices: a payload of several, the last one partial.
+    header = make_header(dtype="uint8", shape=(1, 2, 1, 3, (5 << 20) // 6 + 7))
+    payload = ((np.arange(header.payload_nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8).tobytes()
+    record = encode(header, payload)
+    out = bytearray(header.payload_nbytes)
+    assert decode_into(record, lambda h: memoryview(out)) == header
+    assert bytes(out) == payload
+    start = head_size(header)
+    for position in (start + 5, start + (1 << 20) + 3, start + (3 << 20) + 11, len(record) - 9):
+        broken = bytearray(record)
+        broken[position] ^= 0x10
+        with pytest.raises(CorruptRecord):
+            decode_into(bytes(broken), lambda h: memoryview(bytearray(h.payload_nbytes)))
+
+
+@pytest.mark.parametrize("min_bytes", [0, 100, 2048, 2049, 70000])
+def test_a_record_given_a_minimum_length_is_padded_inside_its_header(min_bytes: int) -> None:
+    # The disk tier writes every record at least half an LMDB page long, so that none sits inside
+    # a B-tree leaf (whose stale copies a delete cannot zero); readers see the same record.
+    record = encode_array(SMALL_HEADER, SMALL_PAYLOAD, min_bytes=min_bytes).tobytes()
+    assert len(record) == record_size(SMALL_HEADER, min_bytes) >= min_bytes
+    assert len(record) - head_size(SMALL_HEADER, min_bytes) == SMALL_HEADER.payload_nbytes + 8
+    if min_bytes <= len(SMALL_RECORD):
+        assert record == SMALL_RECORD  # long enough already: not padded
+    else:
+        assert len(record) <= min_bytes + 9  # the pad's own framing, no more
+    header, payload = decode(record)
+    assert header == SMALL_HEADER and bytes(payload) == bytes(SMALL_PAYLOAD)
+    assert decode_header(record) == SMALL_HEADER
+    assert decode_head(record[:head_end(record)]) == (SMALL_HEADER, len(record))

@@ -39,6 +39,7 @@ from tierkv.tiers.disk import (
     op_size,
     tensor_bytes,
 )
+from tierkv.tiers.heads import OFFSET_UNKNOWN
 from tierkv.tiers.memory import MemoryTier
 from tierkv.transfer import Job
 
@@ -72,10 +73,13 @@ def header_for(n: int, tensor: torch.Tensor, *, parent: bytes | None = None, ten
     )
 
 
+MIN_RECORD = mmap.PAGESIZE // 2  # DiskTier.min_record_bytes with LMDB's page size
+
+
 def put_op(n: int, tensor: torch.Tensor | None = None, **kw: object) -> PutBlock:
     tensor = block_tensor(n) if tensor is None else tensor
     header = header_for(n, tensor, **kw)  # type: ignore[arg-type]
-    return PutBlock(header, Job.completed(tensor), record_size(header))
+    return PutBlock(header, Job.completed(tensor), record_size(header, MIN_RECORD))
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -212,7 +216,7 @@ def test_dtype_name_and_tensor_bytes() -> None:
     t = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32)
     assert bytes(tensor_bytes(t)) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
     assert bytes(tensor_bytes(t.T)) == struct.pack("<4f", 1.0, 3.0, 2.0, 4.0)  # row-major of the view
-    assert op_size(put_op(1)) == record_size(header_for(1, block_tensor(1)))
+    assert op_size(put_op(1)) == record_size(header_for(1, block_tensor(1)), MIN_RECORD)
     assert op_size(DeleteBlocks([key(1)])) == 0
     assert op_size(Touch({})) == 0
 
@@ -435,7 +439,7 @@ def test_scan_record_bytes_are_the_stored_length(disk: DiskTier) -> None:
     disk.apply([op])
     ((header, size),) = disk.scan().headers
     assert size == len(raw_get(disk, b"blocks", key(1)))  # type: ignore[arg-type]
-    assert size == record_size(header) == op.record_bytes
+    assert size == record_size(header, disk.min_record_bytes) == op.record_bytes
 
 
 def resident_pages(path: str) -> list[bool]:
@@ -581,7 +585,7 @@ def test_blocks_without_heads_are_read_once_and_given_heads(tmp_path: pathlib.Pa
         assert [(h, size) for h, size in scan.headers] == [(op.header, op.record_bytes) for op in ops]
         records = {n: raw_get(tier, b"blocks", key(n)) for n in (1, 2, 3)}
         assert {k: head for k, (head, _) in scan.unindexed.items()} == {
-            key(n): records[n][:head_size(op.header)] for n, op in zip((1, 2, 3), ops)}
+            key(n): records[n][:head_size(op.header, MIN_RECORD)] for n, op in zip((1, 2, 3), ops)}
         assert tier.apply([PutHeads(scan.unindexed), put_op(4)]) == [None, None]
         again = tier.scan()
         assert [h.key for h, _ in again.headers] == [key(n) for n in (1, 2, 3, 4)]
@@ -727,6 +731,30 @@ def test_a_deleted_record_is_zeroed_in_place_where_cached_and_in_the_file_elsewh
         assert f.read(length) == bytes(length)
 
 
+@pytest.mark.parametrize("os_says", ["mincore fails", "zero_range fails", "pages alternate"])
+def test_a_deleted_record_is_zeroed_whatever_the_os_can_tell_or_do(tmp_path: pathlib.Path, os_says: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
+        offset, length = tier._where[key(2)]
+        if os_says == "mincore fails":
+            monkeypatch.setattr(disk_module.vm, "resident", lambda start, length: None)
+        elif os_says == "zero_range fails":  # on pages it says are not cached (tmpfs, say)
+            monkeypatch.setattr(disk_module.vm, "resident",
+                                lambda start, length: np.zeros(-(-length // mmap.PAGESIZE), dtype=bool))
+            monkeypatch.setattr(disk_module.vm, "zero_range", lambda fd, offset, length: False)
+        else:  # runs of one page each, cached and not, alternating
+            monkeypatch.setattr(disk_module.vm, "resident",
+                                lambda start, length: np.arange(-(-length // mmap.PAGESIZE)) % 2 == 0)
+        tier.apply([DeleteBlocks([key(2)])])
+        tier.sync()
+        for n in (1, 3):
+            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
+    with open(path / "data.mdb", "rb") as f:
+        assert os.pread(f.fileno(), length, offset) == bytes(length)
+
+
 def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # A MapFullError aborts the transaction after its deletes zeroed their records in the file;
@@ -747,7 +775,8 @@ def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
 
         monkeypatch.setattr(DiskTier, "_put_record", full_once)
         page = tier.page_size
-        # The scan's reads of the B-trees nearby cached a few of its pages: those are zeroed in place.
+        # LMDB's open reads the file's first pages ahead, a few of them this record's: those are
+        # zeroed in place.
         cached = resident_share(data, offset + page, length - 2 * page)
         assert cached < 0.5
         assert tier.apply([DeleteBlocks([key(1)]), big_op(3)]) == [None, None]
@@ -791,9 +820,36 @@ def test_a_wrong_place_never_zeroes_another_record(tmp_path: pathlib.Path) -> No
 
 def test_records_inside_b_tree_leaves_have_no_place(disk: DiskTier) -> None:
     # A small value lives in a leaf page, which moves with every change to the leaf: a kept
-    # offset would soon point at whatever replaced it.
-    disk.apply([put_op(1), big_op(2)])
+    # offset would soon point at whatever replaced it. This tierkv writes none (an older one did).
+    tensor = block_tensor(1)
+    raw_put(disk, b"blocks", key(1), encode(header_for(1, tensor), tensor_bytes(tensor)))
+    disk.apply([big_op(2)])
+    scan = disk.scan()
+    assert scan.unindexed[key(1)][1] == OFFSET_UNKNOWN
+    disk.apply([PutHeads(scan.unindexed)])
     assert key(1) not in disk._where and key(2) in disk._where
+    assert torch.equal(disk.load(key(1), empty)[1], tensor)
+
+
+def test_small_records_get_pages_of_their_own_and_deletes_zero_them(disk: DiskTier) -> None:
+    # A small record inside a B-tree leaf was copied with every change to the leaf, and a delete
+    # zeroed only the last copy: of two small records deleted together, the second's KV stayed in
+    # the first copy of their leaf, on the free list.
+    ops = [put_op(1), put_op(2)]
+    assert all(op.header.payload_nbytes < disk.page_size // 4 for op in ops)
+    disk.apply(ops)
+    with disk.env.begin(buffers=True) as txn:  # where each record lies in the file, as LMDB says
+        where = {}
+        for n in (1, 2):
+            value = txn.get(key(n), db=disk._blocks)
+            where[key(n)] = (disk_module.vm.address(value) - disk._map_start, len(value))
+    assert disk._where == where
+    assert all(length >= disk.min_record_bytes for _, length in where.values())
+    disk.apply([DeleteBlocks([key(1), key(2)])])
+    disk.sync()
+    with open(pathlib.Path(disk.path) / "data.mdb", "rb") as f:
+        for offset, length in where.values():
+            assert os.pread(f.fileno(), length, offset) == bytes(length)
 
 
 def test_touch_overwrites_stamps(disk: DiskTier) -> None:

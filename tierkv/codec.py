@@ -5,7 +5,8 @@ Layout (little-endian)::
     b"TKVB" | u32 header_len | msgpack header | payload | u64 xxh3_64(all bytes before it)
 
 The header carries the format version, the block's key and parent, tenant, model fingerprint,
-dtype, shape, token ids and a commit sequence number. The payload is the raw KV tensor bytes,
+dtype, shape, token ids and a commit sequence number, and, in a record that was given a minimum
+length (``encode_array``'s ``min_bytes``), a ``pad`` of zeros that readers ignore. The payload is the raw KV tensor bytes,
 shape ``(layers, 2, kv_heads, tokens, head_dim)`` with head_dim innermost, so a reader maps it
 straight into a tensor (``decode`` returns a memoryview into the caller's buffer, no copy).
 
@@ -70,28 +71,37 @@ class RecordHeader:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
-def _pack_header(h: RecordHeader) -> bytes:
-    return msgpack.packb(
-        {
-            "v": h.version,
-            "key": h.key,
-            "parent": h.parent,
-            "tenant": h.tenant,
-            "fp": h.fingerprint,
-            "dtype": h.dtype,
-            "shape": list(h.shape),
-            "ids": h.token_ids,
-            "seq": h.seq,
-        },
-        use_bin_type=True,
-    )
+def _pack_header(h: RecordHeader, pad: int = 0) -> bytes:
+    fields = {
+        "v": h.version,
+        "key": h.key,
+        "parent": h.parent,
+        "tenant": h.tenant,
+        "fp": h.fingerprint,
+        "dtype": h.dtype,
+        "shape": list(h.shape),
+        "ids": h.token_ids,
+        "seq": h.seq,
+    }
+    if pad:
+        fields["pad"] = bytes(pad)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _packed_header(header: RecordHeader, min_bytes: int) -> bytes:
+    """The msgpack header of a record of at least ``min_bytes``."""
+    head = _pack_header(header)
+    short = min_bytes - (_PREFIX.size + len(head) + header.payload_nbytes + _CHECKSUM.size)
+    # The pad's own framing comes on top of its zeros: the record ends up a few bytes longer.
+    return _pack_header(header, pad=short) if short > 0 else head
 
 
 def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray | None = None, min_bytes: int = 0) -> np.ndarray:
     """Serialize one record into a uint8 array: ``out`` (a reused scratch buffer, returned sliced
     to the record) when it is large enough, else a new one. ``payload`` must be
-    ``header.payload_nbytes`` long.
+    ``header.payload_nbytes`` long. A record shorter than ``min_bytes`` is padded to at least
+    that inside its header.
 
     The payload copy and the checksum run without holding the GIL (numpy and xxhash release it),
     so a background writer encoding megabytes does not stall the thread that decodes; reusing
@@ -102,7 +112,7 @@ def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview,
     view = memoryview(payload).cast("B")
     if view.nbytes != header.payload_nbytes:
         raise ValueError(f"payload is {view.nbytes} bytes but shape {header.shape} of {header.dtype} needs {header.payload_nbytes}")
-    head = _pack_header(header)
+    head = _packed_header(header, min_bytes)
     prefix = _PREFIX.pack(MAGIC, len(head))
     start = len(prefix) + len(head)
     total = start + view.nbytes + _CHECKSUM.size
@@ -120,14 +130,15 @@ def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> byt
     return encode_array(header, payload).tobytes()
 
 
-def head_size(header: RecordHeader) -> int:
+def head_size(header: RecordHeader, min_bytes: int = 0) -> int:
     """The exact length of a record's head (magic, length and header: everything before the payload)."""
-    return _PREFIX.size + len(_pack_header(header))
+    return _PREFIX.size + len(_packed_header(header, min_bytes))
 
 
-def record_size(header: RecordHeader) -> int:
-    """The exact length ``encode`` produces for ``header``, without building the record."""
-    return head_size(header) + header.payload_nbytes + _CHECKSUM.size
+def record_size(header: RecordHeader, min_bytes: int = 0) -> int:
+    """The exact length ``encode_array`` produces for ``header`` and ``min_bytes``, without
+    building the record."""
+    return head_size(header, min_bytes) + header.payload_nbytes + _CHECKSUM.size
 
 
 def head_end(record: bytes | memoryview | np.ndarray) -> int:

@@ -582,8 +582,9 @@ class TieredStore:
         return None
 
     def _footprint(self, header: RecordHeader) -> int:
-        size = record_size(header)
-        return self._disk.footprint_of(header, size) if self._disk is not None else size
+        if self._disk is None:
+            return record_size(header)
+        return self._disk.footprint_of(header, record_size(header, self._disk.min_record_bytes))
 
     @staticmethod
     def _check_header(header: RecordHeader, meta: BlockMeta, fingerprint: bytes) -> None:

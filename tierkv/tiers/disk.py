@@ -292,6 +292,9 @@ class DiskTier:
             os.path.getsize(os.path.join(self.path, "data.mdb"))
         self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True, readahead=False)
         self.page_size = self.env.stat()["psize"]
+        # Records are written at least this long, so that LMDB keeps each on pages of its own
+        # (a value past half a page never sits inside a B-tree leaf), as heads are (``heads.py``).
+        self.min_record_bytes = self.page_size // 2
         self._map_start = self._find_map()
         # The same file as LMDB's, for zeroing deleted records in it without reading them.
         self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
@@ -610,8 +613,12 @@ class DiskTier:
                                 continue
                             # Encoded inside the transaction into one reused buffer: put() copies it
                             # into the map at once, and fresh multi-MiB buffers would cost page faults.
+                            # At least half a page: a small record inside a B-tree leaf was copied
+                            # with every change to the leaf, and a delete zeroed only the leaf's
+                            # last copy, so a forgotten block's KV stayed on the free list.
                             try:
-                                value = encode_array(op.header, tensor_bytes(op.tensor.wait()), self._scratch)
+                                value = encode_array(op.header, tensor_bytes(op.tensor.wait()), self._scratch,
+                                                     self.min_record_bytes)
                             except BaseException as exc:  # noqa: BLE001 - reported through this op's job
                                 results[i] = exc
                                 continue
