@@ -681,6 +681,14 @@ def test_delete_zeroes_the_head_and_the_record_in_place(disk: DiskTier) -> None:
     assert ctypes.string_at(record_at, lengths[1]) == bytes(lengths[1])
 
 
+def check_only_block_2_went(tier: DiskTier, data: str | pathlib.Path, offset: int, length: int) -> None:
+    """Blocks 1 and 3 load as written; the file holds zeros where block 2's record was."""
+    for n in (1, 3):
+        assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
+    with open(data, "rb") as f:
+        assert os.pread(f.fileno(), length, offset) == bytes(length)
+
+
 def test_a_deleted_cold_record_is_zeroed_in_the_file_without_being_read(tmp_path: pathlib.Path) -> None:
     # Zeroing a record through the map read it first, page by page when it was cold (evictions'
     # victims are), and wrote its size in zeros.
@@ -696,11 +704,7 @@ def test_a_deleted_cold_record_is_zeroed_in_the_file_without_being_read(tmp_path
         assert resident_share(data, offset + page, length - 2 * page) == 0  # its pages were never read
         assert os.stat(data).st_blocks * 512 >= allocated - 2 * page  # and stay allocated for reuse
         assert key(2) not in tier._where
-        for n in (1, 3):
-            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
-    with open(data, "rb") as f:
-        f.seek(offset)
-        assert f.read(length) == bytes(length)
+        check_only_block_2_went(tier, data, offset, length)
 
 
 def test_a_deleted_record_is_zeroed_in_place_where_cached_and_in_the_file_elsewhere(tmp_path: pathlib.Path) -> None:
@@ -724,11 +728,7 @@ def test_a_deleted_record_is_zeroed_in_place_where_cached_and_in_the_file_elsewh
         tier.sync()
         assert resident_share(data, first, middle - first) == 1  # zeroed in place, still cached
         assert resident_share(data, middle, last - middle) == 0  # zeroed in the file, never read
-        for n in (1, 3):
-            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
-    with open(data, "rb") as f:
-        f.seek(offset)
-        assert f.read(length) == bytes(length)
+        check_only_block_2_went(tier, data, offset, length)
 
 
 @pytest.mark.parametrize("os_says", ["mincore fails", "zero_range fails", "pages alternate"])
@@ -749,10 +749,7 @@ def test_a_deleted_record_is_zeroed_whatever_the_os_can_tell_or_do(tmp_path: pat
                                 lambda start, length: np.arange(-(-length // mmap.PAGESIZE)) % 2 == 0)
         tier.apply([DeleteBlocks([key(2)])])
         tier.sync()
-        for n in (1, 3):
-            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
-    with open(path / "data.mdb", "rb") as f:
-        assert os.pread(f.fileno(), length, offset) == bytes(length)
+        check_only_block_2_went(tier, path / "data.mdb", offset, length)
 
 
 def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
