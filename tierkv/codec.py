@@ -6,9 +6,10 @@ Layout (little-endian)::
 
 The header carries the format version, the block's key and parent, tenant, model fingerprint,
 dtype, shape, token ids and a commit sequence number, and, in a record that was given a minimum
-length (``encode_array``'s ``min_bytes``), a ``pad`` of zeros that readers ignore. The payload is the raw KV tensor bytes,
-shape ``(layers, 2, kv_heads, tokens, head_dim)`` with head_dim innermost, so a reader maps it
-straight into a tensor (``decode`` returns a memoryview into the caller's buffer, no copy).
+length (``encode_array``'s ``min_bytes``), a ``pad`` of zeros that readers ignore. The payload
+is the raw KV tensor bytes, shape ``(layers, 2, kv_heads, tokens, head_dim)`` with head_dim
+innermost, so a reader maps it straight into a tensor (``decode`` returns a memoryview into the
+caller's buffer, no copy).
 
 ``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason;
 ``decode_header`` reads only the header. A record's *head* is its bytes up to the payload (magic,
