@@ -589,23 +589,15 @@ def test_a_store_that_fails_to_open_lets_go_of_its_lock_and_writer(model, stores
     assert make_store(stores, path).stats()["disk"]["blocks"] > 0  # no StoreInUse
 
 
-def two_sessions_sharing_two_blocks(model, stores, path, seed: int, names: tuple[str, str]
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two sessions whose conversations start with the same two whole blocks, committed to disk
-    and the store closed; their sequences."""
-    shared = random_ids(16, seed)
-    a = torch.cat([shared, random_ids(20, seed + 1)], dim=1)
-    b = torch.cat([shared, random_ids(20, seed + 2)], dim=1)
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    outs = converse(store, model, a, names[0]), converse(store, model, b, names[1])
-    stores.pop().close()
-    return outs
-
-
 @pytest.mark.parametrize("damage", ["not msgpack", "another name"])
 def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, damage):
     path = tmp_path / "kv"
-    out_a, out_b = two_sessions_sharing_two_blocks(model, stores, path, 710, ("a", "b"))
+    shared = random_ids(16, 710)  # two whole blocks both sessions start with
+    a = torch.cat([shared, random_ids(20, 711)], dim=1)
+    b = torch.cat([shared, random_ids(20, 712)], dim=1)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    out_a, out_b = converse(store, model, a, "a"), converse(store, model, b, "b")
+    stores.pop().close()
     env = lmdb.open(str(path), max_dbs=8, writemap=True)
     with env.begin(write=True) as txn:
         db = env.open_db(b"sessions", txn=txn)
@@ -624,7 +616,12 @@ def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, d
 
 def test_a_session_row_zeroed_by_a_forget_a_crash_cut_short_is_forgotten_quietly(model, stores, tmp_path):
     path = tmp_path / "kv"
-    out_a, out_b = two_sessions_sharing_two_blocks(model, stores, path, 740, ("alice", "bob"))
+    shared = random_ids(16, 740)  # two whole blocks both sessions start with
+    a = torch.cat([shared, random_ids(20, 741)], dim=1)
+    b = torch.cat([shared, random_ids(20, 742)], dim=1)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    out_a, out_b = converse(store, model, a, "alice"), converse(store, model, b, "bob")
+    stores.pop().close()
     env = lmdb.open(str(path), max_dbs=8, writemap=True)
     with env.begin(write=True, buffers=True) as txn:
         db = env.open_db(b"sessions", txn=txn)
