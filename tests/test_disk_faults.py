@@ -3,7 +3,6 @@ generation, and deletes that hit a disk error are kept owed and retried, never l
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -18,7 +17,6 @@ from test_pool_store import pooled_store
 from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
-from tierkv.tiers import vm
 from tierkv.tiers.disk import DeleteBlocks, DiskFull, DiskTier, DropRefs, PutBlock, Touch, slack
 from tierkv.transfer import Job
 
@@ -612,48 +610,6 @@ def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, d
     assert sid not in {bytes(k) for k in store._index.sessions}
     stores.pop().close()
     assert make_store(stores, path).stats()["corrupt"] == 0  # the row is gone from the file too
-
-
-def test_a_session_row_zeroed_by_a_forget_a_crash_cut_short_is_forgotten_quietly(model, stores, tmp_path):
-    path = tmp_path / "kv"
-    shared = random_ids(16, 740)  # two whole blocks both sessions start with
-    a = torch.cat([shared, random_ids(20, 741)], dim=1)
-    b = torch.cat([shared, random_ids(20, 742)], dim=1)
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    out_a, out_b = converse(store, model, a, "alice"), converse(store, model, b, "bob")
-    stores.pop().close()
-    env = lmdb.open(str(path), max_dbs=8, writemap=True)
-    with env.begin(write=True, buffers=True) as txn:
-        db = env.open_db(b"sessions", txn=txn)
-        sid, row = next((bytes(k), v) for k, v in txn.cursor(db=db) if b"alice" in bytes(v))
-        # Zeroed where it lies, as a forget zeroes it before its delete commits.
-        ctypes.memset(vm.address(row), 0, len(row))
-    env.close()
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    assert store.stats()["corrupt"] == 0  # what the forget wanted, not damage
-    assert store.open(model, torch.cat([out_a, random_ids(2, 743)], dim=1)).restored_tokens == 16
-    assert store.open(model, torch.cat([out_b, random_ids(2, 744)], dim=1)).restored_tokens == out_b.shape[1] - 1
-    store.flush()
-    assert sid not in store._index.sessions
-    stores.pop().close()
-    assert b"alice" not in (path / "data.mdb").read_bytes()
-
-
-def test_forget_leaves_no_session_name_in_the_file(model, stores, tmp_path):
-    path = tmp_path / "kv"
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    for i in range(12):  # other sessions' rows coming and going change the sessions' B-tree pages
-        converse(store, model, random_ids(20, 750 + i), f"someone-{i:02d}@example.com")
-        if i == 3:
-            out = converse(store, model, random_ids(20, 770), "alice@example.com")
-            converse(store, model, torch.cat([out, random_ids(9, 771)], dim=1), "alice@example.com")
-    store.forget(session="alice@example.com")
-    store.forget(session="someone-05@example.com")
-    store.flush()
-    stores.pop().close()
-    data = (path / "data.mdb").read_bytes()
-    assert b"alice@example.com" not in data and b"someone-05@example.com" not in data
-    assert b"someone-04@example.com" in data
 
 
 def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):

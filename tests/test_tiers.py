@@ -849,54 +849,6 @@ def test_small_records_get_pages_of_their_own_and_deletes_zero_them(disk: DiskTi
             assert os.pread(f.fileno(), length, offset) == bytes(length)
 
 
-def _row_place(tier: DiskTier, s: bytes) -> tuple[int, int]:
-    with tier.env.begin(buffers=True) as txn:
-        row = txn.get(s, db=tier._sessions)
-        return disk_module.vm.address(row) - tier._map_start, len(row)
-
-
-def test_a_dropped_sessions_name_leaves_the_file(disk: DiskTier) -> None:
-    # A row inside a B-tree leaf was copied with every change to the leaf: a forgotten session's
-    # name stayed in the leaf's earlier copies, on the free list, after its row was deleted.
-    names = {n: f"user-{n:03d}@example.com" for n in range(40)}
-    for n, name in names.items():  # one transaction each: every row's leaf changes many times
-        disk.apply([PutRefs(sid(n), "acme", name, [key(n)])])
-    places = {n: _row_place(disk, sid(n)) for n in names}
-    assert all(length >= disk.min_record_bytes for _, length in places.values())
-    disk.apply([PutRefs(sid(7), "acme", names[7], [key(100)])])  # another commit of session 7
-    assert _row_place(disk, sid(7)) == places[7]  # the row is not written again
-    disk.apply([DropRefs(sid(7), [key(7), key(100)], drop_session=True)])
-    disk.sync()
-    data = (pathlib.Path(disk.path) / "data.mdb").read_bytes()
-    assert names[7].encode() not in data
-    assert data[places[7][0]:sum(places[7])] == bytes(places[7][1])
-    assert all(name.encode() in data for n, name in names.items() if n != 7)
-    sessions = disk.scan().sessions
-    assert sid(7) not in sessions and sessions[sid(8)] == ("acme", names[8], [key(8)])
-
-
-def test_session_rows_from_before_padding_still_read(disk: DiskTier) -> None:
-    disk.apply([PutRefs(sid(1), "t", "old", [key(1)])])
-    with disk.env.begin(write=True) as txn:
-        txn.put(sid(1), msgpack.packb(["t", "old"]), db=disk._sessions)  # as earlier builds wrote it
-    assert disk.scan().sessions == {sid(1): ("t", "old", [key(1)])}
-    disk.apply([PutRefs(sid(1), "t", "old", [key(2)])])  # kept as it is
-    assert raw_get(disk, b"sessions", sid(1)) == msgpack.packb(["t", "old"])
-    disk.apply([DropRefs(sid(1), [key(1), key(2)], drop_session=True)])
-    assert disk.scan().sessions == {} and disk.scan().dropped_sessions == {}
-
-
-def test_a_zeroed_session_row_is_a_drop_cut_short(disk: DiskTier) -> None:
-    disk.apply([PutRefs(sid(1), "t", "alice", [key(1), key(2)]), PutRefs(sid(2), "t", "bob", [key(2)])])
-    offset, length = _row_place(disk, sid(1))
-    ctypes.memset(disk._map_start + offset, 0, length)  # what a drop does before its delete commits
-    scan = disk.scan()
-    assert scan.dropped_sessions == {sid(1): [key(1), key(2)]} and scan.bad_sessions == {}
-    assert scan.sessions == {sid(2): ("t", "bob", [key(2)])}
-    disk.apply([PutRefs(sid(1), "t", "alice", [key(3)])])  # the session back before the drop landed
-    assert disk.scan().sessions[sid(1)] == ("t", "alice", [key(1), key(2), key(3)])
-
-
 def test_touch_overwrites_stamps(disk: DiskTier) -> None:
     disk.apply([put_op(1), Touch({key(1): 5})])
     disk.apply([Touch({key(1): 6, key(2): 1})])

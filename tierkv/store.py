@@ -1162,11 +1162,6 @@ class TieredStore:
                 # A session with no block left is removed, as _remove does while the store runs.
                 assert self._writer is not None
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
-        for sid, keys in scan.dropped_sessions.items():
-            # Zeroed by a forget whose write a crash cut short: finished as it wanted, once every
-            # live session holds its blocks (those they share stay).
-            logger.debug("tierkv: finished a session's drop that a crash cut short")
-            self._forget_session(sid, keys)
         if damaged:
             self._drop_damaged_sessions(damaged)
         # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose

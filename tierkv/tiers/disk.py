@@ -4,7 +4,7 @@ Sub-databases:
     blocks    key(16) -> codec record (header + raw KV bytes + checksum)
     heads     key(16) -> the record's head (its bytes up to the payload) and where the record lies
                         in the file (``heads.py``); written and deleted with the record
-    sessions  sid(16) -> msgpack [tenant, session name, zero padding to half a page]
+    sessions  sid(16) -> msgpack [tenant, session name]
     refs      sid(16) + key(16) -> b""          (which blocks a session references)
     atime     key(16) -> u64 little-endian      (last use, to rebuild LRU order on reopen)
     meta      b"tierkv" -> msgpack {format, hash, block_size}
@@ -149,24 +149,14 @@ def _is_zeroed(value: memoryview | bytes) -> bool:
     return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
 
 
-def _session_value(tenant: str | None, name: str, min_bytes: int) -> bytes:
-    """A sessions row, padded to ``min_bytes``: past half a page LMDB keeps a value on a page of
-    its own, which a drop zeroes. A row inside a B-tree leaf was copied with every change to the
-    leaf (other sessions' rows coming and going), and a forgotten session's name stayed in the
-    earlier copies, on the free list, until LMDB reused them."""
-    short = len(msgpack.packb([tenant, name, b""]))
-    return msgpack.packb([tenant, name, bytes(max(0, min_bytes - short))])
-
-
 def _session_row(value: bytes) -> tuple[str | None, str] | None:
-    """A sessions row's (tenant, name), or None when it is damaged. Rows written before rows were
-    padded have no third item."""
+    """A sessions row's (tenant, name), or None when it is damaged."""
     try:
         row = msgpack.unpackb(value)
     except Exception:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
         return None
-    if isinstance(row, list) and (len(row) == 2 or len(row) == 3 and isinstance(row[2], bytes)) and \
-            isinstance(row[1], str) and (row[0] is None or isinstance(row[0], str)):
+    if isinstance(row, list) and len(row) == 2 and isinstance(row[1], str) and \
+            (row[0] is None or isinstance(row[0], str)):
         return row[0], row[1]
     return None
 
@@ -258,9 +248,6 @@ class ScanResult:
     # Session rows that do not read as [tenant, name], and refs without a row: sid -> the blocks
     # their refs name.
     bad_sessions: dict[bytes, list[bytes]] = field(default_factory=dict)
-    # Session rows zeroed by a drop whose transaction never committed: sid -> the blocks their
-    # refs name, to be forgotten as the drop wanted, not counted as damage.
-    dropped_sessions: dict[bytes, list[bytes]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
     # Sound records without a sound head (read in full this once): key -> (head, offset) to write.
     unindexed: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
@@ -498,19 +485,15 @@ class DiskTier:
             result.orphans = list(heads)
             for sid, value in txn.cursor(db=self._sessions):
                 row = _session_row(bytes(value))
-                if row is not None:
-                    result.sessions[bytes(sid)] = (row[0], row[1], [])
-                elif _is_zeroed(value):
-                    result.dropped_sessions[bytes(sid)] = []
-                else:
+                if row is None:
                     result.bad_sessions[bytes(sid)] = []
+                else:
+                    result.sessions[bytes(sid)] = (row[0], row[1], [])
             for ref, _ in txn.cursor(db=self._refs):
                 ref = bytes(ref)
                 entry = result.sessions.get(ref[:KEY_BYTES])
                 if entry is not None:
                     entry[2].append(ref[KEY_BYTES:])
-                elif ref[:KEY_BYTES] in result.dropped_sessions:
-                    result.dropped_sessions[ref[:KEY_BYTES]].append(ref[KEY_BYTES:])
                 else:  # its row is damaged, or gone (a damaged key): its session cannot be named
                     result.bad_sessions.setdefault(ref[:KEY_BYTES], []).append(ref[KEY_BYTES:])
             for key, value in txn.cursor(db=self._atime):
@@ -698,21 +681,13 @@ class DiskTier:
             for ref in op.refs:
                 txn.delete(ref, db=self._refs)
         elif isinstance(op, PutRefs):
-            row = txn.get(op.sid, db=self._sessions)
-            # Written once: rewriting it would leave its earlier copy on the free list. A row that
-            # does not read (zeroed by a drop that failed and is still owed) is written again.
-            if row is None or _session_row(bytes(row)) is None:
-                txn.put(op.sid, _session_value(op.tenant, op.name, self.min_record_bytes), db=self._sessions)
+            txn.put(op.sid, msgpack.packb([op.tenant, op.name]), db=self._sessions)
             for key in op.keys:
                 txn.put(op.sid + key, b"", db=self._refs)
         elif isinstance(op, DropRefs):
             for key in op.keys:
                 txn.delete(op.sid + key, db=self._refs)
             if op.drop_session:
-                row = txn.get(op.sid, db=self._sessions)
-                if row is not None and len(row):
-                    # The name, zeroed where it lies (the map is the file), as _scrub zeroes records.
-                    ctypes.memset(vm.address(row), 0, len(row))
                 txn.delete(op.sid, db=self._sessions)
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
