@@ -153,6 +153,16 @@ def paired(times: dict[str, list[float]], name: str, base: str) -> float:
     return statistics.median(t / b for t, b in zip(times[name], times[base]))
 
 
+def spread(times: dict[str, list[float]], name: str, base: str) -> str:
+    """The quartiles of those per-round quotients, as ``low-high``: how far one run's median can
+    be trusted (a single round gives its one quotient twice)."""
+    quotients = [t / b for t, b in zip(times[name], times[base])]
+    if len(quotients) < 2:
+        return f"{quotients[0]:.2f}-{quotients[0]:.2f}"
+    low, _, high = statistics.quantiles(quotients, n=4, method="inclusive")
+    return f"{low:.2f}-{high:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=at_least(2), default=1024, help="the returning session's length")
@@ -169,11 +179,13 @@ def main() -> None:
         floor, recompute = med[floor_name], med["recompute"]
         print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}) "
               f"on {device.type}, returning session of {args.tokens} tokens, median of {args.repeats}")
-        print("| policy | TTFT / floor | paired per round | TTFT / recompute | of which store.open / floor, paired |")
-        print("|---|---|---|---|---|")
+        print("| policy | TTFT / floor | paired per round | its quartiles | TTFT / recompute "
+              "| of which store.open / floor, paired |")
+        print("|---|---|---|---|---|---|")
         for name, t in med.items():
             made = f"{paired({**times, name: opens[name]}, name, floor_name):.2f}" if name.startswith("tierkv") else "-"
-            print(f"| {name} | {t / floor:.2f} | {paired(times, name, floor_name):.2f} | {t / recompute:.3f} | {made} |")
+            print(f"| {name} | {t / floor:.2f} | {paired(times, name, floor_name):.2f} | "
+                  f"{spread(times, name, floor_name)} | {t / recompute:.3f} | {made} |")
 
 
 if __name__ == "__main__":

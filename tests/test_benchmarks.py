@@ -34,13 +34,16 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
     for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk (after restart)",
                    "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
-    assert "| policy | TTFT / floor | paired per round | TTFT / recompute | of which store.open / floor, paired |" in out
-    assert "| floor (ready DynamicCache) | 1.00 | 1.00 | " in out  # the floor over itself, paired too
+    assert ("| policy | TTFT / floor | paired per round | its quartiles | TTFT / recompute "
+            "| of which store.open / floor, paired |") in out
+    assert "| floor (ready DynamicCache) | 1.00 | 1.00 | 1.00-1.00 | " in out  # the floor over itself, paired too
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out.splitlines() if line.startswith("| tierkv")}
     assert len(rows) == 4
     for name, cells in rows.items():
+        low, high = map(float, cells[3].split("-"))
+        assert low <= float(cells[2]) <= high, (name, cells)  # the median lies between the quartiles
         # store.open is a part of the turn: more than nothing, less than the whole of it
-        assert 0 < float(cells[4].rstrip(" |")) < float(cells[2]), (name, cells)
+        assert 0 < float(cells[5].rstrip(" |")) < float(cells[2]), (name, cells)
 
 
 def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
