@@ -254,8 +254,12 @@ class StoreMachine(RuleBasedStateMachine):
             assert set(space._blocks) == set(index.lru[tier])
         for tier in Tier:
             assert set(index.lru[tier]) <= set(index.blocks)
-        for info in index.sessions.values():
+        for sid, info in index.sessions.items():
             assert info.keys <= set(index.blocks)
+            # The bound on sessions: each one tracked holds a block no other session references.
+            assert any(index.blocks[key].sessions == {sid} for key in info.keys), info
+        for meta in index.blocks.values():
+            assert all(meta.key in index.sessions[sid].keys for sid in meta.sessions)
         assert not self.store._pinned, "a turn left blocks pinned"
 
     @invariant()

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable
 
 import lmdb
+import msgpack
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache
@@ -21,7 +22,8 @@ from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
 from tierkv.codec import head_end
 from tierkv.hashing import block_key, chain_keys
-from tierkv.index import Tier
+from tierkv.index import DiskState, Tier
+from tierkv.store import _session_id
 from tierkv.tiers.disk import footprint
 
 B = 8  # tokens per block in every scenario
@@ -243,7 +245,10 @@ def test_a_partial_tail_another_session_references_outlives_its_supersession(tin
         assert torch.equal(out1, out1t)
         root = store.open(model, out1, session="probe").root
         k0, k1, tail1 = keys_of(root, out1[:, :20])
-        assert len(store._index.blocks[tail1].sessions) == 2
+        # t repeated s's conversation, so s had no block of its own left: t, which committed
+        # last, holds the blocks now.
+        assert {info.name for info in store._index.sessions.values()} == {"t"}
+        assert len(store._index.blocks[tail1].sessions) == 1
 
         _, out2 = turn(store, model, cat(out1, random_ids(2, 22)), session="s", new=1, expect=20, expect_stored=23)
         tail2 = keys_of(root, out2[:, :23])[-1]
@@ -1100,6 +1105,99 @@ def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
                      block_size=B) as store:
         assert {info.name for info in store._index.sessions.values()} == names
+
+
+def verify_sessions_hold_blocks_of_their_own(store: TieredStore) -> None:
+    """Every session the store tracks references a block no other session does, and its row and
+    references on disk are the index's (after a flush)."""
+    index = store._index
+    for info in index.sessions.values():
+        assert any(index.blocks[k].sessions == {sid} for k in info.keys for sid in [_sid(info)]), info
+    if store._disk is not None:
+        store.flush()
+        env = store._disk.env
+        with env.begin() as txn:
+            rows = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"sessions"))}
+            refs = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"refs"))}
+        assert rows == set(index.sessions)
+        assert refs == {sid + key for sid, info in index.sessions.items() for key in info.keys
+                        if index.blocks[key].disk is not DiskState.NONE}
+
+
+def _sid(info) -> bytes:
+    return _session_id(info.tenant, info.name)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_sessions_sharing_a_system_prompt_stay_as_many_as_their_own_blocks(tmp_path, disk):
+    # A long deployment: every session starts with the same system prompt, which stays hot, while
+    # the sessions' own blocks are evicted. A session with nothing of its own left is no longer
+    # tracked; it used to stay (row and references on disk too) for as long as the prompt lived.
+    model = make_model("llama", 0)
+    full = full_block_bytes(model)
+    prompt = random_ids(2 * B, 70)
+    budgets = dict(device_budget=0, host_budget=0, disk_budget=12 * full + 4096) if disk else \
+        dict(device_budget=8 * full, host_budget=0)
+    with TieredStore(tmp_path / "kv" if disk else None, device="cpu", block_size=B, **budgets) as store:
+        for i in range(30):
+            turn(store, model, cat(prompt, random_ids(B, 700 + i)), session=f"s{i}", new=1)
+            verify_sessions_hold_blocks_of_their_own(store)
+        blocks = len(store._index.blocks)
+        assert store.stats()["sessions"] <= blocks - 2 < 12
+        tracked = {info.name for info in store._index.sessions.values()}
+        assert "s29" in tracked and "s0" not in tracked
+        # A session that is no longer tracked still restores the prompt, and is tracked again.
+        cache, _ = turn(store, model, cat(prompt, random_ids(B, 700)), session="s0", new=1, expect=2 * B)
+        tracked = {info.name for info in store._index.sessions.values()}
+        assert "s0" in tracked
+        verify_sessions_hold_blocks_of_their_own(store)
+    if disk:
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=B, **budgets) as store:
+            assert {info.name for info in store._index.sessions.values()} == tracked
+            verify_sessions_hold_blocks_of_their_own(store)
+
+
+def test_sessions_that_repeat_or_continue_another_leave_its_blocks_to_the_last(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    ids = random_ids(2 * B, 71)  # with its reply, two whole blocks and no tail of its own
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        # Ten sessions with the same first turn ("hi"): one row, not ten.
+        for i in range(10):
+            _, out = turn(store, model, ids, session=f"hi{i}", new=1)
+        assert {info.name for info in store._index.sessions.values()} == {"hi9"}
+        verify_sessions_hold_blocks_of_their_own(store)
+        # A session that continues another's conversation holds all of it: the other goes.
+        _, longer = turn(store, model, cat(out, random_ids(B, 72)), session="fork", new=1)
+        assert {info.name for info in store._index.sessions.values()} == {"fork"}
+        verify_sessions_hold_blocks_of_their_own(store)
+        # forget() of an untracked session drops nothing the tracked one holds ...
+        assert store.forget(session="hi9") == 0
+        verify_open(store, model, cat(longer, random_ids(1, 73)), expect=longer.shape[1] - 1)
+        # ... and forgetting the one that holds them leaves nothing of any of them.
+        assert store.forget(session="fork") == 4  # three whole blocks and a tail
+        assert store.stats()["device"]["blocks"] == 0 and store.stats()["sessions"] == 0
+        verify_open(store, model, cat(longer, random_ids(1, 73)), expect=0)
+        verify_sessions_hold_blocks_of_their_own(store)
+
+
+def test_a_reopened_store_stops_tracking_sessions_with_no_block_of_their_own(tiny_model, tmp_path):
+    # Rows an earlier build kept: a session whose only block another session also references.
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, random_ids(2 * B + 3, 74), session="kept", new=1)
+        keys = list(store._index.sessions[_session_id(None, "kept")].keys)
+        store.flush()
+        hollow = _session_id(None, "old")
+        with store._disk.env.begin(write=True) as txn:
+            txn.put(hollow, msgpack.packb([None, "old"]), db=store._disk._sessions)
+            txn.put(hollow + keys[0], b"", db=store._disk._refs)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert {info.name for info in store._index.sessions.values()} == {"kept"}
+        assert all(m.sessions == {_session_id(None, "kept")} for m in store._index.blocks.values())
+        verify_sessions_hold_blocks_of_their_own(store)  # the rows are gone from the file too
+        verify_open(store, model, cat(out, random_ids(1, 75)), expect=out.shape[1] - 1)
 
 
 def test_commit_accepts_a_generate_output_object(tiny_model, tmp_path):

@@ -10,7 +10,8 @@ Pure bookkeeping over keys and sizes (no torch, no I/O), so the policy is testab
   conversation that diverges inside a block, or ends in a partial tail, restores as far as its
   token ids agree.
 * Sessions reference blocks; a block referenced by no session stays until it is evicted, unless
-  its last session was forgotten.
+  its last session was forgotten. The store keeps a session only while one of its blocks is
+  referenced by it alone (``TieredStore._untrack_if_hollow``), so sessions are bounded by blocks.
 """
 
 from __future__ import annotations

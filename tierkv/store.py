@@ -816,6 +816,13 @@ class TieredStore:
                 self._submit(PutRefs(sid, tenant, name, new))
             if dropped:
                 self._submit(DropRefs(sid, dropped))
+        # A block that was one other session's alone is now shared: that session may have nothing
+        # of its own left (this one continued its conversation, or repeated it). Those sessions
+        # go first, so that of two with the same blocks the one that committed last stays.
+        sharers = {other for m in chain if len(m.sessions) == 2 for other in m.sessions if other != sid}
+        for other in sharers:
+            self._untrack_if_hollow(other)
+        self._untrack_if_hollow(sid)
 
     # -- eviction -----------------------------------------------------------------------------------
     def _victim(self, tier: Tier) -> BlockMeta | None:
@@ -919,16 +926,33 @@ class TieredStore:
             self._submit(DeleteBlocks(keys, refs))
 
     def _remove(self, meta: BlockMeta) -> None:
-        """Take a block out of the index; a session left with no block goes too (in LMDB as well),
-        so a long-running store does not keep every session it ever saw."""
+        """Take a block out of the index; a session left with no block of its own goes too (in
+        LMDB as well), so a long-running store does not keep every session it ever saw."""
         sids = list(meta.sessions)
         self._index.remove(meta.key)
         for sid in sids:
-            info = self._index.sessions.get(sid)
-            if info is not None and not info.keys:
-                del self._index.sessions[sid]
-                if self._writer is not None:
-                    self._submit(DropRefs(sid, [], drop_session=True))
+            self._untrack_if_hollow(sid)
+
+    def _untrack_if_hollow(self, sid: bytes) -> None:
+        """Stop tracking a session none of whose blocks is its alone, in the index and in LMDB.
+
+        Every block it references is then referenced by another session, which keeps it: nothing
+        that ``forget`` would have dropped is lost to it, as each block still has a session to be
+        forgotten with. Without this, a session whose own blocks were evicted, or one that only
+        repeated another's conversation, stayed for as long as the shared prefix (a system
+        prompt) lived, and their number grew with every session ever seen."""
+        info = self._index.sessions.get(sid)
+        if info is None:
+            return
+        blocks = self._index.blocks
+        if any(len(blocks[key].sessions) == 1 for key in info.keys):
+            return
+        keys = list(info.keys)
+        for key in keys:
+            blocks[key].sessions.discard(sid)
+        del self._index.sessions[sid]
+        if self._writer is not None:
+            self._submit(DropRefs(sid, keys, drop_session=True))
 
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
@@ -1164,6 +1188,8 @@ class TieredStore:
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
         if damaged:
             self._drop_damaged_sessions(damaged)
+        for sid in list(self._index.sessions):
+            self._untrack_if_hollow(sid)  # rows that earlier builds kept
         # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose
         # write never landed: gone in one write.
         known = {h.key for h, _ in scan.headers} | set(scan.corrupt) | set(scan.scrubbed)
