@@ -1098,21 +1098,22 @@ def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_
         store.flush()
         names = {info.name for info in store._index.sessions.values()}
         assert "s0" not in names and "s3" in names
+        sids = set(store._index.sessions)
         env = store._disk.env
         with env.begin() as txn:
             rows = txn.stat(env.open_db(b"sessions"))["entries"]
         assert rows == len(store._index.sessions)
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
                      block_size=B) as store:
-        assert {info.name for info in store._index.sessions.values()} == names
+        assert set(store._index.sessions) == sids
 
 
 def verify_sessions_hold_blocks_of_their_own(store: TieredStore) -> None:
     """Every session the store tracks references a block no other session does, and its row and
     references on disk are the index's (after a flush)."""
     index = store._index
-    for info in index.sessions.values():
-        assert any(index.blocks[k].sessions == {sid} for k in info.keys for sid in [_sid(info)]), info
+    for sid, info in index.sessions.items():
+        assert any(index.blocks[k].sessions == {sid} for k in info.keys), info
     if store._disk is not None:
         store.flush()
         env = store._disk.env
@@ -1122,10 +1123,6 @@ def verify_sessions_hold_blocks_of_their_own(store: TieredStore) -> None:
         assert rows == set(index.sessions)
         assert refs == {sid + key for sid, info in index.sessions.items() for key in info.keys
                         if index.blocks[key].disk is not DiskState.NONE}
-
-
-def _sid(info) -> bytes:
-    return _session_id(info.tenant, info.name)
 
 
 @pytest.mark.parametrize("disk", [False, True])
@@ -1148,12 +1145,12 @@ def test_sessions_sharing_a_system_prompt_stay_as_many_as_their_own_blocks(tmp_p
         assert "s29" in tracked and "s0" not in tracked
         # A session that is no longer tracked still restores the prompt, and is tracked again.
         cache, _ = turn(store, model, cat(prompt, random_ids(B, 700)), session="s0", new=1, expect=2 * B)
-        tracked = {info.name for info in store._index.sessions.values()}
-        assert "s0" in tracked
+        assert "s0" in {info.name for info in store._index.sessions.values()}
+        tracked = set(store._index.sessions)
         verify_sessions_hold_blocks_of_their_own(store)
     if disk:
         with TieredStore(tmp_path / "kv", device="cpu", block_size=B, **budgets) as store:
-            assert {info.name for info in store._index.sessions.values()} == tracked
+            assert set(store._index.sessions) == tracked
             verify_sessions_hold_blocks_of_their_own(store)
 
 
@@ -1194,7 +1191,7 @@ def test_a_reopened_store_stops_tracking_sessions_with_no_block_of_their_own(tin
             txn.put(hollow, msgpack.packb([None, "old"]), db=store._disk._sessions)
             txn.put(hollow + keys[0], b"", db=store._disk._refs)
     with TieredStore(path, device="cpu", block_size=B) as store:
-        assert {info.name for info in store._index.sessions.values()} == {"kept"}
+        assert set(store._index.sessions) == {_session_id(None, "kept")}
         assert all(m.sessions == {_session_id(None, "kept")} for m in store._index.blocks.values())
         verify_sessions_hold_blocks_of_their_own(store)  # the rows are gone from the file too
         verify_open(store, model, cat(out, random_ids(1, 75)), expect=out.shape[1] - 1)
@@ -1233,10 +1230,54 @@ def test_hostile_session_and_tenant_names_are_data(tiny_model, tmp_path):
         assert store.forget(session="a\x00b") == 2  # its block and tail; "a" and "b" untouched
         assert store.forget(tenant="a") == 2
     with TieredStore(path, device="cpu", block_size=B) as store:
-        remaining = {info.name for info in store._index.sessions.values()}
-        assert remaining == set(names) - {"a\x00b", "a"}
+        assert set(store._index.sessions) == {_session_id(n, n) for n in set(names) - {"a\x00b", "a"}}
     assert {p.name for p in path.iterdir()} == {"data.mdb", "lock.mdb", "tierkv.lock"}  # names never touch paths
     assert {p.name for p in tmp_path.iterdir()} == {"kv"}
+
+
+def test_session_names_never_reach_the_file_and_forget_finds_sessions_after_a_reopen(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    names = [f"user-{i}@example.com" for i in range(4)]
+    outs = {}
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        for i, name in enumerate(names):
+            for tenant in (None, "acme"):
+                _, outs[name, tenant] = turn(store, model, random_ids(2 * B + 2, 80 + i), session=name,
+                                             tenant=tenant, new=1)  # two whole blocks and a tail
+        assert store.forget(session=names[0]) == 6
+    data = (path / "data.mdb").read_bytes()
+    assert not [name for name in names if name.encode() in data]  # live and forgotten alike
+
+    def restored(store: TieredStore, name: str, tenant: str | None) -> int:
+        out = outs[name, tenant]
+        return verify_open(store, model, cat(out, random_ids(1, 90)), tenant=tenant).restored_tokens
+
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert store.stats()["sessions"] == 6
+        assert store.forget(session=names[1], tenant="acme") == 3
+        assert store.forget(session=names[2]) == 6  # under every tenant
+        assert store.forget(tenant="acme") == 3
+        assert store.forget(session="user-9@example.com") == 0
+        full = 2 * B + 2
+        assert {(n, t): restored(store, n, t) for n in names[1:] for t in (None, "acme")} == {
+            (names[1], None): full, (names[1], "acme"): 0, (names[2], None): 0, (names[2], "acme"): 0,
+            (names[3], None): full, (names[3], "acme"): 0}
+
+
+def test_session_rows_an_earlier_build_wrote_with_names_are_read_and_forgotten(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, random_ids(2 * B + 2, 91), session="old", tenant="acme", new=1)
+        store.flush()
+        with store._disk.env.begin(write=True) as txn:
+            txn.put(_session_id("acme", "old"), msgpack.packb(["acme", "old"]), db=store._disk._sessions)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert [(i.tenant, i.name) for i in store._index.sessions.values()] == [("acme", "old")]
+        assert store.stats()["corrupt"] == 0
+        assert store.forget(session="old") == 3
+        assert verify_open(store, model, cat(out, random_ids(1, 92)), tenant="acme").restored_tokens == 0
 
 
 # -- the decode path ---------------------------------------------------------------------------------

@@ -296,7 +296,7 @@ def test_load_missing_key_is_a_key_error(disk: DiskTier) -> None:
 def test_reopen_finds_everything(tmp_path: pathlib.Path) -> None:
     path = os.path.join(tmp_path, "store")
     tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
-    tier.apply([put_op(1), put_op(2, block_tensor(2, torch.bfloat16)), PutRefs(sid(1), "acme", "alice", [key(1)]),
+    tier.apply([put_op(1), put_op(2, block_tensor(2, torch.bfloat16)), PutRefs(sid(1), "acme", [key(1)]),
                 Touch({key(1): 7, key(2): 9})])
     tier.sync()
     tier.close()
@@ -305,7 +305,7 @@ def test_reopen_finds_everything(tmp_path: pathlib.Path) -> None:
         assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, torch.bfloat16))
         scan = tier.scan()
         assert sorted(h.key for h, _ in scan.headers) == [key(1), key(2)]
-        assert scan.sessions == {sid(1): ("acme", "alice", [key(1)])}
+        assert scan.sessions == {sid(1): ("acme", None, [key(1)])}
         assert scan.atime == {key(1): 7, key(2): 9}
     finally:
         tier.close()
@@ -422,15 +422,15 @@ def test_scan_lists_headers_sessions_refs_and_atime(disk: DiskTier) -> None:
     ops = [put_op(n) for n in (1, 2, 3)]
     disk.apply(ops)
     disk.apply([
-        PutRefs(sid(1), "acme", "alice", [key(1), key(2)]),
-        PutRefs(sid(2), None, "bob", [key(1)]),
+        PutRefs(sid(1), "acme", [key(1), key(2)]),
+        PutRefs(sid(2), None, [key(1)]),
         Touch({key(1): 10, key(3): 30}),
     ])
     raw_put(disk, b"blocks", key(9), b"junk")
     scan = disk.scan()
     assert [(h, size) for h, size in scan.headers] == [(op.header, op.record_bytes) for op in ops]
     assert scan.corrupt == [key(9)]
-    assert scan.sessions == {sid(1): ("acme", "alice", [key(1), key(2)]), sid(2): (None, "bob", [key(1)])}
+    assert scan.sessions == {sid(1): ("acme", None, [key(1), key(2)]), sid(2): (None, None, [key(1)])}
     assert scan.atime == {key(1): 10, key(3): 30}
 
 
@@ -869,20 +869,33 @@ def test_delete_blocks_removes_records_and_stamps(disk: DiskTier) -> None:
 
 
 def test_put_refs_accumulate(disk: DiskTier) -> None:
-    disk.apply([PutRefs(sid(1), "t", "s", [key(1)])])
-    disk.apply([PutRefs(sid(1), "t", "s", [key(2), key(1)])])
-    assert disk.scan().sessions == {sid(1): ("t", "s", [key(1), key(2)])}
+    disk.apply([PutRefs(sid(1), "t", [key(1)])])
+    disk.apply([PutRefs(sid(1), "t", [key(2), key(1)])])
+    assert disk.scan().sessions == {sid(1): ("t", None, [key(1), key(2)])}
+
+
+def test_session_rows_hold_no_name_and_rows_of_earlier_builds_still_read(disk: DiskTier) -> None:
+    disk.apply([PutRefs(sid(1), "acme", [key(1)])])
+    assert msgpack.unpackb(raw_get(disk, b"sessions", sid(1))) == ["acme"]
+    raw_put(disk, b"sessions", sid(2), msgpack.packb([None, "bob"]))  # an earlier build's row
+    bad = {3: b"\xc1", 4: msgpack.packb([]), 5: msgpack.packb([7]), 6: msgpack.packb(["t", 5]),
+           7: msgpack.packb(["t", "s", "x"]), 8: msgpack.packb("t")}
+    for n, value in bad.items():
+        raw_put(disk, b"sessions", sid(n), value)
+    scan = disk.scan()
+    assert scan.sessions == {sid(1): ("acme", None, [key(1)]), sid(2): (None, "bob", [])}
+    assert scan.bad_sessions == {sid(n): [] for n in bad}
 
 
 def test_drop_refs(disk: DiskTier) -> None:
-    disk.apply([PutRefs(sid(1), "t", "alice", [key(1), key(2), key(3)]), PutRefs(sid(2), "t", "bob", [key(1)])])
+    disk.apply([PutRefs(sid(1), "t", [key(1), key(2), key(3)]), PutRefs(sid(2), "t", [key(1)])])
     disk.apply([DropRefs(sid(1), [key(1), key(3)])])
-    assert disk.scan().sessions == {sid(1): ("t", "alice", [key(2)]), sid(2): ("t", "bob", [key(1)])}
+    assert disk.scan().sessions == {sid(1): ("t", None, [key(2)]), sid(2): ("t", None, [key(1)])}
     disk.apply([DropRefs(sid(1), [key(2)], drop_session=True)])
-    assert disk.scan().sessions == {sid(2): ("t", "bob", [key(1)])}
+    assert disk.scan().sessions == {sid(2): ("t", None, [key(1)])}
     assert raw_get(disk, b"sessions", sid(1)) is None
     disk.apply([DropRefs(sid(9), [key(1)], drop_session=True)])  # unknown session is harmless
-    assert disk.scan().sessions == {sid(2): ("t", "bob", [key(1)])}
+    assert disk.scan().sessions == {sid(2): ("t", None, [key(1)])}
 
 
 def test_ops_apply_in_order_within_a_batch(disk: DiskTier) -> None:

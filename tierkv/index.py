@@ -56,7 +56,7 @@ class BlockMeta:
 @dataclass(slots=True, eq=False)
 class SessionInfo:
     tenant: str | None
-    name: str
+    name: str | None  # None for a session read back from disk, where names are never written
     keys: set[bytes] = field(default_factory=set)
 
 
@@ -133,7 +133,7 @@ class Index:
         return len(self.lru[tier])
 
     # -- sessions -----------------------------------------------------------------------------
-    def ref(self, sid: bytes, tenant: str | None, name: str, meta: BlockMeta) -> bool:
+    def ref(self, sid: bytes, tenant: str | None, name: str | None, meta: BlockMeta) -> bool:
         """Reference ``meta`` from a session; True if the reference is new."""
         info = self.sessions.get(sid)
         if info is None:

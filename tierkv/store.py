@@ -813,7 +813,7 @@ class TieredStore:
                 self._drop(meta)
         if self._writer is not None:
             if new:
-                self._submit(PutRefs(sid, tenant, name, new))
+                self._submit(PutRefs(sid, tenant, new))
             if dropped:
                 self._submit(DropRefs(sid, dropped))
         # A block that was one other session's alone is now shared: that session may have nothing
@@ -1171,8 +1171,14 @@ class TieredStore:
             self._index.set_disk(meta, DiskState.DURABLE)
         damaged = dict(scan.bad_sessions)
         for sid, (tenant, name, keys) in scan.sessions.items():
-            if _session_id(tenant, name) != sid:
+            if name is not None and _session_id(tenant, name) != sid:
                 damaged[sid] = keys  # a name that is not the one this row was written under
+                continue
+            if any(meta.tenant != tenant for meta in map(self._index.blocks.get, keys) if meta is not None):
+                # Rows hold no name to check their sid against, but a session only ever references
+                # its own tenant's blocks: a row naming another tenant would hide the session
+                # from forget(tenant=...) and forget(session=..., tenant=...).
+                damaged[sid] = keys
                 continue
             dangling = []
             for key in keys:
@@ -1248,8 +1254,13 @@ class TieredStore:
         with self._lock, defer_interrupts():
             self._check_open()
             self._reap()
-            sids = [sid for sid, info in self._index.sessions.items()
-                    if (session is None or info.name == session) and (tenant is _UNSET or info.tenant == tenant)]
+            sessions = self._index.sessions
+            if session is None:
+                sids = [sid for sid, info in sessions.items() if info.tenant == tenant]
+            else:
+                # By key, not by name: names never reach the disk, so a reopened store has none.
+                tenants = {info.tenant for info in sessions.values()} if tenant is _UNSET else {tenant}
+                sids = [sid for sid in {_session_id(t, session) for t in tenants} if sid in sessions]
             for sid in sids:
                 removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
             if session is None:

@@ -4,7 +4,8 @@ Sub-databases:
     blocks    key(16) -> codec record (header + raw KV bytes + checksum)
     heads     key(16) -> the record's head (its bytes up to the payload) and where the record lies
                         in the file (``heads.py``); written and deleted with the record
-    sessions  sid(16) -> msgpack [tenant, session name]
+    sessions  sid(16) -> msgpack [tenant]             (sid hashes tenant and session name; the name
+                        itself is never written: earlier builds wrote [tenant, name], still read)
     refs      sid(16) + key(16) -> b""          (which blocks a session references)
     atime     key(16) -> u64 little-endian      (last use, to rebuild LRU order on reopen)
     meta      b"tierkv" -> msgpack {format, hash, block_size}
@@ -149,16 +150,20 @@ def _is_zeroed(value: memoryview | bytes) -> bool:
     return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
 
 
-def _session_row(value: bytes) -> tuple[str | None, str] | None:
-    """A sessions row's (tenant, name), or None when it is damaged."""
+def _session_row(value: bytes) -> tuple[str | None, str | None] | None:
+    """A sessions row's (tenant, name), or None when it is damaged. Rows hold the tenant alone
+    (name None): LMDB copies a B-tree page at every change to a row in it, and copies in free
+    pages outlive a delete, so a name written once could be read in the file after ``forget``.
+    Rows of earlier builds also hold the name."""
     try:
         row = msgpack.unpackb(value)
     except Exception:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
         return None
-    if isinstance(row, list) and len(row) == 2 and isinstance(row[1], str) and \
-            (row[0] is None or isinstance(row[0], str)):
-        return row[0], row[1]
-    return None
+    if not isinstance(row, list) or len(row) not in (1, 2) or not (row[0] is None or isinstance(row[0], str)):
+        return None
+    if len(row) == 1:
+        return row[0], None
+    return (row[0], row[1]) if isinstance(row[1], str) else None
 
 
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
@@ -202,7 +207,6 @@ class DeleteBlocks:
 class PutRefs:
     sid: bytes
     tenant: str | None
-    name: str
     keys: list[bytes]
 
 
@@ -244,8 +248,9 @@ class ScanResult:
     # Records zeroed by a delete whose transaction never committed (the process died in it):
     # what the delete wanted, so they are finished off, not counted as damage.
     scrubbed: list[bytes] = field(default_factory=list)
-    sessions: dict[bytes, tuple[str | None, str, list[bytes]]] = field(default_factory=dict)
-    # Session rows that do not read as [tenant, name], and refs without a row: sid -> the blocks
+    # sid -> (tenant, name: None but in rows of earlier builds, the blocks its refs name)
+    sessions: dict[bytes, tuple[str | None, str | None, list[bytes]]] = field(default_factory=dict)
+    # Session rows that do not read as [tenant] or [tenant, name], and refs without a row: sid -> the blocks
     # their refs name.
     bad_sessions: dict[bytes, list[bytes]] = field(default_factory=dict)
     atime: dict[bytes, int] = field(default_factory=dict)
@@ -681,7 +686,7 @@ class DiskTier:
             for ref in op.refs:
                 txn.delete(ref, db=self._refs)
         elif isinstance(op, PutRefs):
-            txn.put(op.sid, msgpack.packb([op.tenant, op.name]), db=self._sessions)
+            txn.put(op.sid, msgpack.packb([op.tenant]), db=self._sessions)
             for key in op.keys:
                 txn.put(op.sid + key, b"", db=self._refs)
         elif isinstance(op, DropRefs):
