@@ -19,7 +19,7 @@ from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
 from tierkv.store import _session_id
-from tierkv.tiers.disk import DeleteBlocks, DiskFull, DiskTier, DropRefs, PutBlock, Touch, slack
+from tierkv.tiers.disk import DeleteBlocks, DiskFull, DiskTier, DropRefs, PutBlock, PutRefs, Touch, slack
 from tierkv.transfer import Job
 
 B = 8
@@ -616,6 +616,52 @@ def test_a_damaged_session_row_is_forgotten_not_fatal(model, stores, tmp_path, d
     assert sid not in {bytes(k) for k in store._index.sessions}
     stores.pop().close()
     assert make_store(stores, path).stats()["corrupt"] == 0  # the row is gone from the file too
+
+
+def _rows(path) -> dict[str, int]:
+    with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
+        with env.begin() as txn:
+            return {db: txn.stat(env.open_db(db.encode(), txn=txn, create=False))["entries"]
+                    for db in ("blocks", "sessions", "refs")}
+
+
+@pytest.mark.parametrize("fault", ["disk failed", "batch failed"])
+def test_a_session_untracked_when_the_refs_of_the_one_keeping_its_blocks_never_landed_is_still_forgotten(
+        model, stores, tmp_path, fault):
+    # B repeats A's conversation, so A has nothing of its own and is untracked. B's references
+    # never reach the disk: dropped once the disk has failed, or lost with a batch that failed.
+    # A's rows must then stay (found by review: they went, and after a restart no forget found
+    # the blocks, which restored in full).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    secret = random_ids(20, 900)
+    converse(store, model, secret, "A")
+    store.flush()
+    apply, failed = store._disk._apply, []
+
+    def faulty(ops):
+        if fault == "disk failed" and any(isinstance(op, PutBlock) for op in ops) or \
+                fault == "batch failed" and not failed and any(isinstance(op, PutRefs) for op in ops):
+            failed.append([type(op).__name__ for op in ops])
+            raise lmdb.DiskError("Input/output error")
+        return apply(ops)
+
+    store._disk._apply = faulty
+    if fault == "disk failed":
+        converse(store, model, random_ids(20, 901), "other")  # its block write fails: no more writes
+        store.flush()
+        assert store.stats()["disk_failed"]
+    converse(store, model, secret, "B")
+    store.flush()
+    assert failed
+    assert {i.name for i in store._index.sessions.values()} - {"other"} == {"B"}
+    stores.pop().close()
+    assert _rows(path)["sessions"] >= 1  # A's row stayed
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    assert store.forget(session="A") + store.forget(session="B") == 3
+    assert store.open(model, torch.cat([secret, random_ids(2, 902)], dim=1)).restored_tokens == 0
+    stores.pop().close()
+    assert _rows(path) == {"blocks": 0, "sessions": 0, "refs": 0}
 
 
 def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):

@@ -239,20 +239,22 @@ def test_a_returning_session_restores_its_partial_tail_and_a_longer_tail_superse
 def test_a_partial_tail_another_session_references_outlives_its_supersession(tiny_model, tmp_path):
     model = tiny_model("llama")
     with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        # s and t also have other conversations, whose blocks are their own alone: both stay
+        # tracked when t repeats s's.
+        _, own = turn(store, model, random_ids(B, 20), session="s", new=1, expect_stored=B)
+        _, own_t = turn(store, model, random_ids(B, 24), session="t", new=1, expect_stored=B)
         ids1 = random_ids(19, 21)
         _, out1 = turn(store, model, ids1, session="s", new=2, expect=0, expect_stored=20)
         _, out1t = turn(store, model, ids1, session="t", new=2, expect=18, expect_stored=20)
         assert torch.equal(out1, out1t)
         root = store.open(model, out1, session="probe").root
         k0, k1, tail1 = keys_of(root, out1[:, :20])
-        # t repeated s's conversation, so s had no block of its own left: t, which committed
-        # last, holds the blocks now.
-        assert {info.name for info in store._index.sessions.values()} == {"t"}
-        assert len(store._index.blocks[tail1].sessions) == 1
+        edit = {*keys_of(root, own[:, :B]), *keys_of(root, own_t[:, :B])}
+        assert len(store._index.blocks[tail1].sessions) == 2
 
         _, out2 = turn(store, model, cat(out1, random_ids(2, 22)), session="s", new=1, expect=20, expect_stored=23)
         tail2 = keys_of(root, out2[:, :23])[-1]
-        assert set(store._index.blocks) == {k0, k1, tail1, tail2}
+        assert set(store._index.blocks) == {*edit, k0, k1, tail1, tail2}
         assert len(store._index.blocks[tail1].sessions) == 1  # t's alone now
 
         # t diverges after out1's 21st token, which s's newer tail holds: 21 restore.
@@ -260,7 +262,7 @@ def test_a_partial_tail_another_session_references_outlives_its_supersession(tin
         _, out3 = turn(store, model, other, session="t", new=1, expect=21, expect_stored=22)
         tail3 = keys_of(root, out3[:, :22])[-1]
         assert tail3 != tail2
-        assert set(store._index.blocks) == {k0, k1, tail2, tail3}
+        assert set(store._index.blocks) == {*edit, k0, k1, tail2, tail3}
 
 
 @pytest.mark.parametrize("first_touch", ["update", "keys"])

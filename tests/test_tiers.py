@@ -33,6 +33,7 @@ from tierkv.tiers.disk import (
     PutBlock,
     PutHeads,
     PutRefs,
+    Untrack,
     ScanResult,
     Touch,
     dtype_name,
@@ -885,6 +886,14 @@ def test_session_rows_hold_no_name_and_rows_of_earlier_builds_still_read(disk: D
     scan = disk.scan()
     assert scan.sessions == {sid(1): ("acme", None, [key(1)]), sid(2): (None, "bob", [])}
     assert scan.bad_sessions == {sid(n): [] for n in bad}
+
+
+def test_untrack_drops_a_session_and_writes_a_keeping_sessions_refs_with_it(disk: DiskTier) -> None:
+    disk.apply([PutRefs(sid(1), "t", [key(1), key(2)])])
+    # sid(2)'s own PutRefs never landed: the Untrack writes the reference that keeps key(1).
+    disk.apply([Untrack(sid(1), [key(1), key(2)], [(sid(2), "t", key(1))])])
+    assert disk.scan().sessions == {sid(2): ("t", None, [key(1)])}
+    assert raw_get(disk, b"sessions", sid(1)) is None
 
 
 def test_drop_refs(disk: DiskTier) -> None:

@@ -138,6 +138,8 @@ class Index:
         info = self.sessions.get(sid)
         if info is None:
             info = self.sessions[sid] = SessionInfo(tenant, name)
+        elif info.name is None:
+            info.name = name  # read back from disk, where names are not kept; known again
         if meta.key in info.keys:
             return False
         info.keys.add(meta.key)

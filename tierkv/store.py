@@ -68,7 +68,7 @@ from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
-                         dtype_name, op_size, slack)
+                         Untrack, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
@@ -940,7 +940,13 @@ class TieredStore:
         that ``forget`` would have dropped is lost to it, as each block still has a session to be
         forgotten with. Without this, a session whose own blocks were evicted, or one that only
         repeated another's conversation, stayed for as long as the shared prefix (a system
-        prompt) lived, and their number grew with every session ever seen."""
+        prompt) lived, and their number grew with every session ever seen.
+
+        On disk its rows go with an ``Untrack``, which also writes a keeping session's reference
+        to each block: that session's own ``PutRefs`` may have failed, or been dropped after a
+        disk fault, and a block left on disk with no reference is one no ``forget`` finds after a
+        restart (found by review). An ``Untrack`` that fails leaves the rows, which a reopen
+        untracks again."""
         info = self._index.sessions.get(sid)
         if info is None:
             return
@@ -948,11 +954,16 @@ class TieredStore:
         if any(len(blocks[key].sessions) == 1 for key in info.keys):
             return
         keys = list(info.keys)
+        holders = []
         for key in keys:
-            blocks[key].sessions.discard(sid)
+            meta = blocks[key]
+            meta.sessions.discard(sid)
+            if meta.disk is not DiskState.NONE:
+                holder = next(iter(meta.sessions))
+                holders.append((holder, self._index.sessions[holder].tenant, key))
         del self._index.sessions[sid]
         if self._writer is not None:
-            self._submit(DropRefs(sid, keys, drop_session=True))
+            self._submit(Untrack(sid, keys, holders) if keys else DropRefs(sid, [], drop_session=True))
 
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
@@ -1243,6 +1254,9 @@ class TieredStore:
         ``forget(session=s)`` forgets session ``s`` under every tenant, ``forget(session=s,
         tenant=t)`` only under ``t``; blocks another live session still references stay.
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
+        A session is found by the key its tenant and name hash to (names are not kept on disk):
+        without a tenant, sessions read back at a reopen and not committed since cost one hash
+        per tenant they have.
         """
         self._check_open()
         if session is None and tenant is _UNSET:
@@ -1257,10 +1271,22 @@ class TieredStore:
             sessions = self._index.sessions
             if session is None:
                 sids = [sid for sid, info in sessions.items() if info.tenant == tenant]
+            elif tenant is not _UNSET:
+                sid = _session_id(tenant, session)
+                sids = [sid] if sid in sessions else []
             else:
-                # By key, not by name: names never reach the disk, so a reopened store has none.
-                tenants = {info.tenant for info in sessions.values()} if tenant is _UNSET else {tenant}
-                sids = [sid for sid in {_session_id(t, session) for t in tenants} if sid in sessions]
+                # Names never reach the disk: a session read back at a reopen, and not committed
+                # since, is known by its key alone, hashed once per tenant of such sessions.
+                keys: dict[str | None, bytes] = {}
+
+                def key_in(tenant: str | None) -> bytes:
+                    key = keys.get(tenant)
+                    if key is None:
+                        key = keys[tenant] = _session_id(tenant, session)
+                    return key
+
+                sids = [sid for sid, info in sessions.items()
+                        if info.name == session or info.name is None and sid == key_in(info.tenant)]
             for sid in sids:
                 removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
             if session is None:

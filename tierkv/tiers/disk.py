@@ -218,6 +218,19 @@ class DropRefs:
 
 
 @dataclass(slots=True)
+class Untrack:
+    """A session that holds no block of its own leaves LMDB: its row and references go, in the
+    transaction that also writes, for each of its blocks on disk, the reference of a session that
+    keeps it (``holders``: (sid, tenant, key)). So no block is left on disk that no session's
+    ``forget`` finds, whatever became of that session's own ``PutRefs`` (a failed batch, a failed
+    disk). Optional, like ``PutRefs``: where it never lands the rows stay, and the next reopen
+    untracks the session again."""
+    sid: bytes
+    keys: list[bytes]
+    holders: list[tuple[bytes, str | None, bytes]]
+
+
+@dataclass(slots=True)
 class Touch:
     stamps: dict[bytes, int]
 
@@ -230,7 +243,7 @@ class PutHeads:
     heads: dict[bytes, tuple[bytes, int]]
 
 
-DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch | PutHeads
+DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Untrack | Touch | PutHeads
 
 
 @dataclass(slots=True)
@@ -694,6 +707,13 @@ class DiskTier:
                 txn.delete(op.sid + key, db=self._refs)
             if op.drop_session:
                 txn.delete(op.sid, db=self._sessions)
+        elif isinstance(op, Untrack):
+            for holder, tenant, key in op.holders:
+                txn.put(holder, msgpack.packb([tenant]), db=self._sessions)
+                txn.put(holder + key, b"", db=self._refs)
+            for key in op.keys:
+                txn.delete(op.sid + key, db=self._refs)
+            txn.delete(op.sid, db=self._sessions)
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
