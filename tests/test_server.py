@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import signal
 import socket
@@ -175,6 +176,29 @@ def test_a_session_id_with_a_slash_can_be_deleted(server: Server) -> None:
     gone = httpx.delete(f"{server.url}/v1/sessions/team%2Falice", headers={"X-API-Key": "k-slash"}, timeout=30)
     assert gone.status_code == 200 and gone.json()["id"] == "team/alice" and gone.json()["blocks_removed"] > 0
     assert cached(server.chat(follow_up(messages, first, "More?"), key="k-slash", session="team/alice")) == 0
+
+
+def test_the_access_log_does_not_name_the_session_a_delete_forgets(server: Server) -> None:
+    access = logging.getLogger("uvicorn.access")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, level = Keep(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)  # the test server logs warnings only; `python -m examples.server` logs this
+    try:
+        server.chat(conversation("logged"), key="k-log", session="alice@example.com")
+        gone = httpx.delete(f"{server.url}/v1/sessions/alice%40example.com?x=1", headers={"X-API-Key": "k-log"},
+                            timeout=30)
+        assert gone.status_code == 200 and gone.json()["id"] == "alice@example.com"
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert any("DELETE /v1/sessions/<id>?x=1" in line for line in lines), lines
+    assert not [line for line in lines if "alice" in line]
 
 
 def test_a_vanishing_temperature_is_greedy_not_a_server_error(server: Server) -> None:

@@ -205,6 +205,9 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for ``settings`` (default: ``Settings.from_env()``); the model and store open at startup."""
     settings = Settings.from_env() if settings is None else settings
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, errors.RedactSessionIds) for f in access.filters):
+        access.addFilter(errors.RedactSessionIds())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -18,6 +18,25 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("examples.server")
+_SESSION_ROUTE = "/v1/sessions/"
+
+
+def redact_path(path: str) -> str:
+    """``path`` with a session id in it replaced: ids are users' data (an e-mail, an account), and
+    a DELETE of a session would otherwise write the very id it forgets into the server's logs."""
+    if not path.startswith(_SESSION_ROUTE):
+        return path
+    query = path.find("?")
+    return _SESSION_ROUTE + "<id>" + (path[query:] if query >= 0 else "")
+
+
+class RedactSessionIds(logging.Filter):
+    """For uvicorn's access log, whose records carry the request path among their arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_path(a) if isinstance(a, str) else a for a in record.args)
+        return True
 
 
 class ApiError(Exception):
@@ -99,5 +118,5 @@ def install(app: FastAPI, fields: frozenset[str]) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not a bad request: logged with its traceback here, and not described to the client.
-        logger.exception("internal error serving %s %s", request.method, request.url.path)
+        logger.exception("internal error serving %s %s", request.method, redact_path(request.url.path))
         return ApiError(500, "internal server error", type="server_error").response()
