@@ -630,8 +630,8 @@ def test_a_session_untracked_when_the_refs_of_the_one_keeping_its_blocks_never_l
         model, stores, tmp_path, fault):
     # B repeats A's conversation, so A has nothing of its own and is untracked. B's references
     # never reach the disk: dropped once the disk has failed, or lost with a batch that failed.
-    # A's rows must then stay (found by review: they went, and after a restart no forget found
-    # the blocks, which restored in full).
+    # The blocks must stay findable on disk (found by review: A's rows went, and after a restart
+    # no forget found the blocks, which restored in full): A's DropRefs writes B's references.
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget="1MiB", host_budget=0)
     secret = random_ids(20, 900)
@@ -656,12 +656,45 @@ def test_a_session_untracked_when_the_refs_of_the_one_keeping_its_blocks_never_l
     assert failed
     assert {i.name for i in store._index.sessions.values()} - {"other"} == {"B"}
     stores.pop().close()
-    assert _rows(path)["sessions"] >= 1  # A's row stayed
+    assert _rows(path)["sessions"] >= 1
     store = make_store(stores, path, device_budget="1MiB", host_budget=0)
     assert store.forget(session="A") + store.forget(session="B") == 3
     assert store.open(model, torch.cat([secret, random_ids(2, 902)], dim=1)).restored_tokens == 0
     stores.pop().close()
     assert _rows(path) == {"blocks": 0, "sessions": 0, "refs": 0}
+
+
+def test_forgetting_the_session_whose_refs_kept_shared_blocks_on_disk_writes_another_holders(
+        model, stores, tmp_path):
+    # C also holds P, but its references never landed (a batch of references alone fails without
+    # a fault being noticed). A repeats P and is untracked in favour of H or C; then H is
+    # forgotten. Found by review: when the untracking had named H, no reference to P was left on
+    # disk, and after a restart P restored in full though every session holding it was forgotten.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    P = random_ids(20, 900)
+    converse(store, model, P, "H")
+    converse(store, model, random_ids(20, 901), "H")  # H and C have blocks of their own
+    converse(store, model, random_ids(20, 902), "C")
+    store.flush()
+    apply, failed = store._disk._apply, []
+
+    def faulty(ops):
+        if not failed and any(isinstance(op, PutRefs) and op.sid == _session_id(None, "C") for op in ops):
+            failed.append(ops)
+            raise lmdb.DiskError("Input/output error")
+        return apply(ops)
+
+    store._disk._apply = faulty
+    converse(store, model, P, "C")
+    store.flush()
+    converse(store, model, P, "A")
+    assert store.forget(session="H") == 3  # its own blocks: P stays, C holds it
+    stores.pop().close()
+    assert failed
+    store = make_store(stores, path, device_budget="1MiB", host_budget=0)
+    assert store.forget(session="C") == 6  # P and C's own blocks, found on disk
+    assert store.open(model, torch.cat([P, random_ids(2, 903)], dim=1)).restored_tokens == 0
 
 
 def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):

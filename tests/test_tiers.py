@@ -33,7 +33,6 @@ from tierkv.tiers.disk import (
     PutBlock,
     PutHeads,
     PutRefs,
-    Untrack,
     ScanResult,
     Touch,
     dtype_name,
@@ -888,10 +887,10 @@ def test_session_rows_hold_no_name_and_rows_of_earlier_builds_still_read(disk: D
     assert scan.bad_sessions == {sid(n): [] for n in bad}
 
 
-def test_untrack_drops_a_session_and_writes_a_keeping_sessions_refs_with_it(disk: DiskTier) -> None:
+def test_drop_refs_writes_the_refs_of_the_sessions_keeping_the_blocks(disk: DiskTier) -> None:
     disk.apply([PutRefs(sid(1), "t", [key(1), key(2)])])
-    # sid(2)'s own PutRefs never landed: the Untrack writes the reference that keeps key(1).
-    disk.apply([Untrack(sid(1), [key(1), key(2)], [(sid(2), "t", key(1))])])
+    # sid(2)'s own PutRefs never landed: the DropRefs writes the reference that keeps key(1).
+    disk.apply([DropRefs(sid(1), [key(1), key(2)], drop_session=True, holders=[(sid(2), "t", key(1))])])
     assert disk.scan().sessions == {sid(2): ("t", None, [key(1)])}
     assert raw_get(disk, b"sessions", sid(1)) is None
 

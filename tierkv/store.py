@@ -68,7 +68,7 @@ from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
-                         Untrack, dtype_name, op_size, slack)
+                         dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
@@ -815,7 +815,7 @@ class TieredStore:
             if new:
                 self._submit(PutRefs(sid, tenant, new))
             if dropped:
-                self._submit(DropRefs(sid, dropped))
+                self._submit(DropRefs(sid, dropped, holders=self._holders(dropped)))
         # A block that was one other session's alone is now shared: that session may have nothing
         # of its own left (this one continued its conversation, or repeated it). Those sessions
         # go first, so that of two with the same blocks the one that committed last stays.
@@ -942,11 +942,8 @@ class TieredStore:
         repeated another's conversation, stayed for as long as the shared prefix (a system
         prompt) lived, and their number grew with every session ever seen.
 
-        On disk its rows go with an ``Untrack``, which also writes a keeping session's reference
-        to each block: that session's own ``PutRefs`` may have failed, or been dropped after a
-        disk fault, and a block left on disk with no reference is one no ``forget`` finds after a
-        restart (found by review). An ``Untrack`` that fails leaves the rows, which a reopen
-        untracks again."""
+        On disk its rows go with a ``DropRefs`` that also writes a keeping session's reference to
+        each block (``_holders``), as every ``DropRefs`` does."""
         info = self._index.sessions.get(sid)
         if info is None:
             return
@@ -954,16 +951,25 @@ class TieredStore:
         if any(len(blocks[key].sessions) == 1 for key in info.keys):
             return
         keys = list(info.keys)
-        holders = []
         for key in keys:
-            meta = blocks[key]
-            meta.sessions.discard(sid)
-            if meta.disk is not DiskState.NONE:
-                holder = next(iter(meta.sessions))
-                holders.append((holder, self._index.sessions[holder].tenant, key))
+            blocks[key].sessions.discard(sid)
         del self._index.sessions[sid]
         if self._writer is not None:
-            self._submit(Untrack(sid, keys, holders) if keys else DropRefs(sid, [], drop_session=True))
+            self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
+
+    def _holders(self, keys: Iterable[bytes]) -> list[tuple[bytes, str | None, bytes]]:
+        """For each of ``keys`` still on disk and referenced, one session that references it:
+        a ``DropRefs`` writes that session's reference again with its own deletes. Its ``PutRefs``
+        may never have landed (a failed batch is not retried; after a disk fault none is sent),
+        and the reference that kept the block findable on disk may be the one being deleted
+        (found by review: after a restart no ``forget`` found such blocks, which restored in full)."""
+        holders = []
+        for key in keys:
+            meta = self._index.blocks.get(key)
+            if meta is not None and meta.sessions and meta.disk is not DiskState.NONE:
+                holder = next(iter(meta.sessions))
+                holders.append((holder, self._index.sessions[holder].tenant, key))
+        return holders
 
     def _drop(self, meta: BlockMeta) -> None:
         """Remove a block from every tier and the index."""
@@ -1111,7 +1117,7 @@ class TieredStore:
                     keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
                     drop_session = op.drop_session and op.sid not in self._index.sessions
                     if keys or drop_session:
-                        self._submit(DropRefs(op.sid, keys, drop_session))
+                        self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys)))
 
     def _live_ref(self, sid: bytes, key: bytes) -> bool:
         info = self._index.sessions.get(sid)
@@ -1244,7 +1250,7 @@ class TieredStore:
                 self._drop(meta)
                 removed += 1
         if self._writer is not None:
-            self._submit(DropRefs(sid, keys, drop_session=True))
+            self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
         return removed
 
     # -- forget and stats ---------------------------------------------------------------------------

@@ -212,22 +212,15 @@ class PutRefs:
 
 @dataclass(slots=True)
 class DropRefs:
+    """A session's references to ``keys`` go (and its row, with ``drop_session``). ``holders``
+    (sid, tenant, key): for each of those blocks that stays on disk, the row and reference of a
+    session that keeps it, written in the same transaction. So whatever became of that session's
+    own ``PutRefs`` (a batch that failed, a disk that failed), no block is left on disk that no
+    session's ``forget`` finds after a restart."""
     sid: bytes
     keys: list[bytes]
     drop_session: bool = False
-
-
-@dataclass(slots=True)
-class Untrack:
-    """A session that holds no block of its own leaves LMDB: its row and references go, in the
-    transaction that also writes, for each of its blocks on disk, the reference of a session that
-    keeps it (``holders``: (sid, tenant, key)). So no block is left on disk that no session's
-    ``forget`` finds, whatever became of that session's own ``PutRefs`` (a failed batch, a failed
-    disk). Optional, like ``PutRefs``: where it never lands the rows stay, and the next reopen
-    untracks the session again."""
-    sid: bytes
-    keys: list[bytes]
-    holders: list[tuple[bytes, str | None, bytes]]
+    holders: list[tuple[bytes, str | None, bytes]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -243,7 +236,7 @@ class PutHeads:
     heads: dict[bytes, tuple[bytes, int]]
 
 
-DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Untrack | Touch | PutHeads
+DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch | PutHeads
 
 
 @dataclass(slots=True)
@@ -703,17 +696,13 @@ class DiskTier:
             for key in op.keys:
                 txn.put(op.sid + key, b"", db=self._refs)
         elif isinstance(op, DropRefs):
-            for key in op.keys:
-                txn.delete(op.sid + key, db=self._refs)
-            if op.drop_session:
-                txn.delete(op.sid, db=self._sessions)
-        elif isinstance(op, Untrack):
             for holder, tenant, key in op.holders:
                 txn.put(holder, msgpack.packb([tenant]), db=self._sessions)
                 txn.put(holder + key, b"", db=self._refs)
             for key in op.keys:
                 txn.delete(op.sid + key, db=self._refs)
-            txn.delete(op.sid, db=self._sessions)
+            if op.drop_session:
+                txn.delete(op.sid, db=self._sessions)
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
