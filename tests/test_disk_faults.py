@@ -697,6 +697,34 @@ def test_forgetting_the_session_whose_refs_kept_shared_blocks_on_disk_writes_ano
     assert store.open(model, torch.cat([P, random_ids(2, 903)], dim=1)).restored_tokens == 0
 
 
+def test_a_sessions_references_that_fail_where_its_blocks_landed_are_retried(model, stores, tmp_path):
+    # The session's blocks land, its references fail (one op of the batch, or a batch of their
+    # own): a failed PutRefs was neither counted nor retried, so after a restart no forget found
+    # the session's blocks, which restored in full (found by review).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    apply, failed = store._disk._apply, []
+
+    def refs_fail_once(ops):
+        results = apply([op for op in ops if not isinstance(op, PutRefs)] if not failed else ops)
+        if failed:
+            return results
+        failed.append(True)
+        it = iter(results)
+        return [lmdb.DiskError("Input/output error") if isinstance(op, PutRefs) else next(it) for op in ops]
+
+    store._disk._apply = refs_fail_once
+    secret = random_ids(20, 920)
+    converse(store, model, secret, "X")
+    store.flush()
+    assert failed and store.stats()["disk_errors"] == 1 and store.stats()["owed_deletes"] == 0
+    stores.pop().close()  # the owed references go with the close
+    assert _rows(path) == {"blocks": 3, "sessions": 1, "refs": 3}
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.forget(session="X") == 3
+    assert store.open(model, torch.cat([secret, random_ids(2, 921)], dim=1)).restored_tokens == 0
+
+
 def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):
     # At its budget, each write transaction's evictions free pages that LMDB reuses only a few
     # transactions later: one transaction of more than the slack above the budget cannot fit.

@@ -170,10 +170,12 @@ class TieredStore:
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._orphaned_pins: deque[bytes] = deque()  # see _let_go
         self._unchecked_commits = 0
-        # Deletes whose batch is queued, and those whose batch failed: retried at every flush
-        # and at close, since a lost delete would bring forgotten KV back after a restart.
-        self._deletes: list[tuple[DeleteBlocks | DropRefs, Job[None]]] = []
-        self._owed: list[DeleteBlocks | DropRefs] = []
+        # Deletes and references whose batch is queued, and those whose batch failed: retried at
+        # every flush and at close, since a lost delete would bring forgotten KV back after a
+        # restart, and a lost reference would leave a session's blocks where its forget cannot
+        # find them.
+        self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
+        self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
         self._clock = 0
         self._closed = False  # no new turns, flushes or forgets
         self._released = False  # the tiers are let go (the disk tier closed): close is done
@@ -321,11 +323,16 @@ class TieredStore:
         if not stuck:
             with defer_interrupts():
                 self._reap_deletes()
-        if self._owed:
+        path = self._disk.path if self._disk is not None else None
+        if self._owed_keys():
             logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "
-                         "cache) or reopen the store and forget them again", self._owed_keys(),
-                         self._disk.path if self._disk is not None else None)
+                         "cache) or reopen the store and forget them again", self._owed_keys(), path)
+        refs = sum(len(op.keys) for op in self._owed if isinstance(op, PutRefs))
+        if refs:
+            logger.error("tierkv: %d session references could not be written to %s (disk errors); after a "
+                         "restart forget(session=...) may not find those blocks. Delete the directory (it is "
+                         "only a cache), or reopen the store and forget(tenant=...) them", refs, path)
         return dropped
 
     def _release(self, grace: float | None = None) -> None:
@@ -1063,8 +1070,9 @@ class TieredStore:
 
     def _submit(self, op: DiskOp) -> Job[None] | None:
         """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
-        are still tried: they are what keeps forgotten KV from coming back after a restart."""
-        deletes = isinstance(op, (DeleteBlocks, DropRefs))
+        and references are still tried: they are what keeps forgotten KV from coming back after a
+        restart (references to blocks already on disk; no new block is written then)."""
+        deletes = isinstance(op, (DeleteBlocks, DropRefs, PutRefs))
         if self._writer is None or (self._disk_failed and not deletes):
             return None
         if self._writer.closed:
@@ -1102,7 +1110,13 @@ class TieredStore:
             self._reap()
             owed, self._owed = self._owed, []
             for op in owed:
-                if isinstance(op, DeleteBlocks):
+                if isinstance(op, PutRefs):
+                    info = self._index.sessions.get(op.sid)
+                    keys = [k for k in op.keys if self._live_ref(op.sid, k)
+                            and self._index.blocks[k].disk is not DiskState.NONE]
+                    if info is not None and keys:
+                        self._submit(PutRefs(op.sid, info.tenant, keys))
+                elif isinstance(op, DeleteBlocks):
                     state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
                              for k in op.keys}
                     later = [k for k in op.keys if state[k] is DiskState.PENDING]
@@ -1124,7 +1138,9 @@ class TieredStore:
         return info is not None and key in info.keys
 
     def _owed_keys(self) -> int:
-        return sum(len(op.keys) + (isinstance(op, DropRefs) and op.drop_session) for op in self._owed)
+        """Entries whose delete is owed (``stats()["owed_deletes"]``); owed references are not deletes."""
+        return sum(len(op.keys) + (isinstance(op, DropRefs) and op.drop_session) for op in self._owed
+                   if not isinstance(op, PutRefs))
 
     def _tick(self) -> int:
         self._clock += 1
