@@ -625,28 +625,39 @@ def _rows(path) -> dict[str, int]:
                     for db in ("blocks", "sessions", "refs")}
 
 
-@pytest.mark.parametrize("fault", ["disk failed", "batch failed"])
+def _refs_never_land(store: TieredStore, session: str, block_writes_fail: bool = False) -> list:
+    """Make every write of ``session``'s references fail, while the rest of its batch lands; with
+    ``block_writes_fail``, every batch with a block write fails too (and the disk is failed)."""
+    apply, failed, sid = store._disk._apply, [], _session_id(None, session)
+
+    def faulty(ops):
+        if block_writes_fail and any(isinstance(op, PutBlock) for op in ops):
+            failed.append(ops)
+            raise lmdb.DiskError("Input/output error")
+        theirs = [isinstance(op, PutRefs) and op.sid == sid for op in ops]
+        if any(theirs):
+            failed.append(ops)
+        rest = [op for op, t in zip(ops, theirs) if not t]
+        results = iter(apply(rest) if rest else [])
+        return [lmdb.DiskError("Input/output error") if t else next(results) for t in theirs]
+
+    store._disk._apply = faulty
+    return failed
+
+
+@pytest.mark.parametrize("fault", ["disk failed", "refs fail"])
 def test_a_session_untracked_when_the_refs_of_the_one_keeping_its_blocks_never_landed_is_still_forgotten(
         model, stores, tmp_path, fault):
     # B repeats A's conversation, so A has nothing of its own and is untracked. B's references
-    # never reach the disk: dropped once the disk has failed, or lost with a batch that failed.
-    # The blocks must stay findable on disk (found by review: A's rows went, and after a restart
-    # no forget found the blocks, which restored in full): A's DropRefs writes B's references.
+    # never reach the disk. The blocks must stay findable there (found by review: A's rows went,
+    # and after a restart no forget found the blocks, which restored in full): A's DropRefs
+    # writes B's references with its deletes.
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget="1MiB", host_budget=0)
     secret = random_ids(20, 900)
     converse(store, model, secret, "A")
     store.flush()
-    apply, failed = store._disk._apply, []
-
-    def faulty(ops):
-        if fault == "disk failed" and any(isinstance(op, PutBlock) for op in ops) or \
-                fault == "batch failed" and not failed and any(isinstance(op, PutRefs) for op in ops):
-            failed.append([type(op).__name__ for op in ops])
-            raise lmdb.DiskError("Input/output error")
-        return apply(ops)
-
-    store._disk._apply = faulty
+    failed = _refs_never_land(store, "B", block_writes_fail=fault == "disk failed")
     if fault == "disk failed":
         converse(store, model, random_ids(20, 901), "other")  # its block write fails: no more writes
         store.flush()
@@ -666,8 +677,7 @@ def test_a_session_untracked_when_the_refs_of_the_one_keeping_its_blocks_never_l
 
 def test_forgetting_the_session_whose_refs_kept_shared_blocks_on_disk_writes_another_holders(
         model, stores, tmp_path):
-    # C also holds P, but its references never landed (a batch of references alone fails without
-    # a fault being noticed). A repeats P and is untracked in favour of H or C; then H is
+    # C also holds P, but its references never land (each try fails). A repeats P and is untracked in favour of H or C; then H is
     # forgotten. Found by review: when the untracking had named H, no reference to P was left on
     # disk, and after a restart P restored in full though every session holding it was forgotten.
     path = tmp_path / "kv"
@@ -677,15 +687,7 @@ def test_forgetting_the_session_whose_refs_kept_shared_blocks_on_disk_writes_ano
     converse(store, model, random_ids(20, 901), "H")  # H and C have blocks of their own
     converse(store, model, random_ids(20, 902), "C")
     store.flush()
-    apply, failed = store._disk._apply, []
-
-    def faulty(ops):
-        if not failed and any(isinstance(op, PutRefs) and op.sid == _session_id(None, "C") for op in ops):
-            failed.append(ops)
-            raise lmdb.DiskError("Input/output error")
-        return apply(ops)
-
-    store._disk._apply = faulty
+    failed = _refs_never_land(store, "C")
     converse(store, model, P, "C")
     store.flush()
     converse(store, model, P, "A")
@@ -723,6 +725,33 @@ def test_a_sessions_references_that_fail_where_its_blocks_landed_are_retried(mod
     store = make_store(stores, path, device_budget=0, host_budget=0)
     assert store.forget(session="X") == 3
     assert store.open(model, torch.cat([secret, random_ids(2, 921)], dim=1)).restored_tokens == 0
+
+
+def test_references_that_fail_after_their_session_was_forgotten_are_owed_by_nobody(model, stores, tmp_path,
+                                                                                   caplog):
+    # Their write fails while the forget is queued behind it: nothing is lost, and close must not
+    # say otherwise (found by review: it logged an error telling users to delete the cache).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    gate = threading.Event()
+    failed = _refs_never_land(store, "S")
+    faulty = store._disk._apply
+
+    def held(ops):
+        assert gate.wait(60)
+        return faulty(ops)
+
+    store._disk._apply = held
+    secret = random_ids(20, 930)
+    converse(store, model, secret, "S")
+    store.forget(session="S")
+    gate.set()
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        stores.pop().close(timeout=30)
+    assert failed and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert _rows(path) == {"blocks": 0, "sessions": 0, "refs": 0}
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert store.open(model, torch.cat([secret, random_ids(2, 931)], dim=1)).restored_tokens == 0
 
 
 def test_a_burst_of_writes_at_the_disk_budget_finds_room(model, stores, tmp_path):

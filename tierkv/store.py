@@ -328,7 +328,8 @@ class TieredStore:
             logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "
                          "cache) or reopen the store and forget them again", self._owed_keys(), path)
-        refs = sum(len(op.keys) for op in self._owed if isinstance(op, PutRefs))
+        # As _retry_deletes would send them: a session forgotten meanwhile owes none.
+        refs = sum(self._live_ref(op.sid, k) for op in self._owed if isinstance(op, PutRefs) for k in op.keys)
         if refs:
             logger.error("tierkv: %d session references could not be written to %s (disk errors); after a "
                          "restart forget(session=...) may not find those blocks. Delete the directory (it is "
