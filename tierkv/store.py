@@ -329,7 +329,7 @@ class TieredStore:
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "
                          "cache) or reopen the store and forget them again", self._owed_keys(), path)
         # As _retry_deletes would send them: a session forgotten meanwhile owes none.
-        refs = sum(self._live_ref(op.sid, k) for op in self._owed if isinstance(op, PutRefs) for k in op.keys)
+        refs = sum(len(self._owed_refs(op)) for op in self._owed if isinstance(op, PutRefs))
         if refs:
             logger.error("tierkv: %d session references could not be written to %s (disk errors); after a "
                          "restart forget(session=...) may not find those blocks. Delete the directory (it is "
@@ -1073,17 +1073,17 @@ class TieredStore:
         """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
         and references are still tried: they are what keeps forgotten KV from coming back after a
         restart (references to blocks already on disk; no new block is written then)."""
-        deletes = isinstance(op, (DeleteBlocks, DropRefs, PutRefs))
-        if self._writer is None or (self._disk_failed and not deletes):
+        must_land = isinstance(op, (DeleteBlocks, DropRefs, PutRefs))
+        if self._writer is None or (self._disk_failed and not must_land):
             return None
         if self._writer.closed:
             # A close cut short and called again: a delete that cannot be queued stays owed (and
             # is logged as such), it is not lost.
-            if deletes:
+            if must_land:
                 self._owed.append(op)  # type: ignore[arg-type]
             return None
         job = self._writer.submit(op)
-        if deletes:
+        if must_land:
             self._deletes.append((op, job))  # type: ignore[arg-type]
         return job
 
@@ -1112,11 +1112,9 @@ class TieredStore:
             owed, self._owed = self._owed, []
             for op in owed:
                 if isinstance(op, PutRefs):
-                    info = self._index.sessions.get(op.sid)
-                    keys = [k for k in op.keys if self._live_ref(op.sid, k)
-                            and self._index.blocks[k].disk is not DiskState.NONE]
-                    if info is not None and keys:
-                        self._submit(PutRefs(op.sid, info.tenant, keys))
+                    keys = self._owed_refs(op)
+                    if keys:
+                        self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys))
                 elif isinstance(op, DeleteBlocks):
                     state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
                              for k in op.keys}
@@ -1133,6 +1131,10 @@ class TieredStore:
                     drop_session = op.drop_session and op.sid not in self._index.sessions
                     if keys or drop_session:
                         self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys)))
+
+    def _owed_refs(self, op: PutRefs) -> list[bytes]:
+        """The references of an owed ``PutRefs`` still to write: held, to blocks still on disk."""
+        return [k for k in op.keys if self._live_ref(op.sid, k) and self._index.blocks[k].disk is not DiskState.NONE]
 
     def _live_ref(self, sid: bytes, key: bytes) -> bool:
         info = self._index.sessions.get(sid)
