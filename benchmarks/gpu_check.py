@@ -7,6 +7,8 @@
    events) against a raw pinned ``copy_`` of the same bytes.
 3. Overlap: restore + prefill of the new tokens, against the sum of a restore alone and a prefill
    on a ready cache alone.
+4. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
+   read there with one ``take`` per parameter), against a one-token forward.
 
     python benchmarks/gpu_check.py            # on a GPU machine
     python benchmarks/gpu_check.py --cpu      # a dry run of the same code paths on CPU
@@ -34,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tierkv import TieredStore  # noqa: E402
 from tierkv.pool import HostPool  # noqa: E402
 from tierkv.transfer import CopyEngine  # noqa: E402
+
+from benchmarks.micro import checks  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 hf_logging.set_verbosity_error()
@@ -262,6 +266,11 @@ def main() -> None:
     for sizes in shapes:
         for line in check_overlap(device, **sizes):
             print(line)
+    print("\nModel checks per open (describe_model), against a one-token forward:\n")
+    print("| figure | value |\n|---|---|")
+    for layers in (4, 32) if device.type == "cuda" else (2,):
+        for name, value in checks(layers, 9, device):
+            print(f"| {name} | {value} |")
     print(f"\nfinished in {time.perf_counter() - start:.0f} s")
 
 

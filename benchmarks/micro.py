@@ -6,7 +6,10 @@
   write + fsync of the same bytes, and LMDB read (load + verify into a tensor) against a raw file
   read, from the page cache and from a cold one (the files' pages evicted, as after a reboot);
 * restore (open + every layer assembled from host-tier blocks) GB/s against a raw copy_ (on CUDA, a raw
-  pinned host->device copy_ of the same bytes; ``--cpu`` stays on CPU where CUDA is present).
+  pinned host->device copy_ of the same bytes; ``--cpu`` stays on CPU where CUDA is present);
+* the model checks every ``open`` pays (``describe_model``), from cold caches, against a one-token
+  forward of the same model: the fixed cost a turn pays for a model with as many tensors as a 7B
+  Llama (``--check-layers 32``), at a width this machine holds.
 
     python -m benchmarks.micro
     python -m benchmarks.micro --mib 16 --repeats 1     # a quick look
@@ -24,10 +27,11 @@ import warnings
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from tierkv import TieredStore
+from tierkv.cache import describe_model
 from tierkv.codec import RecordHeader, decode, decode_into, encode_array, record_size
 from tierkv.hashing import chain_keys, root_key, token_bytes
 from tierkv.tiers.disk import DeleteBlocks, DiskTier, PutBlock, dtype_name, tensor_bytes
@@ -316,15 +320,56 @@ def restore(mib: int, repeats: int, device: torch.device) -> list[tuple[str, str
              f"{t_copy / t_restore:.2f} x {raw_name} ({nbytes / t_copy / 1e9:.2f} GB/s)")]
 
 
+def checks(layers: int, repeats: int, device: torch.device) -> list[tuple[str, str]]:
+    """``describe_model`` (the module tree, the storages, the weight sample and the version
+    counters every open reads) against a one-token forward on a ready 256-token DynamicCache, both
+    after a 64 MiB sweep of the CPU's caches, as between two turns of a server. Alternated, medians.
+    The cost grows with the model's tensors, not its width: 32 layers have a 7B Llama's 291."""
+    config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    with torch.device(device):  # built where it runs
+        model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 32000, (1, 257)).to(device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=cache)
+    describe_model(model)  # the first call digests every weight, once per model
+    sweep = torch.empty(64 << 20, dtype=torch.uint8)
+
+    def step() -> None:
+        with torch.no_grad():
+            model(ids[:, -1:], past_key_values=cache)
+        cache.crop(-1)
+
+    described, stepped = [], []
+    step()
+    for _ in range(max(5, repeats)):
+        for fn, out in ((lambda: describe_model(model), described), (step, stepped)):
+            sweep.add_(1)
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - start)
+    t_check, t_step = statistics.median(described), statistics.median(stepped)
+    tensors, modules = len(list(model.parameters())), len(list(model.modules()))
+    return [(f"model checks per open ({layers} layers: {tensors} tensors, {modules} modules; {device.type}, "
+             "cold caches)", f"{t_check * 1e3:.2f} ms = {t_check / t_step:.3f} x a one-token forward on a ready "
+             f"256-token DynamicCache ({t_step * 1e3:.1f} ms)")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=at_least(1), default=256, help="bytes moved by the disk and restore figures")
     parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--cpu", action="store_true", help="restore onto CPU even where CUDA is present")
+    parser.add_argument("--check-layers", type=at_least(1), default=32,
+                        help="layers of the model whose per-open checks are timed (32: a 7B Llama's tensor count)")
     args = parser.parse_args()
     device = pick_device(args.cpu)
     rows = (hashing(args.repeats) + codec(args.repeats) + disk(args.mib, args.repeats)
-            + restore(args.mib, args.repeats, device))
+            + restore(args.mib, args.repeats, device) + checks(args.check_layers, args.repeats, device))
     print("| figure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

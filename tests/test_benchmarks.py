@@ -58,6 +58,7 @@ def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
     assert out.count("| exact |") == 13 and "MISMATCH" not in out
     assert "| 4 sessions x 4 turns" in out
     assert "(restore + prefill) / (restore alone + prefill alone)" in out
+    assert "| model checks per open (2 layers: 21 tensors" in out and "x a one-token forward" in out
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["store-given", "temporary-store"])
@@ -70,11 +71,12 @@ def test_chatbot_example_runs_exact(kept: bool, tmp_path: Path) -> None:
 
 
 def test_micro_benchmark_reports_every_figure(tmp_path: Path) -> None:
-    out = run(tmp_path, "-m", "benchmarks.micro", "--mib", "8", "--repeats", "1")
+    out = run(tmp_path, "-m", "benchmarks.micro", "--mib", "8", "--repeats", "1", "--check-layers", "2")
     for figure in ("prefix hashing", "codec encode", "codec decode: copy + checksum", "codec checksum of a record",
                    "LMDB spill into a new store",
                    "LMDB spill at the disk budget", "LMDB read + verify, 8 MiB (page cache)",
-                   "LMDB read + verify, 8 MiB (cold page cache)", "reopen of that store", "restore from host"):
+                   "LMDB read + verify, 8 MiB (cold page cache)", "reopen of that store", "restore from host",
+                   "model checks per open (2 layers: 21 tensors, 33 modules; cpu, cold caches)"):
         assert f"| {figure}" in out
 
 
@@ -357,6 +359,7 @@ def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_ho
 @pytest.mark.parametrize("program, flags, message", [
     ("benchmarks.micro", ["--repeats", "0"], "--repeats: 0 is too small: give 1 or more"),
     ("benchmarks.micro", ["--mib", "-4"], "--mib: -4 is too small: give 1 or more"),
+    ("benchmarks.micro", ["--check-layers", "0"], "--check-layers: 0 is too small: give 1 or more"),
     ("benchmarks.ttft", ["--tokens", "1"], "--tokens: 1 is too small: give 2 or more"),
     ("benchmarks.decode", ["--steps", "zero"], "--steps: 'zero' is not an integer"),
 ])
