@@ -16,11 +16,18 @@ from tierkv.weights import WeightSample, sample_index
 
 
 def reference_bytes(model: torch.nn.Module) -> bytes:
-    """The sample as tierkv 0.1 read it (every store written so far is keyed by it)."""
-    params = list(model.parameters())
+    """What one ``take`` per parameter reads, as the elements' bits: grouped by element size, in
+    parameter order in each group (the format of ``WeightSample.read``)."""
+    groups: dict[int, list[bytes]] = {}
     with torch.no_grad():
-        samples = torch.cat([torch.take(p.detach(), sample_index(p.numel(), p.device)) for p in params])
-    return samples.to(torch.float64).numpy().tobytes()
+        for p in model.parameters():
+            data = p.detach()
+            if not (data.is_neg() or data.is_conj()):  # read as its values, not its bits
+                data = data.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+                    data.element_size(), data.dtype))
+            taken = torch.take(data, sample_index(p.numel(), p.device)).contiguous()
+            groups.setdefault(p.element_size(), []).append(taken.view(torch.uint8).numpy().tobytes())
+    return b"".join(b for size in sorted(groups) for b in groups[size])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -52,10 +59,78 @@ def test_strided_scalar_empty_and_mixed_dtype_parameters():
     assert sample.read() == reference_bytes(model)
 
 
-def test_a_dtype_numpy_cannot_read_goes_through_take():
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int64, torch.complex64])
+def test_any_dtype_of_at_most_8_bytes_is_read_by_address(dtype):
     model = make_model("llama", seed=4)
-    model.model.norm.register_parameter("q", torch.nn.Parameter(torch.arange(40, dtype=torch.int8),
-                                                                requires_grad=False))
+    values = torch.arange(40) % 3
+    model.model.norm.register_parameter("q", torch.nn.Parameter(values.to(dtype), requires_grad=False))
+    sample = WeightSample(model)
+    assert sample._host is not None
+    assert sample.read() == reference_bytes(model) == sample.read_with_torch()
+
+
+class _Params(torch.nn.Module):
+    def __init__(self, **params: torch.Tensor) -> None:
+        super().__init__()
+        for name, value in params.items():
+            self.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def test_elements_of_every_size_are_read_from_one_span_whatever_its_first_address():
+    # The lowest sampled address is a byte at an odd address: the views of wider elements must
+    # start below it, at an address their indices divide, not at it.
+    buf = torch.arange(1024, dtype=torch.int64).to(torch.uint8)
+    model = _Params(a=buf[1:17], b=buf[24:56].view(torch.int16), c=buf[64:128].view(torch.float32),
+                    d=buf[128:256].view(torch.float64))
+    sample = WeightSample(model)
+    assert sample._host is not None
+    assert sample.read() == reference_bytes(model) == sample.read_with_torch()
+
+
+def test_bits_are_read_as_they_lie_on_either_path():
+    raw = torch.tensor([0, 1, 2, 255] * 10, dtype=torch.uint8)
+    model = _Params(flags=raw.view(torch.bool), f8=torch.randn(40).to(torch.float8_e4m3fn),
+                    u16=torch.arange(40, dtype=torch.int16).view(torch.uint16))
+    sample = WeightSample(model)
+    assert sample._host is not None
+    assert sample.read() == reference_bytes(model) == sample.read_with_torch()  # bool bytes 2, 255 kept
+
+
+def test_dtypes_take_lacks_are_read_through_integers_when_not_by_address():
+    u32 = torch.arange(40, dtype=torch.int32).view(torch.uint32)
+    model = _Params(f8=torch.randn(40).to(torch.float8_e4m3fn), u32=u32,
+                    c=torch.randn(4, dtype=torch.complex128))  # 16-byte elements: take for all
+    sample = WeightSample(model)
+    assert sample._host is None
+    assert sample.read() == reference_bytes(model)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("view", ["conj", "quantised"])
+def test_views_whose_values_are_not_their_bits_are_not_read_by_address(view):
+    if view == "conj":
+        value = torch.randn(40, dtype=torch.complex64).conj()
+    else:
+        value = torch.quantize_per_tensor(torch.randn(40), 0.1, 0, torch.qint8)
+    sample = WeightSample(_Params(v=value))
+    assert sample._host is None
+    if view == "conj":
+        assert sample.read() == torch.take(value, sample_index(40)).resolve_conj().view(torch.uint8).numpy().tobytes()
+
+
+def test_wider_elements_go_through_take():
+    model = make_model("llama", seed=4)
+    model.model.norm.register_parameter("c", torch.nn.Parameter(torch.randn(40, dtype=torch.complex128)))
+    sample = WeightSample(model)
+    assert sample._host is None
+    assert sample.read() == reference_bytes(model)
+
+
+def test_an_unaligned_parameter_goes_through_take():
+    model = make_model("llama", seed=4)
+    odd = torch.frombuffer(bytearray(range(161)), dtype=torch.float32, offset=1, count=40)
+    assert odd.data_ptr() % 4  # a numpy view of 4-byte elements cannot address it
+    model.model.norm.register_parameter("odd", torch.nn.Parameter(odd, requires_grad=False))
     sample = WeightSample(model)
     assert sample._host is None
     assert sample.read() == reference_bytes(model)
@@ -138,7 +213,7 @@ def test_negative_views_are_read_through_take():
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float16,), (torch.float16, torch.float32)])
-def test_nan_weights_give_the_bytes_take_gives(dtypes):
+def test_nan_weights_are_read_as_their_bits_on_either_path(dtypes):
     model = make_model("llama", seed=11).to(dtypes[0])
     if len(dtypes) > 1:
         model.lm_head.to(dtypes[1])
@@ -146,7 +221,10 @@ def test_nan_weights_give_the_bytes_take_gives(dtypes):
     w.data.view(torch.int16).view(-1)[0] = 0x7C01  # a signalling float16 NaN, sampled (element 0)
     sample = WeightSample(model)
     assert sample._host is not None
-    assert sample.read() == reference_bytes(model)
+    before = sample.read()
+    assert before == reference_bytes(model) == sample.read_with_torch()
+    w.data.view(torch.int16).view(-1)[0] = 0x7C02  # another NaN: only its payload differs
+    assert sample.read() != before and sample.read() == reference_bytes(model) == sample.read_with_torch()
 
 
 _FREED_UNDER_THE_READ = """

@@ -256,7 +256,7 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 def describe_model(model: Any) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
-    The weight sample is read on every call (``weights.py``: one gather per dtype on CPU) with the
+    The weight sample is read on every call (``weights.py``: one gather per element size on CPU) with the
     parameters' version counters; when either moved, every weight byte is digested again, so
     in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it

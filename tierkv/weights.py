@@ -11,20 +11,21 @@ value.
 Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters there are and
 which elements of each are read (16 evenly spread ones). ``sample.current(model)`` says whether
 that still holds: the same ``Parameter`` objects in the same places of the module tree, each with
-the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled values, as
-float64 bytes in ``model.parameters()`` order, and reads them afresh on every call, so that
-in-place writes (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at
-once. A caller rebuilds the sample when ``current`` is False, and never reads one that is not.
+the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled
+elements' bits (see below), read afresh on every call, so that in-place writes
+(``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
+rebuilds the sample when ``current`` is False, and never reads one that is not.
 
 Reading is the cost that matters, as it is paid on every open: one ``torch.take`` per parameter
 is a few microseconds of dispatch each, hundreds of microseconds for a real model against a turn
-of a few milliseconds. When every parameter is a plain strided CPU tensor in a float dtype numpy
-can read, with its sampled elements inside its own storage, the sample points are read by
-address, all of them with one numpy gather per dtype. The addresses are those of the storages
-``current`` checked. Elsewhere (CUDA, quantised dtypes, tensor subclasses, freed storages,
-negative views) one ``take`` per parameter reads them, as it does when a sampled value is NaN
-(numpy and torch widen a float16 NaN to different bits). Both give the same bytes, so a store's
-blocks keep their fingerprint whichever path read it.
+of a few milliseconds. When every parameter is a plain strided CPU tensor with its sampled
+elements inside its own storage, the sample points are read by address, all of them with one
+numpy gather per element size. The addresses are those of the storages ``current`` checked.
+Elsewhere (CUDA, quantised dtypes, 16-byte elements, unaligned or negative views, tensor
+subclasses, freed storages) one ``take`` per parameter reads them. Both read the elements' bits
+as they are (no conversion, so a NaN's payload is kept), grouped by element size and in
+parameter order within a group, and give the same bytes: a sample rebuilt on the other path does
+not look like a change.
 
 A caller holds ``sample.hold()`` (the parameters' storages) from before ``current`` until after
 ``read``: a parameter whose storage another thread replaces (``p.data = ...``) in between is then
@@ -47,9 +48,8 @@ import xxhash
 
 SAMPLES_PER_PARAM = 16
 
-# numpy reads these as they are; bfloat16 is read as its 16 bits, the top half of a float32.
-_NUMPY_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64,
-                                         torch.float16: np.float16, torch.bfloat16: np.uint16}
+# Unsigned integers of each element size: the views the sampled elements' bits are read through.
+_UINT: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -84,14 +84,15 @@ def _storage_key(params: tuple[torch.nn.Parameter, ...]) -> list[tuple[Any, ...]
 def _readable_by_address(p: torch.nn.Parameter) -> bool:
     """A plain strided CPU tensor with storage of its own, whose sampled elements all lie inside
     it: anything else (tensor subclasses, storages freed to 0 bytes, negative views, meta or
-    CUDA tensors, dtypes numpy cannot read) is read by ``take``, which raises where it must."""
+    CUDA tensors, quantised dtypes, elements of 16 bytes or at unaligned addresses) is read by
+    ``take``, which raises where it must."""
     data = p.data
     if type(data) is not torch.Tensor or data.layout is not torch.strided or data.device.type != "cpu" \
-            or data.dtype not in _NUMPY_DTYPES or data.is_neg() or data.is_conj():
+            or data.is_quantized or data.element_size() not in _UINT or data.is_neg() or data.is_conj():
         return False
     if data.numel() == 0:
         return True
-    if data.data_ptr() == 0:
+    if data.data_ptr() == 0 or data.data_ptr() % data.element_size():
         return False
     last = sum((n - 1) * st for n, st in zip(data.shape, data.stride()))
     end = (data.storage_offset() + last + 1) * data.element_size()
@@ -99,45 +100,28 @@ def _readable_by_address(p: torch.nn.Parameter) -> bool:
 
 
 class _HostGather:
-    """The sample points of CPU parameters as byte offsets into one view of the address space
-    their storages span; reading them is one numpy gather per dtype."""
+    """The sample points of CPU parameters as element indices into views, one per element size, of
+    the address space their storages span; reading them is one numpy gather per element size."""
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...], index: tuple[torch.Tensor, ...]) -> None:
-        starts: list[np.ndarray] = []
+        by_size: dict[int, list[np.ndarray]] = {}
         for p, idx in zip(params, index):
             flat = idx.numpy()
             # Element offsets of the logical (row-major) positions ``take`` reads, under any strides.
             elements = np.zeros_like(flat)
             for coord, stride in zip(np.unravel_index(flat, tuple(p.shape)) if p.dim() else (), p.stride()):
                 elements += coord * stride
-            starts.append(p.data_ptr() + elements * p.element_size())
-        self.count = sum(len(s) for s in starts)
-        used = [s for s in starts if len(s)]
-        lo = min(int(s.min()) for s in used) if used else 0
-        hi = max(int(s.max()) for s in used) + 8 if used else 1  # 8: the widest item read
-        # Only the sampled bytes of this view are ever touched; the span between storages is not.
-        self._memory = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
-        self._groups: list[tuple[np.ndarray, np.ndarray, torch.dtype]] = []
-        position = 0
-        by_dtype: dict[torch.dtype, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        for s, p in zip(starts, params):
-            where, at = by_dtype.setdefault(p.dtype, ([], []))
-            where.append((s - lo)[:, None] + np.arange(p.dtype.itemsize))
-            at.append(np.arange(position, position + len(s)))
-            position += len(s)
-        for dtype, (where, at) in by_dtype.items():
-            self._groups.append((np.concatenate(where), np.concatenate(at), dtype))
+            by_size.setdefault(p.element_size(), []).append(p.data_ptr() + elements * p.element_size())
+        used = [a for starts in by_size.values() for a in starts if len(a)]
+        lo = min(int(a.min()) for a in used) // 8 * 8 if used else 0
+        hi = max(int(a.max()) for a in used) + 8 if used else 8  # 8: the widest element read
+        # Only the sampled elements of these views are ever touched; the span between storages is not.
+        span = (ctypes.c_uint8 * (hi - lo)).from_address(lo) if used else bytearray(8)
+        self._groups = [(np.frombuffer(span, dtype=_UINT[size], count=(hi - lo) // size),
+                         (np.concatenate(by_size[size]) - lo) // size) for size in sorted(by_size)]
 
-    def read(self) -> np.ndarray:
-        out = np.empty(self.count, dtype=np.float64)
-        for where, at, dtype in self._groups:
-            raw = self._memory[where]  # (n, itemsize) bytes
-            if dtype is torch.bfloat16:
-                values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            else:
-                values = raw.view(_NUMPY_DTYPES[dtype])
-            out[at] = values.reshape(-1)
-        return out
+    def read(self) -> bytes:
+        return b"".join(memory[where].tobytes() for memory, where in self._groups)
 
 
 def versions(params: tuple[torch.nn.Parameter, ...]) -> tuple[int, ...] | None:
@@ -202,19 +186,36 @@ class WeightSample:
                 and _storage_key(self.params) == self._key)
 
     def read(self) -> bytes:
-        """The sampled values, as float64 bytes in parameter order."""
+        """The sampled elements' bits: grouped by element size, in parameter order in each group."""
         if self._host is not None:
-            values = self._host.read()
-            # numpy widens a float16 NaN keeping its payload bits, torch quietens it: bytes
-            # would differ from the ones stores were keyed with. A NaN weight is rare: let torch.
-            if not np.isnan(values).any():
-                return values.tobytes()
+            return self._host.read()
         return self.read_with_torch()
 
     def read_with_torch(self) -> bytes:
         """The same bytes, one ``take`` per parameter on its own device."""
         device = self.params[0].device
+        by_size: dict[int, list[torch.Tensor]] = {}
         with torch.no_grad():
-            samples = torch.cat([torch.take(p.detach(), idx).to(device=device)
-                                 for p, idx in zip(self.params, self.index)])
-        return samples.to(dtype=torch.float64).cpu().numpy().tobytes()
+            for p, idx in zip(self.params, self.index):
+                by_size.setdefault(p.element_size(), []).append(_taken_bits(p, idx).to(device=device))
+        return torch.cat([bits for size in sorted(by_size) for bits in by_size[size]]).cpu().numpy().tobytes()
+
+
+# Integer dtypes of each element size, which ``take`` implements everywhere.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _taken_bits(p: torch.nn.Parameter, index: torch.Tensor) -> torch.Tensor:
+    """The elements of ``p`` at ``index`` as their bytes. A plain tensor is read as integers of
+    its element size: its bits as they lie in memory, as the CPU gather reads them, and in dtypes
+    ``take`` lacks (float8, unsigned integers). A negative or conjugate view is read as its values,
+    a tensor that cannot be viewed as bytes (a quantised or subclass dtype) as float64."""
+    data = p.detach()
+    same = _SAME_SIZE_INT.get(data.element_size())
+    if same is not None and type(data) is torch.Tensor and not (data.is_quantized or data.is_neg() or data.is_conj()):
+        data = data.view(same)
+    taken = torch.take(data, index)
+    try:
+        return taken.view(torch.uint8)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return taken.to(torch.float64).view(torch.uint8)
