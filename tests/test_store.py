@@ -531,6 +531,24 @@ def test_a_model_spread_over_devices_is_refused(tmp_path):
             store.open(model, random_ids(9, 5))
 
 
+def test_a_model_without_weights_is_refused_saying_how_to_load_them(tmp_path):
+    model = make_model("llama", seed=5).to("meta")  # as init_empty_weights leaves a model
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        with pytest.raises(ValueError, match=r"on the meta device and hold no weights.*load its weights"):
+            store.open(model, random_ids(9, 5))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+def test_a_model_whose_weights_are_not_its_parameters_is_refused(tmp_path):
+    # torch's dynamic quantization packs each linear layer's weights in an opaque object: a base
+    # model and a fine-tune of its linear layers, both quantized, fingerprinted alike.
+    model = torch.ao.quantization.quantize_dynamic(make_model("llama", seed=5), {torch.nn.Linear}, dtype=torch.qint8)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        with pytest.raises(ValueError, match=r"q_proj \(torch\.ao\.nn\.quantized\.dynamic\..*Linear\) holds its "
+                                             r"weights outside"):
+            store.open(model, random_ids(9, 5))
+
+
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):
     model = tiny_model("llama")
     others = {

@@ -193,6 +193,21 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
                          f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
 
 
+def _refuse_hidden_weights(model: torch.nn.Module) -> None:
+    """Weights held outside the model's parameters, where the fingerprint cannot read them: torch's
+    own quantised modules keep theirs packed in an opaque object. Two such models that differ only
+    there (a base model and a fine-tune merged into its linear layers, both quantised) would have
+    one fingerprint, and each would be served the other's KV."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized")) or \
+                any(isinstance(value, torch.ScriptObject) for value in vars(module).values()):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            raise ValueError(f"{type(model).__name__}'s {name or 'root'} ({kind}) holds its weights "
+                             "outside the model's parameters (torch.ao quantization packs them), where tierkv's "
+                             "fingerprint cannot read them: models that differ there would share KV. Use a model "
+                             "whose weights are its parameters (unquantized, or quantized by bitsandbytes)")
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -206,6 +221,7 @@ def _static_facts(model: Any) -> _Static:
                          "tierkv supports decoder-only full-attention models")
     text_config = config.get_text_config(decoder=True)
     _refuse_unsupported(model, config, text_config)
+    _refuse_hidden_weights(model)
     layer_types = _layer_types(text_config)
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
@@ -228,6 +244,13 @@ def _static_facts(model: Any) -> _Static:
         # Layers on several devices write their KV there: one store tier cannot hold a block of them.
         raise ValueError(f"the model's parameters are spread over {devices}; tierkv needs the whole model on one "
                          "device (load it without device_map, or with device_map={'': 'cuda:0'})")
+    if devices == ["meta"]:
+        # No data to fingerprint, nor to compute KV with: digest_weights would fail on torch's own
+        # "cannot copy out of meta tensor".
+        raise ValueError("the model's parameters are on the meta device and hold no weights (built under "
+                         "torch.device('meta') or accelerate's init_empty_weights, or offloaded); load its weights "
+                         "onto one device first (from_pretrained without device_map, or model.to_empty(...) then "
+                         "load_state_dict)")
     h = xxhash.xxh3_128()
     fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
