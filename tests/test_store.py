@@ -549,6 +549,28 @@ def test_a_model_whose_weights_are_not_its_parameters_is_refused(tmp_path):
             store.open(model, random_ids(9, 5))
 
 
+def test_another_attention_implementation_never_reuses_blocks(tmp_path):
+    # eager and sdpa round differently: from the second layer on their KV differs in the last bits.
+    ids = random_ids(40, 3)
+    sdpa, eager = make_model("llama", seed=3), make_model("llama", seed=3)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        kv = {}
+        for name, m in (("sdpa", sdpa), ("eager", eager)):
+            kv[name] = DynamicCache()
+            m(ids, past_key_values=kv[name])
+    assert not torch.equal(kv["sdpa"].layers[1].keys, kv["eager"].layers[1].keys)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, sdpa, ids, new=2)
+        nxt = cat(out, random_ids(3, 4))
+        turn(store, eager, nxt, new=2, expect=0)  # checked against no cache, in eager
+        turn(store, eager, cat(nxt, random_ids(3, 5)), new=2, expect=nxt.shape[1])
+        sdpa.set_attn_implementation("eager")  # the same model object, switched
+        assert store.open(sdpa, nxt).restored_tokens == nxt.shape[1] - 1
+        sdpa.set_attn_implementation("sdpa")
+        assert store.open(sdpa, nxt).restored_tokens == out.shape[1] - 1
+
+
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):
     model = tiny_model("llama")
     others = {

@@ -8,7 +8,10 @@ and holds no policy:
   of its config, dtype, and a digest of every byte of its weights (``weights.py``). The checks and
   the config digest are cached per model object; the weight sample is read on every call, and the
   full digest is computed again whenever the sample or a parameter's version counter moved, so
-  weights changed in place never meet KV computed with the old ones. RoPE recomputed from each
+  weights changed in place never meet KV computed with the old ones. Read on every call too: the
+  attention implementation where it is not sdpa, and which adapters peft's layers apply (a cache's
+  first forward checks those again). Weights the fingerprint cannot read (torch's quantised
+  modules) and a model on the meta device are refused. RoPE recomputed from each
   forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
   restores and keeps KV within it only.
 * ``describe_model`` also puts a forward pre-hook on the model (``_check_forward``), which does
@@ -52,6 +55,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -101,6 +105,9 @@ class ModelInfo:
     # The pad id generate() masks wherever it appears (one that is not an eos id), or None: KV
     # computed while it was not masked (a reply that generated it) is not kept past it.
     masked_token: int | None = None
+    # Which peft adapters the model applied, and how, when the fingerprint was taken (b"" without
+    # peft layers): a cache's first forward checks that they are still the same.
+    adapters: bytes = b""
 
 
 @dataclass(slots=True)
@@ -122,6 +129,7 @@ class _Static:
     sample: WeightSample
     position_limit: int | None
     weights: _Weights | None = None
+    adapters: tuple["weakref.ref[torch.nn.Module]", ...] = ()  # peft's adapter layers (_adapter_layers)
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -257,7 +265,34 @@ def _static_facts(model: Any) -> _Static:
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
-                   position_limit=_position_limit(text_config))
+                   position_limit=_position_limit(text_config), adapters=_adapter_layers(model))
+
+
+def _adapter_layers(model: torch.nn.Module) -> tuple["weakref.ref[torch.nn.Module]", ...]:
+    """peft's adapter layers in ``model``: modules of peft's classes that say which adapters they
+    apply. Switching adapters (``set_adapter``, ``disable_adapter()``, a new scale) changes no weight,
+    yet every layer's KV. tierkv never imports peft: a model that holds its layers was built with it."""
+    if "peft" not in sys.modules:
+        return ()
+    return tuple(weakref.ref(m) for m in model.modules() if type(m).__module__.startswith("peft.")
+                 and hasattr(m, "active_adapter") and hasattr(m, "disable_adapters"))
+
+
+def _adapter_state(layers: tuple["weakref.ref[torch.nn.Module]", ...]) -> bytes:
+    """A digest of what each adapter layer applies: its active adapters, whether they are disabled
+    or merged, and their scales (LoRA's ``scaling``); b"" for a model without any."""
+    if not layers:
+        return b""
+    state = []
+    for ref in layers:
+        layer = ref()
+        if layer is None:  # a layer the model no longer holds: the tree check rebuilds the list
+            state.append(None)
+            continue
+        scaling = getattr(layer, "scaling", None)
+        state.append((layer.active_adapter, bool(layer.disable_adapters), list(getattr(layer, "merged_adapters", ())),
+                      sorted(scaling.items()) if isinstance(scaling, dict) else None))
+    return xxhash.xxh3_128_digest(repr(state).encode())
 
 
 def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -316,8 +351,17 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(static.config_digest)
     h.update(str(first.dtype).encode())
     h.update(weights.digest)
+    # Read on every call: set_attn_implementation switches it on the same model object. Another
+    # attention kernel rounds differently, so from the second layer on its KV differs in the last
+    # bits, and a restore would not equal what that model computes. sdpa, the default, adds
+    # nothing: fingerprints written before this was read stay valid for it.
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attention not in (None, "sdpa"):
+        h.update(f"attention:{attention}".encode())
+    adapters = _adapter_state(static.adapters)
+    h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
-                     position_limit=static.position_limit, masked_token=_masked_token(model))
+                     position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -564,6 +608,8 @@ class TieredCache(Cache):
             raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
                              f"{self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
                              "(model.to(torch.bfloat16)) and run it without autocast")
+        if self._last_checked is None and self.model_info.adapters:
+            self._check_adapters()
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
@@ -573,6 +619,16 @@ class TieredCache(Cache):
         self._check_model(module)
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
+
+    def _check_adapters(self) -> None:
+        """The opened model applies the adapters it applied at ``open``: KV restored for one adapter,
+        or computed with another and kept under the opened one's fingerprint, would be wrong."""
+        opened = self._model() if self._model is not None else None
+        static = _static_cache.get(opened) if opened is not None else None
+        if static is not None and _adapter_state(static.adapters) != self.model_info.adapters:
+            raise ValueError("the model's peft adapters changed since store.open (set_adapter, disable_adapter() or a "
+                             "new scale): this TieredCache holds KV for the adapters active then. Switch adapters "
+                             "first, then open the cache: cache = store.open(model, input_ids)")
 
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():
