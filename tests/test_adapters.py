@@ -78,3 +78,31 @@ def test_a_model_without_adapters_reads_no_adapter_state():
 
     model = make_model("llama", seed=1)
     assert describe_model(model).adapters == b"" and _static_cache[model].adapters == ()
+
+
+def test_adapters_picked_per_call_are_refused(two_adapters, tmp_path):
+    model = two_adapters
+    ids = random_ids(30, 2)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        model.set_adapter("one")
+        cache = store.open(model, ids)
+        with pytest.raises(ValueError, match="adapter_names= given to generate"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, adapter_names=["two"])
+
+
+def test_adapters_switched_between_forwards_of_one_cache_keep_nothing(two_adapters, tmp_path):
+    model = two_adapters
+    ids = random_ids(30, 2)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        model.set_adapter("one")
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        model.set_adapter("two")
+        # Another generate on the same cache: its prefill of the new ids is checked.
+        with pytest.raises(ValueError, match="peft adapters changed since store.open"):
+            generate(model, torch.cat([out, random_ids(3, 7)], dim=1), cache)
+        # A commit after the switch keeps nothing computed under either.
+        with pytest.raises(ValueError, match="peft adapters changed since store.open"):
+            cache.commit(out)
+        model.set_adapter("one")
+        assert store.open(model, out).restored_tokens == 0

@@ -569,6 +569,16 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
         assert store.open(sdpa, nxt).restored_tokens == nxt.shape[1] - 1
         sdpa.set_attn_implementation("sdpa")
         assert store.open(sdpa, nxt).restored_tokens == out.shape[1] - 1
+        # Switched after the open: refused at the next forward, and at commit.
+        cache = store.open(sdpa, nxt)
+        sdpa.set_attn_implementation("eager")
+        with pytest.raises(ValueError, match="attention implementation changed since store.open"):
+            sdpa(nxt[:, cache.get_seq_length():], past_key_values=cache)
+        sdpa.set_attn_implementation("sdpa")
+        later = sdpa.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        sdpa.set_attn_implementation("eager")
+        with pytest.raises(ValueError, match="attention implementation changed since store.open"):
+            cache.commit(later)
 
 
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):

@@ -108,6 +108,7 @@ class ModelInfo:
     # Which peft adapters the model applied, and how, when the fingerprint was taken (b"" without
     # peft layers): a cache's first forward checks that they are still the same.
     adapters: bytes = b""
+    attention: str | None = None  # config._attn_implementation when the fingerprint was taken
 
 
 @dataclass(slots=True)
@@ -268,19 +269,28 @@ def _static_facts(model: Any) -> _Static:
                    position_limit=_position_limit(text_config), adapters=_adapter_layers(model))
 
 
+def _attention_of(model: Any) -> str | None:
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return attention if isinstance(attention, str) else None
+
+
 def _adapter_layers(model: torch.nn.Module) -> tuple["weakref.ref[torch.nn.Module]", ...]:
     """peft's adapter layers in ``model``: modules of peft's classes that say which adapters they
     apply. Switching adapters (``set_adapter``, ``disable_adapter()``, a new scale) changes no weight,
     yet every layer's KV. tierkv never imports peft: a model that holds its layers was built with it."""
     if "peft" not in sys.modules:
         return ()
+    # Layers declare both as properties; peft's model classes reach disable_adapters through
+    # transformers' mixin, a method.
     return tuple(weakref.ref(m) for m in model.modules() if type(m).__module__.startswith("peft.")
-                 and hasattr(m, "active_adapter") and hasattr(m, "disable_adapters"))
+                 and isinstance(getattr(type(m), "active_adapters", None), property)
+                 and isinstance(getattr(type(m), "disable_adapters", None), property))
 
 
 def _adapter_state(layers: tuple["weakref.ref[torch.nn.Module]", ...]) -> bytes:
     """A digest of what each adapter layer applies: its active adapters, whether they are disabled
-    or merged, and their scales (LoRA's ``scaling``); b"" for a model without any."""
+    or merged, their scales (LoRA's ``scaling``) and the adapters peft's own forward hooks pick
+    per call (``adapter_names=``); b"" for a model without any."""
     if not layers:
         return b""
     state = []
@@ -290,8 +300,11 @@ def _adapter_state(layers: tuple["weakref.ref[torch.nn.Module]", ...]) -> bytes:
             state.append(None)
             continue
         scaling = getattr(layer, "scaling", None)
-        state.append((layer.active_adapter, bool(layer.disable_adapters), list(getattr(layer, "merged_adapters", ())),
-                      sorted(scaling.items()) if isinstance(scaling, dict) else None))
+        hooks = [repr(getattr(hook, "keywords", None)) for hook in layer._forward_pre_hooks.values()
+                 if getattr(getattr(hook, "func", hook), "__module__", "").startswith("peft")]
+        state.append((list(layer.active_adapters), bool(layer.disable_adapters),
+                      list(getattr(layer, "merged_adapters", ())),
+                      sorted(scaling.items()) if isinstance(scaling, dict) else None, hooks))
     return xxhash.xxh3_128_digest(repr(state).encode())
 
 
@@ -355,13 +368,14 @@ def describe_model(model: Any) -> ModelInfo:
     # attention kernel rounds differently, so from the second layer on its KV differs in the last
     # bits, and a restore would not equal what that model computes. sdpa, the default, adds
     # nothing: fingerprints written before this was read stay valid for it.
-    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attention = _attention_of(model)
     if attention not in (None, "sdpa"):
         h.update(f"attention:{attention}".encode())
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
-                     position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters)
+                     position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
+                     attention=attention)
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
@@ -608,8 +622,11 @@ class TieredCache(Cache):
             raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
                              f"{self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
                              "(model.to(torch.bfloat16)) and run it without autocast")
-        if self._last_checked is None and self.model_info.adapters:
-            self._check_adapters()
+        # The adapters on the first forward and on every forward of several ids (a prefill: another
+        # generate on this cache); the attention implementation, one read, on every forward.
+        prefill = self._last_checked is None or (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                                                 and input_ids.shape[1] > 1)
+        self.check_computed_as_opened(adapters=prefill)
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
@@ -620,15 +637,27 @@ class TieredCache(Cache):
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
 
-    def _check_adapters(self) -> None:
-        """The opened model applies the adapters it applied at ``open``: KV restored for one adapter,
-        or computed with another and kept under the opened one's fingerprint, would be wrong."""
+    def check_computed_as_opened(self, *, adapters: bool = True) -> None:
+        """The opened model still computes KV as it did at ``open``: the same attention
+        implementation and (with ``adapters``) the same peft adapters, which the fingerprint covers
+        and which change on the same model object. KV restored for one adapter, or computed with
+        another and kept under the opened one's fingerprint, would be wrong. Run by the hook (see
+        ``_check_forward``) and by ``commit``."""
         opened = self._model() if self._model is not None else None
-        static = _static_cache.get(opened) if opened is not None else None
-        if static is not None and _adapter_state(static.adapters) != self.model_info.adapters:
-            raise ValueError("the model's peft adapters changed since store.open (set_adapter, disable_adapter() or a "
-                             "new scale): this TieredCache holds KV for the adapters active then. Switch adapters "
-                             "first, then open the cache: cache = store.open(model, input_ids)")
+        if opened is None:
+            return
+        if _attention_of(opened) != self.model_info.attention:
+            raise ValueError(f"the model's attention implementation changed since store.open (from "
+                             f"{self.model_info.attention!r} to {_attention_of(opened)!r}): its KV differs in the last "
+                             "bits, and this TieredCache holds the other's. Set it first, then open the cache: "
+                             "cache = store.open(model, input_ids)")
+        if adapters and self.model_info.adapters:
+            static = _static_cache.get(opened)
+            if static is not None and _adapter_state(static.adapters) != self.model_info.adapters:
+                raise ValueError("the model's peft adapters changed since store.open (set_adapter, disable_adapter(), "
+                                 "a new scale, or adapter_names= given to generate): this TieredCache holds KV for the "
+                                 "adapters active then. Switch adapters first, then open the cache: "
+                                 "cache = store.open(model, input_ids)")
 
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():

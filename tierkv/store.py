@@ -643,6 +643,9 @@ class TieredStore:
         self._check_open()
         if cache._store is not self:
             raise ValueError("this cache was opened by another TieredStore; commit it through its own store")
+        # KV computed after the model was switched (adapters, attention) would be kept under the
+        # fingerprint of what it was at open: nothing is kept.
+        cache.check_computed_as_opened()
         seq = sequence_ids_of(sequences)
         opened = cache.input_ids
         if len(seq) < len(opened) or not np.array_equal(seq[:len(opened)], opened):
