@@ -20,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import VOCAB, make_model, random_ids
 from tierkv import TieredCache, TieredStore
+from tierkv.cache import _static_cache, describe_model
+from tierkv.weights import WeightSample
 from tierkv.codec import head_end
 from tierkv.hashing import block_key, chain_keys
 from tierkv.index import DiskState, Tier
@@ -579,6 +581,47 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
         sdpa.set_attn_implementation("eager")
         with pytest.raises(ValueError, match="attention implementation changed since store.open"):
             cache.commit(later)
+
+
+class _BufferLinear(torch.nn.Module):
+    """A linear layer whose weight is a persistent buffer, as GPTQ's and BitNet's layers keep theirs."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("packed", linear.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.packed)
+
+
+def _with_buffer_weights(seed: int, scale: float) -> torch.nn.Module:
+    model = make_model("llama", seed=seed)
+    for layer in model.model.layers:
+        layer.self_attn.k_proj = _BufferLinear(layer.self_attn.k_proj)
+        layer.self_attn.k_proj.packed.mul_(scale)
+    return model
+
+
+def test_weights_kept_in_persistent_buffers_are_fingerprinted(tmp_path):
+    # Same parameters, other buffer weights: other keys in every layer.
+    one, two = _with_buffer_weights(5, 1.0), _with_buffer_weights(5, 2.0)
+    ids = random_ids(20, 6)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, one, ids, new=2)
+        turn(store, two, out, new=2, expect=0)  # checked against no cache
+        assert store.open(one, out).restored_tokens == out.shape[1] - 1
+        with torch.no_grad():
+            one.model.layers[1].self_attn.k_proj.packed.mul_(3.0)  # written in place
+        assert store.open(one, out).restored_tokens == 0
+        one.model.layers[1].self_attn.k_proj.packed = two.model.layers[1].self_attn.k_proj.packed.clone()  # replaced
+        assert store.open(one, out).restored_tokens == 0
+        assert len(WeightSample(one).params) == len(list(one.parameters())) + len(one.model.layers)
+    # A non-persistent buffer follows from the config, and dynamic RoPE reassigns it in a forward
+    # (inv_freq): not a weight, so neither the sample is rebuilt nor the weights digested again.
+    before, static = describe_model(one).fingerprint, _static_cache[one]
+    rotary = one.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq.clone()
+    assert describe_model(one).fingerprint == before and _static_cache[one] is static
 
 
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):

@@ -8,10 +8,10 @@ device), and again when the sample's values or the parameters' version counters 
 moved. A write through ``p.data`` bumps no counter and is seen only where it changes a sampled
 value.
 
-Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters there are and
-which elements of each are read (16 evenly spread ones). ``sample.current(model)`` says whether
-that still holds: the same ``Parameter`` objects in the same places of the module tree, each with
-the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled
+Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters (and persistent
+buffers, ``persistent_buffers``) there are and which elements of each are read (16 evenly spread
+ones). ``sample.current(model)`` says whether that still holds: the same tensors in the same
+places of the module tree, each with the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled
 elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
 rebuilds the sample when ``current`` is False, and never reads one that is not.
@@ -62,8 +62,9 @@ def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor
 
 
 def _tree(model: torch.nn.Module) -> list[Any]:
-    """Every module's parameter slots, depth first: the same list means the same parameters in
-    the same places. Holds parameters only, never modules, so no reference cycle keeps a model."""
+    """Every module's parameter and persistent buffer slots, depth first: the same list means the
+    same tensors in the same places. Holds tensors only, never modules, so no reference cycle keeps
+    a model."""
     slots: list[Any] = []
     stack: list[Any] = [model]
     pop, descend, add = stack.pop, stack.extend, slots.extend
@@ -71,8 +72,29 @@ def _tree(model: torch.nn.Module) -> list[Any]:
         module = pop()
         if module is not None:  # a submodule slot set to None
             add(module._parameters.values())
+            buffers = module._buffers
+            if buffers:
+                skip = module._non_persistent_buffers_set
+                add([b for name, b in buffers.items() if name not in skip])
             descend(module._modules.values())
     return slots
+
+
+def persistent_buffers(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """The buffers a ``state_dict`` saves: weights some layers keep outside their parameters
+    (GPTQ's and AWQ's packed ``qweight``, BitNet's ternary weights, VeRA's shared projections).
+    Non-persistent ones (RoPE's ``inv_freq``) follow from the config, and some forwards reassign
+    them (dynamic RoPE): they are not weights, and a sample that followed them would be rebuilt."""
+    seen: set[int] = set()
+    found: list[torch.Tensor] = []
+    for module in model.modules():
+        if module._buffers:
+            skip = module._non_persistent_buffers_set
+            for name, b in module._buffers.items():
+                if b is not None and name not in skip and id(b) not in seen:
+                    seen.add(id(b))
+                    found.append(b)
+    return tuple(found)
 
 
 def _storage_key(params: tuple[torch.nn.Parameter, ...]) -> list[tuple[Any, ...]]:
@@ -167,7 +189,8 @@ class WeightSample:
     """Which weights of one model the fingerprint reads, and their current values."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.params = tuple(model.parameters())
+        # Persistent buffers after the parameters: they are weights too (persistent_buffers).
+        self.params = tuple(model.parameters()) + persistent_buffers(model)
         self._tree = _tree(model)
         self._key = _storage_key(self.params)
         self.index = tuple(sample_index(p.numel(), p.device) for p in self.params)
