@@ -622,17 +622,17 @@ class TieredCache(Cache):
             raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
                              f"{self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
                              "(model.to(torch.bfloat16)) and run it without autocast")
-        # The adapters on the first forward and on every forward of several ids (a prefill: another
-        # generate on this cache); the attention implementation, one read, on every forward.
-        prefill = self._last_checked is None or (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
-                                                 and input_ids.shape[1] > 1)
-        self.check_computed_as_opened(adapters=prefill)
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
         if last is not None and last[0] == done and all(a is b for a, b in zip(last[1], seen)) and \
                 self._is_fine(module):
             return
+        # The adapters on the first forward and on every forward of several ids (a prefill: another
+        # generate on this cache); the attention implementation, one read, on every forward.
+        prefill = last is None or (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                                   and input_ids.shape[1] > 1)
+        self.check_computed_as_opened(adapters=prefill)
         self._check_model(module)
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
