@@ -144,8 +144,9 @@ def test_an_inner_models_hook_does_not_check_its_wrappers_forward_again(monkeypa
     with TieredStore(None, block_size=8) as store:
         cache = store.open(model, random_ids(20, 1), session="s")
         greedy(model, random_ids(20, 1), past_key_values=cache)
-    # One per forward (NEW of them), and the inner model's own at the first, which finds it fine.
-    assert len(checks) == NEW + 1
+    # One per forward (NEW of them): the inner model's hook, given the inputs its wrapper's hook has
+    # just checked, checks only that it computes the opened model's KV.
+    assert len(checks) == NEW
 
 
 def test_a_copy_a_wrapper_and_the_parts_of_the_model_may_run_its_cache() -> None:

@@ -609,7 +609,8 @@ class TieredCache(Cache):
     def _check_forward(self, module: torch.nn.Module, input_ids: Any, kwargs: dict[str, Any]) -> None:
         """The hook's checks, once per forward: an inner model's hook runs them again inside its
         wrapper's forward, on the same inputs (a decode step's cost twice over). Skipped there when
-        the inputs are the very objects just checked, at the same length, by a model found fine."""
+        the inputs are the very objects just checked, at the same length: only the model is
+        checked then (``_check_model``, at once for a model already found fine)."""
         if module.training:
             # Dropout makes KV differ from run to run: what commit kept would not be the KV the
             # ids and weights give, and every later turn would restore it.
@@ -625,8 +626,10 @@ class TieredCache(Cache):
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
-        if last is not None and last[0] == done and all(a is b for a, b in zip(last[1], seen)) and \
-                self._is_fine(module):
+        if last is not None and last[0] == done and all(a is b for a, b in zip(last[1], seen)):
+            # The inner model's hook on its first forward: its wrapper's hook checked these very
+            # inputs a moment ago; only whether it computes the opened model's KV is new.
+            self._check_model(module)
             return
         # The adapters on the first forward and on every forward of several ids (a prefill: another
         # generate on this cache); the attention implementation, one read, on every forward.
