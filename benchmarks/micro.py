@@ -197,8 +197,10 @@ def disk(mib: int, repeats: int) -> list[tuple[str, str]]:
 
     def lmdb_write_steady(name: str = "steady") -> float:
         # A store at its disk budget: each spill evicts as much (deletes that zero what they
-        # remove) and lands in the pages freed. "cold": the evicted records are no longer in the
-        # page cache (they are the least recently used), as in a store larger than memory.
+        # remove) and lands in the pages freed. As the store does, each batch evicts what its
+        # blocks need: the writer's transaction holds the evictions and the block writes. "cold":
+        # the evicted records are no longer in the page cache (they are the least recently used),
+        # as in a store larger than memory.
         if name == "cold" and generation[name]:
             stores[name].close()
             drop_cached(os.path.join(tmp, name, "data.mdb"))
@@ -210,10 +212,9 @@ def disk(mib: int, repeats: int) -> list[tuple[str, str]]:
         generation[name] += 1
         old = [(base - len(blocks) + i).to_bytes(16, "little") for i in range(len(blocks))] if base else []
         ops = [put(tier, header_for(b, base + i), b) for i, b in enumerate(blocks)]
-        if old:
-            tier.apply([DeleteBlocks(old)])
         for first in range(0, len(ops), 16):
-            assert not any(tier.apply(ops[first:first + 16]))
+            evicted = [DeleteBlocks(old[first:first + 16], evicted=True)] if old else []
+            assert not any(tier.apply([*evicted, *ops[first:first + 16]]))
         tier.sync()
         return time.perf_counter() - start
 

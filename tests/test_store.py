@@ -8,6 +8,7 @@ counts, bytes, and eviction orders, checked through small ``verify_*`` helpers (
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Iterable
@@ -1201,6 +1202,30 @@ def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
                      block_size=B) as store:
         assert set(store._index.sessions) == sids
+
+
+def test_blocks_the_disk_budget_evicted_leave_no_kv_in_the_file_once_closed(tmp_path):
+    # Evicted records are zeroed a transaction after their delete (``DiskTier._defer_scrub``);
+    # close zeroes those the writer's last transaction deleted.
+    model = make_model("llama", 0)
+    full = full_block_bytes(model)
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
+                     block_size=B) as store:
+        turn(store, model, random_ids(16, 100), session="s0", new=1)
+        store.flush()
+        with open(path / "data.mdb", "rb") as f:  # the last KV bytes of each record, before its checksum
+            kv = {k: os.pread(f.fileno(), 64, offset + length - 72) for k, (offset, length) in store._disk._where.items()}
+        for i in range(1, 4):
+            turn(store, model, random_ids(16, 100 + i), session=f"s{i}", new=1)
+        store.flush()
+        evicted = [k for k in kv if k not in store._disk._where]
+        assert evicted and store._disk.owes_zeros
+    data = (path / "data.mdb").read_bytes()
+    assert all(kv[k] != bytes(64) for k in kv) and not any(kv[k] in data for k in evicted)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
+                     block_size=B) as store:
+        assert not store._disk.owes_zeros
 
 
 def verify_sessions_hold_blocks_of_their_own(store: TieredStore) -> None:

@@ -799,6 +799,124 @@ def test_a_record_written_again_leaves_no_copy_of_the_old_one(tmp_path: pathlib.
         assert tier.verify().bad == [] and tier.verify().stale == {}
 
 
+def record_bytes_at(path: str | pathlib.Path, where: tuple[int, int]) -> bytes:
+    with open(path, "rb") as f:
+        return os.pread(f.fileno(), where[1], where[0])
+
+
+def ledger(tier: DiskTier) -> dict | None:
+    row = raw_get(tier, b"meta", b"unzeroed")
+    return None if row is None else msgpack.unpackb(row)
+
+
+def test_an_evicted_record_is_zeroed_once_the_next_transaction_commits(tmp_path: pathlib.Path) -> None:
+    # Zeroed in the deleting transaction, an evicted record's pages reached the disk twice: as
+    # zeros with its commit, and as the blocks that reuse them (LMDB reuses pages a transaction
+    # freed from the second one after it on). Zeroed when the next commits, the zeros are still in
+    # the page cache when those blocks overwrite them.
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
+        where = tier._where[key(2)]
+        written = record_bytes_at(path / "data.mdb", where)
+        assert tier.apply([DeleteBlocks([key(2)], evicted=True), big_op(4)]) == [None, None]
+        assert raw_get(tier, b"blocks", key(2)) is None and raw_get(tier, b"heads", key(2)) is None
+        assert record_bytes_at(path / "data.mdb", where) == written  # free pages, not zeroed yet
+        assert tier.owes_zeros and ledger(tier)["ranges"] == [list(where)]
+        assert tier.apply([big_op(5)]) == [None]
+        assert record_bytes_at(path / "data.mdb", where) == bytes(where[1])
+        # Zeroed after that commit, which the row it wrote covers; the next transaction drops it.
+        assert ledger(tier)["ranges"] == [list(where)]
+        assert tier.apply([]) == [] and ledger(tier) is None and not tier.owes_zeros
+        for n in (1, 3, 4, 5):
+            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
+
+
+@pytest.mark.parametrize("then", ["a forget", "no block write"])
+def test_a_transaction_that_reuses_no_page_zeroes_the_evictions_before_it(tmp_path: pathlib.Path, then: str) -> None:
+    # A forget's flush returns once every delete before it has its zeros on disk: they are zeroed
+    # before its transaction, whose commit syncs them. So is a batch with nothing to reuse them.
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
+        evicted, forgotten = tier._where[key(2)], tier._where[key(3)]
+        tier.apply([DeleteBlocks([key(2)], evicted=True)])
+        assert record_bytes_at(path / "data.mdb", evicted) != bytes(evicted[1])
+        tier.apply([DeleteBlocks([key(3)]), big_op(4)] if then == "a forget" else [Touch({key(1): 7})])
+        assert record_bytes_at(path / "data.mdb", evicted) == bytes(evicted[1])
+        if then == "a forget":
+            assert record_bytes_at(path / "data.mdb", forgotten) == bytes(forgotten[1])
+        assert ledger(tier) is None and not tier.owes_zeros
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
+
+
+def test_a_record_written_and_evicted_in_one_transaction_is_zeroed_in_it(disk: DiskTier) -> None:
+    # LMDB may reuse, before the commit, the pages of a record written in the same transaction.
+    assert disk.apply([big_op(1), DeleteBlocks([key(1)], evicted=True), big_op(2)]) == [None] * 3
+    assert not disk.owes_zeros and ledger(disk) is None
+    assert torch.equal(disk.load(key(2), empty)[1], block_tensor(2, shape=BIG))
+
+
+_EVICT_AND_DIE = """
+import os, sys
+sys.path[:0] = {paths!r}
+from tests.test_tiers import big_op, key
+from tierkv.tiers.disk import DeleteBlocks, DiskTier
+tier = DiskTier({path!r}, budget=1 << 30, block_size=4)
+assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
+print(*tier._where[key(2)], flush=True)
+tier.apply([DeleteBlocks([key(2)], evicted=True), big_op(4)])
+os._exit(0)  # a crash before the next transaction
+"""
+
+
+def test_evicted_records_a_crash_left_unzeroed_are_zeroed_at_reopen(tmp_path: pathlib.Path) -> None:
+    import subprocess
+    import sys
+    path = tmp_path / "store"
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    child = subprocess.run([sys.executable, "-c", _EVICT_AND_DIE.format(paths=[root], path=str(path))],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+    assert child.returncode == 0, child.stderr
+    where = tuple(int(x) for x in child.stdout.split())
+    assert record_bytes_at(path / "data.mdb", where) != bytes(where[1])  # the crash left its KV
+    with opened(path) as tier:
+        tier.scan()
+        assert tier.owes_zeros
+        tier.apply([])
+        assert record_bytes_at(path / "data.mdb", where) == bytes(where[1])
+        assert ledger(tier) is None and not tier.owes_zeros
+        for n in (1, 3, 4):
+            assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
+
+
+@pytest.mark.parametrize("row", ["over a stored block", "damaged"])
+def test_a_ledger_that_cannot_be_trusted_zeroes_nothing(tmp_path: pathlib.Path, row: str) -> None:
+    # Its records were never where it says, or it cannot be read: zeroing there would destroy
+    # what is stored now.
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([big_op(1), big_op(2)]) == [None, None]
+        where = tier._where[key(1)]
+        with tier.env.begin(write=True) as txn:
+            value = b"\xc1" if row == "damaged" else msgpack.packb({"txn": txn.id(), "ranges": [list(where)]})
+            txn.put(b"unzeroed", value, db=tier._meta)
+    with opened(path) as tier:
+        tier.scan()
+        tier.apply([])
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
+        assert ledger(tier) is None
+
+
+def test_a_ledger_row_holds_only_while_no_transaction_committed_after_it() -> None:
+    # A later transaction (an earlier build's, which keeps no ledger) may have reused the pages.
+    row = msgpack.packb({"txn": 41, "ranges": [[4112, 8192], [16400, 4096]]})
+    assert disk_module._ledger_ranges(row, 41) == [(4112, 8192), (16400, 4096)]
+    assert disk_module._ledger_ranges(row, 42) == []
+    assert disk_module._ledger_ranges(msgpack.packb({"txn": 41, "ranges": [[-1, 5], ["x", 5]]}), 41) == []
+    assert disk_module._ledger_ranges(msgpack.packb([1, 2]), 41) == []
+
+
 def test_a_wrong_place_never_zeroes_another_record(tmp_path: pathlib.Path) -> None:
     with opened(tmp_path / "store") as tier:
         tier.apply([big_op(1), big_op(2)])

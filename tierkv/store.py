@@ -290,6 +290,8 @@ class TieredStore:
                 return 0
             if not self._closed:
                 self._write_stamps()
+                if self._disk is not None and self._disk.owes_zeros:
+                    self._submit(Touch({}))  # evicted records still to zero: none left in the file at rest
                 self._closed = True
             try:
                 return self._stop_writer(timeout, grace)
@@ -909,7 +911,7 @@ class TieredStore:
         if meta is None:
             return 0
         self._evictions += 1
-        self._delete_on_disk([meta])
+        self._delete_on_disk([meta], evicted=True)
         if meta.resident is None:
             self._remove(meta)
         return meta.record_bytes
@@ -923,7 +925,9 @@ class TieredStore:
                 return
             freed += evicted
 
-    def _delete_on_disk(self, metas: Iterable[BlockMeta]) -> None:
+    def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False) -> None:
+        """Delete blocks on disk, their records zeroed (``evicted``: by the budget, zeroed a
+        transaction later, ``DeleteBlocks``)."""
         keys: list[bytes] = []
         refs: list[bytes] = []
         for meta in metas:
@@ -934,7 +938,7 @@ class TieredStore:
                 self._pending_writes.pop(meta.key, None)
                 self._pop_inflight(meta.key)
         if keys and self._writer is not None:
-            self._submit(DeleteBlocks(keys, refs))
+            self._submit(DeleteBlocks(keys, refs, evicted))
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1242,6 +1246,8 @@ class TieredStore:
         doomed = [*scan.corrupt, *scan.scrubbed, *scan.orphans, *(k for k in scan.atime if k not in gone)]
         if doomed:
             self._submit(DeleteBlocks(doomed))
+        elif self._disk.owes_zeros:
+            self._submit(Touch({}))  # evicted records a crash left unzeroed: zeroed by the next write
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
         self._make_room(Tier.DISK, 0)
         heads = {k: head for k, head in scan.unindexed.items() if k in self._index.blocks}

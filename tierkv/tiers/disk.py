@@ -25,7 +25,12 @@ place in the file, which its head keeps), before ``load`` copies them: without i
 of a record was its own synchronous read (0.05 GB/s against 1.0 GB/s with it, raw read 1.2).
 Writes get readahead over the map's never-written end only (``_advise_for_writes``), and deletes
 zero records without reading them: in place where the page cache holds them, in the file elsewhere
-(``_scrub``).
+(``_scrub``). A forget's deletes zero their records in the deleting transaction. The budget's
+evictions (``DeleteBlocks.evicted``) zero them just before LMDB can first reuse their pages, once
+the transaction after the deleting one has committed, so that the blocks written then overwrite
+zeros still in the page cache rather than zeros already written to disk; ``meta`` keeps a ledger
+row of the records not yet zeroed at each commit, which ``scan`` reads after a crash
+(``_defer_scrub``).
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
@@ -49,6 +54,7 @@ machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import struct
@@ -76,6 +82,9 @@ from . import vm
 from .heads import OFFSET_UNKNOWN
 
 _META_KEY = b"tierkv"
+# In ``meta``: the evicted records not yet zeroed when a transaction committed (``DiskTier._defer_scrub``):
+# msgpack {"txn": its id, "ranges": [[offset, length], ...]}.
+_UNZEROED_KEY = b"unzeroed"
 _LOCK_FILE = "tierkv.lock"
 _U64 = struct.Struct("<Q")
 _CHECKSUM_BYTES = 8  # the codec's trailer
@@ -166,6 +175,19 @@ def _session_row(value: bytes) -> tuple[str | None, str | None] | None:
     return (row[0], row[1]) if isinstance(row[1], str) else None
 
 
+def _ledger_ranges(row: bytes, txn_id: int) -> list[tuple[int, int]]:
+    """The records a ledger row names, if the transaction that wrote it is the last one
+    committed; none otherwise (a later one has reused their pages, or the row is damaged)."""
+    try:
+        ledger = msgpack.unpackb(row)
+        if ledger["txn"] != txn_id:
+            return []
+        return [(int(offset), int(length)) for offset, length in ledger["ranges"]
+                if type(offset) is int and type(length) is int and offset > 0 and length > 0]
+    except Exception:  # noqa: BLE001 - msgpack and the shape checks raise several kinds
+        return []
+
+
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
     """``header`` if its record is stored under its own key; a record moved under another key
     (a damaged B-tree, a bad copy) would restore another conversation's KV."""
@@ -199,8 +221,13 @@ class PutBlock:
 
 @dataclass(slots=True)
 class DeleteBlocks:
+    """Blocks to delete, their records zeroed. ``evicted``: the budget's evictions, whose records
+    may be zeroed a transaction later, just before LMDB can reuse their pages, rather than in the
+    deleting one (``DiskTier._defer_scrub``); a forget's are zeroed in the transaction that
+    deletes them, and synced with it."""
     keys: list[bytes]
     refs: list[bytes] = field(default_factory=list)  # sid + key rows of the sessions that held them
+    evicted: bool = False
 
 
 @dataclass(slots=True)
@@ -275,6 +302,10 @@ class _Batch:
     # Records zeroed in place by an attempt: an aborted transaction does not undo that (the map is
     # the file), so a retry finds them zeroed already.
     zeroed: set[bytes] = field(default_factory=set)
+    # Evicted records to zero once the transaction commits: where each lies, kept across attempts
+    # (an attempt zeroed its head, which a retry can no longer read), and this attempt's list.
+    places: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
 
 def op_size(op: DiskOp) -> int:
@@ -311,6 +342,12 @@ class DiskTier:
         self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         # Where each block's record lies in the file (offset, length), from its head: for prefetch.
         self._where: dict[bytes, tuple[int, int]] = {}
+        # Evicted records deleted and not zeroed yet (``_defer_scrub``): those the last committed
+        # transaction deleted; those a crash left so (read by ``scan``); and whether ``meta``
+        # holds a ledger row naming some, which the next write transaction replaces or deletes.
+        self._pending: list[tuple[int, int]] = []
+        self._unzeroed: list[tuple[int, int]] = []
+        self._ledger_written = False
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
         # Only deletes may grow it further: block writes go to free pages (else every reopen of a
@@ -510,7 +547,16 @@ class DiskTier:
             for key, value in txn.cursor(db=self._atime):
                 if len(value) == _U64.size:  # a damaged stamp only loses its block's place in the LRU order
                     result.atime[bytes(key)] = _U64.unpack(value)[0]
+            row = txn.get(_UNZEROED_KEY, db=self._meta)
+            if row is not None:
+                self._unzeroed = _ledger_ranges(bytes(row), txn.id())
+                self._ledger_written = True
         return result
+
+    @property
+    def owes_zeros(self) -> bool:
+        """Evicted records not zeroed yet; ``apply([])`` zeroes them, durably."""
+        return bool(self._unzeroed or self._pending or self._ledger_written)
 
     def verify(self, on_record: Callable[[int], None] | None = None) -> CheckResult:
         """Every record checked in full (header, length, checksum, key), and its head against it,
@@ -606,11 +652,18 @@ class DiskTier:
         self._reserve(sum(op.record_bytes for op in ops if isinstance(op, PutBlock)))
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
+        self._zero_owed()
+        if not any(isinstance(op, PutBlock) for op in ops) or \
+                any(isinstance(op, DeleteBlocks) and not op.evicted for op in ops):
+            # No block write to reuse their pages here, or a forget whose flush must find every
+            # delete before it zeroed on disk: zeroed now, synced by this transaction's commit.
+            self._zero_pending()
         full = False
         batch = _Batch()
         while True:
             created = self._heads is None
             batch.moves = {}
+            batch.deferred = []
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
                     if created:
@@ -641,6 +694,21 @@ class DiskTier:
                                 self._put_heads(txn, op, batch)
                         else:
                             self._apply_one(txn, op, batch)
+                    unzeroed = self._pending + batch.deferred
+                    if unzeroed:
+                        txn.put(_UNZEROED_KEY, msgpack.packb({"txn": txn.id(), "ranges": unzeroed}), db=self._meta)
+                    elif self._ledger_written:
+                        txn.delete(_UNZEROED_KEY, db=self._meta)
+                self._ledger_written = bool(unzeroed)
+                # LMDB reuses the pages a transaction freed from the second transaction after it
+                # on (the one after may still need them, should its meta page not land). So the
+                # records the previous one deleted are zeroed now, and those of this one after
+                # the next commit: zeros that the blocks written in between do not overwrite
+                # reach the disk with that next commit.
+                try:
+                    self._zero_pending()
+                finally:
+                    self._pending = batch.deferred
                 for key, where in batch.moves.items():
                     if where is None:
                         self._where.pop(key, None)
@@ -684,7 +752,8 @@ class DiskTier:
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, batch: _Batch) -> None:
         if isinstance(op, DeleteBlocks):
             for key in op.keys:
-                self._scrub(txn, key, batch)
+                if not (op.evicted and self._defer_scrub(txn, key, batch)):
+                    self._scrub(txn, key, batch)
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._heads)
                 txn.delete(key, db=self._atime)
@@ -753,26 +822,93 @@ class DiskTier:
                 ctypes.memset(vm.address(value), 0, len(value))
         batch.zeroed.add(key)
 
-    def _zero_in_file(self, where: tuple[int, int], expected: bytes) -> bool:
-        """Zero the record at ``where`` (offset, length); False, touching nothing, unless LMDB's
-        header of the overflow pages just before it names exactly those pages and the record there
-        begins with ``expected`` (its head, its key among the bytes)."""
+    def _defer_scrub(self, txn: lmdb.Transaction, key: bytes, batch: _Batch) -> bool:
+        """For an evicted block: zero its head now, and leave its record to be zeroed once the
+        next transaction commits (``batch.deferred``; ``_apply`` keeps a ledger row of them in
+        ``meta``, which ``scan`` reads after a crash). False, touching nothing, where ``_scrub``
+        must zero it in this transaction: a record written in this one (LMDB may reuse its pages
+        before the commit), or one whose place is not known for certain.
+
+        Why: zeroed in the deleting transaction, the records' pages reached the disk twice, as
+        zeros with its commit and as the data of the blocks that reuse them two commits later: a
+        spill at the disk budget ran at 0.4-0.56 of a raw write + fsync, the deletes' commit as
+        long as the write. Zeroed just before the first transaction that may reuse them, the
+        zeros are still in the page cache when the blocks it writes overwrite them, and only the
+        pages no block took are written as zeros. Until then a record's KV stays in the file's
+        free pages, where no read of the store finds it; a transaction without block writes, and
+        one with a forget's deletes, zero every such record before they commit, so a ``flush()``
+        after ``forget`` still finds every delete before it zeroed on disk."""
+        if key in batch.moves:
+            return False
+        head = txn.get(key, db=self._heads) if self._heads is not None else None
+        where = batch.places.get(key)
+        if where is None:
+            where = self._where.get(key)
+            try:
+                expected = index_entry.head_of(head) if head is not None and len(head) else None
+            except CorruptRecord:
+                expected = None
+            if expected is None or where is None or not self._record_pages(where, expected):
+                return False
+            batch.places[key] = where
+        if head is not None and len(head):
+            ctypes.memset(vm.address(head), 0, len(head))
+        batch.deferred.append(where)
+        return True
+
+    def _zero_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for offset, length in pending:
+            self._zero_pages(offset, length)
+
+    def _zero_owed(self) -> None:
+        """Zero the evicted records the ledger row of the last committed transaction names (a
+        crash came before they were): where they still are, and overlap no block stored since."""
+        if not self._unzeroed:
+            return
+        live = sorted(self._where.values())  # records do not overlap: their ends are sorted too
+        starts = [offset for offset, _ in live]
+        for offset, length in self._unzeroed:
+            i = bisect.bisect_left(starts, offset + length)  # the records that start before its end
+            clash = i > 0 and sum(live[i - 1]) > offset
+            if not clash and self._record_pages((offset, length)):
+                self._zero_pages(offset, length)
+        self._unzeroed = []
+
+    def _record_pages(self, where: tuple[int, int], expected: bytes | None = None) -> bool:
+        """Whether LMDB's header of the overflow pages just before ``where`` (offset, length)
+        names exactly those pages and, given ``expected`` (its head, its key among the bytes), the
+        record there begins with it."""
         offset, length = where
         page = self.page_size
         first_page = offset - _PAGE_HEADER
-        if self._map_start is None or self._data_fd is None or len(expected) > length or \
-                first_page % page or offset + length > (self.env.info()["last_pgno"] + 1) * page:
+        if self._map_start is None or self._data_fd is None or (expected is not None and len(expected) > length) or \
+                first_page % page or first_page < 0 or offset + length > (self.env.info()["last_pgno"] + 1) * page:
             return False
         start = self._map_start + offset
         pgno, _pad, flags, pages = _OVERFLOW_HEADER.unpack(ctypes.string_at(start - _PAGE_HEADER, _PAGE_HEADER))
         if pgno != first_page // page or not flags & _P_OVERFLOW or pages != -(-(length + _PAGE_HEADER) // page):
             return False
-        if ctypes.string_at(start, len(expected)) != expected:
+        return expected is None or ctypes.string_at(start, len(expected)) == expected
+
+    def _zero_in_file(self, where: tuple[int, int], expected: bytes) -> bool:
+        """Zero the record at ``where`` (offset, length); False, touching nothing, unless it is
+        the record ``_record_pages`` expects there."""
+        if not self._record_pages(where, expected):
             return False
+        self._zero_pages(*where)
+        return True
+
+    def _zero_pages(self, offset: int, length: int) -> None:
+        """Zero a record's bytes, without reading them: its whole pages in place where the page
+        cache holds them, in the file elsewhere; the ends of its first and last page in place."""
+        page = self.page_size
+        assert self._map_start is not None
+        start = self._map_start + offset
         first, last = -(-offset // page) * page, (offset + length) // page * page
         if last <= first:
             ctypes.memset(start, 0, length)
-            return True
+            return
         # The first page begins with LMDB's own page header, which the delete still reads.
         ctypes.memset(start, 0, first - offset)
         ctypes.memset(self._map_start + last, 0, offset + length - last)
@@ -783,7 +919,6 @@ class DiskTier:
             begin, end = first + begin * vm.PAGE, min(first + end * vm.PAGE, last)
             if in_cache or not vm.zero_range(self._data_fd, begin, end - begin):
                 ctypes.memset(self._map_start + begin, 0, end - begin)
-        return True
 
     def _grow(self, limit: int, at_least: int = 0) -> bool:
         """Grow the map (doubling, up to ``limit``); False when it is already there."""
