@@ -1204,25 +1204,38 @@ def test_a_session_whose_blocks_are_all_evicted_is_gone_from_index_and_disk(tmp_
         assert set(store._index.sessions) == sids
 
 
-def test_blocks_the_disk_budget_evicted_leave_no_kv_in_the_file_once_closed(tmp_path):
-    # Evicted records are zeroed a transaction after their delete (``DiskTier._defer_scrub``);
-    # close zeroes those the writer's last transaction deleted.
+@pytest.mark.parametrize("then", ["flush", "forget", "close", "close with a timeout"])
+def test_blocks_the_disk_budget_evicted_leave_no_kv_in_the_file(tmp_path, then):
+    # Evicted records are zeroed a transaction after their delete (``DiskTier._defer_scrub``):
+    # flush() and close() zero those the writer's last transaction left, whatever is still queued.
     model = make_model("llama", 0)
     full = full_block_bytes(model)
     path = tmp_path / "kv"
-    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
-                     block_size=B) as store:
+    store = TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
+                        block_size=B)
+    try:
         turn(store, model, random_ids(16, 100), session="s0", new=1)
         store.flush()
         with open(path / "data.mdb", "rb") as f:  # the last KV bytes of each record, before its checksum
             kv = {k: os.pread(f.fileno(), 64, offset + length - 72) for k, (offset, length) in store._disk._where.items()}
         for i in range(1, 4):
             turn(store, model, random_ids(16, 100 + i), session=f"s{i}", new=1)
-        store.flush()
-        evicted = [k for k in kv if k not in store._disk._where]
-        assert evicted and store._disk.owes_zeros
+        if then == "flush":
+            store._writer.flush()  # the writes applied, as a turn's own would be
+            assert store._disk.owes_zeros  # evictions left to the next transaction
+            store.flush()
+        elif then == "forget":
+            store.forget(session="s1")
+            store.flush()
+        evicted = [k for k in kv if k not in store._index.blocks]
+        if then.startswith("close"):
+            store.close(timeout=60 if then.endswith("timeout") else None)
+        else:
+            assert evicted and not store._disk.owes_zeros
+    finally:
+        store.close()
     data = (path / "data.mdb").read_bytes()
-    assert all(kv[k] != bytes(64) for k in kv) and not any(kv[k] in data for k in evicted)
+    assert evicted and all(kv[k] != bytes(64) for k in kv) and not any(kv[k] in data for k in evicted)
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=6 * full + 4096,
                      block_size=B) as store:
         assert not store._disk.owes_zeros

@@ -833,21 +833,53 @@ def test_an_evicted_record_is_zeroed_once_the_next_transaction_commits(tmp_path:
 
 
 @pytest.mark.parametrize("then", ["a forget", "no block write"])
-def test_a_transaction_that_reuses_no_page_zeroes_the_evictions_before_it(tmp_path: pathlib.Path, then: str) -> None:
-    # A forget's flush returns once every delete before it has its zeros on disk: they are zeroed
-    # before its transaction, whose commit syncs them. So is a batch with nothing to reuse them.
+@pytest.mark.parametrize("evicted_in", ["an earlier transaction", "the same transaction"])
+def test_a_transaction_that_reuses_no_page_zeroes_every_eviction_before_it_commits(
+        tmp_path: pathlib.Path, then: str, evicted_in: str) -> None:
+    # A forget's flush returns once every delete queued before it has its zeros on disk: they are
+    # zeroed before its transaction commits, which syncs them. So does a batch with nothing to
+    # reuse their pages (the store's flush ends with one).
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
         evicted, forgotten = tier._where[key(2)], tier._where[key(3)]
-        tier.apply([DeleteBlocks([key(2)], evicted=True)])
-        assert record_bytes_at(path / "data.mdb", evicted) != bytes(evicted[1])
-        tier.apply([DeleteBlocks([key(3)]), big_op(4)] if then == "a forget" else [Touch({key(1): 7})])
+        eviction = DeleteBlocks([key(2)], evicted=True)
+        if evicted_in == "an earlier transaction":
+            tier.apply([eviction, big_op(4)])
+            assert record_bytes_at(path / "data.mdb", evicted) != bytes(evicted[1])
+            ops: list = []
+        else:
+            ops = [eviction]
+        ops += [DeleteBlocks([key(3)]), big_op(5)] if then == "a forget" else [Touch({key(1): 7})]
+        assert tier.apply(ops) == [None] * len(ops)
         assert record_bytes_at(path / "data.mdb", evicted) == bytes(evicted[1])
         if then == "a forget":
             assert record_bytes_at(path / "data.mdb", forgotten) == bytes(forgotten[1])
         assert ledger(tier) is None and not tier.owes_zeros
         assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
+
+
+def test_pages_of_evicted_records_reused_by_later_blocks_keep_those_blocks(tmp_path: pathlib.Path) -> None:
+    # Zeroed one transaction too late, a record's pages would already hold the blocks that reused
+    # them: every block is read back after every batch, as batches evict what they write.
+    import random
+    rng = random.Random(0)
+    live: dict[int, torch.Tensor] = {}
+    n = 0
+    with opened(tmp_path / "store") as tier:
+        for _ in range(60):
+            old = sorted(live)[:rng.randint(0, 3)]
+            ops: list = [DeleteBlocks([key(k) for k in old], evicted=True)] if old else []
+            for k in old:
+                del live[k]
+            for _ in range(rng.randint(1, 3)):
+                n += 1
+                live[n] = block_tensor(n, shape=(2, 2, 4, BLOCK, rng.choice([256, 1024, 2048])))
+                ops.append(put_op(n, live[n]))
+            assert tier.apply(ops) == [None] * len(ops)
+            for k, tensor in live.items():
+                assert torch.equal(tier.load(key(k), empty)[1], tensor), k
+        assert tier.file_bytes() < n * (256 << 10)  # pages were reused
 
 
 def test_a_record_written_and_evicted_in_one_transaction_is_zeroed_in_it(disk: DiskTier) -> None:
@@ -906,6 +938,31 @@ def test_a_ledger_that_cannot_be_trusted_zeroes_nothing(tmp_path: pathlib.Path, 
         tier.apply([])
         assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
         assert ledger(tier) is None
+
+
+@pytest.mark.parametrize("since", ["nothing", "a transaction committed"])
+def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_after_it(
+        tmp_path: pathlib.Path, since: str) -> None:
+    # After it, a transaction (an earlier build's, which keeps no ledger) may have reused the pages.
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([big_op(1), big_op(2)]) == [None, None]
+        where = tier._where[key(2)]
+        with tier.env.begin(write=True) as txn:  # deleted without zeroing, the ledger naming it
+            txn.delete(key(2), db=tier._blocks)
+            txn.delete(key(2), db=tier._heads)
+            txn.put(b"unzeroed", msgpack.packb({"txn": txn.id(), "ranges": [list(where)]}), db=tier._meta)
+        if since == "a transaction committed":
+            raw_put(tier, b"atime", key(1), struct.pack("<Q", 9))
+    written = record_bytes_at(path / "data.mdb", where)
+    assert written != bytes(where[1])
+    with opened(path) as tier:
+        tier.scan()
+        assert tier.owes_zeros
+        tier.apply([])
+        assert record_bytes_at(path / "data.mdb", where) == (bytes(where[1]) if since == "nothing" else written)
+        assert ledger(tier) is None
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
 
 
 def test_a_ledger_row_holds_only_while_no_transaction_committed_after_it() -> None:

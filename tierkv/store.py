@@ -242,6 +242,15 @@ class TieredStore:
             copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
         if self._writer is not None:
             self._writer.flush()
+            if self._disk is not None and self._disk.owes_zeros:
+                # Evictions are zeroed a transaction after their delete (DiskTier._defer_scrub): a
+                # transaction without block writes zeroes them before its commit.
+                try:
+                    self._writer.submit(Touch({}))
+                except RuntimeError:
+                    pass  # closed meanwhile by another thread, whose close zeroes them
+                else:
+                    self._writer.flush()
         for job in copies:
             job.wait()
         with self._lock, defer_interrupts():
@@ -290,8 +299,6 @@ class TieredStore:
                 return 0
             if not self._closed:
                 self._write_stamps()
-                if self._disk is not None and self._disk.owes_zeros:
-                    self._submit(Touch({}))  # evicted records still to zero: none left in the file at rest
                 self._closed = True
             try:
                 return self._stop_writer(timeout, grace)
@@ -349,6 +356,10 @@ class TieredStore:
                              "again or the process exits (LMDB transactions are atomic)", self._disk.path)
                 return
             try:
+                if self._disk.owes_zeros:
+                    # The writer is gone: this thread is the only writer now. Evicted records are
+                    # zeroed a transaction after their delete; none is left in the file at rest.
+                    self._disk.apply([])
                 self._disk.sync()
             except (lmdb.Error, OSError) as exc:
                 self._disk_fault(exc)

@@ -26,10 +26,12 @@ of a record was its own synchronous read (0.05 GB/s against 1.0 GB/s with it, ra
 Writes get readahead over the map's never-written end only (``_advise_for_writes``), and deletes
 zero records without reading them: in place where the page cache holds them, in the file elsewhere
 (``_scrub``). A forget's deletes zero their records in the deleting transaction. The budget's
-evictions (``DeleteBlocks.evicted``) zero them just before LMDB can first reuse their pages, once
-the transaction after the deleting one has committed, so that the blocks written then overwrite
-zeros still in the page cache rather than zeros already written to disk; ``meta`` keeps a ledger
-row of the records not yet zeroed at each commit, which ``scan`` reads after a crash
+evictions (``DeleteBlocks.evicted``), in a transaction that writes blocks, zero them just before
+LMDB can first reuse their pages, once the transaction after the deleting one has committed, so
+that the blocks written then overwrite zeros still in the page cache rather than zeros already
+written to disk; a transaction without block writes, or with a forget's deletes, zeroes every such
+record before it commits (the store's ``flush`` and ``close`` end with one). ``meta`` keeps a
+ledger row of the records not yet zeroed at each commit, which ``scan`` reads after a crash
 (``_defer_scrub``).
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import os
 import struct
 import threading
@@ -80,6 +83,8 @@ from ..transfer import Job
 from . import heads as index_entry
 from . import vm
 from .heads import OFFSET_UNKNOWN
+
+logger = logging.getLogger("tierkv")
 
 _META_KEY = b"tierkv"
 # In ``meta``: the evicted records not yet zeroed when a transaction committed (``DiskTier._defer_scrub``):
@@ -306,6 +311,7 @@ class _Batch:
     # (an attempt zeroed its head, which a retry can no longer read), and this attempt's list.
     places: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     deferred: list[tuple[int, int]] = field(default_factory=list)
+    defer: bool = False  # whether evicted records may be left to the next transaction
 
 
 def op_size(op: DiskOp) -> int:
@@ -347,6 +353,7 @@ class DiskTier:
         # holds a ledger row naming some, which the next write transaction replaces or deletes.
         self._pending: list[tuple[int, int]] = []
         self._unzeroed: list[tuple[int, int]] = []
+        self._unzeroed_txn = 0  # the transaction whose ledger row named ``_unzeroed``
         self._ledger_written = False
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
@@ -549,7 +556,7 @@ class DiskTier:
                     result.atime[bytes(key)] = _U64.unpack(value)[0]
             row = txn.get(_UNZEROED_KEY, db=self._meta)
             if row is not None:
-                self._unzeroed = _ledger_ranges(bytes(row), txn.id())
+                self._unzeroed, self._unzeroed_txn = _ledger_ranges(bytes(row), txn.id()), txn.id()
                 self._ledger_written = True
         return result
 
@@ -653,13 +660,15 @@ class DiskTier:
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
         self._zero_owed()
-        if not any(isinstance(op, PutBlock) for op in ops) or \
-                any(isinstance(op, DeleteBlocks) and not op.evicted for op in ops):
-            # No block write to reuse their pages here, or a forget whose flush must find every
-            # delete before it zeroed on disk: zeroed now, synced by this transaction's commit.
-            self._zero_pending()
         full = False
         batch = _Batch()
+        # With no block write to reuse the pages, or a forget's delete, whose flush must find every
+        # delete up to it zeroed on disk: evicted records are zeroed in this transaction, and those
+        # still pending before it, synced by its commit.
+        batch.defer = any(isinstance(op, PutBlock) for op in ops) and \
+            not any(isinstance(op, DeleteBlocks) and not op.evicted for op in ops)
+        if not batch.defer:
+            self._zero_pending()
         while True:
             created = self._heads is None
             batch.moves = {}
@@ -700,15 +709,6 @@ class DiskTier:
                     elif self._ledger_written:
                         txn.delete(_UNZEROED_KEY, db=self._meta)
                 self._ledger_written = bool(unzeroed)
-                # LMDB reuses the pages a transaction freed from the second transaction after it
-                # on (the one after may still need them, should its meta page not land). So the
-                # records the previous one deleted are zeroed now, and those of this one after
-                # the next commit: zeros that the blocks written in between do not overwrite
-                # reach the disk with that next commit.
-                try:
-                    self._zero_pending()
-                finally:
-                    self._pending = batch.deferred
                 for key, where in batch.moves.items():
                     if where is None:
                         self._where.pop(key, None)
@@ -718,6 +718,13 @@ class DiskTier:
                     # Back below the room (LMDB keeps the map at least as large as the pages in
                     # use), so that the next batch's block writes cannot take it.
                     self._set_map(self.map_cap - _DELETE_ROOM)
+                # LMDB reuses the pages a transaction freed from the second transaction after it
+                # on (the one after may still need them, should its meta page not land). So the
+                # records the previous one deleted are zeroed now, and those of this one after
+                # the next commit: zeros that the blocks written in between do not overwrite
+                # reach the disk with that next commit. Never later: a record not zeroed now is
+                # dropped from the list, since the next transaction may reuse its pages.
+                self._zero_pending(then=batch.deferred)
                 return results
             except BaseException as exc:
                 if created:
@@ -752,7 +759,7 @@ class DiskTier:
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, batch: _Batch) -> None:
         if isinstance(op, DeleteBlocks):
             for key in op.keys:
-                if not (op.evicted and self._defer_scrub(txn, key, batch)):
+                if not (op.evicted and batch.defer and self._defer_scrub(txn, key, batch)):
                     self._scrub(txn, key, batch)
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._heads)
@@ -835,9 +842,10 @@ class DiskTier:
         long as the write. Zeroed just before the first transaction that may reuse them, the
         zeros are still in the page cache when the blocks it writes overwrite them, and only the
         pages no block took are written as zeros. Until then a record's KV stays in the file's
-        free pages, where no read of the store finds it; a transaction without block writes, and
-        one with a forget's deletes, zero every such record before they commit, so a ``flush()``
-        after ``forget`` still finds every delete before it zeroed on disk."""
+        free pages, where no read of the store finds it. A transaction without block writes, or
+        with a forget's deletes (``batch.defer`` false), zeroes its own evicted records and every
+        pending one before it commits, so the store's ``flush()``, which ends with one such, finds
+        every delete before it zeroed on disk."""
         if key in batch.moves:
             return False
         head = txn.get(key, db=self._heads) if self._heads is not None else None
@@ -856,15 +864,23 @@ class DiskTier:
         batch.deferred.append(where)
         return True
 
-    def _zero_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for offset, length in pending:
-            self._zero_pages(offset, length)
+    def _zero_pending(self, then: list[tuple[int, int]] | None = None) -> None:
+        """Zero the evicted records pending, and make ``then`` the new pending list."""
+        pending, self._pending = self._pending, then or []
+        try:
+            for offset, length in pending:
+                self._zero_pages(offset, length)
+        except Exception as exc:  # noqa: BLE001 - the batch committed; only these zeros are lost
+            logger.warning("tierkv: could not zero evicted records in %s (%s); their KV stays in free pages "
+                           "until LMDB reuses them", self.path, exc)
 
     def _zero_owed(self) -> None:
         """Zero the evicted records the ledger row of the last committed transaction names (a
         crash came before they were): where they still are, and overlap no block stored since."""
         if not self._unzeroed:
+            return
+        if self.env.info()["last_txnid"] != self._unzeroed_txn:
+            self._unzeroed = []  # a transaction committed since the scan read the row: it may reuse them
             return
         live = sorted(self._where.values())  # records do not overlap: their ends are sorted too
         starts = [offset for offset, _ in live]
