@@ -882,6 +882,46 @@ def test_pages_of_evicted_records_reused_by_later_blocks_keep_those_blocks(tmp_p
         assert tier.file_bytes() < n * (256 << 10)  # pages were reused
 
 
+def test_a_failure_after_a_commit_leaves_no_stale_eviction_to_zero(tmp_path: pathlib.Path) -> None:
+    # A remap that raised after a committed batch (at the map's cap) left the previous batch's
+    # evictions pending, and the next commit zeroed their pages, which a block had reused since
+    # (helper-2). Pending records are swapped as soon as the batch commits.
+    import random
+    rng = random.Random(0)
+    tier = DiskTier(tmp_path / "store", budget=3 << 20, block_size=BLOCK)
+    fired: list[int] = []
+    real = tier._set_map
+
+    def remap_fails_once(size: int) -> None:
+        if not fired:
+            fired.append(size)
+            raise lmdb.Error("remap failed")
+        real(size)
+
+    tier._set_map = remap_fails_once  # type: ignore[method-assign]
+    live: list[int] = []
+    n = 0
+    try:
+        for _ in range(40):
+            m = rng.randint(1, 4)
+            old = live[:m] if len(live) > 6 else []
+            live = live[len(old):]
+            ops: list = [DeleteBlocks([key(k) for k in old], evicted=True)] if old else []
+            new = list(range(n + 1, n + 1 + rng.randint(1, 5)))
+            n = new[-1]
+            ops += [big_op(k) for k in new]
+            try:
+                results = tier.apply(ops)
+            except lmdb.Error:
+                results = [None] * len(ops)  # it committed before the remap
+            live += [k for k, r in zip(new, results[-len(new):]) if r is None and key(k) in tier._where]
+            for k in live:
+                assert torch.equal(tier.load(key(k), empty)[1], block_tensor(k, shape=BIG)), k
+        assert fired
+    finally:
+        tier.close()
+
+
 def test_a_record_written_and_evicted_in_one_transaction_is_zeroed_in_it(disk: DiskTier) -> None:
     # LMDB may reuse, before the commit, the pages of a record written in the same transaction.
     assert disk.apply([big_op(1), DeleteBlocks([key(1)], evicted=True), big_op(2)]) == [None] * 3
@@ -940,7 +980,7 @@ def test_a_ledger_that_cannot_be_trusted_zeroes_nothing(tmp_path: pathlib.Path, 
         assert ledger(tier) is None
 
 
-@pytest.mark.parametrize("since", ["nothing", "a transaction committed"])
+@pytest.mark.parametrize("since", ["nothing", "a transaction committed", "one committed after the scan"])
 def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_after_it(
         tmp_path: pathlib.Path, since: str) -> None:
     # After it, a transaction (an earlier build's, which keeps no ledger) may have reused the pages.
@@ -959,6 +999,8 @@ def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_aft
     with opened(path) as tier:
         tier.scan()
         assert tier.owes_zeros
+        if since == "one committed after the scan":
+            raw_put(tier, b"atime", key(1), struct.pack("<Q", 9))
         tier.apply([])
         assert record_bytes_at(path / "data.mdb", where) == (bytes(where[1]) if since == "nothing" else written)
         assert ledger(tier) is None

@@ -708,23 +708,27 @@ class DiskTier:
                         txn.put(_UNZEROED_KEY, msgpack.packb({"txn": txn.id(), "ranges": unzeroed}), db=self._meta)
                     elif self._ledger_written:
                         txn.delete(_UNZEROED_KEY, db=self._meta)
-                self._ledger_written = bool(unzeroed)
-                for key, where in batch.moves.items():
-                    if where is None:
-                        self._where.pop(key, None)
-                    else:
-                        self._where[key] = where
-                if full:
-                    # Back below the room (LMDB keeps the map at least as large as the pages in
-                    # use), so that the next batch's block writes cannot take it.
-                    self._set_map(self.map_cap - _DELETE_ROOM)
                 # LMDB reuses the pages a transaction freed from the second transaction after it
                 # on (the one after may still need them, should its meta page not land). So the
                 # records the previous one deleted are zeroed now, and those of this one after
                 # the next commit: zeros that the blocks written in between do not overwrite
-                # reach the disk with that next commit. Never later: a record not zeroed now is
-                # dropped from the list, since the next transaction may reuse its pages.
-                self._zero_pending(then=batch.deferred)
+                # reach the disk with that next commit. Never later: the list is swapped at
+                # once, and a record not zeroed now is dropped from it (the next transaction may
+                # reuse its pages), whatever raises below.
+                self._ledger_written = bool(unzeroed)
+                previous, self._pending = self._pending, batch.deferred
+                try:
+                    for key, where in batch.moves.items():
+                        if where is None:
+                            self._where.pop(key, None)
+                        else:
+                            self._where[key] = where
+                    if full:
+                        # Back below the room (LMDB keeps the map at least as large as the pages
+                        # in use), so that the next batch's block writes cannot take it.
+                        self._set_map(self.map_cap - _DELETE_ROOM)
+                finally:
+                    self._zero(previous)
                 return results
             except BaseException as exc:
                 if created:
@@ -864,11 +868,14 @@ class DiskTier:
         batch.deferred.append(where)
         return True
 
-    def _zero_pending(self, then: list[tuple[int, int]] | None = None) -> None:
-        """Zero the evicted records pending, and make ``then`` the new pending list."""
-        pending, self._pending = self._pending, then or []
+    def _zero_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        self._zero(pending)
+
+    def _zero(self, records: list[tuple[int, int]]) -> None:
+        """Zero evicted records (offset, length) whose pages no transaction can have reused yet."""
         try:
-            for offset, length in pending:
+            for offset, length in records:
                 self._zero_pages(offset, length)
         except Exception as exc:  # noqa: BLE001 - the batch committed; only these zeros are lost
             logger.warning("tierkv: could not zero evicted records in %s (%s); their KV stays in free pages "
