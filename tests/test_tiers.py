@@ -10,7 +10,10 @@ import dataclasses
 import mmap
 import os
 import pathlib
+import random
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator
 
@@ -862,7 +865,6 @@ def test_a_transaction_that_reuses_no_page_zeroes_every_eviction_before_it_commi
 def test_pages_of_evicted_records_reused_by_later_blocks_keep_those_blocks(tmp_path: pathlib.Path) -> None:
     # Zeroed one transaction too late, a record's pages would already hold the blocks that reused
     # them: every block is read back after every batch, as batches evict what they write.
-    import random
     rng = random.Random(0)
     live: dict[int, torch.Tensor] = {}
     n = 0
@@ -886,7 +888,6 @@ def test_a_failure_after_a_commit_leaves_no_stale_eviction_to_zero(tmp_path: pat
     # A remap that raised after a committed batch (at the map's cap) left the previous batch's
     # evictions pending, and the next commit zeroed their pages, which a block had reused since
     # (helper-2). Pending records are swapped as soon as the batch commits.
-    import random
     rng = random.Random(0)
     tier = DiskTier(tmp_path / "store", budget=3 << 20, block_size=BLOCK)
     fired: list[int] = []
@@ -943,8 +944,6 @@ os._exit(0)  # a crash before the next transaction
 
 
 def test_evicted_records_a_crash_left_unzeroed_are_zeroed_at_reopen(tmp_path: pathlib.Path) -> None:
-    import subprocess
-    import sys
     path = tmp_path / "store"
     root = str(pathlib.Path(__file__).resolve().parents[1])
     child = subprocess.run([sys.executable, "-c", _EVICT_AND_DIE.format(paths=[root], path=str(path))],

@@ -668,7 +668,8 @@ class DiskTier:
         batch.defer = any(isinstance(op, PutBlock) for op in ops) and \
             not any(isinstance(op, DeleteBlocks) and not op.evicted for op in ops)
         if not batch.defer:
-            self._zero_pending()
+            pending, self._pending = self._pending, []
+            self._zero(pending)
         while True:
             created = self._heads is None
             batch.moves = {}
@@ -867,10 +868,6 @@ class DiskTier:
             ctypes.memset(vm.address(head), 0, len(head))
         batch.deferred.append(where)
         return True
-
-    def _zero_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        self._zero(pending)
 
     def _zero(self, records: list[tuple[int, int]]) -> None:
         """Zero evicted records (offset, length) whose pages no transaction can have reused yet."""
