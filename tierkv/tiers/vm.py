@@ -59,6 +59,13 @@ def resident(start: int, length: int) -> np.ndarray | None:
     return (vec & 1).astype(bool)
 
 
+def all_resident(start: int, length: int) -> bool:
+    """Whether the page cache holds every page of the mapped range (False where the OS cannot
+    tell)."""
+    cached = resident(start, length)
+    return cached is not None and bool(cached.all())
+
+
 def mapping_of(path: str, length: int) -> int | None:
     """Start address of this process's shared mapping of ``path`` that spans ``length`` bytes
     (the kernel rounds a mapping up to whole pages), or None."""
