@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierkv.hashing
-from tierkv.hashing import HASH_SEED, HASH_VERSION, KEY_BYTES, block_key, chain_keys, root_key, token_bytes
+from tierkv.hashing import HASH_SEED, HASH_VERSION, KEY_BYTES, block_key, chain_keys, key_of_bytes, root_key, token_bytes
 
 FP = b"golden-fingerprint"
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=40)
@@ -52,6 +52,7 @@ def test_block_key_is_the_documented_formula() -> None:
     ids = [1, 2, 300, 2**40]
     data = parent + b"".join(i.to_bytes(8, "little", signed=True) for i in ids)
     assert block_key(parent, ids) == xxhash.xxh3_128_digest(data, seed=HASH_SEED)
+    assert key_of_bytes(parent, token_bytes(ids)) == block_key(parent, ids)
 
 
 def test_root_key_is_the_documented_formula() -> None:

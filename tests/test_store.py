@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import lmdb
 import msgpack
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache
@@ -1031,6 +1032,8 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     (lambda: random_ids(6)[0], ValueError, "(1, L)"),
     (lambda: random_ids(6)[:, :0], ValueError, "at least one token"),
     (lambda: random_ids(6) * -1, ValueError, "tokenizer"),
+    # An id past int64's range: refused, not wrapped into a negative one and matched as such.
+    (lambda: torch.tensor([[5, 2**63 + 6]], dtype=torch.uint64), ValueError, "tokenizer"),
 ])
 def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
     with TieredStore(None, device="cpu", block_size=B) as store:
@@ -1038,6 +1041,38 @@ def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
             store.open(tiny_model("llama"), make_ids(), session="s")
         assert word in str(info.value)
         assert store.stats()["misses"] == 0
+
+
+def test_ids_of_any_integer_dtype_restore_the_same_blocks(tiny_model):
+    model = tiny_model("llama")
+    ids = random_ids(3 * B + 2)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, ids)
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+        for dtype in (torch.int32, torch.int64):
+            again = store.open(model, ids.to(dtype))
+            assert again.restored_tokens == 3 * B + 1 and again.input_ids.dtype == np.int64
+
+
+def test_a_key_collision_restores_nothing(tiny_model, monkeypatch):
+    # Keys are 128-bit hashes, not a proof: a lookup that finds a block of other ids under its
+    # key must be a miss. Simulated: every key asked for is the stored conversation's own.
+    import tierkv.store as store_module
+
+    model = tiny_model("llama")
+    stored, other = random_ids(2 * B + 1, seed=0), random_ids(2 * B + 1, seed=1)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, stored)
+        cache.commit(model.generate(stored, past_key_values=cache, max_new_tokens=1, do_sample=False))
+        chain = chain_keys(cache.root, stored[0].numpy(), B)
+        child_of = dict(zip([cache.root, *chain[:-1]], chain))
+        real = store_module.key_of_bytes
+        monkeypatch.setattr(store_module, "key_of_bytes", lambda parent, data: child_of.get(parent, real(parent, data)))
+        assert store.open(model, stored).restored_tokens == 2 * B  # the stand-in finds the stored blocks
+        again = store.open(model, other)
+        assert again.restored_tokens == 0
+        out = model.generate(other, past_key_values=again, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(other, max_new_tokens=3, do_sample=False))
 
 
 def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):

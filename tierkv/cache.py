@@ -390,10 +390,14 @@ def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
                          "call store.open once per conversation")
     if input_ids.shape[1] == 0:
         raise ValueError(f"{what} is empty; pass at least one token")
-    ids = input_ids[0].detach().cpu().numpy().astype(np.int64, copy=False)
-    if (ids < 0).any():
+    row = input_ids[0].detach()
+    if row.dtype != torch.int64:
+        row = row.to(torch.int64)  # first: a uint64 id past int64's range turns negative here
+    # In torch, not numpy: open's first steps run right after a forward has evicted the CPU's
+    # caches, and numpy's comparison and reduction code, cold then, took 60-75 us to run.
+    if bool((row < 0).any()):
         raise ValueError(f"{what} holds negative token ids; pass the tokenizer's ids")
-    return ids
+    return row.cpu().numpy()
 
 
 def sequence_ids_of(sequences: Any) -> np.ndarray:

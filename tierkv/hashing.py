@@ -45,9 +45,14 @@ def root_key(model_fingerprint: bytes, tenant: str | None) -> bytes:
 
 def block_key(parent: bytes, token_ids: TokenIds) -> bytes:
     """The key of the block holding ``token_ids`` whose prefix is keyed ``parent``."""
+    return key_of_bytes(parent, token_bytes(token_ids))
+
+
+def key_of_bytes(parent: bytes, data: bytes | memoryview) -> bytes:
+    """``block_key`` of ids given in their canonical bytes (``token_bytes``)."""
     h = xxhash.xxh3_128(seed=HASH_SEED)
     h.update(parent)
-    h.update(token_bytes(token_ids))
+    h.update(data)
     return h.digest()
 
 
@@ -60,9 +65,6 @@ def chain_keys(root: bytes, token_ids: TokenIds, block_size: int) -> list[bytes]
     keys: list[bytes] = []
     parent = root
     for start in range(0, len(data) - step + 1, step):
-        h = xxhash.xxh3_128(seed=HASH_SEED)
-        h.update(parent)
-        h.update(data[start : start + step])
-        parent = h.digest()
+        parent = key_of_bytes(parent, data[start : start + step])
         keys.append(parent)
     return keys
