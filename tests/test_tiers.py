@@ -602,28 +602,6 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
             assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 4097, 3 << 20])
-def test_a_disk_reads_copy_reads_a_read_only_source(nbytes: int) -> None:
-    source = bytes((np.arange(nbytes + 3) * 13 % 256).astype(np.uint8))
-    src = np.frombuffer(memoryview(source)[3:], dtype=np.uint8)  # read-only, at an odd address
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    disk_module.copy_slice(dst, src)
-    assert dst.tobytes() == source[3:]
-
-
-def test_a_disk_reads_copy_warns_nothing() -> None:
-    # torch warns once per process when it wraps a read-only buffer, such as LMDB's map: in a
-    # fresh process, so that no earlier test has spent that one warning.
-    code = ("import warnings, numpy as np\n"
-            "warnings.simplefilter('error')\n"
-            "from tierkv.tiers.disk import copy_slice\n"
-            "dst = np.zeros(8, dtype=np.uint8)\n"
-            "copy_slice(dst, np.frombuffer(bytes(range(8)), dtype=np.uint8))\n"
-            "assert dst.tolist() == list(range(8))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-
-
 def test_all_resident_answers_from_the_page_cache(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "file"
     path.write_bytes(bytes(range(256)) * 64 * 1024)  # 16 MiB, just written: cached

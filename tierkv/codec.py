@@ -223,20 +223,12 @@ def _frame(view: memoryview) -> tuple[RecordHeader, int, int, int]:
     return header, end, stop, stored
 
 
-#: The slices ``decode_into`` copies and checksums a payload in: each is checksummed right after
-#: its copy, while the CPU's cache (L3 here: 32 MiB) still holds it.
-DECODE_SLICE = 4 << 20
-
-
-def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryview],
-                copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto) -> RecordHeader:
+def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryview]) -> RecordHeader:
     """Copy a record's payload into the buffer ``out(header)`` returns, verifying it there.
 
     One pass over the source: the checksum runs over the copy while it is still in the CPU's
-    cache, not over the (colder) source a second time. ``copy(dst, src)`` copies one slice of
-    uint8 arrays (the disk tier passes torch's, which runs on its intra-op threads). Raises
-    ``CorruptRecord`` like ``decode``; on a mismatch the destination holds garbage and must not
-    be used.
+    cache, not over the (colder) source a second time. Raises ``CorruptRecord`` like ``decode``;
+    on a mismatch the destination holds garbage and must not be used.
     """
     view = memoryview(buf).cast("B")
     header, end, stop, stored = _frame(view)
@@ -245,13 +237,13 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], memoryvie
         raise ValueError(f"destination is {dst.nbytes} bytes, the payload {header.payload_nbytes}")
     h = xxhash.xxh3_64()
     h.update(view[:end])
-    # Slices of 1 MiB (the L2 of a core) checksummed 256 MiB of records at 0.87 of a plain copy's
-    # speed with np.copyto, 256 KiB ones at 0.76: the calls per slice cost more than the misses
-    # they saved. With torch's copy over two cores, 4 MiB ones read 0.67-0.81 of a raw read.
-    step = DECODE_SLICE
+    # In slices that fit the cache, so each one is checksummed right after it was copied. 1 MiB
+    # slices (the L2 here is 1 MiB a core) checksummed 256 MiB of records at 0.87 of a plain
+    # copy's speed, 256 KiB ones at 0.76: the per-slice calls cost more than the misses saved.
+    step = 1 << 20
     src = np.frombuffer(view[end:stop], dtype=np.uint8)
     for start in range(0, dst.nbytes, step):
-        copy(dst[start:start + step], src[start:start + step])
+        np.copyto(dst[start:start + step], src[start:start + step])
         h.update(dst[start:start + step])
     if h.intdigest() != stored:
         raise CorruptRecord("checksum mismatch")

@@ -159,16 +159,6 @@ def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
     return [(a, b, bool(flags[a])) for a, b in zip(bounds, bounds[1:])]
 
 
-def copy_slice(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for a disk read's uint8 slices, with torch's copy: it splits a large one
-    over the intra-op threads, where ``np.copyto`` uses one core. ``src`` lies in LMDB's
-    read-only map, which torch would only wrap with a warning; it is read through an alias."""
-    if not src.nbytes:
-        return
-    alias = (ctypes.c_uint8 * src.nbytes).from_address(src.ctypes.data)
-    torch.from_numpy(dst).copy_(torch.frombuffer(alias, dtype=torch.uint8))
-
-
 def _is_zeroed(value: memoryview | bytes) -> bool:
     """Zeroed from its start, as ``_scrub`` leaves a record or head (magic first)."""
     return bytes(value[:len(MAGIC)]) == bytes(len(MAGIC))
@@ -660,7 +650,7 @@ class DiskTier:
 
             # The only copy: from the memory map into the destination, inside the transaction
             # that keeps the map's pages valid, checksummed on the way.
-            header = _under(key, decode_into(buf, destination, copy_slice))
+            header = _under(key, decode_into(buf, destination))
         return header, made[0]
 
     # -- writes (writer thread only) ------------------------------------------------------------
