@@ -1052,6 +1052,10 @@ def test_ids_of_any_integer_dtype_restore_the_same_blocks(tiny_model):
         for dtype in (torch.int32, torch.int64):
             again = store.open(model, ids.to(dtype))
             assert again.restored_tokens == 3 * B + 1 and again.input_ids.dtype == np.int64
+            # The forward's check compares the ids fed with the conversation's, whatever their dtype.
+            with torch.no_grad():
+                model(ids.to(dtype)[:, again.get_seq_length():], past_key_values=again)
+            assert again.get_seq_length() == 3 * B + 2
 
 
 def test_a_key_collision_restores_nothing(tiny_model, monkeypatch):

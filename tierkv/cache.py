@@ -378,6 +378,12 @@ def describe_model(model: Any) -> ModelInfo:
                      attention=attention)
 
 
+def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
+    """Every row of a 2-D integer array equals the int64 ``ids``."""
+    expected = ids.tobytes()
+    return all(row.tobytes() == expected for row in rows.astype(np.int64, copy=False))
+
+
 def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
     """A ``(1, L)`` integer tensor as int64 numpy ids, or a clear error."""
     if not isinstance(input_ids, torch.Tensor):
@@ -738,7 +744,9 @@ class TieredCache(Cache):
             return  # the model rejects it itself
         got = input_ids.detach().cpu().numpy()
         n = min(got.shape[1], len(want) - done)
-        if not (got[:, :n] == want[done:done + n]).all():
+        # Rows compared as bytes, here and below: numpy's comparisons, cold on a turn's first
+        # forward, cost more than all else this check does.
+        if not _rows_equal(got[:, :n], want[done:done + n]):
             if got.shape[0] > 1 and not (got == got[:1]).all():
                 raise ValueError(f"a TieredCache holds one conversation, but the model got a batch of {got.shape[0]} "
                                  "different rows; open one cache per conversation and generate each with batch 1")
@@ -752,7 +760,7 @@ class TieredCache(Cache):
             # Up to the first hidden token: generate() shifts the positions after it, which are not kept.
             k = n if hidden is None else max(0, min(n, hidden - done))
             at = positions.detach().reshape(-1, positions.shape[-1])[:, :k].cpu().numpy()
-            if not (at == np.arange(done, done + k)).all():
+            if not _rows_equal(at, np.arange(done, done + k, dtype=np.int64)):
                 raise ValueError(f"a TieredCache's tokens must sit at their own positions: the model was given "
                                  f"position_ids that do not start at {done} and count up; pass position_ids=None")
         if hidden is not None:
