@@ -361,6 +361,8 @@ def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> No
         cache = store.open(model, ids, session="s")
         with pytest.raises(ValueError, match="position_ids"):
             model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 7)
+        with pytest.raises(ValueError, match="position_ids"):  # RoPE takes fractions: not truncated
+            model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 0.5)
         with pytest.raises(ValueError, match="2-D attention_mask"):
             model(ids, past_key_values=cache, attention_mask=torch.ones(1, 1, 20, 20))
         with pytest.raises(ValueError, match="not as a positional argument"):

@@ -1034,6 +1034,7 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     (lambda: random_ids(6) * -1, ValueError, "tokenizer"),
     # An id past int64's range: refused, not wrapped into a negative one and matched as such.
     (lambda: torch.tensor([[5, 2**63 + 6]], dtype=torch.uint64), ValueError, "tokenizer"),
+    (lambda: random_ids(6).to("meta"), ValueError, "meta device"),
 ])
 def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
     with TieredStore(None, device="cpu", block_size=B) as store:

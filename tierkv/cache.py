@@ -379,7 +379,10 @@ def describe_model(model: Any) -> ModelInfo:
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
-    """Every row of a 2-D integer array equals the int64 ``ids``."""
+    """Every row of a 2-D array equals the int64 ``ids``."""
+    if rows.dtype.kind not in "iu":
+        # Not cast: fractional positions (RoPE takes them) would be truncated into equal ones.
+        return bool((rows == ids).all())
     expected = ids.tobytes()
     return all(row.tobytes() == expected for row in rows.astype(np.int64, copy=False))
 
@@ -396,14 +399,15 @@ def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
                          "call store.open once per conversation")
     if input_ids.shape[1] == 0:
         raise ValueError(f"{what} is empty; pass at least one token")
-    row = input_ids[0].detach()
-    if row.dtype != torch.int64:
-        row = row.to(torch.int64)  # first: a uint64 id past int64's range turns negative here
+    if input_ids.device.type == "meta":
+        raise ValueError(f"{what} is on the meta device, which holds no values; pass the tokenizer's ids")
+    # One copy to the host, as int64 first: a uint64 id past int64's range turns negative there.
+    row = input_ids[0].detach().to("cpu", torch.int64)
     # In torch, not numpy: open's first steps run right after a forward has evicted the CPU's
     # caches, and numpy's comparison and reduction code, cold then, took 60-75 us to run.
     if bool((row < 0).any()):
         raise ValueError(f"{what} holds negative token ids; pass the tokenizer's ids")
-    return row.cpu().numpy()
+    return row.numpy()
 
 
 def sequence_ids_of(sequences: Any) -> np.ndarray:
