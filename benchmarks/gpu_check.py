@@ -19,6 +19,7 @@ Prints a report to stdout; paste it with the date into benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import shutil
 import statistics
@@ -96,6 +97,29 @@ def check_exactness(device: torch.device) -> list[str]:
                 lines.append(f"| {model_type} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{'exact' if ok else 'MISMATCH'}{pool_note} | {restored} | {after} |")
     return lines
+
+
+def check_device_kind(device: torch.device) -> list[str]:
+    """Blocks a CPU computed are not restored into the same weights on the GPU (other kernels,
+    other last bits): the fingerprint covers the device kind and the GPU model."""
+    if device.type != "cuda":
+        return ["| CPU blocks reopened on CUDA | n/a (dry run on CPU) |"]
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-")
+    cpu_model = tiny("llama", torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, 512, (1, 33), generator=torch.Generator().manual_seed(2))
+    with TieredStore(path, device="cpu", block_size=8) as store:
+        cache = store.open(cpu_model, ids, session="s")
+        stored = cache.commit(cpu_model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+    gpu_model = copy.deepcopy(cpu_model).to(device)  # the same weights (CUDA's generator draws others)
+    with TieredStore(path, device=device, block_size=8) as store:
+        cache = store.open(gpu_model, ids.to(device), session="s")
+        restored = cache.restored_tokens
+        exact = torch.equal(gpu_model.generate(ids.to(device), past_key_values=cache, max_new_tokens=5, do_sample=False),
+                            gpu_model.generate(ids.to(device), max_new_tokens=5, do_sample=False))
+    shutil.rmtree(path, ignore_errors=True)
+    verdict = "ok" if restored == 0 and exact else "WRONG"
+    return [f"| CPU blocks reopened on CUDA | {verdict}: {stored} stored on CPU, {restored} restored on CUDA, "
+            f"{'exact' if exact else 'MISMATCH'} |"]
 
 
 def check_pool_churn(device: torch.device) -> list[str]:
@@ -246,6 +270,10 @@ def main() -> None:
     print("Exactness (3 turns, then a restart), tierkv vs DynamicCache and plain generate:\n")
     print("| model | blocks rest in | result | restored per turn | restored after restart |\n|---|---|---|---|---|")
     for line in check_exactness(device):
+        print(line)
+    print("\nThe fingerprint's device kind:\n")
+    print("| case | result |\n|---|---|")
+    for line in check_device_kind(device):
         print(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")
     print("| case | result | restored tokens per tier | host pool after flush |\n|---|---|---|---|")

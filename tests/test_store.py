@@ -687,6 +687,39 @@ def test_weights_written_through_data_change_the_fingerprint(tiny_model, tmp_pat
         verify_generate(model, out, cache, 3)
 
 
+@pytest.mark.parametrize("module", ["torch", "transformers"])
+def test_a_store_written_by_another_release_restores_nothing_after_a_restart(tmp_path, monkeypatch, module):
+    # Another torch picks other kernels, another transformers may change the model's code: KV
+    # they computed can differ in the last bits from what this process computes.
+    import transformers
+    ids = random_ids(24, 39)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, out = turn(store, make_model("llama", 0), ids, session="s", expect_stored=27)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:  # a restart, the same releases
+        verify_open(store, make_model("llama", 0), out, session="s", expect=27, expect_from={"device": 0, "host": 0, "disk": 27})
+    released = {"torch": torch, "transformers": transformers}[module]
+    monkeypatch.setattr(released, "__version__", f"{released.__version__}.post1")
+    model = make_model("llama", 0)  # a fresh object: the first one's fingerprint facts are cached
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = verify_open(store, model, out, session="s", expect=0)
+        out = verify_generate(model, out, cache, 3)
+        assert cache.commit(out) == 30
+        verify_open(store, model, out, session="s", expect=30)
+
+
+def test_the_fingerprint_covers_the_device_kind_and_gpu_model(monkeypatch):
+    from tierkv.cache import _kernels_tag
+    gpus = {0: ("NVIDIA H200", (9, 0)), 1: ("NVIDIA A100-SXM4-80GB", (8, 0)), 2: ("NVIDIA H200", (9, 0))}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: gpus[i][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: gpus[i][1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    tags = {name: _kernels_tag(torch.device(name)) for name in ("cpu", "cuda:0", "cuda:1", "cuda:2", "cuda", "mps")}
+    assert len({tags["cpu"], tags["cuda:0"], tags["cuda:1"], tags["mps"]}) == 4
+    assert tags["cuda:0"] == tags["cuda:2"]  # two GPUs of one model compute alike
+    assert tags["cuda"] == tags["cuda:1"]  # the current device
+    assert b"NVIDIA H200" in tags["cuda:0"] and b"sm_90" in tags["cuda:0"]
+
+
 # -- 7. budgets --------------------------------------------------------------------------------------
 def _many_conversations(store: TieredStore, model: torch.nn.Module, seed: int) -> list[tuple[int, int]]:
     """30 turns over 10 sessions of random lengths; budgets checked after every open and commit.

@@ -5,10 +5,11 @@ and holds no policy:
 
 * ``describe_model(model)`` checks that the model is a decoder-only, full-attention, text-only
   model whose keys and values share one shape, and computes its fingerprint: architecture fields
-  of its config, dtype, and a digest of every byte of its weights (``weights.py``). The checks and
-  the config digest are cached per model object; the weight sample is read on every call, and the
-  full digest is computed again whenever the sample or a parameter's version counter moved, so
-  weights changed in place never meet KV computed with the old ones. Read on every call too: the
+  of its config, dtype, the code that computes its KV (torch and transformers releases, device
+  kind and GPU model: ``_kernels_tag``) and a digest of every byte of its weights
+  (``weights.py``). The checks and the config digest are cached per model object (moving the
+  model rebuilds them); the weight sample is read on every call, and the full digest is
+  computed again whenever the sample or a parameter's version counter moved, so weights changed in place never meet KV computed with the old ones. Read on every call too: the
   attention implementation where it is not sdpa, and which adapters peft's layers apply (a cache's
   first forward checks those again). Weights the fingerprint cannot read (torch's quantised
   modules) and a model on the meta device are refused. RoPE recomputed from each
@@ -217,6 +218,23 @@ def _refuse_hidden_weights(model: torch.nn.Module) -> None:
                              "whose weights are its parameters (unquantized, or quantized by bitsandbytes)")
 
 
+def _kernels_tag(device: torch.device) -> bytes:
+    """Which code computes the KV, beyond the weights: the torch and transformers releases and the
+    device kind (for CUDA the GPU's name and compute capability). Another torch picks other kernels
+    (oneDNN, cuBLAS), a GPU rounds unlike a CPU and one GPU generation unlike another, and a
+    transformers release may change a model's code: KV computed by any of them differs from what
+    this one computes, in the last bits or more, so it must not be restored here (a store carried
+    across a ``pip install -U`` or to another machine restores nothing rather than near-misses)."""
+    import transformers  # the module, for its version; this module already imports transformers
+
+    parts = [f"torch:{torch.__version__}", f"transformers:{transformers.__version__}", f"device:{device.type}"]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        parts.append(f"gpu:{torch.cuda.get_device_name(index)}:sm_{major}{minor}")
+    return "|".join(parts).encode()
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -261,6 +279,7 @@ def _static_facts(model: Any) -> _Static:
                          "onto one device first (from_pretrained without device_map, or model.to_empty(...) then "
                          "load_state_dict)")
     h = xxhash.xxh3_128()
+    h.update(_kernels_tag(params[0].device))
     fields = {k: v for k, v in text_config.to_dict().items() if k not in _CONFIG_FIELDS_IGNORED}
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
