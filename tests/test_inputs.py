@@ -77,6 +77,21 @@ def test_an_in_place_write_off_the_sample_changes_the_fingerprint() -> None:
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
+def test_rope_scaled_on_a_loaded_model_restores_nothing_computed_before() -> None:
+    # The rotary module has no parameter and its inv_freq is not saved by state_dict: swapping it
+    # (or editing inv_freq) left the fingerprint as it was, and the old KV was restored.
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        rotary = model.model.rotary_emb
+        config = copy.deepcopy(model.config)
+        config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+        model.model.rotary_emb = type(rotary)(config)
+        assert_next_turn_exact(store, model, out, restored=0)
+        model.model.rotary_emb = rotary
+        assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
+
+
 def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused() -> None:
     a, b = make_model("llama", seed=0), make_model("llama", seed=1)  # same shapes, other weights
     ids = random_ids(20, 1)
@@ -354,6 +369,75 @@ def test_a_generated_pad_token_ends_what_commit_keeps() -> None:
         assert_next_turn_exact(store, model, out, restored=22)
 
 
+def test_open_restores_nothing_from_a_pad_the_model_masks_on() -> None:
+    # KV stored before generation_config.pad_token_id was set (or by a worker with another config)
+    # holds the pad computed unmasked: restored, the prefill under generate's mask was refused.
+    model = make_model("llama")
+    pad = 5
+    ids = torch.cat([random_ids(10, 1), torch.full((1, 1), pad), random_ids(12, 2)], dim=1)
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, ids)
+        model.generation_config.pad_token_id = pad
+        try:
+            later = torch.cat([out, random_ids(3, 3)], dim=1)
+            cache = store.open(model, later, session="s")
+            assert cache.restored_tokens == 10  # the tokens before the pad
+            got = greedy(model, later, past_key_values=cache)
+            assert torch.equal(got, greedy(model, later))
+            assert cache.commit(got) == 10
+            # Ids 256, 256 hold the int64 bytes of 1 one byte off their start: not a pad 1.
+            model.generation_config.pad_token_id = 1
+            shifted = torch.cat([random_ids(6, 4), torch.full((1, 2), 256), random_ids(9, 5)], dim=1)
+            shifted[shifted == 1] = 2
+            one_turn(store, model, shifted, session="t")
+            assert store.open(model, shifted, session="t").restored_tokens == shifted.shape[1] - 1
+        finally:
+            model.generation_config.pad_token_id = None
+
+
+def test_ids_edited_in_place_after_open_are_refused_at_commit() -> None:
+    # The cache kept a view of the caller's int64 tensor: the edit reached its copy of the ids too,
+    # and commit stored KV computed from the old ids under the edited ones.
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens > 3
+        later[0, 3] = (later[0, 3] + 1) % VOCAB
+        assert int(cache.input_ids[3]) != int(later[0, 3])
+        got = greedy(model, later, past_key_values=cache)
+        with pytest.raises(ValueError, match="do not start with the conversation"):
+            cache.commit(got)
+        assert store.open(model, torch.cat([got, random_ids(2, 3)], dim=1), session="s").restored_tokens == 3
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "cast", "replaced"])
+def test_a_model_changed_during_a_turn_keeps_nothing_at_commit(change: str) -> None:
+    # A weight sync between open and commit: the KV was computed by weights the opened
+    # fingerprint does not describe, and would be restored to the old model later.
+    model, other = make_model("llama", 0), make_model("llama", 1)
+    original = copy.deepcopy(model.state_dict())
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=4) as store:
+        cache = store.open(model, ids, session="s")
+        if change == "load_state_dict":
+            model.load_state_dict(other.state_dict())
+        elif change == "cast":
+            model.to(torch.float64)
+        else:
+            model.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach().clone())
+        got = greedy(model, ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="changed since store.open"):
+            cache.commit(got)
+        model.to(torch.float32)
+        model.load_state_dict(original, assign=change == "replaced")
+        later = torch.cat([got, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 0
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
 def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> None:
     model = make_model("llama")
     ids = random_ids(20, 4)
@@ -504,9 +588,9 @@ def bloom() -> torch.nn.Module:
 
 
 def test_a_model_whose_generate_feeds_every_id_at_every_step_is_refused_as_such() -> None:
-    """transformers' MPT re-feeds the whole sequence at each decode step (a DynamicCache ends up
-    holding 110 tokens for a 20-token prompt and 5 new ones): the error names the model's
-    generate(), not the caller. Played here with llama's forward, as that generate() calls it."""
+    """A generate() that re-feeds the whole sequence at each decode step (as any does with
+    use_cache=False: a DynamicCache then ends up holding 110 tokens for a 20-token prompt and 5
+    new ones): the error names the model's generate(), not the caller. Played with forwards."""
     model = make_model("llama")
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
@@ -715,6 +799,23 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
+
+
+def test_mpt_runs_exact_once_its_generation_config_uses_the_cache(tmp_path) -> None:
+    # MPT's config ships use_cache=False: generate() then feeds every id at every step.
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mpt", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.generation_config.use_cache is False
+    ids = random_ids(20, 1)
+    with TieredStore(tmp_path / "kv", block_size=8, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match="generation_config.use_cache = True"):
+            greedy(model, ids, past_key_values=cache)
+        model.generation_config.use_cache = True
+        out = one_turn(store, model, ids)
+        assert torch.equal(out, greedy(model, ids))
+        assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
 
 
 def test_a_chunked_prefill_under_a_mask_that_hides_a_token_it_computed_is_exact() -> None:

@@ -8,6 +8,7 @@ counts, bytes, and eviction orders, checked through small ``verify_*`` helpers (
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -618,12 +619,24 @@ def test_weights_kept_in_persistent_buffers_are_fingerprinted(tmp_path):
         one.model.layers[1].self_attn.k_proj.packed = two.model.layers[1].self_attn.k_proj.packed.clone()  # replaced
         assert store.open(one, out).restored_tokens == 0
         assert len(WeightSample(one).params) == len(list(one.parameters())) + len(one.model.layers)
-    # A non-persistent buffer follows from the config, and dynamic RoPE reassigns it in a forward
-    # (inv_freq): not a weight, so neither the sample is rebuilt nor the weights digested again.
+    # A non-persistent buffer follows from the config, and some forwards reassign it (GPT-J's
+    # table, moved to the device; inv_freq under dynamic RoPE): not a weight, so neither the sample
+    # is rebuilt nor the weights digested again. Its values are in the fingerprint.
     before, static = describe_model(one).fingerprint, _static_cache[one]
+    weights = static.weights
     rotary = one.model.rotary_emb
     rotary.inv_freq = rotary.inv_freq.clone()
     assert describe_model(one).fingerprint == before and _static_cache[one] is static
+    with torch.no_grad():
+        rotary.inv_freq.mul_(0.5)  # RoPE scaled in place: every key changes
+    halved = describe_model(one).fingerprint
+    assert halved != before and _static_cache[one] is static and static.weights is weights
+    rotary.inv_freq = rotary.inv_freq * 2
+    assert describe_model(one).fingerprint == before
+    config = copy.deepcopy(one.config)
+    config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    one.model.rotary_emb = type(rotary)(config)  # a module with no parameters
+    assert describe_model(one).fingerprint not in (before, halved) and static.weights is weights
 
 
 def test_other_weights_or_dtypes_never_reuse_blocks(tiny_model, tmp_path):

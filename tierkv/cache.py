@@ -6,12 +6,13 @@ and holds no policy:
 * ``describe_model(model)`` checks that the model is a decoder-only, full-attention, text-only
   model whose keys and values share one shape, and computes its fingerprint: architecture fields
   of its config, dtype, the code that computes its KV (torch and transformers releases, device
-  kind and GPU model: ``_kernels_tag``) and a digest of every byte of its weights
-  (``weights.py``). The checks and the config digest are cached per model object (moving the
-  model rebuilds them); the weight sample is read on every call, and the full digest is
-  computed again whenever the sample or a parameter's version counter moved, so weights changed in place never meet KV computed with the old ones. Read on every call too: the
-  attention implementation where it is not sdpa, and which adapters peft's layers apply (a cache's
-  first forward checks those again). Weights the fingerprint cannot read (torch's quantised
+  kind and GPU model: ``_kernels_tag``), a digest of every byte of its weights (``weights.py``)
+  and of its non-persistent buffers' values (RoPE's frequencies; not under dynamic RoPE). The
+  checks and the config digest are cached per model object (moving the model rebuilds them); the
+  weight sample is read on every call, and the full digest is computed again whenever the sample
+  or a parameter's version counter moved, so weights changed in place never meet KV computed
+  with the old ones. Read on every call too: the attention implementation where it is not sdpa,
+  and which adapters peft's layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read (torch's quantised
   modules) and a model on the meta device are refused. RoPE recomputed from each
   forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
   restores and keeps KV within it only.
@@ -28,7 +29,7 @@ and holds no policy:
   in other dtypes than the weights') are refused. ``generate`` feeds
   a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
   at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
-  ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
+  ``open`` restores and ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
   of memory, Ctrl-C) left the first layers ahead of the last: any forward after it is refused, and
   ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
   conversation is refused those ids fed again (``generate`` feeds them all to such a cache).
@@ -60,7 +61,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -75,7 +76,7 @@ except ImportError:  # transformers before 5.x's per-layer config API
     get_layer_types_and_kwargs = None
 
 from .transfer import Job, _CudaCopyJob
-from .weights import WeightSample, digest_weights, versions
+from .weights import BufferDigests, WeightSample, digest_weights, versions
 
 if TYPE_CHECKING:
     from .store import TieredStore
@@ -132,6 +133,7 @@ class _Static:
     position_limit: int | None
     weights: _Weights | None = None
     adapters: tuple["weakref.ref[torch.nn.Module]", ...] = ()  # peft's adapter layers (_adapter_layers)
+    buffers: BufferDigests = field(default_factory=BufferDigests)  # the non-persistent buffers' values
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -357,7 +359,8 @@ def describe_model(model: Any) -> ModelInfo:
     # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
     # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
     # the live tensors.
-    while static is None or not static.sample.current(model):
+    volatile: list[torch.Tensor] = []  # the non-persistent buffers, from the walk current() makes
+    while static is None or not static.sample.current(model, (volatile := [])):
         # Checked again once held: a storage replaced while the sample was built is not held.
         with _describe_lock:  # one thread builds (and hooks) a new model, not each of them
             static = _static_cache.get(model)
@@ -390,6 +393,11 @@ def describe_model(model: Any) -> ModelInfo:
     attention = _attention_of(model)
     if attention not in (None, "sdpa"):
         h.update(f"attention:{attention}".encode())
+    # RoPE's frequencies and other buffers derived from the config (BufferDigests). Not where RoPE
+    # is recomputed from each forward's length: position_limit keeps those models' KV within the
+    # base frequencies, which a forward past it replaces until the next shorter one.
+    if volatile and static.position_limit is None:
+        h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
@@ -421,7 +429,9 @@ def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
     if input_ids.device.type == "meta":
         raise ValueError(f"{what} is on the meta device, which holds no values; pass the tokenizer's ids")
     # One copy to the host, as int64 first: a uint64 id past int64's range turns negative there.
-    row = input_ids[0].detach().to("cpu", torch.int64)
+    # Always a copy: ids kept as a view of the caller's tensor would follow an edit made to it
+    # after open, and commit would compare the edited ids with themselves.
+    row = input_ids[0].detach().to("cpu", torch.int64, copy=True)
     # In torch, not numpy: open's first steps run right after a forward has evicted the CPU's
     # caches, and numpy's comparison and reduction code, cold then, took 60-75 us to run.
     if bool((row < 0).any()):
@@ -673,12 +683,14 @@ class TieredCache(Cache):
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
 
-    def check_computed_as_opened(self, *, adapters: bool = True) -> None:
+    def check_computed_as_opened(self, *, adapters: bool = True, weights: bool = False) -> None:
         """The opened model still computes KV as it did at ``open``: the same attention
         implementation and (with ``adapters``) the same peft adapters, which the fingerprint covers
         and which change on the same model object. KV restored for one adapter, or computed with
         another and kept under the opened one's fingerprint, would be wrong. Run by the hook (see
-        ``_check_forward``) and by ``commit``."""
+        ``_check_forward``) and by ``commit``, which (``weights``) also takes the whole fingerprint
+        again: weights loaded, cast or moved during the turn (a weight sync) computed KV that the
+        opened fingerprint does not describe. A change undone before ``commit`` is not seen."""
         opened = self._model() if self._model is not None else None
         if opened is None:
             return
@@ -694,6 +706,12 @@ class TieredCache(Cache):
                                  "a new scale, or adapter_names= given to generate): this TieredCache holds KV for the "
                                  "adapters active then. Switch adapters first, then open the cache: "
                                  "cache = store.open(model, input_ids)")
+        # After the checks above, whose errors say which of the fingerprint's parts changed.
+        if weights and describe_model(opened).fingerprint != self.model_info.fingerprint:
+            raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
+                             "KV this TieredCache holds was computed by another model than the one it would be "
+                             "kept for, so nothing is kept. Change the model between turns, then open the next "
+                             "turn's cache: cache = store.open(model, input_ids)")
 
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():
@@ -816,15 +834,17 @@ class TieredCache(Cache):
         if input_ids.shape[1] >= len(want) > 1 and \
                 (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
             if kwargs.get("use_cache") is False:
-                raise ValueError("generate() was called with use_cache=False, so it feeds every id at every step: "
-                                 "a TieredCache would hold their KV twice. Leave use_cache at its default")
+                raise ValueError("generate() ran with use_cache=False (given to it, or the model's "
+                                 "generation_config.use_cache, False in some configs such as MPT's), so it feeds "
+                                 "every id at every step: a TieredCache would hold their KV twice. Pass "
+                                 "use_cache=True to generate(), or set model.generation_config.use_cache = True")
             if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
                 # Right after a prefill this cache computed: the model's own generate() re-feeds
-                # every id at each step (transformers' MPT does), not the caller.
+                # every id at each step (one that ignores the cache it is given), not the caller.
                 raise ValueError(f"the model was given all {done + 1} ids on top of the {done} this "
                                  "TieredCache computed a step before: its generate() feeds every id at "
-                                 "every step instead of the ids past the cache (transformers' MPT does "
-                                 "this), so it cannot use a TieredCache; generate with it without tierkv")
+                                 "every step instead of the ids past the cache, so it cannot use a TieredCache; "
+                                 "generate with it without tierkv")
             raise ValueError(f"this TieredCache already holds all {len(want)} ids it was opened with, and "
                              "the model was given them again (generate() on a cache that holds every id "
                              "feeds the whole conversation on top of it): their KV would be held twice. "

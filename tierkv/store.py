@@ -49,6 +49,7 @@ import functools
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
 import weakref
@@ -94,6 +95,18 @@ def _check_name(value: object, what: str) -> None:
 _root_key = functools.lru_cache(maxsize=1024)(root_key)
 #: Restored tokens per tier, none yet.
 _NO_TOKENS = {t.value: 0 for t in Tier}
+
+
+def _first_item(data: bytes, item: int) -> int | None:
+    """Index of the first int64 ``item`` in ``token_bytes`` ``data``, or None (a bytes search,
+    not numpy's comparison: cold after a forward, that cost 60-75 us)."""
+    if not -(1 << 63) <= item < 1 << 63:
+        return None  # no int64 id equals it
+    needle = struct.pack("<q", item)
+    at = data.find(needle)
+    while at >= 0 and at % 8:
+        at = data.find(needle, at + 1)
+    return at // 8 if at >= 0 else None
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -408,7 +421,7 @@ class TieredStore:
                     limit = info.position_limit
                     # Past the limit the prefill's RoPE frequencies differ from those the blocks were
                     # computed with (``ModelInfo.position_limit``): nothing is restored.
-                    plan = self._match(root, ids) if limit is None or len(ids) <= limit else []
+                    plan = self._match(root, ids, info.masked_token) if limit is None or len(ids) <= limit else []
                     self._pin(pins, [meta.key for meta, _ in plan])
                     found = [self._source(meta) for meta, _ in plan]
                     for where in found:
@@ -568,13 +581,20 @@ class TieredStore:
         return TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
                            blocks=blocks, restored_from=restored_from, model=model)
 
-    def _match(self, root: bytes, ids: np.ndarray) -> list[tuple[BlockMeta, int]]:
-        """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens."""
+    def _match(self, root: bytes, ids: np.ndarray, masked: int | None = None) -> list[tuple[BlockMeta, int]]:
+        """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens
+        and none from the first ``masked`` id on (``ModelInfo.masked_token``)."""
         limit = len(ids) - 1
         plan: list[tuple[BlockMeta, int]] = []
         pos, parent, B = 0, root, self.block_size
         # Compared as bytes: np.array_equal, cold in an open right after a forward, took 90 us.
         data = token_bytes(ids)
+        if masked is not None:
+            # generate() masks that id: KV stored from it on (computed where it was not masked,
+            # before the pad id was set or by another worker) would be refused at the prefill.
+            at = _first_item(data, masked)
+            if at is not None:
+                limit = min(limit, at)
         while pos < limit:
             if len(ids) - pos >= B:
                 span = data[pos * 8:(pos + B) * 8]
@@ -667,9 +687,9 @@ class TieredStore:
         self._check_open()
         if cache._store is not self:
             raise ValueError("this cache was opened by another TieredStore; commit it through its own store")
-        # KV computed after the model was switched (adapters, attention) would be kept under the
-        # fingerprint of what it was at open: nothing is kept.
-        cache.check_computed_as_opened()
+        # KV computed after the model was switched (adapters, attention, weights) would be kept
+        # under the fingerprint of what it was at open: nothing is kept.
+        cache.check_computed_as_opened(weights=True)
         seq = sequence_ids_of(sequences)
         opened = cache.input_ids
         if len(seq) < len(opened) or not np.array_equal(seq[:len(opened)], opened):

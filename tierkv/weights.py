@@ -10,8 +10,10 @@ value.
 
 Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters (and persistent
 buffers, ``persistent_buffers``) there are and which elements of each are read (16 evenly spread
-ones). ``sample.current(model)`` says whether that still holds: the same tensors in the same
-places of the module tree, each with the same storage address, dtype, shape and strides. ``sample.read()`` returns the sampled
+ones). ``sample.current(model, volatile)`` says whether that still holds: the same tensors in the
+same places of the module tree, each with the same storage address, dtype, shape and strides; it
+hands the non-persistent buffers it walked past to ``volatile``, whose values ``BufferDigests``
+digests (they are not weights, and some forwards reassign them). ``sample.read()`` returns the sampled
 elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
 rebuilds the sample when ``current`` is False, and never reads one that is not.
@@ -61,10 +63,10 @@ def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor
     return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
 
 
-def _tree(model: torch.nn.Module) -> list[Any]:
+def _tree(model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) -> list[Any]:
     """Every module's parameter and persistent buffer slots, depth first: the same list means the
     same tensors in the same places. Holds tensors only, never modules, so no reference cycle keeps
-    a model."""
+    a model. The non-persistent buffers met on the way go to ``volatile``, in order."""
     slots: list[Any] = []
     stack: list[Any] = [model]
     pop, descend, add = stack.pop, stack.extend, slots.extend
@@ -76,8 +78,41 @@ def _tree(model: torch.nn.Module) -> list[Any]:
             if buffers:
                 skip = module._non_persistent_buffers_set
                 add([b for name, b in buffers.items() if name not in skip])
+                if skip and volatile is not None:
+                    volatile.extend(b for name, b in buffers.items() if name in skip and b is not None)
             descend(module._modules.values())
     return slots
+
+
+class BufferDigests:
+    """Digests of a model's non-persistent buffers (RoPE's ``inv_freq``), taken from their values.
+
+    They follow from the config, yet they compute the KV: a rotary module swapped for a scaled one,
+    or ``inv_freq`` edited in place, changes every key while no weight moved. Some forwards reassign
+    them (GPT-J moves its table to the device; dynamic RoPE, which callers leave out), so they are
+    not part of the sample's tree, whose change would digest every weight again: their values are
+    digested instead, once per tensor object and version counter (a write through ``.data`` is
+    seen at the next reassignment only)."""
+
+    def __init__(self) -> None:
+        self._memo: list[tuple[torch.Tensor, int, bytes]] = []
+
+    def digest(self, buffers: list[torch.Tensor]) -> bytes:
+        memo = self._memo
+        # Without a counter (an inference tensor) a buffer is digested on every call.
+        if len(memo) == len(buffers) and all(m[0] is b and m[1] == _version(b) != -1 for m, b in zip(memo, buffers)):
+            return b"".join(m[2] for m in memo)
+        # Kept as a new list, never changed in place: threads that describe one model share it.
+        memo = [(b, _version(b), digest_weights((b,))) for b in buffers]
+        self._memo = memo
+        return b"".join(m[2] for m in memo)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no counter
+        return -1
 
 
 def persistent_buffers(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -202,9 +237,10 @@ class WeightSample:
         after ``read`` (None where ``read`` reads through torch, which holds them itself)."""
         return None if self._host is None else [p.untyped_storage() for p in self.params]
 
-    def current(self, model: torch.nn.Module) -> bool:
-        """The model still has these parameters, in these places, at these addresses."""
-        tree = _tree(model)
+    def current(self, model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) -> bool:
+        """The model still has these parameters, in these places, at these addresses. Its
+        non-persistent buffers, read on the same walk, go to ``volatile``."""
+        tree = _tree(model, volatile)
         return (len(tree) == len(self._tree) and all(map(operator.is_, tree, self._tree))
                 and _storage_key(self.params) == self._key)
 
