@@ -92,6 +92,32 @@ def test_rope_scaled_on_a_loaded_model_restores_nothing_computed_before() -> Non
         assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
 
 
+@pytest.mark.parametrize("arch", ["ctrl-bf16", "xglm"])
+def test_forwards_that_rewrite_their_position_tables_restore_the_next_turn(arch: str) -> None:
+    # CTRL built in bf16 casts its float32 sinusoid table in its first forward; XGLM grows its own
+    # past the sequence length. Both are non-persistent buffers: digested into the fingerprint,
+    # they made commit refuse an ordinary turn, and the next open restore nothing.
+    torch.manual_seed(0)
+    if arch == "ctrl-bf16":
+        config = AutoConfig.for_model("ctrl", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, dff=128,
+                                      n_positions=256)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    else:
+        config = AutoConfig.for_model("xglm", vocab_size=VOCAB, d_model=64, num_layers=2, attention_heads=4,
+                                      ffn_dim=128, max_position_embeddings=32)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, ids)  # commit raised here
+        for turn in range(2):
+            later = torch.cat([out, random_ids(3, 5 + turn)], dim=1)
+            cache = store.open(model, later, session="s")
+            assert cache.restored_tokens == out.shape[1] - 1
+            out = greedy(model, later, past_key_values=cache)
+            assert torch.equal(out, greedy(model, later))
+            assert cache.commit(out) == out.shape[1] - 1
+
+
 def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused() -> None:
     a, b = make_model("llama", seed=0), make_model("llama", seed=1)  # same shapes, other weights
     ids = random_ids(20, 1)

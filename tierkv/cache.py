@@ -7,14 +7,14 @@ and holds no policy:
   model whose keys and values share one shape, and computes its fingerprint: architecture fields
   of its config, dtype, the code that computes its KV (torch and transformers releases, device
   kind and GPU model: ``_kernels_tag``), a digest of every byte of its weights (``weights.py``)
-  and of its non-persistent buffers' values (RoPE's frequencies; not under dynamic RoPE). The
-  checks and the config digest are cached per model object (moving the model rebuilds them); the
-  weight sample is read on every call, and the full digest is computed again whenever the sample
-  or a parameter's version counter moved, so weights changed in place never meet KV computed
-  with the old ones. Read on every call too: the attention implementation where it is not sdpa,
-  and which adapters peft's layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read (torch's quantised
-  modules) and a model on the meta device are refused. RoPE recomputed from each
-  forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
+  and of its RoPE frequencies' values (not under dynamic RoPE). The checks and the config digest
+  are cached per model object (moving the model rebuilds them); the weight sample is read on
+  every call, and the full digest is computed again whenever the sample or a parameter's version
+  counter moved, so weights changed in place never meet KV computed with the old ones. Read on
+  every call too: the attention implementation where it is not sdpa, and which adapters peft's
+  layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read
+  (torch's quantised modules) and a model on the meta device are refused. RoPE recomputed from
+  each forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
   restores and keeps KV within it only.
 * ``describe_model`` also puts a forward pre-hook on the model (``_check_forward``), which does
   nothing unless a call passes a ``TieredCache``. While the cache holds less than its
@@ -133,7 +133,7 @@ class _Static:
     position_limit: int | None
     weights: _Weights | None = None
     adapters: tuple["weakref.ref[torch.nn.Module]", ...] = ()  # peft's adapter layers (_adapter_layers)
-    buffers: BufferDigests = field(default_factory=BufferDigests)  # the non-persistent buffers' values
+    buffers: BufferDigests = field(default_factory=BufferDigests)  # RoPE's frequencies' values
 
 
 _static_cache: "weakref.WeakKeyDictionary[torch.nn.Module, _Static]" = weakref.WeakKeyDictionary()
@@ -226,7 +226,10 @@ def _kernels_tag(device: torch.device) -> bytes:
     (oneDNN, cuBLAS), a GPU rounds unlike a CPU and one GPU generation unlike another, and a
     transformers release may change a model's code: KV computed by any of them differs from what
     this one computes, in the last bits or more, so it must not be restored here (a store carried
-    across a ``pip install -U`` or to another machine restores nothing rather than near-misses)."""
+    across a ``pip install -U``, from the CPU to a GPU or between GPU models restores nothing rather
+    than near-misses). Not covered: the CPU's instruction set (a store copied to a machine with
+    other vector units) and settings that pick other kernels within one release (TF32, matmul
+    precision, SDPA backends)."""
     import transformers  # the module, for its version; this module already imports transformers
 
     parts = [f"torch:{torch.__version__}", f"transformers:{transformers.__version__}", f"device:{device.type}"]
@@ -359,7 +362,7 @@ def describe_model(model: Any) -> ModelInfo:
     # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
     # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
     # the live tensors.
-    volatile: list[torch.Tensor] = []  # the non-persistent buffers, from the walk current() makes
+    volatile: list[torch.Tensor] = []  # RoPE's frequency buffers, from the walk current() makes
     while static is None or not static.sample.current(model, (volatile := [])):
         # Checked again once held: a storage replaced while the sample was built is not held.
         with _describe_lock:  # one thread builds (and hooks) a new model, not each of them
@@ -393,7 +396,7 @@ def describe_model(model: Any) -> ModelInfo:
     attention = _attention_of(model)
     if attention not in (None, "sdpa"):
         h.update(f"attention:{attention}".encode())
-    # RoPE's frequencies and other buffers derived from the config (BufferDigests). Not where RoPE
+    # RoPE's frequencies, derived from the config but not saved with the weights. Not where RoPE
     # is recomputed from each forward's length: position_limit keeps those models' KV within the
     # base frequencies, which a forward past it replaces until the next shorter one.
     if volatile and static.position_limit is None:
@@ -710,8 +713,8 @@ class TieredCache(Cache):
         if weights and describe_model(opened).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
-                             "kept for, so nothing is kept. Change the model between turns, then open the next "
-                             "turn's cache: cache = store.open(model, input_ids)")
+                             "kept for, so nothing is kept. Commit a turn before changing the model, and open "
+                             "the next turn's cache after: cache = store.open(model, input_ids)")
 
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():

@@ -12,8 +12,8 @@ Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters
 buffers, ``persistent_buffers``) there are and which elements of each are read (16 evenly spread
 ones). ``sample.current(model, volatile)`` says whether that still holds: the same tensors in the
 same places of the module tree, each with the same storage address, dtype, shape and strides; it
-hands the non-persistent buffers it walked past to ``volatile``, whose values ``BufferDigests``
-digests (they are not weights, and some forwards reassign them). ``sample.read()`` returns the sampled
+hands the RoPE frequency buffers it walked past to ``volatile``, whose values ``BufferDigests``
+digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the sampled
 elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
 rebuilds the sample when ``current`` is False, and never reads one that is not.
@@ -63,10 +63,18 @@ def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor
     return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
 
 
+#: The non-persistent buffers whose values the fingerprint covers: RoPE's frequencies, which every
+#: rotary module (transformers' and remote code's) keeps under these names. Not the others: some
+#: forwards rewrite theirs (CTRL casts its position table to the embeddings' dtype, XGLM grows its
+#: own past the sequence length), and digesting those changed the fingerprint between open and
+#: commit of an ordinary turn.
+FREQUENCY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
+
+
 def _tree(model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) -> list[Any]:
     """Every module's parameter and persistent buffer slots, depth first: the same list means the
     same tensors in the same places. Holds tensors only, never modules, so no reference cycle keeps
-    a model. The non-persistent buffers met on the way go to ``volatile``, in order."""
+    a model. The non-persistent ``FREQUENCY_BUFFERS`` met on the way go to ``volatile``, in order."""
     slots: list[Any] = []
     stack: list[Any] = [model]
     pop, descend, add = stack.pop, stack.extend, slots.extend
@@ -79,20 +87,22 @@ def _tree(model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) ->
                 skip = module._non_persistent_buffers_set
                 add([b for name, b in buffers.items() if name not in skip])
                 if skip and volatile is not None:
-                    volatile.extend(b for name, b in buffers.items() if name in skip and b is not None)
+                    volatile.extend(b for name, b in buffers.items()
+                                    if name in FREQUENCY_BUFFERS and name in skip and b is not None)
             descend(module._modules.values())
     return slots
 
 
 class BufferDigests:
-    """Digests of a model's non-persistent buffers (RoPE's ``inv_freq``), taken from their values.
+    """Digests of a model's RoPE frequencies (``FREQUENCY_BUFFERS``), taken from their values.
 
-    They follow from the config, yet they compute the KV: a rotary module swapped for a scaled one,
-    or ``inv_freq`` edited in place, changes every key while no weight moved. Some forwards reassign
-    them (GPT-J moves its table to the device; dynamic RoPE, which callers leave out), so they are
-    not part of the sample's tree, whose change would digest every weight again: their values are
+    They follow from the config, yet they compute the KV: a rotary module swapped for one of
+    another scaling, or ``inv_freq`` edited in place, changes every key while no weight moved.
+    Dynamic RoPE reassigns them in its forwards (callers leave those models out), so they are not
+    part of the sample's tree, whose change would digest every weight again: their values are
     digested instead, once per tensor object and version counter (a write through ``.data`` is
-    seen at the next reassignment only)."""
+    seen at the next reassignment only; a tensor without a counter, made under inference mode, on
+    every call: a few floats)."""
 
     def __init__(self) -> None:
         self._memo: list[tuple[torch.Tensor, int, bytes]] = []
