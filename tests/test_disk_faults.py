@@ -206,6 +206,80 @@ def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, t
     assert store.open(model, torch.cat([secret, random_ids(2, 712)], dim=1)).restored_tokens == 0
 
 
+def test_a_full_filesystem_keeps_new_blocks_in_memory_and_the_disk_serving(model, stores, tmp_path, monkeypatch,
+                                                                           caplog):
+    # The map is a sparse file written through memory: a page the filesystem had no block for
+    # killed the process with SIGBUS (a 3 MiB tmpfs, after 2.8 MB of records).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64MiB", host_budget=0)
+    first = random_ids(20, 720)
+    out_first = converse(store, model, first, "first")
+    store.flush()
+    on_disk = _records_live(store)
+    assert len(on_disk) == 3
+    real = os.fstatvfs
+
+    def nearly_full(fd):
+        st = real(fd)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 2, 2, *st[5:]))  # 2 blocks free
+
+    monkeypatch.setattr(os, "fstatvfs", nearly_full)
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        second = random_ids(20, 721)
+        out_second = converse(store, model, second, "second")
+        store.flush()
+    assert sum("the filesystem under" in r.getMessage() for r in caplog.records) == 1
+    stats = store.stats()
+    assert stats["disk_full"] == 3 and stats["disk_errors"] == 0 and not stats["disk_failed"]
+    assert _records_live(store) == on_disk  # nothing left the disk for them: it would free no block
+    later = torch.cat([out_second, random_ids(2, 722)], dim=1)
+    cache = store.open(model, later, session="second")
+    assert cache.restored_from == {"device": out_second.shape[1] - 1, "host": 0, "disk": 0}
+    out_later = generate(model, later, cache)
+    assert torch.equal(out_later, generate(model, later))
+    monkeypatch.setattr(os, "fstatvfs", real)  # room again: new blocks are written
+    assert cache.commit(out_later) == out_later.shape[1] - 1
+    out_third = converse(store, model, random_ids(20, 724), "third")
+    store.close()
+    store = make_store(stores, path, device_budget="64MiB", host_budget=0)
+    for out in (out_first, out_third):
+        again = torch.cat([out, random_ids(2, 723)], dim=1)
+        cache = store.open(model, again)
+        assert cache.restored_from["disk"] == out.shape[1] - 1
+        assert torch.equal(generate(model, again, cache), generate(model, again))
+
+
+def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, stores, tmp_path, monkeypatch,
+                                                                        capsys):
+    # LMDB checksums none of its own pages: a flipped bit in a B-tree page or the meta record
+    # raised lmdb's or msgpack's own errors from TieredStore() and tracebacks from the CLI.
+    from tierkv import cli
+    from tierkv.tiers.disk import DamagedStore, DiskTier
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    converse(store, model, random_ids(20, 730), "s")
+    store.close()
+
+    def damaged(self):
+        raise lmdb.PageNotFoundError("mdb_cursor_get: MDB_PAGE_NOTFOUND: Requested page not found")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskTier, "_scan", damaged)
+        with pytest.raises(DamagedStore, match="is damaged .*PageNotFoundError.*delete the directory"):
+            TieredStore(path, device="cpu", block_size=B)
+        for command in (["stats"], ["check"], ["check", "--repair"], ["clear", "--all"]):
+            assert cli.main([*command, str(path)]) == cli.EXIT_USAGE, command
+            assert "is damaged" in capsys.readouterr().err
+    store = make_store(stores, path)  # the failed opens let go of the directory's lock
+    assert store.stats()["disk"]["blocks"] == 3
+    store.close()
+    with lmdb.open(str(path), max_dbs=8) as env:  # a meta record that is not msgpack
+        with env.begin(write=True) as txn:
+            txn.put(b"tierkv", b"\x93\x01\x02\x03\x04", db=env.open_db(b"meta", txn=txn))
+    with pytest.raises(DamagedStore, match="ExtraData"):
+        TieredStore(path, device="cpu", block_size=B)
+
+
 def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog):
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)

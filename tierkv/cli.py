@@ -198,7 +198,9 @@ def _stats_text(r: dict[str, Any]) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     tier, meta = _open_tier(args.path)
     try:
-        report = summarise(args.path, meta, tier.scan(), tier.footprint_of, tier.file_bytes())
+        with _refusals():
+            scanned = tier.scan()
+        report = summarise(args.path, meta, scanned, tier.footprint_of, tier.file_bytes())
     finally:
         tier.close()
     _emit(args, report, _stats_text)
@@ -256,7 +258,8 @@ def _check_text(r: dict[str, Any]) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     tier, _meta = _open_tier(args.path)
     try:
-        scan = tier.scan()
+        with _refusals():
+            scan = tier.scan()
         bar = _progress(len(scan.headers) + len(scan.corrupt), "checking", "record")
         try:
             checked = tier.verify(lambda _nbytes: bar.update(1))
@@ -283,7 +286,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
         # opens (one environment per process at a time).
         tier, _meta = _open_tier(path)
         try:
-            scan = tier.scan()
+            with _refusals():
+                scan = tier.scan()
         finally:
             tier.close()
         tenants = {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}

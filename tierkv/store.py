@@ -69,8 +69,8 @@ from .hashing import KEY_BYTES, block_key, chain_keys, key_of_bytes, root_key, t
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, PutBlock, PutHeads, PutRefs, Scrubbed, Touch,
-                         dtype_name, op_size, slack)
+from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
+                         Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
 from .units import format_bytes, parse_bytes
@@ -208,6 +208,7 @@ class TieredStore:
         self._corrupt = 0
         self._disk_errors = 0
         self._disk_full = 0  # block writes that found no room under the LMDB map's cap
+        self._filesystem_full = 0  # of which: refused because the filesystem had no room for them
         self._disk_failed = False  # after an I/O error: no more writes through to disk
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
@@ -1059,6 +1060,18 @@ class TieredStore:
                 job.wait()
             except WriteAbandoned:
                 pass  # close(timeout) gave up on it: not a fault of the disk
+            except FilesystemFull as exc:
+                # The filesystem is full: the block stays in memory if it rests there. Nothing
+                # leaves the disk for it, since freed pages stay allocated in the file.
+                if not self._filesystem_full:
+                    logger.warning("tierkv: %s", exc)
+                self._filesystem_full += 1
+                self._disk_full += 1
+                if meta is not None:
+                    self._index.set_disk(meta, DiskState.NONE)
+                    if meta.resident is None:
+                        self._remove(meta)
+                continue
             except DiskFull:
                 # LMDB's free pages did not fit it under the map's cap: not a fault. The block
                 # stays in memory if it rests there, and as much again leaves the disk, so the
@@ -1385,7 +1398,7 @@ class TieredStore:
         tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
         too), ``evictions``, ``corrupt``;
         ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
-        cap), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` (KV
+        cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` (KV
         bytes, without the records' headers and padding) and ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
         None); ``sessions``.
         """

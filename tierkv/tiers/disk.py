@@ -108,6 +108,26 @@ class DiskFull(RuntimeError):
     """A block write that did not fit in the LMDB map at its cap; the block stays in memory."""
 
 
+class DamagedStore(ValueError):
+    """The store's LMDB file is damaged where LMDB itself reads it (its B-tree, its meta record):
+    not a missing record, which is a plain miss, but a store that cannot be opened."""
+
+    def __init__(self, path: str, exc: BaseException) -> None:
+        super().__init__(f"the tierkv store at {path!r} is damaged ({type(exc).__name__}: {exc}); delete the "
+                         "directory (its blocks are only a cache and will be recomputed) and create the store "
+                         "again")
+
+
+#: What LMDB and msgpack raise on a damaged B-tree page or meta record.
+_DAMAGE = (lmdb.Error, msgpack.exceptions.UnpackException, UnicodeDecodeError)
+
+
+class FilesystemFull(DiskFull):
+    """A block write refused because the filesystem under the map may not hold it (a write into
+    the sparse map there would kill the process with SIGBUS); the block stays in memory. Deleting
+    other records would not help: their pages stay allocated in the file."""
+
+
 class Scrubbed(CorruptRecord):
     """A record zeroed by a delete that a crash cut short (its head may have survived it when the
     OS wrote the file's pages back out of order): a plain miss, not damage."""
@@ -367,13 +387,16 @@ class DiskTier:
             except (lmdb.NotFoundError, lmdb.IncompatibleError):
                 raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
                                  "pass a new or empty directory") from None
-            self._check_meta(fresh, block_size)
-            self._blocks = self.env.open_db(b"blocks")
-            # Created by the first write where an older store lacks it: opening writes nothing.
-            self._heads: int | None = self._open_db_if_there(b"heads", create=fresh)
-            self._sessions = self.env.open_db(b"sessions")
-            self._refs = self.env.open_db(b"refs")
-            self._atime = self.env.open_db(b"atime")
+            try:
+                self._check_meta(fresh, block_size)
+                self._blocks = self.env.open_db(b"blocks")
+                # Created by the first write where an older store lacks it: opening writes nothing.
+                self._heads: int | None = self._open_db_if_there(b"heads", create=fresh)
+                self._sessions = self.env.open_db(b"sessions")
+                self._refs = self.env.open_db(b"refs")
+                self._atime = self.env.open_db(b"atime")
+            except _DAMAGE as exc:
+                raise DamagedStore(self.path, exc) from exc
         except BaseException:
             self.env.close()
             os.close(self._data_fd)
@@ -431,7 +454,12 @@ class DiskTier:
                 txn.put(_META_KEY, msgpack.packb({"format": FORMAT_VERSION, "hash": HASH_VERSION,
                                                   "block_size": block_size}), db=self._meta)
                 return
-        meta = msgpack.unpackb(raw)
+        try:
+            meta = msgpack.unpackb(raw)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises bare ValueErrors (ExtraData) too
+            raise DamagedStore(self.path, exc) from exc
+        if not isinstance(meta, dict):
+            raise DamagedStore(self.path, ValueError(f"its meta record holds a {type(meta).__name__}"))
         if meta.get("format") != FORMAT_VERSION or meta.get("hash") != HASH_VERSION:
             raise ValueError(
                 f"{self.path!r} was written in tierkv format {meta.get('format')} (hash {meta.get('hash')}); this "
@@ -506,7 +534,15 @@ class DiskTier:
 
     def scan(self) -> ScanResult:
         """Every block's header, session references and last-use stamps, for rebuilding an index.
-        Reads heads, not records: a damaged record is found when it is read (a counted miss)."""
+        Reads heads, not records: a damaged record is found when it is read (a counted miss).
+        Raises ``DamagedStore`` where LMDB's own pages are damaged. (LMDB checksums none of them:
+        some damage there crashes the process instead, which no check in it can catch.)"""
+        try:
+            return self._scan()
+        except _DAMAGE as exc:
+            raise DamagedStore(self.path, exc) from exc
+
+    def _scan(self) -> ScanResult:
         result = ScanResult()
         with self._resize_lock, self._read_txn() as txn:
             heads: dict[bytes, memoryview] = {}
@@ -531,6 +567,9 @@ class DiskTier:
                 # No head, or a damaged one: the record's own header decides (read in full, this
                 # once), and the record gets a new head.
                 value = txn.get(key, db=self._blocks)
+                if value is None:  # a key the cursor gave that the tree cannot find: damaged
+                    result.corrupt.append(key)
+                    continue
                 try:
                     header = _under(key, decode_header(value))
                     result.headers.append((header, len(value)))
@@ -660,7 +699,9 @@ class DiskTier:
 
     def _apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
-        self._reserve(sum(op.record_bytes for op in ops if isinstance(op, PutBlock)))
+        need = sum(op.record_bytes for op in ops if isinstance(op, PutBlock))
+        self._reserve(need)
+        short = self._filesystem_short(need) if need else None
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
         self._zero_owed()
@@ -685,9 +726,9 @@ class DiskTier:
                         self._heads = self.env.open_db(b"heads", txn=txn)
                     for i, op in enumerate(ops):
                         if isinstance(op, PutBlock):
-                            if full:
-                                results[i] = DiskFull("the disk tier's LMDB map is at its cap "
-                                                      f"({self.map_cap} bytes)")
+                            if full or short:
+                                results[i] = FilesystemFull(short) if short else DiskFull(
+                                    f"the disk tier's LMDB map is at its cap ({self.map_cap} bytes)")
                                 continue
                             # Encoded inside the transaction into one reused buffer: put() copies it
                             # into the map at once, and fresh multi-MiB buffers would cost page faults.
@@ -704,7 +745,7 @@ class DiskTier:
                                 self._scratch = value
                             self._put_record(txn, op.header.key, value, batch)
                         elif isinstance(op, PutHeads):
-                            if not full:
+                            if not (full or short):
                                 self._put_heads(txn, op, batch)
                         else:
                             self._apply_one(txn, op, batch)
@@ -972,6 +1013,31 @@ class DiskTier:
         used = min(self.file_bytes(), length)
         vm.madvise(self._map_start, used, vm.MADV_RANDOM)
         vm.madvise(self._map_start + used, length - used, vm.MADV_NORMAL)
+
+    def _filesystem_short(self, nbytes: int) -> str | None:
+        """Why a batch of ``nbytes`` of records must not be written, or None. The map is a sparse
+        file written through memory: where the filesystem has no block left for a page, the write
+        is not an ENOSPC but a SIGBUS, which kills the process. So a batch that would take the file
+        past its allocated blocks by more than the filesystem has free is refused up front (its
+        blocks stay in memory, as at the map's cap). Another process filling the disk between this
+        check and the write is not covered."""
+        if self._data_fd is None:
+            return None
+        try:
+            fs, st = os.fstatvfs(self._data_fd), os.fstat(self._data_fd)
+        except OSError:
+            return None
+        info = self.env.info()
+        # Pessimistic: as if every page went past the last one in use (LMDB reuses freed pages
+        # first), plus room for the B-tree's own pages.
+        end = (info["last_pgno"] + 1) * self.page_size + nbytes * 11 // 10 + 64 * self.page_size
+        missing = end - st.st_blocks * 512
+        free = fs.f_bavail * fs.f_frsize
+        if missing <= free:
+            return None
+        return (f"the filesystem under {self.path} has {free} bytes free, fewer than the {missing} these block "
+                "writes may need; they stay in memory. Free disk space, or lower disk_budget to what the "
+                "filesystem holds")
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the map before a batch that would not fit, rather than fail and redo it
