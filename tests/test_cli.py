@@ -118,6 +118,14 @@ def built(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> B
     return Built(path, outputs, stats["disk"]["bytes"])
 
 
+def test_python_dash_m_tierkv_is_the_console_script(built: Built) -> None:
+    via_m = subprocess.run([sys.executable, "-m", "tierkv", "stats", "--json", str(built.path)],
+                           capture_output=True, text=True)
+    assert via_m.returncode == 0, via_m.stderr
+    script = run("stats", "--json", str(built.path))
+    assert json.loads(via_m.stdout) == json.loads(script.out)
+
+
 def test_clear_whose_deletes_hit_disk_errors_fails_with_exit_4(copy, monkeypatch, capsys) -> None:
     import lmdb
 
