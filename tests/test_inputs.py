@@ -285,10 +285,14 @@ def test_a_padded_turn_is_exact_and_its_masked_kv_is_not_kept() -> None:
                            greedy(model, later, attention_mask=ones, pad_token_id=pad))
 
 
+def with_pad_at_10(pad: int) -> torch.Tensor:
+    """23 ids with ``pad`` at index 10."""
+    return torch.cat([random_ids(10, 1), torch.full((1, 1), pad), random_ids(12, 2)], dim=1)
+
+
 def test_a_mask_hiding_restored_tokens_is_refused() -> None:
-    model = make_model("llama")
-    pad = 5
-    ids = torch.cat([random_ids(10, 1), torch.full((1, 1), pad), random_ids(12, 2)], dim=1)
+    model, pad = make_model("llama"), 5
+    ids = with_pad_at_10(pad)
     with TieredStore(None, block_size=8) as store:
         # Stored unmasked (generate masks no pad it was not told of), then asked with the pad masked.
         out = one_turn(store, model, ids)
@@ -398,9 +402,8 @@ def test_a_generated_pad_token_ends_what_commit_keeps() -> None:
 def test_open_restores_nothing_from_a_pad_the_model_masks_on() -> None:
     # KV stored before generation_config.pad_token_id was set (or by a worker with another config)
     # holds the pad computed unmasked: restored, the prefill under generate's mask was refused.
-    model = make_model("llama")
-    pad = 5
-    ids = torch.cat([random_ids(10, 1), torch.full((1, 1), pad), random_ids(12, 2)], dim=1)
+    model, pad = make_model("llama"), 5
+    ids = with_pad_at_10(pad)
     with TieredStore(None, block_size=4) as store:
         out = one_turn(store, model, ids)
         model.generation_config.pad_token_id = pad
