@@ -29,9 +29,9 @@ and holds no policy:
   in other dtypes than the weights') are refused. ``generate`` feeds
   a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
   at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
-  ``open`` restores and ``commit`` keeps wherever it appears. A forward that raised part-way through the layers (out
-  of memory, Ctrl-C) left the first layers ahead of the last: any forward after it is refused, and
-  ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
+  ``open`` restores and ``commit`` keeps wherever it appears. A forward that raised part-way
+  through the layers (out of memory, Ctrl-C) left the first layers ahead of the last: any forward
+  after it is refused, and ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
   conversation is refused those ids fed again (``generate`` feeds them all to such a cache).
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``

@@ -103,6 +103,12 @@ def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
         return DiskTier(path, _NO_LIMIT, meta["block_size"]), meta
 
 
+def _scan(tier: DiskTier) -> ScanResult:
+    """``tier.scan()``, a store damaged where LMDB reads it refused like one that will not open."""
+    with _refusals():
+        return tier.scan()
+
+
 def _open_store(path: str) -> "TieredStore":
     from .store import TieredStore  # transformers loads in seconds: only the commands that need it
     meta = _stored_meta(path)
@@ -198,9 +204,7 @@ def _stats_text(r: dict[str, Any]) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     tier, meta = _open_tier(args.path)
     try:
-        with _refusals():
-            scanned = tier.scan()
-        report = summarise(args.path, meta, scanned, tier.footprint_of, tier.file_bytes())
+        report = summarise(args.path, meta, _scan(tier), tier.footprint_of, tier.file_bytes())
     finally:
         tier.close()
     _emit(args, report, _stats_text)
@@ -258,8 +262,7 @@ def _check_text(r: dict[str, Any]) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     tier, _meta = _open_tier(args.path)
     try:
-        with _refusals():
-            scan = tier.scan()
+        scan = _scan(tier)
         bar = _progress(len(scan.headers) + len(scan.corrupt), "checking", "record")
         try:
             checked = tier.verify(lambda _nbytes: bar.update(1))
@@ -286,8 +289,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         # opens (one environment per process at a time).
         tier, _meta = _open_tier(path)
         try:
-            with _refusals():
-                scan = tier.scan()
+            scan = _scan(tier)
         finally:
             tier.close()
         tenants = {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}

@@ -208,7 +208,7 @@ class TieredStore:
         self._corrupt = 0
         self._disk_errors = 0
         self._disk_full = 0  # block writes that found no room under the LMDB map's cap
-        self._filesystem_full = 0  # of which: refused because the filesystem had no room for them
+        self._warned_filesystem = False  # the warning that the filesystem had no room, given once
         self._disk_failed = False  # after an I/O error: no more writes through to disk
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
@@ -1060,28 +1060,22 @@ class TieredStore:
                 job.wait()
             except WriteAbandoned:
                 pass  # close(timeout) gave up on it: not a fault of the disk
-            except FilesystemFull as exc:
-                # The filesystem is full: the block stays in memory if it rests there. Nothing
-                # leaves the disk for it, since freed pages stay allocated in the file.
-                if not self._filesystem_full:
+            except DiskFull as exc:
+                # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
+                # room for it: not a fault. The block stays in memory if it rests there. At the
+                # cap as much again leaves the disk, so the free list has room for the next
+                # writes; a full filesystem gains nothing by it (freed pages stay in the file).
+                full_filesystem = isinstance(exc, FilesystemFull)
+                if full_filesystem and not self._warned_filesystem:
+                    self._warned_filesystem = True
                     logger.warning("tierkv: %s", exc)
-                self._filesystem_full += 1
                 self._disk_full += 1
                 if meta is not None:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
                         self._remove(meta)
-                continue
-            except DiskFull:
-                # LMDB's free pages did not fit it under the map's cap: not a fault. The block
-                # stays in memory if it rests there, and as much again leaves the disk, so the
-                # free list has room for the next writes.
-                self._disk_full += 1
-                if meta is not None:
-                    self._index.set_disk(meta, DiskState.NONE)
-                    if meta.resident is None:
-                        self._remove(meta)
-                    self._free_disk(meta.record_bytes)
+                    if not full_filesystem:
+                        self._free_disk(meta.record_bytes)
                 continue
             except Exception as exc:  # noqa: BLE001 - any write failure degrades to memory-only
                 self._disk_fault(exc)
@@ -1398,7 +1392,8 @@ class TieredStore:
         tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
         too), ``evictions``, ``corrupt``;
         ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
-        cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk because of errors); ``moved_bytes`` (KV
+        cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk
+        because of errors); ``moved_bytes`` (KV
         bytes, without the records' headers and padding) and ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
         None); ``sessions``.
         """

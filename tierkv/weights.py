@@ -13,8 +13,8 @@ buffers, ``persistent_buffers``) there are and which elements of each are read (
 ones). ``sample.current(model, volatile)`` says whether that still holds: the same tensors in the
 same places of the module tree, each with the same storage address, dtype, shape and strides; it
 hands the RoPE frequency buffers it walked past to ``volatile``, whose values ``BufferDigests``
-digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the sampled
-elements' bits (see below), read afresh on every call, so that in-place writes
+digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the
+sampled elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
 rebuilds the sample when ``current`` is False, and never reads one that is not.
 
@@ -105,24 +105,18 @@ class BufferDigests:
     every call: a few floats)."""
 
     def __init__(self) -> None:
-        self._memo: list[tuple[torch.Tensor, int, bytes]] = []
+        self._memo: tuple[tuple[torch.Tensor, ...], tuple[int, ...] | None, bytes] | None = None
 
     def digest(self, buffers: list[torch.Tensor]) -> bytes:
-        memo = self._memo
-        # Without a counter (an inference tensor) a buffer is digested on every call.
-        if len(memo) == len(buffers) and all(m[0] is b and m[1] == _version(b) != -1 for m, b in zip(memo, buffers)):
-            return b"".join(m[2] for m in memo)
-        # Kept as a new list, never changed in place: threads that describe one model share it.
-        memo = [(b, _version(b), digest_weights((b,))) for b in buffers]
-        self._memo = memo
-        return b"".join(m[2] for m in memo)
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no counter
-        return -1
+        memo = self._memo  # replaced whole, never changed in place: threads describing one model share it
+        counters = versions(tuple(buffers))
+        # Without counters (inference tensors) the buffers are digested on every call.
+        if memo is not None and counters is not None and memo[1] == counters \
+                and all(map(operator.is_, memo[0], buffers)):
+            return memo[2]
+        digest = digest_weights(tuple(buffers))
+        self._memo = (tuple(buffers), counters, digest)
+        return digest
 
 
 def persistent_buffers(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -248,8 +242,8 @@ class WeightSample:
         return None if self._host is None else [p.untyped_storage() for p in self.params]
 
     def current(self, model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) -> bool:
-        """The model still has these parameters, in these places, at these addresses. Its
-        non-persistent buffers, read on the same walk, go to ``volatile``."""
+        """The model still has these parameters, in these places, at these addresses. Its RoPE
+        frequency buffers, met on the same walk, go to ``volatile``."""
         tree = _tree(model, volatile)
         return (len(tree) == len(self._tree) and all(map(operator.is_, tree, self._tree))
                 and _storage_key(self.params) == self._key)
