@@ -126,6 +126,20 @@ def test_python_dash_m_tierkv_is_the_console_script(built: Built) -> None:
     assert json.loads(via_m.stdout) == json.loads(script.out)
 
 
+@pytest.mark.parametrize("args", [["stats"], ["stats", "--json"], ["check"]])
+def test_a_reader_that_closed_the_pipe_ends_the_command_without_a_traceback(built: Built, args: list[str]) -> None:
+    """`tierkv stats PATH | head`: the reader gone, the command ends as one killed by SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([*tierkv_command(), *args, str(built.path)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_PIPE == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
 def test_clear_whose_deletes_hit_disk_errors_fails_with_exit_4(copy, monkeypatch, capsys) -> None:
     import lmdb
 

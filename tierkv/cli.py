@@ -51,6 +51,7 @@ EXIT_BAD_RECORDS = 1
 EXIT_USAGE = 2
 EXIT_IN_USE = 3
 EXIT_IO = 4
+EXIT_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command whose reader closed the pipe
 EXIT_CODES = f"""\
 exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
@@ -59,6 +60,7 @@ exit codes:
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
   {EXIT_IO}  a disk error stopped check --repair or clear: what was to be removed may still be there
+  {EXIT_PIPE}  the program reading the output closed the pipe (as `| head` does)
 """
 # A budget no store reaches: a smaller one would make the store evict blocks as it opens.
 _NO_LIMIT = 2**62
@@ -406,6 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`tierkv stats PATH | head`): as a command killed by SIGPIPE, with
+        # no traceback. Python's own flush of stdout at exit would raise again: it goes nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE
 
 
 if __name__ == "__main__":
