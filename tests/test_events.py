@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,10 +63,21 @@ def test_a_full_queue_drops_its_oldest_events_and_counts_them() -> None:
     assert sub.dropped == 2
 
 
-@pytest.mark.parametrize("maxlen", [0, -1, True, 2.5, "10"])
-def test_a_bad_maxlen_raises_with_a_remedy(maxlen: object) -> None:
-    with pytest.raises(ValueError, match="positive int"):
+@pytest.mark.parametrize(("maxlen", "error", "word"), [
+    (0, ValueError, ">= 1"), (-1, ValueError, ">= 1"), (np.int64(0), ValueError, ">= 1"),
+    (True, TypeError, "must be an int"), (2.5, TypeError, "must be an int"), ("10", TypeError, "must be an int"),
+])
+def test_a_bad_maxlen_raises_with_a_remedy(maxlen: object, error: type[Exception], word: str) -> None:
+    with pytest.raises(error, match=word):
         EventLog().subscribe(maxlen)  # type: ignore[arg-type]
+
+
+def test_a_maxlen_computed_with_numpy_is_taken() -> None:
+    log = EventLog()
+    sub = log.subscribe(np.int64(2))  # type: ignore[arg-type]
+    for tokens in (1, 2, 3):
+        log.emit(CommitEvent(0.0, tokens))
+    assert [e.tokens for e in sub.drain()] == [2, 3] and sub.dropped == 1
 
 
 def test_unsubscribing_stops_delivery_to_that_subscriber_only() -> None:

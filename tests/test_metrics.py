@@ -266,6 +266,10 @@ def test_a_server_may_serve_from_a_given_registry_and_leaves_it_clean_on_close()
     assert not store.events.active
     with pytest.raises(ValueError, match="port"):
         serve(store, port=-1)
+    with pytest.raises(ValueError, match="port must be in 0..65535"):
+        serve(store, port=65536)
+    with pytest.raises(TypeError, match="port must be an int"):
+        serve(store, port=True)
     assert not store.events.active
 
 

@@ -1070,6 +1070,23 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     assert word in str(info.value)
 
 
+def test_arguments_computed_with_numpy_and_a_numbered_cpu_are_taken(tiny_model, tmp_path):
+    """Budgets and block sizes computed with numpy are numpy integers; "cpu:1" is the one host
+    memory. Both used to be refused: the first at construction, the second at every open."""
+    model = tiny_model()
+    ids = random_ids(3 * B + 2)
+    budget = np.int64(1) << np.int64(30)
+    with TieredStore(tmp_path / "kv", device="cpu:1", device_budget=budget, host_budget=np.float32(2**20),
+                     disk_budget=np.uint64(2**32), block_size=np.int64(B)) as store:
+        assert store.device == torch.device("cpu") and type(store.block_size) is int
+        assert (store.stats()["device"]["budget"], store.stats()["host"]["budget"]) == (2**30, 2**20)
+        cache = store.open(model, ids)
+        out = generate(model, ids, 3, cache)
+        cache.commit(out)
+        cache = verify_open(store, model, out, expect=out.shape[1] - 1)
+        assert torch.equal(generate(model, out, 4, cache), generate(model, out, 4))
+
+
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
     (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
     (lambda: random_ids(6).float(), TypeError, "integer"),

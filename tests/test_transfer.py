@@ -170,9 +170,18 @@ def test_resolve_none_is_cpu_here() -> None:
     assert resolve_device(None) == torch.device("cpu")
 
 
-@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "cpu:0", "cpu:1", torch.device("cpu", 3)])
 def test_resolve_cpu(device: object) -> None:
-    assert resolve_device(device) == torch.device("cpu")
+    # Exactly torch.device("cpu"), no index: what a CPU model's parameters report.
+    assert resolve_device(device) == torch.device("cpu") == torch.zeros(1, device=device).device
+
+
+def test_resolve_a_cuda_index_past_the_machines_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"'cuda:2': this machine has 2 CUDA device\(s\), numbered from 0"):
+        resolve_device("cuda:2")
 
 
 @pytest.mark.parametrize("device", ["nonsense", "cuda:x", "", "gpu"])

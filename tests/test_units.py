@@ -1,16 +1,18 @@
 """tierkv.units.parse_bytes: every accepted form gives the exact byte count; every bad form raises
-the right exception type with a message that names the accepted forms."""
+the right exception type with a message that names the accepted forms. whole_number: ints and
+numpy's integers, nothing else."""
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tierkv.units import parse_bytes
+from tierkv.units import parse_bytes, whole_number
 
 BINARY = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 DECIMAL = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
@@ -244,3 +246,35 @@ def test_overflowing_exponent_is_a_value_error(text: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_bytes(text)
     assert REMEDY in str(info.value) or "finite" in str(info.value)
+
+
+# -- numpy's scalars ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("value", "expected"), [
+    (np.int64(2**40), 2**40), (np.uint64(2**63 - 1), 2**63 - 1), (np.int32(7), 7), (np.float32(1.5e6), 1_500_000),
+    (np.float64(2.9), 2),
+])
+def test_numpy_scalars_are_byte_counts(value: object, expected: int) -> None:
+    assert parse_bytes(value) == expected and type(parse_bytes(value)) is int
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    (np.int64(-1), ValueError), (np.float64("nan"), ValueError), (np.float32("inf"), ValueError),
+    (np.uint64(2**64 - 1), ValueError), (np.bool_(True), TypeError), (np.array([5]), TypeError),
+])
+def test_bad_numpy_values_are_refused(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="budget"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("value", [5, np.int64(5), np.uint8(5)])
+def test_whole_numbers_take_numpy_integers(value: object) -> None:
+    assert whole_number(value, "n", 1) == 5 and type(whole_number(value, "n", 1)) is int
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    (0, ValueError), (np.int64(-3), ValueError), (True, TypeError), (np.bool_(True), TypeError), (5.0, TypeError),
+    ("5", TypeError), (None, TypeError),
+])
+def test_whole_numbers_refuse_the_rest_naming_the_argument(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="block_size .*; 256 is a good default"):
+        whole_number(value, "block_size", 1, "; 256 is a good default")

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Union
 
+from .units import whole_number
+
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 
 
@@ -105,9 +107,7 @@ class EventLog:
         self._lock = threading.Lock()
 
     def subscribe(self, maxlen: int = 100_000) -> Subscription:
-        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
-            raise ValueError(f"maxlen must be a positive int number of events, got {maxlen!r}")
-        sub = Subscription(self, maxlen)
+        sub = Subscription(self, whole_number(maxlen, "maxlen (events kept for a slow reader)", 1))
         with self._lock:
             self._subscribers = (*self._subscribers, sub)
         return sub

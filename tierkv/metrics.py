@@ -41,6 +41,7 @@ except ImportError as exc:  # the extra is optional: `import tierkv` never needs
     raise ImportError('tierkv.metrics needs prometheus-client; install it with: pip install "tierkv[metrics]"') from exc
 
 from .events import DIRECTIONS, CommitEvent, MoveEvent, OpenEvent
+from .units import whole_number
 
 __all__ = ["StoreCollector", "MetricsServer", "serve", "BYTES_BUCKETS", "SECONDS_BUCKETS"]
 
@@ -262,8 +263,9 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     serve the store's metrics beside what is already registered there. Binds to 127.0.0.1 unless
     told otherwise: metrics name sessions' counts and sizes, not for every network by default.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in 0..65535 (0 picks a free port), got {port!r}")
+    port = whole_number(port, "port", 0, " (0 picks a free port)")
+    if port > 65535:
+        raise ValueError(f"port must be in 0..65535 (0 picks a free port), got {port}")
     registry = CollectorRegistry(auto_describe=True) if registry is None else registry
     collector = StoreCollector(store)
     try:

@@ -73,7 +73,7 @@ from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFul
                          Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, parse_bytes, whole_number
 
 logger = logging.getLogger("tierkv")
 POOL_IN_FLIGHT = 128 << 20  # host pool room beyond the host budget: blocks being written or restored
@@ -158,10 +158,7 @@ class TieredStore:
     def __init__(self, path: str | os.PathLike[str] | None = "kvstore/", device: object = None,
                  device_budget: int | str = "2GiB", host_budget: int | str = "16GiB",
                  disk_budget: int | str = "256GiB", block_size: int = 256) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size must be an int number of tokens, got {type(block_size).__name__}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1 token, got {block_size}; 256 is a good default")
+        block_size = whole_number(block_size, "block_size (tokens per block)", 1, "; 256 is a good default")
         self.block_size = block_size
         self.device = resolve_device(device)
         budgets = {name: parse_bytes(value, name) for name, value in

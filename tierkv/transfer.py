@@ -175,11 +175,17 @@ def resolve_device(device: object) -> torch.device:
         raise ValueError(f"device={device!r} is not a device; pass None, 'cpu', 'cuda' or 'cuda:N'") from exc
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device type {resolved.type!r} is not supported; pass None, 'cpu', 'cuda' or 'cuda:N'")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available; pass device=None or 'cpu'")
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type == "cpu":
+        # One host memory: torch puts tensors for "cpu:1" on "cpu", so a model's device never
+        # equals torch.device("cpu:1"), and every open would refuse the model.
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; pass device=None or 'cpu'")
+    if resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    elif resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"numbered from 0; pass one of them or None")
     return resolved
 
 

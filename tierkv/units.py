@@ -1,6 +1,7 @@
-"""Byte quantities given by users: ``2GiB``, ``"512MiB"``, ``1.5e9``.
+"""Quantities given by users: byte counts (``2GiB``, ``"512MiB"``, ``1.5e9``) and whole numbers.
 
-``parse_bytes(value, name)`` is the only entry point. KiB/MiB/GiB/TiB are powers of 1024,
+``parse_bytes(value, name)`` reads a byte count; ``whole_number(value, name)`` an int argument
+(numpy's integers too, never a bool). KiB/MiB/GiB/TiB are powers of 1024,
 KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions are allowed and rounded
 down to whole bytes. Anything else raises with the accepted forms in the message.
 """
@@ -8,6 +9,7 @@ down to whole bytes. Anything else raises with the accepted forms in the message
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from decimal import Decimal
 
@@ -32,12 +34,13 @@ def parse_bytes(value: object, name: str = "budget") -> int:
     """Return ``value`` as a whole number of bytes, or raise ``ValueError``/``TypeError``."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be {_FORMS}; got the bool {value!r}")
-    if isinstance(value, int):
-        number: float | Decimal = value
-    elif isinstance(value, float):
-        if not math.isfinite(value):
+    # numbers.Integral/Real: numpy's scalars too (a budget computed with numpy is an np.int64).
+    if isinstance(value, numbers.Integral):
+        number: float | Decimal = int(value)
+    elif isinstance(value, numbers.Real):
+        number = float(value)
+        if not math.isfinite(number):
             raise ValueError(f"{name} must be a finite number of bytes; got {value!r}. Use {_FORMS}.")
-        number = value
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None:
@@ -57,6 +60,18 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         raise ValueError(f"{name}={value!r} is larger than any machine's storage ({_MAX_BYTES} bytes); "
                          f"use {_FORMS}")
     return int(number)
+
+
+def whole_number(value: object, name: str, minimum: int, advice: str = "") -> int:
+    """``value`` as an int of at least ``minimum``, or ``TypeError``/``ValueError`` naming ``name``.
+    numpy's integers are taken; a bool, a float or a string is not (``1.0`` tokens is a mistake
+    somewhere upstream, not a count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}{advice}")
+    number = int(value)
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}{advice}")
+    return number
 
 
 def format_bytes(n: int) -> str:
