@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+
+from conftest import random_ids
+from tierkv import TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +54,40 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
 def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
     out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
     assert "| decode time per token, TieredCache / DynamicCache, paired per step (median) |" in out
-    assert "p99 during spill" in out
+    during = int(re.search(r"\| decode steps during the spill, all rounds \(no spill: 4\) \| (\d+) \|", out).group(1))
+    # The p50/p99 during the spill are of those steps alone, and only where there were some.
+    assert ("p99 during spill" in out) == (during > 0)
+    assert re.search(r"\| the spill landed \(last round\) \| \d+ ms after decoding began, in step \d+ \|", out)
+
+
+class _Pending:
+    """A store whose writes land after ``left`` more questions."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def stats(self) -> dict:
+        self.left -= 1
+        return {"pending_writes": max(self.left, 0)}
+
+
+def test_decode_steps_count_as_during_the_spill_only_while_writes_are_queued() -> None:
+    from benchmarks.decode import steps_while_spilling
+
+    model = _EchoForward()
+    times, taken, landed = steps_while_spilling(model, None, torch.tensor([[1]]), _Pending(3), limit=10)
+    assert (len(times), taken, model.calls) == (2, 3, 3) and 0 <= landed < float("inf")
+    times, taken, landed = steps_while_spilling(model, None, torch.tensor([[1]]), _Pending(50), limit=5)
+    assert (len(times), taken, landed) == (5, 5, float("inf"))
+
+
+class _EchoForward:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, token, past_key_values=None):
+        self.calls += 1
+        return SimpleNamespace(logits=torch.zeros(1, 1, 4))
 
 
 def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
@@ -110,7 +148,7 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
     for name, row in policies.items():
         if "skipped" in row:
             continue
-        assert row["exact"], name
+        assert row["exact"] and 0 <= row["logit_error"] <= 1e-3, name
         assert row["ttft_p50_ms"] <= row["ttft_p95_ms"] <= row["ttft_p99_ms"], name
         if name != "recompute":
             # Every prompt token of every turn is either restored from a tier or recomputed.
@@ -122,8 +160,9 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
             assert row["peak_bytes"][tier] <= row["budgets"][tier]
     assert tiered["hit_tokens"]["disk"] > 0 and tiered["budgets"]["disk"] > 0
     assert no_disk["hit_tokens"]["disk"] == 0 and no_disk["budgets"]["disk"] == 0
-    # GB/s only where bytes moved: (d) moved none to or from a disk it lacks.
-    assert tiered["gb_per_s"]["host_to_disk"] > 0
+    # GB/s only where bytes moved: (d) moved none to or from a disk it lacks. To disk it leaves out
+    # the writer's waits for a CPU, which its wall time counts.
+    assert 0 < tiered["to_disk_wall_gb_per_s"] <= tiered["gb_per_s"]["host_to_disk"]
     assert no_disk["gb_per_s"]["host_to_disk"] is None and no_disk["gb_per_s"]["disk_to_host"] is None
     if report["device"] == "cpu":
         # A CPU device tier hands its blocks to the host tier and back without a timed copy.
@@ -167,15 +206,19 @@ class _EchoModel:
         self.untimed: list[int] = []  # the call numbers of generates without a streamer
         self.calls = 0
 
-    def generate(self, ids, past_key_values=None, max_new_tokens=0, streamer=None, **kwargs):
+    def generate(self, ids, past_key_values=None, max_new_tokens=0, streamer=None, return_dict_in_generate=False,
+                 **kwargs):
         self.calls += 1
         out = torch.cat([ids, torch.full((1, max_new_tokens), 7)], dim=1)
         if streamer is None:
             self.untimed.append(self.calls)
+        else:
+            streamer.put(ids)
+            streamer.put(out[:, -max_new_tokens:])
+        if not return_dict_in_generate:
             return out
-        streamer.put(ids)
-        streamer.put(out[:, -max_new_tokens:])
-        return out
+        logits = tuple(torch.arange(8.0).unsqueeze(0) for _ in range(max_new_tokens))
+        return SimpleNamespace(sequences=out, logits=logits)
 
 
 def test_chat_trace_interleaves_policies_in_rotating_rounds() -> None:
@@ -206,6 +249,15 @@ def test_chat_trace_interleaves_policies_in_rotating_rounds() -> None:
         assert len(p.result.ttft) == len(turns) and len(p.outputs) == len(turns)
     mark_exact(policies)
     assert all(p.result.exact for p in policies)
+    assert [p.result.logit_error for p in policies] == [0.0, 0.0, 0.0]
+    # The same tokens, but logits off by more than float rounding: a restore a little wrong.
+    policies[1].result.first_logits[3] = policies[1].result.first_logits[3] + 0.01
+    policies[2].result.first_logits[3] = policies[2].result.first_logits[3] + 1e-5  # rounding
+    mark_exact(policies)
+    assert [p.result.exact for p in policies] == [True, False, True]
+    std = float(torch.arange(8.0).std())
+    assert policies[1].result.logit_error == pytest.approx(0.01 / std, rel=1e-3)
+    policies[1].result.first_logits[3] = policies[0].result.first_logits[3]
     policies[2].outputs[4] = policies[2].outputs[4].clone()
     policies[2].outputs[4][0, -1] += 1
     policies[1].outputs.pop()
@@ -296,6 +348,34 @@ def test_budget_flags_read_percentages_of_the_working_set_and_byte_sizes() -> No
     assert budget_bytes("1000", 1, "--host-budget") == 1000
     with pytest.raises(ValueError, match="--host-budget"):
         budget_bytes("lots", 1, "--host-budget")
+
+
+def test_disk_write_gb_per_s_leaves_out_the_writers_waits_for_a_cpu() -> None:
+    from tierkv.bench import disk_write_seconds
+
+    stats = {"move_seconds": {"host_to_disk": 2.0, "disk_to_host": 0.5}, "write_cpu_wait_seconds": 1.5}
+    assert disk_write_seconds(stats) == 0.5
+
+
+def test_a_store_counts_its_writers_waits_for_a_cpu(tiny_model, tmp_path: Path) -> None:
+    """Beside processes that keep every CPU busy, the writer (at a lower priority) waits for one."""
+    model = tiny_model()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+            for seed in range(6):
+                ids = random_ids(64, seed=seed)
+                cache = store.open(model, ids)
+                cache.commit(model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False))
+                store.flush()
+            stats = store.stats()
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+    wall, waited = stats["move_seconds"]["host_to_disk"], stats["write_cpu_wait_seconds"]
+    assert stats["moved_bytes"]["host_to_disk"] > 0
+    assert 0 < waited < wall, (waited, wall)
 
 
 def test_gb_per_s_only_where_bytes_moved_and_time_was_taken() -> None:

@@ -72,7 +72,8 @@ from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
                          Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
-from .transfer import BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, resolve_device
+from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
+                       resolve_device)
 from .units import format_bytes, parse_bytes, whole_number
 
 logger = logging.getLogger("tierkv")
@@ -211,6 +212,7 @@ class TieredStore:
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._read_seconds = 0.0
         self._write_seconds = 0.0  # the writer thread's time in transactions
+        self._write_cpu_wait = 0.0  # the part of it the writer waited for a CPU (Linux)
         self._events = EventLog()
         if self._disk is not None:
             try:
@@ -1087,13 +1089,15 @@ class TieredStore:
     def _apply_writes(self, ops: list[DiskOp]) -> list[BaseException | None]:
         """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
         assert self._disk is not None
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), cpu_wait_seconds()
         try:
             results = self._disk.apply(ops)
         finally:
-            # Read by stats() from other threads: a float store, atomic under the GIL.
+            # Read by stats() from other threads: float stores, atomic under the GIL.
             seconds = time.perf_counter() - started
             self._write_seconds += seconds
+            if waited is not None:
+                self._write_cpu_wait += (cpu_wait_seconds() or waited) - waited
         # KV bytes, as every other direction counts them; the records' footprints are the disk tier's bytes.
         written = sum(op.header.payload_nbytes for op, error in zip(ops, results)
                       if isinstance(op, PutBlock) and error is None)
@@ -1391,8 +1395,9 @@ class TieredStore:
         ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
         cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk
         because of errors); ``moved_bytes`` (KV
-        bytes, without the records' headers and padding) and ``move_seconds`` per direction; ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or
-        None); ``sessions``.
+        bytes, without the records' headers and padding) and ``move_seconds`` per direction (wall
+        time), ``write_cpu_wait_seconds`` (the part of the writes' time spent waiting for a CPU);
+        ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or None); ``sessions``.
         """
         with self._lock, defer_interrupts():
             if not self._closed:
@@ -1419,6 +1424,9 @@ class TieredStore:
                 # copies are asynchronous jobs and are not timed here.
                 "move_seconds": {"host_to_disk": self._write_seconds,
                                  "disk_to_host": self._read_seconds},
+                # The part of move_seconds["host_to_disk"] the writer spent runnable but waiting for
+                # a CPU (Linux; 0.0 elsewhere): it runs at a lower priority than the turns.
+                "write_cpu_wait_seconds": self._write_cpu_wait,
                 "pending_writes": len(self._pending_writes),
                 # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and
                 # allocations that found no run and fell back to a fresh buffer.

@@ -335,6 +335,17 @@ class CopyEngine:
         return self._copy(src, dst, self._h2d)
 
 
+def cpu_wait_seconds() -> float | None:
+    """How long the calling thread has waited, runnable, for a CPU since it started (Linux's
+    schedstat), or None where the OS does not tell. The disk writer runs at a lower priority than
+    the turns: beside a busy ``generate`` most of its wall time is this wait, not the disk's."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _lower_priority() -> None:
     """Nice the calling thread (Linux): a spill must yield the CPU to the decode step's threads,
     whose parallel regions stall behind any one of them that loses its core."""
