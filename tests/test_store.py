@@ -9,6 +9,7 @@ counts, bytes, and eviction orders, checked through small ``verify_*`` helpers (
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import threading
@@ -761,6 +762,46 @@ def _many_conversations(store: TieredStore, model: torch.nn.Module, seed: int) -
     return returning
 
 
+@pytest.mark.parametrize(("timeout", "error"), [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError),
+                                              (True, TypeError)])
+def test_a_bad_close_timeout_is_refused_before_anything_is_dropped(tiny_model, tmp_path, timeout, error):
+    """-1 means "no timeout" to many APIs; here it would have dropped every queued write."""
+    model = tiny_model()
+    ids = random_ids(4 * B + 1)
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)
+    cache = store.open(model, ids)
+    cache.commit(generate(model, ids, 1, cache))
+    with pytest.raises(error, match=r"close\(timeout\) must be None"):
+        store.close(timeout)
+    assert store.close(float("inf")) == 0  # inf: as long as it takes, like None
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == 5
+
+
+def test_a_reopen_whose_disk_budget_evicts_blocks_it_found_says_so(tiny_model, tmp_path, caplog):
+    model = tiny_model()
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        for seed in range(3):
+            ids = random_ids(4 * B + 1, seed=seed)
+            cache = store.open(model, ids)
+            cache.commit(generate(model, ids, 1, cache))
+        store.flush()
+        held = store.stats()["disk"]
+    one_block = held["bytes"] // held["blocks"]
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=B, disk_budget=held["bytes"]) as store:
+            assert store.stats()["disk"]["blocks"] == held["blocks"]
+        assert not caplog.records  # a budget that holds them all: nothing to say
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=B, disk_budget=4 * one_block) as store:
+            kept = store.stats()["disk"]["blocks"]
+    assert 0 < kept <= 4
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert f"holds {held['blocks']} blocks" in record.getMessage()
+    assert f"the least recently used {held['blocks'] - kept} were evicted. Pass a larger disk_budget" in \
+        record.getMessage()
+
+
 def test_budgets_hold_in_every_tier_through_many_conversations(tiny_model, tmp_path):
     model = tiny_model("llama")
     full = full_block_bytes(model)
@@ -1063,11 +1104,17 @@ def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
     ({"block_size": 2.5}, TypeError, "int"),
     ({"block_size": True}, TypeError, "int"),
     ({"block_size": "8"}, TypeError, "int"),
+    ({"block_size": 2**64}, ValueError, "<= 1048576"),
+    ({"path": ""}, ValueError, "path is empty; pass a directory"),
+    ({"path": 5}, TypeError, "pass None for no disk tier"),
 ])
 def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     with pytest.raises(error) as info:
-        TieredStore(tmp_path / "kv", device="cpu", **{"block_size": B, **kwargs})
+        TieredStore(**{"path": tmp_path / "kv", "device": "cpu", "block_size": B, **kwargs})
     assert word in str(info.value)
+    # Refused before the directory was made: a store can be created there with good arguments.
+    assert not (tmp_path / "kv").exists()
+    TieredStore(tmp_path / "kv", device="cpu", block_size=B).close()
 
 
 def test_arguments_computed_with_numpy_and_a_numbered_cpu_are_taken(tiny_model, tmp_path):
@@ -1087,6 +1134,16 @@ def test_arguments_computed_with_numpy_and_a_numbered_cpu_are_taken(tiny_model, 
         assert torch.equal(generate(model, out, 4, cache), generate(model, out, 4))
 
 
+def test_a_store_path_may_be_bytes_or_start_at_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with TieredStore("~/kv", device="cpu", block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == 0
+    assert (tmp_path / "home" / "kv" / "data.mdb").is_file() and not (tmp_path / "~").exists()
+    with TieredStore(os.fsencode(tmp_path / "home" / "kv"), device="cpu", block_size=B):
+        pass
+
+
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
     (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
     (lambda: random_ids(6).float(), TypeError, "integer"),
@@ -1098,6 +1155,8 @@ def test_arguments_computed_with_numpy_and_a_numbered_cpu_are_taken(tiny_model, 
     # An id past int64's range: refused, not wrapped into a negative one and matched as such.
     (lambda: torch.tensor([[5, 2**63 + 6]], dtype=torch.uint64), ValueError, "tokenizer"),
     (lambda: random_ids(6).to("meta"), ValueError, "meta device"),
+    (lambda: random_ids(6).to_sparse(), TypeError, "to_dense()"),
+    (lambda: torch.tensor([[5, VOCAB]]), ValueError, f"token id {VOCAB}, past the model's {VOCAB} embeddings"),
 ])
 def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
     with TieredStore(None, device="cpu", block_size=B) as store:
@@ -1165,6 +1224,16 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
         assert "encoder-decoder" in str(info.value)
         with pytest.raises(TypeError, match="transformers model"):
             store.open(torch.nn.Linear(2, 2), ids)
+        for not_a_model in (None, object(), 5):
+            with pytest.raises(TypeError, match=f"transformers model .*, got {type(not_a_model).__name__}$"):
+                store.open(not_a_model, ids)
+        with pytest.raises(TypeError, match=r"got str; load it first: AutoModelForCausalLM.from_pretrained\('org/m'\)"):
+            store.open("org/m", ids)
+        for kwargs in ({"session": "a\udcff"}, {"tenant": "\udcff"}):
+            with pytest.raises(ValueError, match="encodes as UTF-8"):
+                store.open(model, ids, **kwargs)
+        with pytest.raises(ValueError, match="no decoder layers"):
+            store.open(tiny_model("llama", num_hidden_layers=0), ids)
         mamba_config = AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
                                             state_size=4)
         mamba = AutoModelForCausalLM.from_config(mamba_config).eval()

@@ -212,7 +212,7 @@ def test_resolve_rejects_unsupported_device_types(device: str) -> None:
 def test_resolve_cuda_without_cuda(device: object) -> None:
     with pytest.raises(ValueError) as info:
         resolve_device(device)
-    assert "CUDA is not available" in str(info.value)
+    assert f"device={str(torch.device(device))!r} was asked for but CUDA is not available" in str(info.value)
     assert "pass device=None or 'cpu'" in str(info.value)
 
 

@@ -5,6 +5,7 @@ numpy's integers, nothing else."""
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -207,6 +208,13 @@ def test_other_types_are_type_errors(value: object) -> None:
         parse_bytes(value)
     assert REMEDY in str(info.value)
     assert type(value).__name__ in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["1.5", ".5", "0.1", "1023.5", "2.5e0"])
+def test_a_fraction_without_a_unit_is_refused_as_a_unit_left_off(text: str) -> None:
+    # "1.5" meant as 1.5GiB would be one byte: a reopened store would evict every block it holds.
+    with pytest.raises(ValueError, match=f"disk_budget='{re.escape(text)}' is a fraction of a byte; give a unit"):
+        parse_bytes(text, "disk_budget")
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -111,6 +112,7 @@ class ModelInfo:
     # peft layers): a cache's first forward checks that they are still the same.
     adapters: bytes = b""
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
+    vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
 
 
 @dataclass(slots=True)
@@ -131,6 +133,7 @@ class _Static:
     num_layers: int
     sample: WeightSample
     position_limit: int | None
+    vocab: int | None = None
     weights: _Weights | None = None
     adapters: tuple["weakref.ref[torch.nn.Module]", ...] = ()  # peft's adapter layers (_adapter_layers)
     buffers: BufferDigests = field(default_factory=BufferDigests)  # RoPE's frequencies' values
@@ -240,10 +243,17 @@ def _kernels_tag(device: torch.device) -> bytes:
     return "|".join(parts).encode()
 
 
+def _not_a_model(model: object) -> str:
+    message = f"expected a transformers model (a torch.nn.Module with a .config), got {type(model).__name__}"
+    if isinstance(model, (str, os.PathLike)):
+        message += f"; load it first: AutoModelForCausalLM.from_pretrained({os.fspath(model)!r})"
+    return message
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
-        raise TypeError(f"expected a transformers model (a torch.nn.Module with a .config), got {type(model).__name__}")
+        raise TypeError(_not_a_model(model))
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tierkv supports decoder-only "
                          "full-attention models (Llama, Qwen2, GPT-2, Mistral...)")
@@ -255,6 +265,9 @@ def _static_facts(model: Any) -> _Static:
     _refuse_unsupported(model, config, text_config)
     _refuse_hidden_weights(model)
     layer_types = _layer_types(text_config)
+    if not layer_types:
+        raise ValueError(f"{type(model).__name__} has no decoder layers (num_hidden_layers=0): it has no KV to "
+                         "store; build it with at least one layer")
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
@@ -290,7 +303,16 @@ def _static_facts(model: Any) -> _Static:
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
-                   position_limit=_position_limit(text_config), adapters=_adapter_layers(model))
+                   position_limit=_position_limit(text_config), vocab=_vocab(model), adapters=_adapter_layers(model))
+
+
+def _vocab(model: Any) -> int | None:
+    """Rows of the model's input embedding (its parameter is sampled: a resize rebuilds the facts)."""
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        return None
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def _attention_of(model: Any) -> str | None:
@@ -357,7 +379,9 @@ def describe_model(model: Any) -> ModelInfo:
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
     changes a sampled value. The config digest and validation are computed once per model object.
     """
-    static = _static_cache.get(model) if isinstance(model, torch.nn.Module) else None
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(_not_a_model(model))
+    static = _static_cache.get(model)
     held = static.sample.hold() if static is not None else None  # alive until the read below
     # Rebuilt when parameters were replaced (load_state_dict(assign=True), a new lm_head), moved
     # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
@@ -405,7 +429,7 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention)
+                     attention=attention, vocab=static.vocab)
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -417,8 +441,8 @@ def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
     return all(row.tobytes() == expected for row in rows.astype(np.int64, copy=False))
 
 
-def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
-    """A ``(1, L)`` integer tensor as int64 numpy ids, or a clear error."""
+def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = None) -> np.ndarray:
+    """A ``(1, L)`` integer tensor as int64 numpy ids, each below ``vocab`` if given, or a clear error."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
                         "use tokenizer(..., return_tensors='pt').input_ids")
@@ -431,14 +455,21 @@ def token_ids_of(input_ids: Any, what: str = "input_ids") -> np.ndarray:
         raise ValueError(f"{what} is empty; pass at least one token")
     if input_ids.device.type == "meta":
         raise ValueError(f"{what} is on the meta device, which holds no values; pass the tokenizer's ids")
+    if input_ids.layout != torch.strided:
+        raise TypeError(f"{what} is a {input_ids.layout} tensor; pass dense ids ({what}.to_dense())")
     # One copy to the host, as int64 first: a uint64 id past int64's range turns negative there.
     # Always a copy: ids kept as a view of the caller's tensor would follow an edit made to it
     # after open, and commit would compare the edited ids with themselves.
     row = input_ids[0].detach().to("cpu", torch.int64, copy=True)
     # In torch, not numpy: open's first steps run right after a forward has evicted the CPU's
     # caches, and numpy's comparison and reduction code, cold then, took 60-75 us to run.
-    if bool((row < 0).any()):
+    low, high = (int(x) for x in torch.aminmax(row))
+    if low < 0:
         raise ValueError(f"{what} holds negative token ids; pass the tokenizer's ids")
+    if vocab is not None and high >= vocab:
+        # Else the embedding's lookup fails inside the forward (a device-side assert on CUDA).
+        raise ValueError(f"{what} holds token id {high}, past the model's {vocab} embeddings; pass ids from "
+                         "this model's tokenizer (or resize_token_embeddings after adding tokens)")
     return row.numpy()
 
 

@@ -74,9 +74,12 @@ from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFul
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
                        resolve_device)
-from .units import format_bytes, parse_bytes, whole_number
+from .units import format_bytes, parse_bytes, seconds_or_none, whole_number
 
 logger = logging.getLogger("tierkv")
+#: Tokens per block at most: a block is the unit of every move, and one of a million tokens is
+#: already gigabytes of KV for a large model (a huge one also overflowed the store's meta record).
+MAX_BLOCK_SIZE = 1 << 20
 POOL_IN_FLIGHT = 128 << 20  # host pool room beyond the host budget: blocks being written or restored
 _UNSET: Any = object()
 
@@ -89,6 +92,13 @@ def _session_id(tenant: str | None, session: str) -> bytes:
 def _check_name(value: object, what: str) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+    if value:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            # Names are hashed as UTF-8: refused here rather than at commit, with the turn lost.
+            raise ValueError(f"{what}={value!r} is not valid text (a lone surrogate: bytes decoded with "
+                             "errors='surrogateescape'?); pass a name that encodes as UTF-8") from None
 
 
 # Every open of a model and tenant has the same root: computed once (msgpack and a hash, cold
@@ -159,7 +169,8 @@ class TieredStore:
     def __init__(self, path: str | os.PathLike[str] | None = "kvstore/", device: object = None,
                  device_budget: int | str = "2GiB", host_budget: int | str = "16GiB",
                  disk_budget: int | str = "256GiB", block_size: int = 256) -> None:
-        block_size = whole_number(block_size, "block_size (tokens per block)", 1, "; 256 is a good default")
+        block_size = whole_number(block_size, "block_size (tokens per block)", 1, "; 256 is a good default",
+                                  maximum=MAX_BLOCK_SIZE)
         self.block_size = block_size
         self.device = resolve_device(device)
         budgets = {name: parse_bytes(value, name) for name, value in
@@ -292,7 +303,7 @@ class TieredStore:
         on disk after a restart and will be recomputed. Closing twice is harmless, and a close
         cut short (an interrupt, a disk error) is finished by the next one.
         """
-        return self._close(timeout)
+        return self._close(seconds_or_none(timeout, "close(timeout)"))
 
     def _close(self, timeout: float | None, grace: float | None = None) -> int:
         """``close``; ``grace``: how long to wait for a write transaction in flight once the
@@ -406,7 +417,7 @@ class TieredStore:
             raise ValueError(f"the model is on {info.device} but this store's device tier is {self.device}; "
                              f"move the model with model.to({str(self.device)!r}) or create the store with "
                              f"device={str(info.device)!r}")
-        ids = token_ids_of(input_ids)
+        ids = token_ids_of(input_ids, vocab=info.vocab)
         root = _root_key(info.fingerprint, tenant)
         # Ctrl-C is held off to the end of the open: an interrupt between a block's move and its
         # index update, or in the unpinning, left the store inconsistent (``interrupts.py``). It
@@ -1302,7 +1313,14 @@ class TieredStore:
         elif self._disk.owes_zeros:
             self._submit(Touch({}))  # evicted records a crash left unzeroed: zeroed by the next write
         self._clock = max([*scan.atime.values(), *(h.seq for h, _ in scan.headers), 0])
+        found, found_bytes = self._index.count(Tier.DISK), self._index.bytes[Tier.DISK]
         self._make_room(Tier.DISK, 0)
+        if self._index.count(Tier.DISK) < found:
+            # A budget smaller than what the store holds: most often a unit left off ("1.5").
+            logger.warning("tierkv: %s holds %d blocks (%s), over disk_budget=%s: the least recently used %d "
+                           "were evicted. Pass a larger disk_budget to keep them", self._disk.path, found,
+                           format_bytes(found_bytes), format_bytes(self._disk.budget),
+                           found - self._index.count(Tier.DISK))
         heads = {k: head for k, head in scan.unindexed.items() if k in self._index.blocks}
         if heads:
             # Records without a sound head were read in full by this scan; with one, the next is not.

@@ -180,7 +180,7 @@ def resolve_device(device: object) -> torch.device:
         # equals torch.device("cpu:1"), and every open would refuse the model.
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; pass device=None or 'cpu'")
+        raise ValueError(f"device={str(resolved)!r} was asked for but CUDA is not available; pass device=None or 'cpu'")
     if resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     elif resolved.index >= torch.cuda.device_count():

@@ -1,9 +1,9 @@
 """Quantities given by users: byte counts (``2GiB``, ``"512MiB"``, ``1.5e9``) and whole numbers.
 
 ``parse_bytes(value, name)`` reads a byte count; ``whole_number(value, name)`` an int argument
-(numpy's integers too, never a bool). KiB/MiB/GiB/TiB are powers of 1024,
-KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions are allowed and rounded
-down to whole bytes. Anything else raises with the accepted forms in the message.
+(numpy's integers too, never a bool); ``seconds_or_none(value, name)`` a timeout. KiB/MiB/GiB/TiB are powers of 1024,
+KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions of a unit are allowed and
+rounded down to whole bytes; a string without a unit and with a fraction ("1.5": a unit left off) is refused. Anything else raises with the accepted forms in the message.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def parse_bytes(value: object, name: str = "budget") -> int:
             raise ValueError(f"unknown byte unit {match.group(2)!r} in {name}={value!r}; use {_FORMS}")
         # Decimal, not float: "2.01KB" is 2010 bytes, not 2009.
         number = Decimal(match.group(1)) * _UNITS[unit]
+        if not unit and number != number.to_integral_value():
+            # "1.5": a unit left off (a byte and a half would evict nearly everything).
+            raise ValueError(f"{name}={value!r} is a fraction of a byte; give a unit, like "
+                             f"\"{match.group(1)}GiB\", or a whole number of bytes")
     else:
         raise TypeError(f"{name} must be {_FORMS}; got {type(value).__name__}")
     if number < 0:
@@ -62,8 +66,8 @@ def parse_bytes(value: object, name: str = "budget") -> int:
     return int(number)
 
 
-def whole_number(value: object, name: str, minimum: int, advice: str = "") -> int:
-    """``value`` as an int of at least ``minimum``, or ``TypeError``/``ValueError`` naming ``name``.
+def whole_number(value: object, name: str, minimum: int, advice: str = "", maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``, or ``TypeError``/``ValueError`` naming ``name``.
     numpy's integers are taken; a bool, a float or a string is not (``1.0`` tokens is a mistake
     somewhere upstream, not a count)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -71,7 +75,23 @@ def whole_number(value: object, name: str, minimum: int, advice: str = "") -> in
     number = int(value)
     if number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}{advice}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}{advice}")
     return number
+
+
+def seconds_or_none(value: object, name: str) -> float | None:
+    """A timeout: None (wait as long as it takes; ``inf`` too) or seconds >= 0. A negative one is
+    refused rather than read as "no timeout", as -1 often means elsewhere: here it would drop
+    every queued write at once."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None or a number of seconds, got {type(value).__name__} {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be None (drain every queued write) or seconds >= 0, got {value!r}")
+    return None if math.isinf(seconds) else seconds
 
 
 def format_bytes(n: int) -> str:

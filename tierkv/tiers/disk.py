@@ -341,8 +341,8 @@ def op_size(op: DiskOp) -> int:
 class DiskTier:
     name = "disk"
 
-    def __init__(self, path: str | os.PathLike[str], budget: int, block_size: int) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str | bytes | os.PathLike[str], budget: int, block_size: int) -> None:
+        self.path = self._resolve_path(path)
         self.budget = budget
         self._check_path(self.path)
         fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
@@ -434,6 +434,18 @@ class DiskTier:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    @staticmethod
+    def _resolve_path(path: str | bytes | os.PathLike[str]) -> str:
+        """A user's path as str, ``~`` expanded (LMDB would make a directory named ``~``)."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"the disk tier's path must be a str or a path, got {type(path).__name__}; "
+                            "pass None for no disk tier")
+        resolved = os.fsdecode(os.fspath(path))
+        if not resolved:
+            raise ValueError("the disk tier's path is empty; pass a directory (it is created if missing), "
+                             "or None for no disk tier")
+        return os.path.expanduser(resolved)
 
     @staticmethod
     def _check_path(path: str) -> None:
