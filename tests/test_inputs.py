@@ -130,22 +130,27 @@ def test_a_cache_run_on_another_model_of_the_same_shapes_is_refused() -> None:
         assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
 
 
-def test_commit_keeps_no_kv_from_a_forward_on_a_model_tierkv_never_saw(caplog) -> None:
+def test_a_forward_on_a_model_tierkv_never_saw_is_refused() -> None:
+    """A model never passed to store.open has no hook: its forward would meet blocks another
+    model computed (and generate output that silently differs), so the cache refuses it."""
     a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
-        cache = store.open(a, ids, session="s")
-        out = greedy(b, ids, past_key_values=cache)  # unchecked: b computed this KV, not a
-        with caplog.at_level("WARNING", logger="tierkv"):
-            assert cache.commit(out) == 0
-        assert "did not see" in caplog.text
-        assert store.open(a, ids, session="s").restored_tokens == 0
-        out = one_turn(store, a, ids)  # a's own turn is kept, and exact afterwards
-        assert_next_turn_exact(store, a, out, restored=out.shape[1] - 1)
+        for restored in (0, 19):
+            cache = store.open(a, ids, session="s")
+            assert cache.restored_tokens == restored
+            with pytest.raises(ValueError, match="fed by a model tierkv never checked .* store.open\\(that_model"):
+                greedy(b, ids, past_key_values=cache)
+            # Nothing was fed: the same cache still runs on its own model, exactly.
+            out = greedy(a, ids, past_key_values=cache)
+            assert torch.equal(out, greedy(a, ids))
+            assert cache.commit(out) == out.shape[1] - 1
 
 
 @pytest.mark.parametrize("how", ["crop", "reset"])
-def test_kv_a_crop_or_reset_dropped_is_not_counted_as_checked_again(how: str) -> None:
+def test_a_check_lets_one_forward_through_whatever_its_length(how: str) -> None:
+    """After a crop or a reset the cache is back at a length a checked forward started from: an
+    unchecked forward there is refused all the same, and commit keeps what was checked."""
     a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
@@ -153,13 +158,15 @@ def test_kv_a_crop_or_reset_dropped_is_not_counted_as_checked_again(how: str) ->
         with torch.no_grad():
             a(input_ids=ids, past_key_values=cache)  # checked: all 20
             if how == "crop":
-                cache.crop(-16)  # back to 4 tokens, then b computes the other 16
+                cache.crop(-16)  # back to 4 tokens
             else:
                 cache.reset()
-            b(input_ids=ids[:, cache.get_seq_length():], past_key_values=cache)
+            with pytest.raises(ValueError, match="never checked"):
+                b(input_ids=ids[:, cache.get_seq_length():], past_key_values=cache)
+            a(input_ids=ids[:, cache.get_seq_length():], past_key_values=cache)
         assert cache.get_seq_length() == 20
-        assert cache.commit(ids) == (4 if how == "crop" else 0)
-        assert_next_turn_exact(store, a, ids, restored=4 if how == "crop" else 0)
+        assert cache.commit(ids) == 20
+        assert_next_turn_exact(store, a, ids, restored=20)
 
 
 class _Wrapper(torch.nn.Module):
@@ -745,18 +752,20 @@ def test_ids_fed_past_the_conversation_are_copied_when_fed() -> None:
         assert cache.commit(torch.cat([ids, torch.tensor([made])], dim=1)) == 24
 
 
-def test_a_crop_forgets_the_ids_fed_past_the_new_length() -> None:
-    a, b = make_model("llama", seed=0), make_model("llama", seed=2)  # b has no tierkv hook
+def test_ids_fed_again_after_a_crop_are_the_ones_kept() -> None:
+    a = make_model("llama", seed=0)
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store:
         cache = store.open(a, ids, session="s")
         out = greedy(a, ids, past_key_values=cache)  # 24 held: 4 past the conversation
         cache.crop(-3)
+        other = (out[:, 21:24] + 1) % VOCAB
         with torch.no_grad():
-            b(out[:, 21:24], past_key_values=cache)  # b's KV where a's ids were noted
+            a(other, past_key_values=cache)  # other ids' KV where out's were noted
         assert cache.get_seq_length() == 24
-        assert cache.commit(out) == 21
-        assert_next_turn_exact(store, a, out, restored=21)
+        edited = torch.cat([out[:, :21], other], dim=1)
+        assert cache.commit(edited) == 24
+        assert_next_turn_exact(store, a, edited, restored=24)
 
 
 def test_a_sample_selected_from_several_keeps_only_the_conversation() -> None:

@@ -652,6 +652,7 @@ class TieredCache(Cache):
         self._model = weakref.ref(model) if model is not None else None
         self._also_fine: list[weakref.ref[torch.nn.Module]] = []
         self._last_checked: tuple[int, tuple[Any, ...]] | None = None  # see _check_forward
+        self._hooked = False  # the hook checked the forward now running (see update)
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -674,6 +675,19 @@ class TieredCache(Cache):
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "
                 f"restored_from={self.restored_from})")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            if not self._hooked:
+                # No hook ran for this forward: a model store.open never saw. Its KV would meet
+                # the restored blocks of another model, and the output would silently differ.
+                raise ValueError(
+                    "this TieredCache is being fed by a model tierkv never checked (one never passed to "
+                    "store.open, such as a copy made before its first open): open the cache with the model "
+                    "that runs it, store.open(that_model, input_ids)")
+            self._hooked = False  # one forward's check lets one forward through
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def commit(self, sequences: torch.Tensor) -> int:
         """Hand this cache's KV for ``sequences`` (the ids ``generate`` returned) to the store.
@@ -707,6 +721,7 @@ class TieredCache(Cache):
             # The inner model's hook on its first forward: its wrapper's hook checked these very
             # inputs a moment ago; only whether it computes the opened model's KV is new.
             self._check_model(module)
+            self._hooked = True
             return
         # The adapters on the first forward and on every forward of several ids (a prefill: another
         # generate on this cache); the attention implementation, one read, on every forward.
@@ -716,6 +731,7 @@ class TieredCache(Cache):
         self._check_model(module)
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
+        self._hooked = True
 
     def check_computed_as_opened(self, *, adapters: bool = True, weights: bool = False) -> None:
         """The opened model still computes KV as it did at ``open``: the same attention
