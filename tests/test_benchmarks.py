@@ -321,6 +321,9 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     (["--device-budget", "12XB"], "unknown byte unit"),
     (["--seed", "-1"], "--seed must be 0 or more"),
     (["--out", __file__], "is a file; give a directory"),
+    (["--out", "/proc/tierkv-out"], "cannot make that directory"),
+    (["--device-budget", "1e300%"], "from 0 to 100000"),
+    (["--host-budget", "100001%"], "from 0 to 100000"),
 ])
 def test_chat_trace_refuses_bad_flags_saying_what_to_give(flags: list[str], message: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -434,6 +437,43 @@ def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_ho
     a = torch.tensor([[1, 2, 3]])
     assert extends(a, torch.tensor([[1, 2, 3, 4]])) and not extends(None, a)
     assert not extends(a, torch.tensor([[1, 2, 9, 4]])) and not extends(a, a)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sessions", "0"], "--sessions must be 1 or more"),
+    (["--turns", "0"], "--turns must be 1 or more"),
+    (["--layers", "0"], "--layers must be 1 or more"),
+    (["--system-tokens", "0"], "--system-tokens must be 1 or more"),
+    (["--reply-tokens", "0"], "--reply-tokens must be 1 or more"),
+    (["--block-size", "0"], "--block-size must be 1 or more"),
+    (["--hidden", "0"], "--hidden must be 64, 128, 192 or a multiple of 128"),
+    (["--hidden", "320"], "--hidden must be 64, 128, 192 or a multiple of 128"),
+    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--store", __file__], "is a file; give a directory"),
+])
+def test_the_demo_refuses_bad_flags_saying_what_to_give(flags: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.demo import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_demos_quick_sets_defaults_that_flags_given_with_it_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierkv.demo as demo
+
+    built = []
+
+    def stop(layers: int, hidden: int, seed: int) -> None:
+        built.append((layers, hidden))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(demo, "build_model", stop)
+    for flags, expected in ((["--quick"], (2, 128)), (["--quick", "--layers", "1", "--hidden", "64"], (1, 64))):
+        with pytest.raises(SystemExit):
+            demo.main(flags)
+        assert built.pop() == expected
 
 
 @pytest.mark.parametrize("program, flags, message", [

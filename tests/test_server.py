@@ -407,6 +407,25 @@ def test_settings_come_from_the_environment_then_the_flags() -> None:
         Settings.from_env({"TIERKV_BLOCK_SIZE": "big"})
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--device-budget", "10%"], "cannot read device_budget='10%' as a byte count"),
+    (["--host-budget", "1.5"], "host_budget='1.5' is a fraction of a byte; give a unit"),
+    (["--tiny-hidden", "100"], "tiny_hidden must be 64, 128, 192 or a multiple of 128"),
+    (["--tiny-hidden", "320"], "tiny_hidden must be 64, 128, 192 or a multiple of 128"),
+    (["--max-input-tokens", "8000"], "max_input_tokens + max_output_tokens must be <= 8192"),
+    (["--port", "70000"], "port must be in 0..65535"),
+    (["--store", __file__], "is a file; give a directory"),
+    (["--model", "meta-llama/Llama-3-8B"], "serves the built-in random model only"),
+])
+def test_bad_server_settings_are_usage_errors_before_the_server_starts(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.server.settings import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags, {})
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -224,6 +224,10 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+#: A budget's largest percentage of the working set: more is no limit, which a byte size says.
+MAX_PERCENT = 100_000
+
+
 def budget_bytes(text: str, working_set: int, flag: str) -> int:
     """A budget flag's bytes: ``"10%"`` of the working set (rounded down), or a byte size such as
     ``"64MiB"`` or ``"65536"``. Raises ValueError saying what to give instead."""
@@ -233,9 +237,9 @@ def budget_bytes(text: str, working_set: int, flag: str) -> int:
             percent = float(text[:-1])
         except ValueError:
             percent = float("nan")
-        if not (math.isfinite(percent) and percent >= 0):
-            raise ValueError(f"{flag} {text!r}: give a percentage of the working set of 0 or more, like "
-                             f"\"10%\", or a byte size like \"64MiB\"")
+        if not (math.isfinite(percent) and 0 <= percent <= MAX_PERCENT):
+            raise ValueError(f"{flag} {text!r}: give a percentage of the working set from 0 to {MAX_PERCENT:g}, "
+                             f"like \"10%\", or a byte size like \"64MiB\" (\"1TiB\": no limit)")
         return int(percent / 100 * working_set)
     try:
         return parse_bytes(text, flag)
@@ -552,6 +556,10 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
         parser.error(f"--seed must be 0 or more, got {args.seed}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out!r} is a file; give a directory for the reports (made if missing)")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)  # before the run: one that cannot be made fails at once
+    except OSError as exc:
+        parser.error(f"--out {args.out!r}: cannot make that directory ({exc.strerror}); give one you can write to")
     for flag in ("device_budget", "host_budget", "disk_budget"):
         try:
             budget_bytes(getattr(args, flag), 1, f"--{flag.replace('_', '-')}")
@@ -568,7 +576,6 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)  # before the run: one that cannot be made fails at once
     run_ = run(args)
     summary = summarise(run_)
     table = markdown(run_, summary)

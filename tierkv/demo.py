@@ -18,6 +18,7 @@ A program, like the benchmarks: it prints, and imports transformers directly.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -67,6 +68,24 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, reply_tokens: int,
     return out, timer.first_token_at - start, cache
 
 
+QUICK = {"turns": 6, "layers": 2, "hidden": 128, "system_tokens": 128}
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad flag exits through ``parser.error`` saying what to give, before anything is built."""
+    for flag in ("sessions", "turns", "layers", "system_tokens", "reply_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
+    heads = args.hidden // 64
+    if args.hidden < 64 or args.hidden % 64 or heads % max(1, heads // 2):
+        parser.error(f"--hidden must be 64, 128, 192 or a multiple of 128 (the model has hidden/64 query heads "
+                     f"sharing hidden/128 KV heads), got {args.hidden}")
+    if args.seed < 0:
+        parser.error(f"--seed must be 0 or more, got {args.seed}")
+    if args.store is not None and os.path.exists(args.store) and not os.path.isdir(args.store):
+        parser.error(f"--store {args.store!r} is a file; give a directory (made if missing)")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Run the simulation; ``argv`` defaults to ``sys.argv[1:]``, ``prog`` names it in ``--help``."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
@@ -80,13 +99,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--store", default=None, help="disk tier directory, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer turns")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller model and fewer turns: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                                             for k, v in QUICK.items()) + " unless given")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)  # defaults only: flags given with --quick win
+        args = parser.parse_args(argv)
+    check_args(parser, args)
     # Set here, not at import: `tierkv` imports this module only to run it, and importers keep theirs.
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
-    if args.quick:
-        args.turns, args.layers, args.hidden, args.system_tokens = 6, 2, 128, 128
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     model = build_model(args.layers, args.hidden, args.seed)

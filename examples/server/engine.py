@@ -38,30 +38,20 @@ from transformers.generation.streamers import BaseStreamer
 
 from tierkv import TieredStore
 
-from .settings import Settings
+from .settings import MAX_POSITIONS, Settings
 from .tokenizer import BOS, END, VOCAB_SIZE, ByteChatTokenizer
 
 T = TypeVar("T")
-# Fixed, not derived from the request limits: the config is part of the model's fingerprint, so a
-# change of limits must not orphan every block in the store.
-MAX_POSITIONS = 8192
 
 
 def build_model(settings: Settings) -> tuple[torch.nn.Module, ByteChatTokenizer]:
     """The model and tokenizer ``settings.model`` names (only "tiny" here), in eval mode, on the CPU."""
-    if settings.model != "tiny":
-        raise ValueError(f"model {settings.model!r} is not available: this example serves the built-in random "
-                         "model only (--model tiny), since nothing can be downloaded")
-    if settings.tiny_hidden % 64:
-        raise ValueError(f"tiny_hidden must be a multiple of 64 (the head size), got {settings.tiny_hidden}")
-    heads = settings.tiny_hidden // 64
+    heads = settings.tiny_hidden // 64  # Settings checked the model's shape and limits
     config = AutoConfig.for_model("llama", vocab_size=VOCAB_SIZE, hidden_size=settings.tiny_hidden,
                                   intermediate_size=2 * settings.tiny_hidden, num_hidden_layers=settings.tiny_layers,
                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                                   max_position_embeddings=MAX_POSITIONS, bos_token_id=BOS, eos_token_id=END,
                                   pad_token_id=END)
-    if settings.max_input_tokens + settings.max_output_tokens > MAX_POSITIONS:
-        raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context")
     # Same seed, same weights, same fingerprint: a restarted server finds its sessions on disk.
     # fork_rng: building the model must not reseed the process's RNG that sampling uses.
     with torch.random.fork_rng(devices=[]):

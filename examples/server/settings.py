@@ -14,6 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The tiny model's context. Fixed, not derived from the request limits: the config is part of the
+# model's fingerprint, so a change of limits must not orphan every block in the store.
+MAX_POSITIONS = 8192
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -38,6 +42,8 @@ class Settings:
     port: int = 8000
 
     def __post_init__(self) -> None:
+        """Everything the server would otherwise find wrong at startup, after loading torch and the
+        model, with a traceback."""
         for name in ("tiny_layers", "tiny_hidden", "block_size", "max_input_tokens", "max_output_tokens",
                      "default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
@@ -45,6 +51,24 @@ class Settings:
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_output_tokens "
                              f"({self.max_output_tokens})")
+        if self.model != "tiny":
+            raise ValueError(f"model {self.model!r} is not available: this example serves the built-in random "
+                             "model only (--model tiny), since nothing can be downloaded")
+        heads = self.tiny_hidden // 64
+        if self.tiny_hidden % 64 or heads % max(1, heads // 2):
+            raise ValueError(f"tiny_hidden must be 64, 128, 192 or a multiple of 128 (heads of 64 sharing KV heads "
+                             f"in pairs), got {self.tiny_hidden}")
+        if self.max_input_tokens + self.max_output_tokens > MAX_POSITIONS:
+            raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context; "
+                             f"got {self.max_input_tokens} + {self.max_output_tokens}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.store is not None and os.path.exists(self.store) and not os.path.isdir(self.store):
+            raise ValueError(f"store {self.store!r} is a file; give a directory (made if missing), or 'none'")
+        from tierkv.units import parse_bytes  # loads torch: only once the cheap checks passed
+
+        for name in ("device_budget", "host_budget", "disk_budget"):
+            parse_bytes(getattr(self, name), name)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
