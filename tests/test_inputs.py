@@ -147,6 +147,19 @@ def test_a_forward_on_a_model_tierkv_never_saw_is_refused() -> None:
             assert cache.commit(out) == out.shape[1] - 1
 
 
+def test_a_cache_cannot_be_copied_or_pickled_and_says_what_to_do_instead() -> None:
+    import pickle
+
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, random_ids(20, 1), session="s")
+        for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied or pickled.*store.open a new cache for each turn"):
+                copier(cache)
+        out = greedy(model, random_ids(20, 1), past_key_values=cache)  # the cache itself is untouched
+        assert cache.commit(out) == out.shape[1] - 1
+
+
 @pytest.mark.parametrize("how", ["crop", "reset"])
 def test_a_check_lets_one_forward_through_whatever_its_length(how: str) -> None:
     """After a crop or a reset the cache is back at a length a checked forward started from: an

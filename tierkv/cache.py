@@ -636,6 +636,13 @@ class _Fed(NamedTuple):
     positions: torch.Tensor | None = None
 
 
+# Transformers' docs reuse a prompt's cache by deep-copying it; a TieredCache is one turn of one
+# conversation, tied to its store (which shares prefixes itself), and a copy would commit twice.
+_NO_COPIES = ("a TieredCache cannot be copied or pickled: it is one turn of one conversation, tied to its store. "
+              "To reuse a prompt's KV, commit it and store.open a new cache for each turn: the store restores "
+              "the shared prefix")
+
+
 class TieredCache(Cache):
     """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``."""
 
@@ -675,6 +682,15 @@ class TieredCache(Cache):
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "
                 f"restored_from={self.restored_from})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TieredCache":
+        raise TypeError(_NO_COPIES)
+
+    def __copy__(self) -> "TieredCache":
+        raise TypeError(_NO_COPIES)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPIES)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
