@@ -508,6 +508,39 @@ def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> No
             gpt2(ids, past_key_values=cache, token_type_ids=torch.full_like(ids, 3))
 
 
+def _bert_like(model_type: str, **extra: object) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128, is_decoder=True, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("case", ["cross-attention", "shape and pronunciation ids", "task types", "head mask"])
+def test_inputs_besides_the_ids_that_change_their_kv_are_refused(case: str) -> None:
+    """Blocks are keyed on the ids alone: KV computed with an encoder's output (a decoder's
+    cross-attention), per-token inputs other than the ids, or a head mask would be restored
+    for the same ids without them. Found restored silently by helper-9's hunt."""
+    ids = random_ids(20, 1)
+    if case == "cross-attention":
+        model = make_model("gpt2", add_cross_attention=True)
+        extra = {"encoder_hidden_states": torch.randn(1, 5, model.config.n_embd)}
+    elif case == "shape and pronunciation ids":
+        model = _bert_like("roc_bert", shape_vocab_size=50, pronunciation_vocab_size=50)
+        extra = {"input_shape_ids": torch.full_like(ids, 7), "input_pronunciation_ids": torch.full_like(ids, 9)}
+    elif case == "task types":
+        model = _bert_like("ernie", use_task_id=True, task_type_vocab_size=3)
+        extra = {"task_type_ids": torch.full_like(ids, 2)}
+    else:
+        model = make_model("gpt2")
+        extra = {"head_mask": torch.ones(model.config.n_layer, model.config.n_head)}
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match=f"given {next(iter(extra))}, which change the KV of the ids"):
+            model(ids, past_key_values=cache, **extra)
+        model(ids, past_key_values=cache)  # the ids alone: their KV is what the blocks are keyed on
+        assert cache.commit(ids) == 20
+
+
 def test_commit_refuses_an_edited_reply_and_keeps_no_kv_fed_as_embeddings() -> None:
     model = make_model("llama")
     ids = random_ids(20, 1)

@@ -622,6 +622,18 @@ class TieredLayer(DynamicLayer):
 
 # The forward arguments besides the ids that ``_check_inputs`` reads.
 _CHECKED_KWARGS = ("attention_mask", "position_ids", "inputs_embeds", "token_type_ids")
+# The tensor inputs of a forward whose effect on the KV the hook checks (ids, mask, positions),
+# or that have none. Any other tensor is an input besides the ids that changes their KV and that
+# blocks are not keyed on: token types, RoCBert's shape and pronunciation ids, Ernie's task types,
+# a decoder's encoder_hidden_states for cross-attention (TrOCR, Bart's decoder), a head_mask.
+_KEYED_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position",
+                           "labels", "past_key_values", "cache"})
+
+
+def _unkeyed_input(kwargs: dict[str, Any]) -> str | None:
+    """The name of a forward's tensor input that changes its KV besides the ids, or None."""
+    return next((name for name, value in kwargs.items()
+                 if value is not None and name not in _KEYED_INPUTS and isinstance(value, torch.Tensor)), None)
 
 
 class _Fed(NamedTuple):
@@ -844,9 +856,11 @@ class TieredCache(Cache):
             raise ValueError("a TieredCache was given inputs_embeds; its blocks are keyed on token ids, so KV "
                              "computed from embeddings (soft prompts, prompt tuning) would be served for those ids. "
                              "Pass input_ids, or use a plain DynamicCache for this turn")
-        if kwargs.get("token_type_ids") is not None:
-            raise ValueError("a TieredCache was given token_type_ids, which change the KV of the ids it is keyed on; "
-                             "pass input_ids alone, or use a plain DynamicCache for this turn")
+        unkeyed = _unkeyed_input(kwargs)
+        if unkeyed is not None:
+            raise ValueError(f"a TieredCache was given {unkeyed}, which change the KV of the ids it is keyed on "
+                             "(its blocks are keyed on the ids alone); pass input_ids alone, with attention_mask "
+                             "or position_ids if need be, or use a plain DynamicCache for this turn")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return  # the model rejects it itself
         got = input_ids.detach().cpu().numpy()
@@ -886,7 +900,7 @@ class TieredCache(Cache):
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             self._hidden_token(mask)  # raises: a custom mask
-        if embeds is not None or kwargs.get("token_type_ids") is not None or \
+        if embeds is not None or _unkeyed_input(kwargs) is not None or \
                 not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             self._fed.append(_Fed(done, None))
             return
