@@ -721,6 +721,32 @@ def test_a_store_written_by_another_release_restores_nothing_after_a_restart(tmp
         verify_open(store, model, out, session="s", expect=30)
 
 
+def test_a_config_field_edited_on_the_live_model_restores_nothing_then_its_own_kv_again(tmp_path, monkeypatch):
+    """OLMo reads clip_qkv at every forward (X-MOD's set_default_language edits its config the same
+    way): the config's digest, cached per model object, is taken again when a field changed, and
+    the weights' digest is reused rather than read again."""
+    import tierkv.cache as cache_module
+
+    config = AutoConfig.for_model("olmo", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    digests = []
+    monkeypatch.setattr(cache_module, "digest_weights",
+                        lambda params, _real=cache_module.digest_weights: digests.append(1) or _real(params))
+    ids = random_ids(3 * B + 2)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, 2, cache)
+        cache.commit(out)
+        later = torch.cat([out, random_ids(3, seed=9)], dim=1)
+        for clip, restored in ((0.05, 0), (None, out.shape[1] - 1)):
+            model.config.clip_qkv = clip
+            cache = verify_open(store, model, later, expect=restored)
+            assert torch.equal(generate(model, later, 3, cache), generate(model, later, 3))
+    assert len(digests) == 1
+
+
 def test_the_fingerprint_covers_the_device_kind_and_gpu_model(monkeypatch):
     from tierkv.cache import _kernels_tag
     gpus = {0: ("NVIDIA H200", (9, 0)), 1: ("NVIDIA A100-SXM4-80GB", (8, 0)), 2: ("NVIDIA H200", (9, 0))}

@@ -54,6 +54,7 @@ Generation details handled here:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -134,6 +135,26 @@ class _Static:
     sample: WeightSample
     position_limit: int | None
     vocab: int | None = None
+    # The config the digest was taken from, its text config, the fields the digest covers, and
+    # all the config's fields as last seen (with no covered field changed).
+    config: Any = None
+    text_config: Any = None
+    config_seen: dict[str, Any] = field(default_factory=dict)
+    config_raw: dict[str, Any] = field(default_factory=dict)
+
+    def config_current(self, model: Any) -> bool:
+        """Whether the fields the config digest covers are as they were when it was taken (a
+        field edited on the live config changes the KV of this model object: X-MOD's
+        set_default_language, clip_qkv set by hand). One comparison of the whole config, 1 us;
+        get_text_config alone takes 17."""
+        config = model.config
+        if config is self.config and vars(config) == self.config_raw:
+            return True
+        text = config.get_text_config(decoder=True)
+        if text is not self.text_config or _covered(text) != self.config_seen:
+            return False
+        self.config, self.config_raw = config, _snapshot(vars(config))  # an ignored field changed
+        return True
     weights: _Weights | None = None
     adapters: tuple["weakref.ref[torch.nn.Module]", ...] = ()  # peft's adapter layers (_adapter_layers)
     buffers: BufferDigests = field(default_factory=BufferDigests)  # RoPE's frequencies' values
@@ -250,6 +271,19 @@ def _not_a_model(model: object) -> str:
     return message
 
 
+def _covered(text_config: Any) -> dict[str, Any]:
+    """The config fields the fingerprint's config digest covers."""
+    return {k: v for k, v in vars(text_config).items() if k not in _CONFIG_FIELDS_IGNORED}
+
+
+def _snapshot(fields: dict[str, Any]) -> dict[str, Any]:
+    """A copy of config fields that edits in place (a nested rope_parameters) do not reach."""
+    try:
+        return copy.deepcopy(fields)
+    except Exception:  # noqa: BLE001 - a field deepcopy cannot copy: compared by identity then
+        return dict(fields)
+
+
 def _static_facts(model: Any) -> _Static:
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(config, "to_dict"):
@@ -302,8 +336,12 @@ def _static_facts(model: Any) -> _Static:
     h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    # Compared at every describe (_Static.config_current): a field edited on the live config
+    # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
-                   position_limit=_position_limit(text_config), vocab=_vocab(model), adapters=_adapter_layers(model))
+                   position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
+                   text_config=text_config, config_seen=_snapshot(_covered(text_config)),
+                   config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model))
 
 
 def _vocab(model: Any) -> int | None:
@@ -387,12 +425,15 @@ def describe_model(model: Any) -> ModelInfo:
     # (model.to(...)), cast or given new storage (p.data = ...): the sample points must address
     # the live tensors.
     volatile: list[torch.Tensor] = []  # RoPE's frequency buffers, from the walk current() makes
-    while static is None or not static.sample.current(model, (volatile := [])):
+    while static is None or not static.sample.current(model, (volatile := [])) or not static.config_current(model):
         # Checked again once held: a storage replaced while the sample was built is not held.
         with _describe_lock:  # one thread builds (and hooks) a new model, not each of them
             static = _static_cache.get(model)
-            if static is None or not static.sample.current(model):
-                static = _static_facts(model)
+            if static is None or not static.sample.current(model) or not static.config_current(model):
+                old, static = static, _static_facts(model)
+                if old is not None:
+                    # Its weights' digest stays valid while their sample and counters do (checked below).
+                    static.weights, static.buffers = old.weights, old.buffers
                 _static_cache[model] = static
         held = static.sample.hold()
     first = static.sample.params[0]  # its dtype and address were just checked by current()
