@@ -541,6 +541,24 @@ def test_inputs_besides_the_ids_that_change_their_kv_are_refused(case: str) -> N
         assert cache.commit(ids) == 20
 
 
+def test_a_model_that_counts_positions_from_its_pad_id_is_given_them_as_generate_gives_them() -> None:
+    """RoBERTa's family counts a forward's positions from pad_token_id + 1 when given none, and
+    generate() passes them from 0: a turn by model() then one by generate() met at two sets of
+    positions and generated other tokens (found by helper-9). Without position_ids it is refused."""
+    model = _bert_like("roberta")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match="counts positions from its pad id .* pass position_ids="):
+            model(ids, past_key_values=cache)
+        model(ids, past_key_values=cache, position_ids=torch.arange(20)[None])
+        assert cache.commit(ids) == 20
+        later = torch.cat([ids, random_ids(5, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 20
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
 def test_commit_refuses_an_edited_reply_and_keeps_no_kv_fed_as_embeddings() -> None:
     model = make_model("llama")
     ids = random_ids(20, 1)

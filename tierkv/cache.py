@@ -114,6 +114,9 @@ class ModelInfo:
     adapters: bytes = b""
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
     vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
+    # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
+    # where generate() passes them counted from 0 (see _check_inputs).
+    positions_from_pad: bool = False
 
 
 @dataclass(slots=True)
@@ -135,6 +138,7 @@ class _Static:
     sample: WeightSample
     position_limit: int | None
     vocab: int | None = None
+    positions_from_pad: bool = False
     # The config the digest was taken from, its text config, the fields the digest covers, and
     # all the config's fields as last seen (with no covered field changed).
     config: Any = None
@@ -340,6 +344,8 @@ def _static_facts(model: Any) -> _Static:
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
+                   positions_from_pad=any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
+                                          not isinstance(m, torch.nn.Embedding) for m in model.modules()),
                    text_config=text_config, config_seen=_snapshot(_covered(text_config)),
                    config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model))
 
@@ -470,7 +476,7 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention, vocab=static.vocab)
+                     attention=attention, vocab=static.vocab, positions_from_pad=static.positions_from_pad)
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -880,6 +886,12 @@ class TieredCache(Cache):
                              f"{len(self.layers)} layers (an exception such as out of memory or Ctrl-C), which now "
                              f"hold {done} and {behind} tokens, and a forward would compute wrong KV. Commit it "
                              "(commit keeps the tokens every layer holds) and open a new cache with store.open")
+        if self.model_info.positions_from_pad and kwargs.get("position_ids") is None:
+            # Its KV at positions generate() never uses: a turn run by model() and the next by
+            # generate() would meet in one conversation at two sets of positions.
+            raise ValueError("this model counts positions from its pad id when a forward is given no position_ids, "
+                             "while generate() passes them counted from 0: pass position_ids=torch.arange(start, "
+                             "start + n)[None] to model(), start being cache.get_seq_length()")
         embeds = kwargs.get("inputs_embeds")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(input_ids, torch.Tensor) and \
