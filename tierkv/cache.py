@@ -421,7 +421,8 @@ def describe_model(model: Any) -> ModelInfo:
     parameters' version counters; when either moved, every weight byte is digested again, so
     in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
-    changes a sampled value. The config digest and validation are computed once per model object.
+    changes a sampled value. The config digest and validation are computed once per model object,
+    and again when a field the digest covers was edited on the live config.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(_not_a_model(model))
