@@ -731,9 +731,6 @@ class TieredCache(Cache):
         # A forward past the conversation fed several rows (beams, samples): the rows' KV there no
         # longer follows row 0's ids once they are reordered or selected, so none is kept.
         self._rows_diverged = False
-        # The conversation's first tokens whose KV was restored or computed by forwards the hook
-        # checked; a forward it never saw (a model tierkv never opened a cache with) is not kept.
-        self._checked = self.restored_tokens
         if blocks:
             restore = _Restore(blocks)
             for i, layer in enumerate(layers):
@@ -940,8 +937,6 @@ class TieredCache(Cache):
                                  f"position_ids that do not start at {done} and count up; pass position_ids=None")
         if hidden is not None:
             self._masked_from = hidden if self._masked_from is None else min(self._masked_from, hidden)
-        if done <= self._checked:
-            self._checked = done + n
         if got.shape[1] > n:  # this forward goes on past the conversation (assisted decoding's candidates)
             # Its mask was read above, into _masked_from.
             self._note(len(want), input_ids[:, n:], None,
@@ -1086,7 +1081,6 @@ class TieredCache(Cache):
     def crop(self, *args: Any, **kwargs: Any) -> None:
         super().crop(*args, **kwargs)
         length = self.get_seq_length()
-        self._checked = min(self._checked, length)
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
                      for f in self._fed if f.at < length]
 
@@ -1096,7 +1090,6 @@ class TieredCache(Cache):
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
-        self._checked = 0
         self._fed = []
         self._masked_from = None
         self._rows_diverged = False

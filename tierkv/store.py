@@ -199,7 +199,6 @@ class TieredStore:
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._orphaned_pins: deque[bytes] = deque()  # see _let_go
-        self._unchecked_commits = 0
         # Deletes and references whose batch is queued, and those whose batch failed: retried at
         # every flush and at close, since a lost delete would bring forgotten KV back after a
         # restart, and a lost reference would leave a session's blocks where its forget cannot
@@ -734,14 +733,6 @@ class TieredStore:
             n = min(n, len(opened))
         if cache._masked_from is not None:
             n = min(n, cache._masked_from)  # KV from there on depends on the mask, not the ids alone
-        if cache._checked < min(n, len(opened)):
-            # A forward tierkv's hook did not see: its ids were never compared, nor its model.
-            (logger.warning if not self._unchecked_commits else logger.debug)(
-                "tierkv: commit() kept at most %d of %d tokens: the rest was computed by a forward tierkv's hook "
-                "did not see (on a model never passed to store.open), so neither its ids nor its weights were "
-                "checked; run the cache on the model it was opened with", cache._checked, n)
-            self._unchecked_commits += 1
-            n = cache._checked
         if n > len(opened):
             # The ids generated with this cache, as the model was fed them: a reply edited before
             # commit (or fed as embeddings) would be keyed on ids that did not compute its KV.
