@@ -348,3 +348,54 @@ def test_logits_through_restored_cache_equal_full_forward(tiny_model, tmp_path: 
         got = greedy(model, longer, past_key_values=cache)
         assert_tokens_equal(got, greedy(model, longer), f"{arch}/{tier} after a forward-filled commit")
 
+
+
+# -- 6. decoders taken from encoder-decoder families, and decoders built with cross-attention --------
+# BartForCausalLM and its kin map num_hidden_layers to encoder_layers, which the decoder-only model
+# does not build: the cache must have decoder_layers layers. GPT-2 and BERT built with
+# add_cross_attention (used without encoder states, as a plain LM) wrap the cache in an
+# EncoderDecoderCache, which generate() then feeds back at every later step.
+DECODER_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "bart-1enc-3dec": ("bart", dict(d_model=64, encoder_layers=1, decoder_layers=3, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128), 3),
+    "blenderbot-3enc-2dec": ("blenderbot", dict(d_model=64, encoder_layers=3, decoder_layers=2,
+                                                encoder_attention_heads=4, decoder_attention_heads=4,
+                                                encoder_ffn_dim=128, decoder_ffn_dim=128), 2),
+    "gpt2-cross-attention": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, add_cross_attention=True), 2),
+    "bert-cross-attention": ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=128, is_decoder=True, add_cross_attention=True), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODER_CASES))
+def test_decoders_of_other_families_equal_plain_generate(tmp_path: Path, case: str) -> None:
+    model_type, fields, layers = DECODER_CASES[case]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=512, **fields)).eval()
+    ids = random_ids(PROMPT, seed=7)
+    expected_restored = 0
+    with new_store(tmp_path, "disk") as store:
+        for turn in range(3):
+            cache = store.open(model, ids, session="dec")
+            assert len(cache.layers) == layers
+            assert_opened(cache, "disk", expected_restored)
+            out = greedy(model, ids, past_key_values=cache)
+            # A DynamicCache without a config grows a layer per layer the model feeds (the one
+            # generate() would build from this config has the encoder's count of layers).
+            assert_tokens_equal(out, greedy(model, ids, past_key_values=DynamicCache()), f"{case} turn {turn}")
+            assert_holds(cache, out)
+            assert cache.commit(out) == out.shape[1] - 1
+            expected_restored = out.shape[1] - 1
+            ids = torch.cat([out, user_tokens(turn, seed=700)], dim=1)
+
+
+def test_a_model_feeding_more_layers_than_its_config_declares_is_refused(tmp_path: Path) -> None:
+    model = make_model("gpt2")
+    model.config.n_layer = 1  # GPT-2 still runs its 2 layers (Llama would run the first only)
+    with TieredStore(None, device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, random_ids(PROMPT, seed=8))
+        assert len(cache.layers) == 1
+        with pytest.raises(ValueError, match="KV for layer 1, but its config declares 1 layers.*DynamicCache"):
+            greedy(model, random_ids(PROMPT, seed=8), past_key_values=cache)

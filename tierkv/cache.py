@@ -70,7 +70,7 @@ import numpy as np
 import torch
 import xxhash
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 try:
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -170,6 +170,16 @@ _describe_lock = threading.Lock()
 
 def _layer_types(text_config: Any) -> list[str]:
     """Each layer's attention type, as transformers' own caches would build it."""
+    types = _declared_layer_types(text_config)
+    decoder = getattr(text_config, "decoder_layers", None)
+    if isinstance(decoder, int) and not isinstance(decoder, bool) and decoder != len(types) and len(set(types)) == 1:
+        # The decoder alone (BartForCausalLM, Blenderbot's, Marian's...): its config maps
+        # num_hidden_layers to encoder_layers, which the model built without this decoder.
+        types = types[:1] * decoder
+    return types
+
+
+def _declared_layer_types(text_config: Any) -> list[str]:
     if get_layer_types_and_kwargs is not None:
         return list(get_layer_types_and_kwargs(text_config)[0])
     window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
@@ -407,6 +417,10 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     cache = kwargs.get("past_key_values")
     if cache is None:
         cache = kwargs.get("cache")
+    if isinstance(cache, EncoderDecoderCache):
+        # A decoder built with cross-attention (GPT-2's add_cross_attention) wraps the cache it is
+        # given in one, and generate() feeds that wrapper back at every later step.
+        cache = cache.self_attention_cache
     if isinstance(cache, TieredCache):
         cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
     elif any(isinstance(a, TieredCache) for a in args):
@@ -760,6 +774,11 @@ class TieredCache(Cache):
                     "store.open, such as a copy made before its first open): open the cache with the model "
                     "that runs it, store.open(that_model, input_ids)")
             self._hooked = False  # one forward's check lets one forward through
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"the model fed KV for layer {layer_idx}, but its config declares {len(self.layers)} "
+                             "layers, the number this TieredCache was built with: tierkv cannot tell how many "
+                             "layers hold KV in this model; report the architecture to tierkv's tracker and use a "
+                             "plain DynamicCache meanwhile")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def commit(self, sequences: torch.Tensor) -> int:
