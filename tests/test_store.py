@@ -587,6 +587,47 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
             cache.commit(later)
 
 
+def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
+    # batched_mm and eager route tokens through the experts in other orders and round differently:
+    # from the second layer on the KV differs in the last bits.
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **fields)).eval()
+    ids = random_ids(40, 3)
+    kv = {}
+    with torch.no_grad():
+        for impl in ("eager", "batched_mm"):
+            model.set_experts_implementation(impl)
+            kv[impl] = DynamicCache()
+            model(ids, past_key_values=kv[impl])
+    assert not torch.equal(kv["eager"].layers[1].keys, kv["batched_mm"].layers[1].keys)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        model.set_experts_implementation("eager")
+        _, out = turn(store, model, ids, new=2)
+        nxt = cat(out, random_ids(3, 4))
+        model.set_experts_implementation("batched_mm")
+        turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under batched_mm
+        model.set_experts_implementation("eager")
+        assert store.open(model, nxt).restored_tokens == out.shape[1] - 1
+        # Switched after the open: refused at the next forward, and at commit.
+        cache = store.open(model, nxt)
+        model.set_experts_implementation("batched_mm")
+        with pytest.raises(ValueError, match="experts implementation changed since store.open.*eager.*batched_mm"):
+            model(nxt[:, cache.get_seq_length():], past_key_values=cache)
+        model.set_experts_implementation("eager")
+        later = model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        model.set_experts_implementation("batched_mm")
+        with pytest.raises(ValueError, match="experts implementation changed since store.open"):
+            cache.commit(later)
+    # A dense model has no experts: switching their implementation changes nothing.
+    dense = make_model("llama", seed=3)
+    with TieredStore(tmp_path / "dense", device="cpu", block_size=4) as store:
+        _, out = turn(store, dense, ids, new=2)
+        dense.set_experts_implementation("batched_mm")
+        assert store.open(dense, cat(out, random_ids(3, 4))).restored_tokens == out.shape[1] - 1
+
+
 class _BufferLinear(torch.nn.Module):
     """A linear layer whose weight is a persistent buffer, as GPTQ's and BitNet's layers keep theirs."""
 

@@ -11,7 +11,8 @@ and holds no policy:
   are cached per model object (moving the model rebuilds them); the weight sample is read on
   every call, and the full digest is computed again whenever the sample or a parameter's version
   counter moved, so weights changed in place never meet KV computed with the old ones. Read on
-  every call too: the attention implementation where it is not sdpa, and which adapters peft's
+  every call too: the attention implementation where it is not sdpa, the MoE experts'
+  implementation where it is not grouped_mm, and which adapters peft's
   layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read
   (torch's quantised modules) and a model on the meta device are refused. RoPE recomputed from
   each forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
@@ -90,6 +91,7 @@ _CONFIG_FIELDS_IGNORED = frozenset({
     "_name_or_path", "name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
     "use_cache", "return_dict", "output_attentions", "output_hidden_states", "id2label", "label2id",
     "_attn_implementation", "_attn_implementation_autoset", "_experts_implementation", "_commit_hash",
+    "_attn_implementation_internal", "_experts_implementation_internal",  # read live, see describe_model
     "tokenizer_class", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
     "decoder_start_token_id", "task_specific_params", "problem_type", "prefix", "finetuning_task",
     "chunk_size_feed_forward", "tie_word_embeddings", "torchscript", "pruned_heads",
@@ -113,6 +115,7 @@ class ModelInfo:
     # peft layers): a cache's first forward checks that they are still the same.
     adapters: bytes = b""
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
+    experts: str | None = None  # the MoE experts' implementation then (_experts_of); None without experts
     vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
     # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
     # where generate() passes them counted from 0 (see _check_inputs).
@@ -139,6 +142,8 @@ class _Static:
     position_limit: int | None
     vocab: int | None = None
     positions_from_pad: bool = False
+    # The configs the model's MoE experts modules dispatch on (see _experts_of).
+    experts_configs: tuple[Any, ...] = ()
     # The config the digest was taken from, its text config, the fields the digest covers, and
     # all the config's fields as last seen (with no covered field changed).
     config: Any = None
@@ -357,7 +362,8 @@ def _static_facts(model: Any) -> _Static:
                    positions_from_pad=any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()),
                    text_config=text_config, config_seen=_snapshot(_covered(text_config)),
-                   config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model))
+                   config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model),
+                   experts_configs=_experts_configs(model))
 
 
 def _vocab(model: Any) -> int | None:
@@ -372,6 +378,26 @@ def _vocab(model: Any) -> int | None:
 def _attention_of(model: Any) -> str | None:
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return attention if isinstance(attention, str) else None
+
+
+def _experts_configs(model: torch.nn.Module) -> tuple[Any, ...]:
+    """The configs whose ``_experts_implementation`` the model's MoE experts dispatch on:
+    transformers' ``use_experts_implementation`` marks each such module (``_is_expert_parallel``)
+    and gives it the config it reads at every call."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "_is_expert_parallel") and config is not None:
+            configs[id(config)] = config
+    return tuple(configs.values())
+
+
+def _experts_of(configs: tuple[Any, ...]) -> str | None:
+    """Which implementation the MoE experts run (``set_experts_implementation`` switches it on a
+    live model); None for a model without them."""
+    if not configs:
+        return None
+    return ",".join(sorted({str(getattr(c, "_experts_implementation", None)) for c in configs}))
 
 
 def _adapter_layers(model: torch.nn.Module) -> tuple["weakref.ref[torch.nn.Module]", ...]:
@@ -482,6 +508,11 @@ def describe_model(model: Any) -> ModelInfo:
     attention = _attention_of(model)
     if attention not in (None, "sdpa"):
         h.update(f"attention:{attention}".encode())
+    # Likewise the MoE experts' kernels (batched_mm against eager: KV 1e-5 apart from the second
+    # layer on); grouped_mm, the default, adds nothing.
+    experts = _experts_of(static.experts_configs)
+    if experts not in (None, "grouped_mm"):
+        h.update(f"experts:{experts}".encode())
     # RoPE's frequencies, derived from the config but not saved with the weights. Not where RoPE
     # is recomputed from each forward's length: position_limit keeps those models' KV within the
     # base frequencies, which a forward past it replaces until the next shorter one.
@@ -491,7 +522,8 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention, vocab=static.vocab, positions_from_pad=static.positions_from_pad)
+                     attention=attention, experts=experts, vocab=static.vocab,
+                     positions_from_pad=static.positions_from_pad)
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -841,8 +873,14 @@ class TieredCache(Cache):
                              f"{self.model_info.attention!r} to {_attention_of(opened)!r}): its KV differs in the last "
                              "bits, and this TieredCache holds the other's. Set it first, then open the cache: "
                              "cache = store.open(model, input_ids)")
+        static = _static_cache.get(opened)
+        if static is not None and _experts_of(static.experts_configs) != self.model_info.experts:
+            raise ValueError(f"the model's MoE experts implementation changed since store.open (from "
+                             f"{self.model_info.experts!r} to {_experts_of(static.experts_configs)!r}): its KV "
+                             "differs in the last bits, and this TieredCache holds the other's. Set it first "
+                             "(model.set_experts_implementation(...)), then open the cache: "
+                             "cache = store.open(model, input_ids)")
         if adapters and self.model_info.adapters:
-            static = _static_cache.get(opened)
             if static is not None and _adapter_state(static.adapters) != self.model_info.adapters:
                 raise ValueError("the model's peft adapters changed since store.open (set_adapter, disable_adapter(), "
                                  "a new scale, or adapter_names= given to generate): this TieredCache holds KV for the "
