@@ -604,6 +604,38 @@ def test_a_failing_sync_does_not_keep_the_store_from_closing(model, stores, tmp_
     assert reopened.stats()["disk"]["blocks"] > 0
 
 
+def test_writes_a_close_drops_are_not_counted_on_disk(model, stores, tmp_path):
+    # Before: the blocks whose writes close(timeout) dropped still counted in stats()["disk"]
+    # after the close (a last metrics scrape), which a reopen did not find.
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):  # the first turn's transaction waits until close has begun to drop
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    first = converse(store, model, random_ids(30, 703), "a")
+    assert entered.wait(60)
+    converse(store, model, random_ids(30, 704), "b")  # queued behind it
+    written = store.stats()["disk"]["blocks"]
+    threading.Timer(0.5, release.set).start()
+    dropped = store.close(timeout=0.1)
+    assert dropped > 0
+    after = store.stats()
+    assert after["disk"]["blocks"] == written - dropped
+    # Both budgets are 0: a block not on disk rests nowhere and leaves the index.
+    assert len(store._index.blocks) == after["disk"]["blocks"]
+    reopened = make_store(stores, path)
+    assert reopened.stats()["disk"]["blocks"] == after["disk"]["blocks"]
+    assert reopened.stats()["disk"]["bytes"] == after["disk"]["bytes"]
+    assert reopened.open(model, torch.cat([first, random_ids(3, 705)], 1), session="a").restored_tokens == \
+        first.shape[1] - 1
+
+
 @pytest.mark.parametrize("timeout", [None, 5.0])
 def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, caplog, timeout):
     # The first close has a timeout, so it waits in the writer's join, not in a flush first.

@@ -351,12 +351,24 @@ class TieredStore:
             meta = self._index.blocks.get(key)
             job = self._pending_writes.pop(key)
             if stuck and not job.done():
-                dropped += meta is not None  # in the transaction that never ended, or behind it
+                landed = False  # in the transaction that never ended, or behind it
+            else:
+                try:
+                    job.wait()
+                    landed = True
+                except Exception:  # noqa: BLE001 - abandoned or failed: not on disk
+                    landed = False
+            if meta is None:
                 continue
-            try:
-                job.wait()
-            except Exception:  # noqa: BLE001 - abandoned or failed: not on disk
-                dropped += meta is not None
+            if landed:
+                if meta.disk is DiskState.PENDING:
+                    self._index.set_disk(meta, DiskState.DURABLE)
+                continue
+            # Not on disk: stats() after the close must not count it there (a last metrics scrape).
+            dropped += 1
+            self._index.set_disk(meta, DiskState.NONE)
+            if meta.resident is None:
+                self._index.remove(key)
         if abandoned or stuck:
             logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                            "will be recomputed after a restart", timeout, dropped)
