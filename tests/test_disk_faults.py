@@ -280,6 +280,33 @@ def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, s
         TieredStore(path, device="cpu", block_size=B)
 
 
+def test_a_store_whose_header_pages_are_damaged_is_refused_with_the_remedy(model, stores, tmp_path, capsys):
+    # Before: both of LMDB's meta pages zeroed made TieredStore() raise lmdb.InvalidError (not a
+    # ValueError, no remedy), and the CLI call the directory "not a tierkv store".
+    from tierkv import cli
+    from tierkv.tiers.disk import DamagedStore
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    converse(store, model, random_ids(20, 731), "s")
+    stores.pop().close()
+    with open(path / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))  # both of LMDB's meta pages
+    for _ in range(2):  # the failed open let go of the directory's lock: the same error again
+        with pytest.raises(DamagedStore, match="is damaged .*InvalidError.*delete the directory"):
+            TieredStore(path, device="cpu", block_size=B)
+    assert cli.main(["check", str(path)]) == cli.EXIT_USAGE
+    assert "is damaged" in capsys.readouterr().err
+    # An empty file (LMDB's creation cut short) holds nothing: the store starts anew there.
+    (path / "data.mdb").write_bytes(b"")
+    assert cli.main(["check", str(path)]) == cli.EXIT_USAGE
+    assert "data.mdb is empty" in capsys.readouterr().err
+    store = make_store(stores, path)
+    assert store.stats()["disk"]["blocks"] == 0
+    converse(store, model, random_ids(20, 731), "s")
+    store.flush()
+    assert store.stats()["disk"]["blocks"] == 3
+
+
 def test_close_reports_deletes_that_never_landed(model, stores, tmp_path, caplog):
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)

@@ -120,6 +120,9 @@ class DamagedStore(ValueError):
 
 #: What LMDB and msgpack raise on a damaged B-tree page or meta record.
 _DAMAGE = (lmdb.Error, msgpack.exceptions.UnpackException, UnicodeDecodeError)
+#: What opening an existing file raises when its header pages are damaged (or were written by
+#: another LMDB format).
+_UNREADABLE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
 
 
 class FilesystemFull(DiskFull):
@@ -345,7 +348,9 @@ class DiskTier:
         self.path = self._resolve_path(path)
         self.budget = budget
         self._check_path(self.path)
-        fresh = not os.path.exists(os.path.join(self.path, "data.mdb"))
+        data = os.path.join(self.path, "data.mdb")
+        # An empty file holds nothing to lose (LMDB creating it was cut short): made anew.
+        fresh = not os.path.exists(data) or os.path.getsize(data) == 0
         os.makedirs(self.path, exist_ok=True)
         self._lock_fd = self._lock_directory(self.path)
         self._pid = os.getpid()
@@ -358,7 +363,14 @@ class DiskTier:
         # map, and opening a store (for ``tierkv check`` say) must not grow it.
         initial = min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM) if fresh else \
             os.path.getsize(os.path.join(self.path, "data.mdb"))
-        self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True, readahead=False)
+        try:
+            self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True,
+                                 readahead=False)
+        except BaseException as exc:
+            self._unlock()
+            if not fresh and isinstance(exc, _UNREADABLE):
+                raise DamagedStore(self.path, exc) from exc
+            raise
         self.page_size = self.env.stat()["psize"]
         # Records are written at least this long, so that LMDB keeps each on pages of its own
         # (a value past half a page never sits inside a B-tree leaf), as heads are (``heads.py``).
@@ -492,8 +504,13 @@ class DiskTier:
         not_a_store = f"{path!r} is not a tierkv store"
         if not os.path.isfile(os.path.join(path, "data.mdb")):
             raise ValueError(f"{not_a_store} (no data.mdb)")
+        if os.path.getsize(os.path.join(path, "data.mdb")) == 0:
+            raise ValueError(f"{not_a_store} (its data.mdb is empty: a TieredStore opened there starts a new "
+                             "store)")
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
+        except _UNREADABLE as exc:
+            raise DamagedStore(path, exc) from None
         except lmdb.Error as exc:
             raise ValueError(f"{not_a_store} ({exc})") from None
         try:
