@@ -344,26 +344,30 @@ def test_check_repair_finishes_a_forget_that_a_crash_cut_short(built: Built, cop
 def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callable[..., Path],
                                                      model: torch.nn.Module,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    paths = {case: copy(case) for case in ("tenant", "session", "default", "all")}
-    results = dict(zip(("tenant", "session", "all"), run_all(
+    paths = {case: copy(case) for case in ("tenant", "session", "sessions", "default", "all")}
+    results = dict(zip(("tenant", "session", "sessions", "all"), run_all(
         ["clear", str(paths["tenant"]), "--tenant", "acme"],
         ["clear", str(paths["session"]), "--session", "alice"],
+        # Before: the last --session given was the only one cleared.
+        ["clear", str(paths["sessions"]), "--session", "alice", "--session", "bob"],
         ["clear", str(paths["all"]), "--all"])))
     assert cli.main(["clear", str(paths["default"]), "--session", "dave", "--default-tenant"]) == 0
     results["default"] = Result(0, capsys.readouterr().out, "")
     expected = {  # blocks removed, then tokens each conversation restores afterwards
         "tenant": (7, {**FULL, "alice": 0, "bob": 0}),
         "session": (3, {**FULL, "alice": 16}),  # the system prompt stays: bob still uses it
+        "sessions": (7, {**FULL, "alice": 0, "bob": 0}),
         "default": (3, {**FULL, "dave": 0}),
         "all": (BLOCKS, dict.fromkeys(FULL, 0)),
     }
-    sessions = {"tenant": 2, "session": 3, "default": 3, "all": 0}
+    sessions = {"tenant": 2, "session": 3, "sessions": 2, "default": 3, "all": 0}
     for case, (removed, restores) in expected.items():
         result = results[case]
         assert result.code == 0 and result.out.startswith(f"removed {removed} blocks"), (case, result)
         restored, stats = reopened(paths[case], model, built)
         assert restored == restores, case
         assert (stats["disk"]["blocks"], stats["sessions"]) == (BLOCKS - removed, sessions[case]), case
+    assert "(sessions 'alice', 'bob' of every tenant)" in results["sessions"].out
 
 
 @pytest.mark.parametrize("args", [[], ["--all", "--tenant", "acme"], ["--all", "--session", "alice"],

@@ -5,7 +5,7 @@
     tierkv stats PATH [--json]        blocks, bytes, tenants, sessions and format of a store
     tierkv check PATH [--repair] [--json]
                                       verify every record in full; --repair drops the bad ones
-    tierkv clear PATH (--tenant T | --default-tenant | --session S ... | --all)
+    tierkv clear PATH (--tenant T | --default-tenant | --session S [--session S2 ...] | --all)
     tierkv --version
 
 ``demo`` and ``bench`` hand every argument after their name to those programs (``tierkv demo
@@ -303,12 +303,14 @@ def cmd_clear(args: argparse.Namespace) -> int:
         elif args.session is None:
             removed = store.forget(tenant=args.tenant)
             what = f"tenant {_tenant_label(args.tenant)}"
-        elif args.tenant_given:
-            removed = store.forget(session=args.session, tenant=args.tenant)
-            what = f"session {args.session!r} of tenant {_tenant_label(args.tenant)}"
         else:
-            removed = store.forget(session=args.session)
-            what = f"session {args.session!r} of every tenant"
+            sessions = list(dict.fromkeys(args.session))
+            if args.tenant_given:
+                removed = sum(store.forget(session=name, tenant=args.tenant) for name in sessions)
+            else:
+                removed = sum(store.forget(session=name) for name in sessions)
+            what = (f"session{'s' if len(sessions) > 1 else ''} {', '.join(map(repr, sessions))} of "
+                    f"{'tenant ' + _tenant_label(args.tenant) if args.tenant_given else 'every tenant'}")
         store.flush()
         stats = store.stats()
         left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
@@ -370,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("clear", "remove a tenant's or a session's entries (or, with --all, every entry)", cmd_clear)
     p.add_argument("path", metavar="PATH", help="the store's directory")
-    p.add_argument("--session", metavar="S", help="forget session S (of every tenant, or of the one given)")
+    p.add_argument("--session", metavar="S", action="append",
+                   help="forget session S (of every tenant, or of the one given); repeat it for several")
     tenant = p.add_mutually_exclusive_group()
     tenant.add_argument("--tenant", metavar="T", help="forget tenant T's entries (with --session: only T's session)")
     tenant.add_argument("--default-tenant", action="store_true",
