@@ -1213,8 +1213,8 @@ def test_a_store_path_may_be_bytes_or_start_at_home(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
     (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
-    (lambda: random_ids(6).float(), TypeError, "integer"),
-    (lambda: random_ids(6).bool(), TypeError, "integer"),
+    (lambda: random_ids(6).float(), TypeError, "convert them with .long()"),
+    (lambda: random_ids(6).bool(), TypeError, "integer token ids"),
     (lambda: torch.cat([random_ids(6), random_ids(6, 1)]), ValueError, "(1, L)"),
     (lambda: random_ids(6)[0], ValueError, "(1, L)"),
     (lambda: random_ids(6)[:, :0], ValueError, "at least one token"),
@@ -1292,7 +1292,8 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
         with pytest.raises(TypeError, match="transformers model"):
             store.open(torch.nn.Linear(2, 2), ids)
         for not_a_model in (None, object(), 5):
-            with pytest.raises(TypeError, match=f"transformers model .*, got {type(not_a_model).__name__}$"):
+            with pytest.raises(TypeError, match=f"transformers model .*, got {type(not_a_model).__name__}; pass the "
+                                                "model object itself"):
                 store.open(not_a_model, ids)
         with pytest.raises(TypeError, match=r"got str; load it first: AutoModelForCausalLM.from_pretrained\('org/m'\)"):
             store.open("org/m", ids)

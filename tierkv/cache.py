@@ -287,6 +287,8 @@ def _not_a_model(model: object) -> str:
     message = f"expected a transformers model (a torch.nn.Module with a .config), got {type(model).__name__}"
     if isinstance(model, (str, os.PathLike)):
         message += f"; load it first: AutoModelForCausalLM.from_pretrained({os.fspath(model)!r})"
+    else:
+        message += "; pass the model object itself, as AutoModelForCausalLM.from_pretrained(...) returns it"
     return message
 
 
@@ -541,7 +543,8 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
         raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
                         "use tokenizer(..., return_tensors='pt').input_ids")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"{what} must hold integer token ids, got dtype {input_ids.dtype}")
+        raise TypeError(f"{what} must hold integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's "
+                        "ids as they are (int64), or convert them with .long() if they are whole numbers")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"{what} must have shape (1, L), one conversation, got {tuple(input_ids.shape)}; "
                          "call store.open once per conversation")
