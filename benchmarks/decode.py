@@ -111,7 +111,8 @@ def main() -> None:
     parser.add_argument("--context", type=at_least(2), default=2048)
     parser.add_argument("--steps", type=at_least(1), default=64)
     parser.add_argument("--repeats", type=at_least(1), default=5)
-    parser.add_argument("--spill-mb", type=at_least(1), default=100, help="MiB of KV spilled per round")
+    parser.add_argument("--spill-mb", type=at_least(1), default=100,
+                        help="MiB of KV spilled per round (at least --context tokens' worth)")
     parser.add_argument("--spill-steps", type=at_least(1), default=2000,
                         help="decode steps at most while a spill lands (default 2000)")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")

@@ -1,5 +1,5 @@
 """Storage tiers. Each owns its space and knows nothing of the others; only the store moves
-blocks between them (DESIGN.md)."""
+blocks between them (store.py)."""
 
 from .device import DeviceTier
 from .disk import DiskTier

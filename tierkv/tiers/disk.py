@@ -51,7 +51,7 @@ memory and evicts more from disk), and without its head rewrites; deletes and re
 batch still apply.
 
 Opened with ``writemap=True``: values of 1-4 MiB then write at raw-disk speed on this kind of
-machine, while ``writemap=False`` ran 2-5x slower (DESIGN.md).
+machine, while ``writemap=False`` ran 2-5x slower (measured when the project began).
 """
 
 from __future__ import annotations
