@@ -93,7 +93,7 @@ _COUNTERS = {  # family names without _total: the exposition appends it
     "tierkv_miss_tokens": ("Tokens open() could not restore and generate() computes.", []),
     "tierkv_evictions": ("Blocks evicted from a tier to make room.", []),
     "tierkv_corrupt_records": ("Disk records dropped as unreadable (checksum, version, fingerprint).", []),
-    "tierkv_disk_errors": ("Disk tier I/O errors.", []),
+    "tierkv_disk_errors": ("Disk tier operations that failed with an I/O error.", []),
     "tierkv_moved_bytes": ("Bytes moved between tiers, by direction, since the store opened.", ["direction"]),
     "tierkv_events_dropped": ("Store events lost because scrapes were too rare for the event queue.", []),
 }

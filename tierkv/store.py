@@ -1413,7 +1413,8 @@ class TieredStore:
         the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
         tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
         too), ``evictions``, ``corrupt``;
-        ``disk_errors``, ``disk_failed``, ``disk_full`` (block writes that found the map at its
+        ``disk_errors`` (disk operations that failed: each block write, delete or reference of a
+        failed transaction counts), ``disk_failed``, ``disk_full`` (block writes that found the map at its
         cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk
         because of errors); ``moved_bytes`` (KV
         bytes, without the records' headers and padding) and ``move_seconds`` per direction (wall
