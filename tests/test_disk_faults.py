@@ -296,6 +296,16 @@ def test_a_store_whose_header_pages_are_damaged_is_refused_with_the_remedy(model
             TieredStore(path, device="cpu", block_size=B)
     assert cli.main(["check", str(path)]) == cli.EXIT_USAGE
     assert "is damaged" in capsys.readouterr().err
+    # Cut short inside its pages in use (a copy or a disk that ran out): the CLI's read-only map
+    # reached past the file's end (SIGBUS), and TieredStore raised lmdb's CorruptedError.
+    store = make_store(stores, tmp_path / "cut")
+    converse(store, model, random_ids(20, 732), "s")
+    stores.pop().close()
+    os.truncate(tmp_path / "cut" / "data.mdb", 3 * os.sysconf("SC_PAGE_SIZE"))
+    assert cli.main(["stats", str(tmp_path / "cut")]) == cli.EXIT_USAGE
+    assert "is damaged (ValueError: data.mdb is" in capsys.readouterr().err
+    with pytest.raises(DamagedStore, match="truncated.*delete the directory"):
+        TieredStore(tmp_path / "cut", device="cpu", block_size=B)
     # An empty file (LMDB's creation cut short) holds nothing: the store starts anew there.
     (path / "data.mdb").write_bytes(b"")
     assert cli.main(["check", str(path)]) == cli.EXIT_USAGE

@@ -125,6 +125,15 @@ _DAMAGE = (lmdb.Error, msgpack.exceptions.UnpackException, UnicodeDecodeError)
 _UNREADABLE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
 
 
+def _truncated(env: Any, file_bytes: int) -> ValueError | None:
+    """Why a file of ``file_bytes`` cannot hold the pages its LMDB meta page says are in use (a
+    copy or a disk that was cut short), or None. Reads the meta pages only."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if file_bytes >= needed:
+        return None
+    return ValueError(f"data.mdb is {file_bytes} bytes, shorter than the {needed} its pages in use need: truncated")
+
+
 class FilesystemFull(DiskFull):
     """A block write refused because the filesystem under the map may not hold it (a write into
     the sparse map there would kill the process with SIGBUS); the block stays in memory. Deleting
@@ -371,6 +380,13 @@ class DiskTier:
             if not fresh and isinstance(exc, _UNREADABLE):
                 raise DamagedStore(self.path, exc) from exc
             raise
+        if not fresh:
+            short = _truncated(self.env, initial)
+            if short is not None:
+                # LMDB extended the file to its map with zeroes: its pages past the cut read as such.
+                self.env.close()
+                self._unlock()
+                raise DamagedStore(self.path, short)
         self.page_size = self.env.stat()["psize"]
         # Records are written at least this long, so that LMDB keeps each on pages of its own
         # (a value past half a page never sits inside a B-tree leaf), as heads are (``heads.py``).
@@ -399,6 +415,8 @@ class DiskTier:
             except (lmdb.NotFoundError, lmdb.IncompatibleError):
                 raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
                                  "pass a new or empty directory") from None
+            except _DAMAGE as exc:
+                raise DamagedStore(self.path, exc) from exc
             try:
                 self._check_meta(fresh, block_size)
                 self._blocks = self.env.open_db(b"blocks")
@@ -513,6 +531,11 @@ class DiskTier:
             raise DamagedStore(path, exc) from None
         except lmdb.Error as exc:
             raise ValueError(f"{not_a_store} ({exc})") from None
+        # Read-only, the map reaches past a truncated file's end, and reading there is a SIGBUS.
+        short = _truncated(env, os.path.getsize(os.path.join(path, "data.mdb")))
+        if short is not None:
+            env.close()
+            raise DamagedStore(path, short)
         try:
             with env.begin() as txn:
                 raw = txn.get(_META_KEY, db=env.open_db(b"meta", txn=txn, create=False))
