@@ -326,6 +326,24 @@ def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy:
     assert stats["corrupt"] == 0 and restored == FULL  # no block was lost to its head
 
 
+def test_a_repair_that_meets_damaged_lmdb_pages_says_to_delete_the_store(
+        built: Built, copy: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: exit 4, "could not write the repair", as if the disk had failed, and no advice.
+    from tierkv.tiers.disk import DiskTier
+    path = copy()
+    key, head = first_head(path)
+    put_head(path, key, bytes(len(head)))
+
+    def damaged(self, ops):
+        raise lmdb.CorruptedError("mdb_del: MDB_CORRUPTED: Located page was wrong type")
+
+    monkeypatch.setattr(DiskTier, "apply", damaged)
+    assert cli.main(["check", str(path), "--repair"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is damaged (CorruptedError" in err and "delete the directory" in err and "nothing was dropped" in err
+
+
 def test_check_repair_finishes_a_forget_that_a_crash_cut_short(built: Built, copy: Callable[..., Path],
                                                                model: torch.nn.Module) -> None:
     # A SIGKILL between zeroing a block's head and its record: the record is sound, the head gone.
