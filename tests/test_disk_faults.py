@@ -673,6 +673,35 @@ def test_writes_a_close_drops_are_not_counted_on_disk(model, stores, tmp_path):
         first.shape[1] - 1
 
 
+def test_a_flushed_tail_outlives_a_close_that_drops_the_tail_replacing_it(model, stores, tmp_path):
+    # Before: the next turn's longer tail replaced the flushed one; close(timeout) gave up the new
+    # tail's write but not the old tail's delete, and a reopen restored one block of the two.
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+    ids = random_ids(12, 706)
+    first = converse(store, model, ids, "s")
+    store.flush()
+    assert (first.shape[1] - 1) % B  # a partial tail
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):  # another session's transaction waits until close has begun to drop
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    converse(store, model, random_ids(20, 707), "other")
+    assert entered.wait(60)
+    converse(store, model, torch.cat([first, random_ids(10, 708)], 1), "s")  # queued behind it
+    threading.Timer(0.5, release.set).start()
+    assert store.close(timeout=0.1) > 0
+    reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    cache = reopened.open(model, torch.cat([first, random_ids(2, 709)], 1), session="s")
+    assert cache.restored_tokens == first.shape[1] - 1
+    assert reopened.stats()["corrupt"] == 0
+
+
 @pytest.mark.parametrize("timeout", [None, 5.0])
 def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, caplog, timeout):
     # The first close has a timeout, so it waits in the writer's join, not in a flush first.

@@ -136,6 +136,11 @@ WRITE_LINGER_S = 0.1
 LINGER_BYTES = 16 << 20
 
 
+def _abandonable(op: DiskOp) -> bool:
+    """What a close with a timeout may give up (``BackgroundWriter``'s ``abandonable``)."""
+    return isinstance(op, PutBlock) or (isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded)
+
+
 def write_batch_bytes(disk_budget: int) -> int:
     """The most block bytes one write transaction takes: 64 MiB, less under a disk budget below
     4 GiB. A transaction's puts need free pages besides those its own evictions free (LMDB reuses
@@ -186,10 +191,12 @@ class TieredStore:
         self._writer: BackgroundWriter[DiskOp] | None = None
         if path is not None:
             self._disk = DiskTier(path, budgets["disk_budget"], block_size)
-            # At a close with a timeout only block writes may be given up: deletes and session
-            # references are small, and dropping them would bring forgotten data back.
+            # At a close with a timeout only block writes may be given up, and with them the
+            # deletes of the partial tails they replace (or a flushed tail would be lost): other
+            # deletes and session references are small, and dropping them would bring forgotten
+            # data back.
             self._writer = BackgroundWriter(self._apply_writes, name="tierkv-disk-writer", size_of=op_size,
-                                            abandonable=lambda op: isinstance(op, PutBlock), device=self.device,
+                                            abandonable=_abandonable, device=self.device,
                                             linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
                                             max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
         self._index = Index()
@@ -879,12 +886,12 @@ class TieredStore:
             self._index.unref(sid, meta)
             dropped.append(meta.key)
             if not meta.sessions:
-                self._drop(meta)
+                self._drop(meta, superseded=True)
         if self._writer is not None:
             if new:
                 self._submit(PutRefs(sid, tenant, new))
             if dropped:
-                self._submit(DropRefs(sid, dropped, holders=self._holders(dropped)))
+                self._submit(DropRefs(sid, dropped, holders=self._holders(dropped), superseded=True))
         # A block that was one other session's alone is now shared: that session may have nothing
         # of its own left (this one continued its conversation, or repeated it). Those sessions
         # go first, so that of two with the same blocks the one that committed last stays.
@@ -981,7 +988,7 @@ class TieredStore:
                 return
             freed += evicted
 
-    def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False) -> None:
+    def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False, superseded: bool = False) -> None:
         """Delete blocks on disk, their records zeroed (``evicted``: by the budget, zeroed a
         transaction later, ``DeleteBlocks``)."""
         keys: list[bytes] = []
@@ -994,7 +1001,7 @@ class TieredStore:
                 self._pending_writes.pop(meta.key, None)
                 self._pop_inflight(meta.key)
         if keys and self._writer is not None:
-            self._submit(DeleteBlocks(keys, refs, evicted))
+            self._submit(DeleteBlocks(keys, refs, evicted, superseded))
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1042,13 +1049,13 @@ class TieredStore:
                 holders.append((holder, self._index.sessions[holder].tenant, key))
         return holders
 
-    def _drop(self, meta: BlockMeta) -> None:
-        """Remove a block from every tier and the index."""
+    def _drop(self, meta: BlockMeta, superseded: bool = False) -> None:
+        """Remove a block from every tier and the index (``superseded``: see ``DeleteBlocks``)."""
         if meta.resident is Tier.DEVICE:
             self._device.pop(meta.key)
         elif meta.resident is Tier.HOST:
             self._host.pop(meta.key)
-        self._delete_on_disk([meta])
+        self._delete_on_disk([meta], superseded=superseded)
         self._remove(meta)
 
     def _reap(self, keys: Iterable[bytes] | None = None) -> None:

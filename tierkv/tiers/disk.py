@@ -261,10 +261,13 @@ class DeleteBlocks:
     """Blocks to delete, their records zeroed. ``evicted``: the budget's evictions, whose records
     may be zeroed a transaction later, just before LMDB can reuse their pages, rather than in the
     deleting one (``DiskTier._defer_scrub``); a forget's are zeroed in the transaction that
-    deletes them, and synced with it."""
+    deletes them, and synced with it. ``superseded``: a session's partial tail that a longer one
+    replaced, which a close with a timeout gives up with the block writes queued before it (the
+    tail that replaced it among them), rather than delete the one the disk holds."""
     keys: list[bytes]
     refs: list[bytes] = field(default_factory=list)  # sid + key rows of the sessions that held them
     evicted: bool = False
+    superseded: bool = False
 
 
 @dataclass(slots=True)
@@ -285,6 +288,7 @@ class DropRefs:
     keys: list[bytes]
     drop_session: bool = False
     holders: list[tuple[bytes, str | None, bytes]] = field(default_factory=list)
+    superseded: bool = False  # as DeleteBlocks': the references to a replaced partial tail
 
 
 @dataclass(slots=True)
