@@ -1261,6 +1261,17 @@ def test_non_empty_non_store_directory_raises(tmp_path: pathlib.Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # nothing was created there
 
 
+def test_a_directory_holding_only_lmdbs_lock_file_opens_as_a_new_store(tmp_path: pathlib.Path) -> None:
+    # Another process creating the store there makes lock.mdb before data.mdb: a second process
+    # that looked in between was told "not a tierkv store" rather than that the store is in use.
+    (tmp_path / "lock.mdb").write_bytes(bytes(8192))
+    tier = DiskTier(tmp_path, budget=1 << 20, block_size=BLOCK)
+    try:
+        assert (tmp_path / "data.mdb").is_file()
+    finally:
+        tier.close()
+
+
 def test_file_path_raises(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "a_file"
     path.write_bytes(b"x")

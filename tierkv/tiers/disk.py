@@ -485,7 +485,9 @@ class DiskTier:
     def _check_path(path: str) -> None:
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"disk tier path {path!r} is a file; pass a directory (it is created if missing)")
-        entries = set(os.listdir(path)) - {_LOCK_FILE} if os.path.isdir(path) else set()
+        # LMDB's lock.mdb alone holds no data: another process creating the store there right now
+        # has made it first (and holds the directory's lock, which refuses this one next).
+        entries = set(os.listdir(path)) - {_LOCK_FILE, "lock.mdb"} if os.path.isdir(path) else set()
         if entries and "data.mdb" not in entries:
             raise ValueError(f"{path!r} is not empty and is not a tierkv store; pass a new or empty directory, "
                              "or an existing tierkv store")
