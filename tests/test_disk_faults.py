@@ -673,6 +673,37 @@ def test_writes_a_close_drops_are_not_counted_on_disk(model, stores, tmp_path):
         first.shape[1] - 1
 
 
+@pytest.mark.parametrize("landed", [1, 2, 3])
+def test_a_commit_cut_short_between_transactions_leaves_no_block_forget_cannot_find(model, stores, tmp_path,
+                                                                                    landed):
+    # Before: a commit's blocks were written before the session's references, each large block in
+    # a transaction of its own; a crash between them left blocks that no forget(session=...)
+    # found after the restart, and the forgotten conversation still restored.
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+    store._writer._max_batch = 1  # one operation per transaction
+    apply, applied = store._writer._apply, []
+    release = threading.Event()
+
+    def crashing(items):  # the disk as a crash after the first transactions leaves it
+        assert release.wait(60)
+        applied.append(items)
+        return apply(items) if len(applied) <= landed else [None] * len(items)
+
+    store._writer._apply = crashing
+    ids = random_ids(4 * B + 3, 710)
+    cache = store.open(model, ids, session="alice")
+    out = generate(model, ids, cache)
+    cache.commit(out)
+    release.set()
+    store.close()
+    reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    on_disk = reopened.stats()["disk"]["blocks"]
+    assert on_disk == landed - 1 and reopened.stats()["corrupt"] == 0
+    assert reopened.forget(session="alice") == on_disk
+    assert reopened.open(model, torch.cat([out, random_ids(2, 711)], 1), session="alice").restored_tokens == 0
+
+
 def test_a_flushed_tail_outlives_a_close_that_drops_the_tail_replacing_it(model, stores, tmp_path):
     # Before: the next turn's longer tail replaced the flushed one; close(timeout) gave up the new
     # tail's write but not the old tail's delete, and a reopen restored one block of the two.
@@ -891,7 +922,8 @@ def test_a_sessions_references_that_fail_where_its_blocks_landed_are_retried(mod
     secret = random_ids(20, 920)
     converse(store, model, secret, "X")
     store.flush()
-    assert failed and store.stats()["disk_errors"] == 1 and store.stats()["owed_deletes"] == 0
+    # Both failed: the references written ahead of the blocks and those written after them.
+    assert failed and store.stats()["disk_errors"] == 2 and store.stats()["owed_deletes"] == 0
     stores.pop().close()  # the owed references go with the close
     assert _rows(path) == {"blocks": 3, "sessions": 1, "refs": 3}
     store = make_store(stores, path, device_budget=0, host_budget=0)

@@ -437,6 +437,17 @@ def test_scan_lists_headers_sessions_refs_and_atime(disk: DiskTier) -> None:
     assert scan.atime == {key(1): 10, key(3): 30}
 
 
+def test_a_dropped_session_takes_every_reference_of_its_own_with_it(disk: DiskTier) -> None:
+    # References the store no longer listed for a session (a block write that found the disk
+    # full, a commit's references written ahead of blocks never written) outlived its row, and
+    # the next reopen called them a damaged session row.
+    disk.apply([put_op(1), PutRefs(sid(1), "acme", [key(1), key(2), key(3)]), PutRefs(sid(2), "acme", [key(1)])])
+    disk.apply([DropRefs(sid(1), [key(1)], drop_session=True)])
+    scan = disk.scan()
+    assert scan.bad_sessions == {}
+    assert scan.sessions == {sid(2): ("acme", None, [key(1)])}
+
+
 def test_scan_record_bytes_are_the_stored_length(disk: DiskTier) -> None:
     op = put_op(1)
     disk.apply([op])

@@ -785,6 +785,7 @@ class TieredStore:
             parent = cache.root
             chain: list[BlockMeta] = []
             pins: list[bytes] = []
+            referenced = sid is None or self._writer is None or self._disk_failed  # no block write ahead
             try:
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
@@ -793,6 +794,15 @@ class TieredStore:
                     meta = self._index.blocks.get(key)
                     if meta is None or not np.array_equal(meta.token_ids, ids[start:end]) or \
                             (meta.resident is None and meta.disk is DiskState.NONE):
+                        if not referenced:
+                            # The session's references go ahead of its first new block's write, in
+                            # its transaction or an earlier one: a crash between two of this
+                            # commit's transactions must not leave on disk a block of the session
+                            # that forget(session=...) cannot find after the restart. References
+                            # to blocks never written are dropped at reopen.
+                            referenced = True
+                            assert sid is not None
+                            self._submit(PutRefs(sid, cache.tenant, [k for _, _, k in spans]))
                         if meta is not None:
                             # A 128-bit collision (the newer block wins), or an entry an exception
                             # left in no tier: stored again.
@@ -1371,7 +1381,8 @@ class TieredStore:
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
-        per tenant they have.
+        per tenant they have. The deletes are queued and written at once; ``flush()`` returns when
+        they are on disk (until then a crash can leave the forgotten KV in the file).
         """
         self._check_open()
         if session is None and tenant is _UNSET:

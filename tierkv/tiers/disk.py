@@ -887,6 +887,13 @@ class DiskTier:
                 txn.delete(op.sid + key, db=self._refs)
             if op.drop_session:
                 txn.delete(op.sid, db=self._sessions)
+                # Every reference of the session goes with its row, also those to blocks the store
+                # no longer lists for it (a write that failed, a commit's references written ahead
+                # of blocks never written): a reference without its row reads as damage at reopen.
+                refs = txn.cursor(db=self._refs)
+                if refs.set_range(op.sid):
+                    while bytes(refs.key()[:KEY_BYTES]) == op.sid and refs.delete():
+                        pass
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
