@@ -575,16 +575,22 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
         assert store.open(sdpa, nxt).restored_tokens == nxt.shape[1] - 1
         sdpa.set_attn_implementation("sdpa")
         assert store.open(sdpa, nxt).restored_tokens == out.shape[1] - 1
-        # Switched after the open: refused at the next forward, and at commit.
-        cache = store.open(sdpa, nxt)
-        sdpa.set_attn_implementation("eager")
-        with pytest.raises(ValueError, match="attention implementation changed since store.open"):
-            sdpa(nxt[:, cache.get_seq_length():], past_key_values=cache)
-        sdpa.set_attn_implementation("sdpa")
-        later = sdpa.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        sdpa.set_attn_implementation("eager")
-        with pytest.raises(ValueError, match="attention implementation changed since store.open"):
-            cache.commit(later)
+        assert_switch_after_open_refused(store, sdpa, nxt, lambda: sdpa.set_attn_implementation("eager"),
+                                         lambda: sdpa.set_attn_implementation("sdpa"),
+                                         "attention implementation changed since store.open")
+
+
+def assert_switch_after_open_refused(store, model, ids, switch, back, message):
+    """A kernel switched between ``open`` and a forward, or between the turn and ``commit``: refused."""
+    cache = store.open(model, ids)
+    switch()
+    with pytest.raises(ValueError, match=message):
+        model(ids[:, cache.get_seq_length():], past_key_values=cache)
+    back()
+    later = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    switch()
+    with pytest.raises(ValueError, match=message):
+        cache.commit(later)
 
 
 def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
@@ -610,16 +616,10 @@ def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
         turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under batched_mm
         model.set_experts_implementation("eager")
         assert store.open(model, nxt).restored_tokens == out.shape[1] - 1
-        # Switched after the open: refused at the next forward, and at commit.
-        cache = store.open(model, nxt)
-        model.set_experts_implementation("batched_mm")
-        with pytest.raises(ValueError, match="experts implementation changed since store.open.*eager.*batched_mm"):
-            model(nxt[:, cache.get_seq_length():], past_key_values=cache)
-        model.set_experts_implementation("eager")
-        later = model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        model.set_experts_implementation("batched_mm")
-        with pytest.raises(ValueError, match="experts implementation changed since store.open"):
-            cache.commit(later)
+        assert_switch_after_open_refused(store, model, nxt, lambda: model.set_experts_implementation("batched_mm"),
+                                         lambda: model.set_experts_implementation("eager"),
+                                         "experts implementation changed since store.open .from 'eager' to "
+                                         "'batched_mm'")
     # A dense model has no experts: switching their implementation changes nothing.
     dense = make_model("llama", seed=3)
     with TieredStore(tmp_path / "dense", device="cpu", block_size=4) as store:
