@@ -785,7 +785,7 @@ class TieredStore:
             parent = cache.root
             chain: list[BlockMeta] = []
             pins: list[bytes] = []
-            referenced = sid is None or self._writer is None or self._disk_failed  # no block write ahead
+            ref = (sid, cache.tenant) if sid is not None else None
             try:
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
@@ -794,20 +794,11 @@ class TieredStore:
                     meta = self._index.blocks.get(key)
                     if meta is None or not np.array_equal(meta.token_ids, ids[start:end]) or \
                             (meta.resident is None and meta.disk is DiskState.NONE):
-                        if not referenced:
-                            # The session's references go ahead of its first new block's write, in
-                            # its transaction or an earlier one: a crash between two of this
-                            # commit's transactions must not leave on disk a block of the session
-                            # that forget(session=...) cannot find after the restart. References
-                            # to blocks never written are dropped at reopen.
-                            referenced = True
-                            assert sid is not None
-                            self._submit(PutRefs(sid, cache.tenant, [k for _, _, k in spans]))
                         if meta is not None:
                             # A 128-bit collision (the newer block wins), or an entry an exception
                             # left in no tier: stored again.
                             self._drop(meta)
-                        meta = self._store_block(key, parent, cache, ids[start:end], start, end)
+                        meta = self._store_block(key, parent, cache, ids[start:end], start, end, ref)
                         if meta is None:
                             break
                     chain.append(meta)
@@ -827,7 +818,7 @@ class TieredStore:
             return sum(m.n_tokens for m in kept)
 
     def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
-                     end: int) -> BlockMeta | None:
+                     end: int, ref: tuple[bytes, str | None] | None = None) -> BlockMeta | None:
         tensor = cache.block_tensor(start, end)
         header = RecordHeader(key=key, parent=parent, tenant=cache.tenant, fingerprint=cache.model_info.fingerprint,
                               dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
@@ -836,7 +827,7 @@ class TieredStore:
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=self._footprint(header))
         self._index.add(meta)
         try:
-            return self._place_block(meta, header, tensor)
+            return self._place_block(meta, header, tensor, ref)
         except BaseException:
             # A copy that raised (out of memory for a host buffer, Ctrl-C): the block is dropped
             # whole, from wherever it got, not left unreferenced where forget() cannot find it.
@@ -844,8 +835,10 @@ class TieredStore:
                 self._drop(meta)
             raise
 
-    def _place_block(self, meta: BlockMeta, header: RecordHeader, tensor: Any) -> BlockMeta | None:
-        """Rest a new block in the highest tier with room, and queue its disk write."""
+    def _place_block(self, meta: BlockMeta, header: RecordHeader, tensor: Any,
+                     ref: tuple[bytes, str | None] | None = None) -> BlockMeta | None:
+        """Rest a new block in the highest tier with room, and queue its disk write (after the
+        reference ``ref``, (sid, tenant), of the session committing it)."""
         key = meta.key
         host_job: Job[Any] | None = None
         if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
@@ -863,6 +856,12 @@ class TieredStore:
             else:
                 source = self._engine.to_host(tensor)
                 self._count_move("device_to_host", meta.nbytes, source)
+            if ref is not None:
+                # Ahead of the block's write, in its transaction or an earlier one: a crash between
+                # two of a commit's transactions must not leave on disk a block of the session that
+                # forget(session=...) cannot find after the restart (a reference to a block whose
+                # write then fails is dropped at reopen, or with its session's row).
+                self._submit(PutRefs(ref[0], ref[1], [key]))
             self._set_inflight(key, source)
             write = self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
             if source.lease is not None:
