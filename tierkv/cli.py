@@ -40,7 +40,7 @@ import lmdb
 
 from . import __version__
 from .codec import RecordHeader
-from .tiers.disk import DamagedStore, DeleteBlocks, DiskTier, DropRefs, PutHeads, ScanResult, StoreInUse
+from .tiers.disk import UNREADABLE, DamagedStore, DeleteBlocks, DiskTier, DropRefs, PutHeads, ScanResult, StoreInUse
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -75,10 +75,6 @@ class CliError(Exception):
 
 
 # -- opening a store ---------------------------------------------------------------------------
-#: What LMDB raises on its own damaged pages (not a failing disk).
-_TREE_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
-
-
 def _stored_meta(path: str) -> dict[str, int]:
     if not os.path.exists(path):
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
@@ -240,7 +236,7 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
     except (lmdb.Error, OSError) as exc:
         errors = [exc]
     if errors:
-        if isinstance(errors[0], _TREE_DAMAGE):
+        if isinstance(errors[0], UNREADABLE):
             # LMDB's own pages (its B-tree) are damaged where the repair's deletes walk: no record
             # repair mends that.
             raise CliError(EXIT_USAGE, f"{DamagedStore(tier.path, errors[0])}; nothing was dropped")

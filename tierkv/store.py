@@ -786,6 +786,7 @@ class TieredStore:
             chain: list[BlockMeta] = []
             pins: list[bytes] = []
             ref = (sid, cache.tenant) if sid is not None else None
+            referenced: set[bytes] = set()  # new blocks whose write went out after the session's reference
             try:
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
@@ -801,6 +802,8 @@ class TieredStore:
                         meta = self._store_block(key, parent, cache, ids[start:end], start, end, ref)
                         if meta is None:
                             break
+                        if ref is not None and meta.disk is not DiskState.NONE:
+                            referenced.add(key)
                     chain.append(meta)
                     parent = key
             finally:
@@ -813,7 +816,7 @@ class TieredStore:
                 if sid is not None:
                     # The ids the kept chain covers: an older tail past them is not superseded.
                     covered = ids[:sum(m.n_tokens for m in kept)]
-                    self._reference(sid, cache.tenant, cache.session, cache.root, covered, kept)
+                    self._reference(sid, cache.tenant, cache.session, cache.root, covered, kept, referenced)
                 self._write_stamps()
             return sum(m.n_tokens for m in kept)
 
@@ -874,8 +877,11 @@ class TieredStore:
         return meta
 
     def _reference(self, sid: bytes, tenant: str | None, name: str, root: bytes, ids: np.ndarray,
-                   chain: list[BlockMeta]) -> None:
-        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m) and m.disk is not DiskState.NONE]
+                   chain: list[BlockMeta], written: set[bytes] = frozenset()) -> None:
+        """Reference ``chain``'s blocks for the session (``written``: those already referenced on
+        disk, ahead of their writes) and let go of the partial tails it supersedes."""
+        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m) and m.disk is not DiskState.NONE
+               and m.key not in written]
         info = self._index.sessions.get(sid)
         if info is None:
             return

@@ -120,9 +120,10 @@ class DamagedStore(ValueError):
 
 #: What LMDB and msgpack raise on a damaged B-tree page or meta record.
 _DAMAGE = (lmdb.Error, msgpack.exceptions.UnpackException, UnicodeDecodeError)
-#: What opening an existing file raises when its header pages are damaged (or were written by
-#: another LMDB format).
-_UNREADABLE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
+
+#: What LMDB raises on its own damaged pages, opening a file or walking its B-tree (or on a file
+#: of another LMDB format): not a failing disk.
+UNREADABLE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
 
 
 def _truncated(env: Any, file_bytes: int) -> ValueError | None:
@@ -374,14 +375,13 @@ class DiskTier:
         self.map_cap = budget + slack(budget)
         # An existing file is opened at its own size: with writemap LMDB truncates the file to the
         # map, and opening a store (for ``tierkv check`` say) must not grow it.
-        initial = min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM) if fresh else \
-            os.path.getsize(os.path.join(self.path, "data.mdb"))
+        initial = min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM) if fresh else os.path.getsize(data)
         try:
             self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True,
                                  readahead=False)
         except BaseException as exc:
             self._unlock()
-            if not fresh and isinstance(exc, _UNREADABLE):
+            if not fresh and isinstance(exc, UNREADABLE):
                 raise DamagedStore(self.path, exc) from exc
             raise
         if not fresh:
@@ -533,7 +533,7 @@ class DiskTier:
                              "store)")
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise DamagedStore(path, exc) from None
         except lmdb.Error as exc:
             raise ValueError(f"{not_a_store} ({exc})") from None
