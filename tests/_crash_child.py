@@ -1,6 +1,7 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
-    python tests/_crash_child.py PATH SEED [churn]
+    python tests/_crash_child.py PATH SEED [churn] [nolinger]
+    python tests/_crash_child.py PATH tail
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
@@ -16,6 +17,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
 
 from conftest import make_model, random_ids  # noqa: E402
 import tierkv.store  # noqa: E402
@@ -53,5 +56,36 @@ def main(path: str, seed: int, churn: bool, linger: bool = True) -> None:
             print(f"FLUSHED {i}", flush=True)
 
 
+def tail(path: str) -> None:
+    """Two turns of one session, the first flushed; killed inside the transaction that deletes
+    the first turn's partial tail, which the second turn's longer chain replaced (exit 9)."""
+    from tierkv.tiers.disk import DeleteBlocks, DiskTier
+
+    model = make_model("llama")
+    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0, disk_budget="256GiB")
+    ids = random_ids(9, 7)
+    cache = store.open(model, ids, session="s")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    cache.commit(out)  # 10 tokens: two blocks and a 2-token tail
+    store.flush()
+    print("FLUSHED", out.shape[1] - 1, flush=True)
+    nxt = torch.cat([out, torch.tensor([[5, 6]])], dim=1)
+    cache = store.open(model, nxt, session="s")
+    out = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    apply_one = DiskTier._apply_one
+
+    def dying(self: DiskTier, txn: object, op: object, batch: object) -> None:
+        apply_one(self, txn, op, batch)
+        if isinstance(op, DeleteBlocks) and op.superseded:
+            os._exit(9)  # the tail's record is zeroed in the map; its transaction never commits
+
+    DiskTier._apply_one = dying  # type: ignore[method-assign]
+    cache.commit(out)  # 16 tokens: four blocks, the first tail's tokens in the third
+    store.flush()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "churn" in sys.argv[3:], "nolinger" not in sys.argv[3:])
+    if sys.argv[2] == "tail":
+        tail(sys.argv[1])
+    else:
+        main(sys.argv[1], int(sys.argv[2]), "churn" in sys.argv[3:], "nolinger" not in sys.argv[3:])

@@ -145,14 +145,14 @@ def test_clear_whose_deletes_hit_disk_errors_fails_with_exit_4(copy, monkeypatch
 
     from tierkv.tiers.disk import DeleteBlocks, DiskTier, DropRefs
 
-    apply = DiskTier._apply
+    apply = DiskTier.apply
 
     def failing(self, ops):
         if any(isinstance(op, (DeleteBlocks, DropRefs)) for op in ops):
             raise lmdb.DiskError("Input/output error")
         return apply(self, ops)
 
-    monkeypatch.setattr(DiskTier, "_apply", failing)
+    monkeypatch.setattr(DiskTier, "apply", failing)
     path = copy()
     assert cli.main(["clear", str(path), "--tenant", "acme"]) == cli.EXIT_IO
     assert "may still be on disk" in capsys.readouterr().err

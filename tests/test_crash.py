@@ -75,6 +75,28 @@ def test_sigkill_while_spilling_loses_nothing_flushed_and_serves_nothing_half_wr
         assert store.stats()["corrupt"] == 0
 
 
+def test_a_crash_while_a_longer_chain_replaces_a_flushed_tail_keeps_one_of_them(tmp_path):
+    """A turn's partial tail, flushed, is deleted when the next turn's chain covers its tokens.
+    The delete zeroes the tail in the file before its transaction commits: in the transaction of
+    the chain's own writes, a kill there lost both, and the flushed tokens were recomputed."""
+    path = tmp_path / "kv"
+    child = subprocess.run([sys.executable, str(CHILD), str(path), "tail"], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 9, child.stderr  # killed inside the tail's delete
+    flushed = int(child.stdout.split()[1])
+    model = make_model("llama")
+    ids = random_ids(9, 7)
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    nxt = model.generate(torch.cat([out, torch.tensor([[5, 6]])], dim=1), max_new_tokens=4, do_sample=False)
+    nxt = torch.cat([nxt, torch.tensor([[7]])], dim=1)
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens >= flushed == 10
+        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=3, do_sample=False),
+                           model.generate(nxt, max_new_tokens=3, do_sample=False))
+        assert store.stats()["corrupt"] == 0
+
+
 def shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     differ = (a[:n] != b[:n]).nonzero()

@@ -120,7 +120,7 @@ def test_a_full_map_keeps_blocks_in_memory_and_evicts_instead_of_failing(model, 
 
 def _fail_deletes(store: TieredStore) -> dict[str, int]:
     """Make every write batch that carries a delete fail, as a disk error would."""
-    apply = store._disk._apply
+    apply = store._disk.apply
     seen = {"failed": 0}
 
     def failing(ops):
@@ -129,7 +129,7 @@ def _fail_deletes(store: TieredStore) -> dict[str, int]:
             raise lmdb.DiskError("Input/output error")
         return apply(ops)
 
-    store._disk._apply = failing
+    store._disk.apply = failing
     seen["restore"] = apply  # type: ignore[assignment]
     return seen
 
@@ -159,7 +159,7 @@ def test_a_forget_whose_disk_write_fails_is_retried_until_it_lands(model, stores
         assert secret_keys <= _records_live(store)  # still on disk: the delete did not land
         store.flush()  # retried, fails again: still owed, nothing raised
         assert store.stats()["owed_deletes"] == stats["owed_deletes"]
-        store._disk._apply = faults["restore"]  # the disk recovers
+        store._disk.apply = faults["restore"]  # the disk recovers
         store.flush()
     assert store.stats()["owed_deletes"] == 0
     assert not secret_keys & _records_live(store)
@@ -185,14 +185,14 @@ def test_deletes_still_reach_the_disk_after_block_writes_failed(model, stores, t
     secret = random_ids(20, 710)
     converse(store, model, secret, "secret")
     store.flush()
-    apply = store._disk._apply
+    apply = store._disk.apply
 
     def no_block_writes(ops):
         if any(isinstance(op, PutBlock) for op in ops):
             raise lmdb.DiskError("No space left on device")
         return apply(ops)
 
-    store._disk._apply = no_block_writes
+    store._disk.apply = no_block_writes
     other = random_ids(20, 711)
     converse(store, model, other, "other")
     store.flush()
@@ -430,7 +430,7 @@ def test_an_owed_delete_of_a_block_committed_again_waits_for_that_write(model, s
     store.flush()
     keys = set(store._index.blocks)
     assert len(keys) == 3 and keys <= _records_live(store)
-    apply = store._disk._apply
+    apply = store._disk.apply
     gate = threading.Event()
     failing = True
 
@@ -440,7 +440,7 @@ def test_an_owed_delete_of_a_block_committed_again_waits_for_that_write(model, s
             raise lmdb.DiskError("Input/output error")
         return apply(ops)
 
-    store._disk._apply = flaky
+    store._disk.apply = flaky
     assert store.forget(session="secret") == 3
     cache = store.open(model, secret, session="other")  # same prompt, same tenant: the same keys
     assert cache.restored_tokens == 0
@@ -471,7 +471,7 @@ def test_a_retried_session_drop_keeps_references_added_since(model, stores, tmp_
     a, b = random_ids(20, 760), random_ids(20, 761)
     converse(store, model, a, "S")
     store.flush()
-    apply = store._disk._apply
+    apply = store._disk.apply
     arrived = [threading.Event(), threading.Event()]
     release = [threading.Event(), threading.Event()]
     batches: list[list] = []
@@ -488,7 +488,7 @@ def test_a_retried_session_drop_keeps_references_added_since(model, stores, tmp_
             raise lmdb.DiskError("Input/output error")
         return apply(ops)
 
-    store._disk._apply = flaky
+    store._disk.apply = flaky
     store._writer.submit(Touch({}))
     assert arrived[0].wait(30)
     assert store.forget(session="S") == 3  # DeleteBlocks + DropRefs(S, keys, drop_session=True)
@@ -532,7 +532,7 @@ def test_close_with_a_timeout_retries_owed_deletes(model, stores, tmp_path, capl
     assert store.forget(session="secret") == 3
     store.flush()
     assert store.stats()["owed_deletes"] >= 3 and keys <= _records_live(store)
-    store._disk._apply = faults["restore"]  # the disk recovers before close
+    store._disk.apply = faults["restore"]  # the disk recovers before close
     with caplog.at_level(logging.ERROR, logger="tierkv"):
         assert store.close(timeout=5) == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -831,7 +831,7 @@ def _rows(path) -> dict[str, int]:
 def _refs_never_land(store: TieredStore, session: str, block_writes_fail: bool = False) -> list:
     """Make every write of ``session``'s references fail, while the rest of its batch lands; with
     ``block_writes_fail``, every batch with a block write fails too (and the disk is failed)."""
-    apply, failed, sid = store._disk._apply, [], _session_id(None, session)
+    apply, failed, sid = store._disk.apply, [], _session_id(None, session)
 
     def faulty(ops):
         if block_writes_fail and any(isinstance(op, PutBlock) for op in ops):
@@ -844,7 +844,7 @@ def _refs_never_land(store: TieredStore, session: str, block_writes_fail: bool =
         results = iter(apply(rest) if rest else [])
         return [lmdb.DiskError("Input/output error") if t else next(results) for t in theirs]
 
-    store._disk._apply = faulty
+    store._disk.apply = faulty
     return failed
 
 
@@ -908,7 +908,7 @@ def test_a_sessions_references_that_fail_where_its_blocks_landed_are_retried(mod
     # the session's blocks, which restored in full (found by review).
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
-    apply, failed = store._disk._apply, []
+    apply, failed = store._disk.apply, []
 
     def refs_fail_once(ops):
         results = apply([op for op in ops if not isinstance(op, PutRefs)] if not failed else ops)
@@ -918,7 +918,7 @@ def test_a_sessions_references_that_fail_where_its_blocks_landed_are_retried(mod
         it = iter(results)
         return [lmdb.DiskError("Input/output error") if isinstance(op, PutRefs) else next(it) for op in ops]
 
-    store._disk._apply = refs_fail_once
+    store._disk.apply = refs_fail_once
     secret = random_ids(20, 920)
     converse(store, model, secret, "X")
     store.flush()
@@ -939,13 +939,13 @@ def test_references_that_fail_after_their_session_was_forgotten_are_owed_by_nobo
     store = make_store(stores, path, device_budget=0, host_budget=0)
     gate = threading.Event()
     failed = _refs_never_land(store, "S")
-    faulty = store._disk._apply
+    faulty = store._disk.apply
 
     def held(ops):
         assert gate.wait(60)
         return faulty(ops)
 
-    store._disk._apply = held
+    store._disk.apply = held
     secret = random_ids(20, 930)
     converse(store, model, secret, "S")
     store.forget(session="S")

@@ -448,6 +448,52 @@ def test_a_dropped_session_takes_every_reference_of_its_own_with_it(disk: DiskTi
     assert scan.sessions == {sid(2): ("acme", None, [key(1)])}
 
 
+def test_a_superseded_delete_waits_for_a_transaction_after_the_writes_queued_before_it(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A delete zeroes its record in the file before its transaction commits. In the transaction
+    # of the blocks that replaced it, a crash before that commit lost both (tests/test_crash.py
+    # kills a process there): here the superseded ops fail in their own transaction instead.
+    disk.apply([put_op(1), PutRefs(sid(1), "acme", [key(1)])])
+    apply_one = DiskTier._apply_one
+
+    def failing(self: DiskTier, txn: object, op: object, batch: object) -> None:
+        if isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded:
+            raise lmdb.DiskError("the process died here")
+        apply_one(self, txn, op, batch)
+
+    monkeypatch.setattr(DiskTier, "_apply_one", failing)
+    ops = [put_op(2), PutRefs(sid(1), "acme", [key(2)]), DeleteBlocks([key(1)], [sid(1) + key(1)], superseded=True),
+           DropRefs(sid(1), [key(1)], superseded=True), Touch({key(1): 5}), put_op(3)]
+    results = disk.apply(ops)
+    assert [type(r).__name__ for r in results] == ["NoneType", "NoneType", "DiskError", "DiskError", "NoneType",
+                                                   "NoneType"]
+    monkeypatch.undo()
+    for n in (1, 2, 3):
+        assert torch.equal(disk.load(key(n), empty)[1], block_tensor(n))
+    assert disk.scan().sessions == {sid(1): ("acme", None, [key(1), key(2)])}
+    # One transaction more, and only where a superseded delete follows block writes.
+    txns = disk.env.info()["last_txnid"]
+    assert disk.apply(ops) == [None] * 6 and disk.env.info()["last_txnid"] == txns + 2
+    assert disk.apply([DeleteBlocks([key(3)], superseded=True), put_op(4)]) == [None] * 2
+    assert disk.env.info()["last_txnid"] == txns + 3
+    with pytest.raises(KeyError):
+        disk.load(key(1), empty)
+
+
+def test_an_op_on_a_superseded_block_keeps_its_place_after_the_delete(disk: DiskTier) -> None:
+    # The same tail written again after its superseded delete (another session committed it),
+    # or referenced again: moved past those, the delete would take the block the store holds.
+    disk.apply([put_op(1), put_op(2)])
+    assert disk.apply([put_op(3), DeleteBlocks([key(1)], superseded=True), put_op(1),
+                       DeleteBlocks([key(2)], [sid(1) + key(2)], superseded=True),
+                       PutRefs(sid(1), "acme", [key(2)])]) == [None] * 5
+    for n in (1, 3):
+        assert torch.equal(disk.load(key(n), empty)[1], block_tensor(n))
+    with pytest.raises(KeyError):
+        disk.load(key(2), empty)
+    assert raw_get(disk, b"refs", sid(1) + key(2)) is not None
+
+
 def test_scan_record_bytes_are_the_stored_length(disk: DiskTier) -> None:
     op = put_op(1)
     disk.apply([op])

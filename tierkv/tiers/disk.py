@@ -351,6 +351,49 @@ class _Batch:
     defer: bool = False  # whether evicted records may be left to the next transaction
 
 
+def _conflict_keys(op: DiskOp) -> set[bytes]:
+    """The blocks an op's outcome depends on the order of (a ``Touch`` after a block's delete
+    only leaves a stamp that the delete would have removed)."""
+    if isinstance(op, PutBlock):
+        return {op.header.key}
+    if isinstance(op, (DeleteBlocks, PutRefs, DropRefs)):
+        return set(op.keys)
+    if isinstance(op, PutHeads):
+        return set(op.heads)
+    return set()
+
+
+def _transactions(ops: Sequence[DiskOp]) -> list[tuple[list[int], bool]]:
+    """``ops``' indices split into transactions, each with whether it holds only superseded
+    deletes that follow block writes.
+
+    A delete zeroes its records in the file before its transaction commits (``_scrub``; the map
+    is the file). A partial tail that a longer chain replaced, deleted in the transaction that
+    writes that chain, was zeroed even when the process died before the commit: the flushed tail
+    and its unflushed replacement were both lost. So its delete waits for a later transaction,
+    with the other superseded deletes of the batch; an op of a block that one of those names
+    (the same tail written again) ends the wait first, keeping the order the store gave."""
+    parts: list[tuple[list[int], bool]] = []
+    now: list[int] = []
+    later: list[int] = []
+    later_keys: set[bytes] = set()
+    writes = False
+    for i, op in enumerate(ops):
+        keys = _conflict_keys(op)
+        if writes and isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded:
+            later.append(i)
+            later_keys |= keys
+        else:
+            if later and not keys.isdisjoint(later_keys):
+                parts += [(now, False), (later, True)]
+                now, later, later_keys, writes = [], [], set(), False
+            now.append(i)
+            writes = writes or isinstance(op, PutBlock)
+    parts += [(now, False), (later, True)]
+    # No ops is still one transaction: it zeroes the evictions still owed (close and flush).
+    return [(part, trailing) for part, trailing in parts if part] or [([], False)]
+
+
 def op_size(op: DiskOp) -> int:
     return op.record_bytes if isinstance(op, PutBlock) else 0
 
@@ -752,10 +795,23 @@ class DiskTier:
 
     # -- writes (writer thread only) ------------------------------------------------------------
     def apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
-        """One write transaction for ``ops``; one entry per op: None, or the error it failed with."""
-        return self._apply(ops)
+        """Write transactions for ``ops``, in order; one entry per op: None, or the error it failed
+        with. One transaction, but for superseded deletes that follow block writes: those go in
+        one more, after it (``_transactions``). An error that the first transaction raises is
+        raised: nothing was applied."""
+        results: list[BaseException | None] = [None] * len(ops)
+        for n, (part, trailing) in enumerate(_transactions(ops)):
+            try:
+                done = self._apply([ops[i] for i in part], trailing)
+            except Exception as exc:  # noqa: BLE001 - after a commit: only this part's ops failed
+                if n == 0:
+                    raise
+                done = [exc] * len(part)
+            for i, result in zip(part, done):
+                results[i] = result
+        return results
 
-    def _apply(self, ops: Sequence[DiskOp]) -> list[BaseException | None]:
+    def _apply(self, ops: Sequence[DiskOp], trailing: bool = False) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(ops)
         need = sum(op.record_bytes for op in ops if isinstance(op, PutBlock))
         self._reserve(need)
@@ -768,8 +824,10 @@ class DiskTier:
         # With no block write to reuse the pages, or a forget's delete, whose flush must find every
         # delete up to it zeroed on disk: evicted records are zeroed in this transaction, and those
         # still pending before it, synced by its commit.
-        batch.defer = any(isinstance(op, PutBlock) for op in ops) and \
-            not any(isinstance(op, DeleteBlocks) and not op.evicted for op in ops)
+        # (A trailing transaction of superseded deletes follows one with block writes: the pages
+        # those reuse are still ahead.)
+        batch.defer = (trailing or any(isinstance(op, PutBlock) for op in ops)) and \
+            not any(isinstance(op, DeleteBlocks) and not op.evicted and not op.superseded for op in ops)
         if not batch.defer:
             pending, self._pending = self._pending, []
             self._zero(pending)
