@@ -1,7 +1,7 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
     python tests/_crash_child.py PATH SEED [churn] [nolinger]
-    python tests/_crash_child.py PATH tail
+    python tests/_crash_child.py PATH tail|tail_then_forget
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
@@ -84,8 +84,41 @@ def tail(path: str) -> None:
     store.flush()
 
 
+def tail_then_forget(path: str) -> None:
+    """Session A's flushed tail, which B does not share, replaced by A's next turn, and A forgotten
+    in the same writer batch; killed just before the transaction that deletes the tail (exit 9)."""
+    from tierkv.tiers.disk import DiskTier
+
+    tierkv.store.WRITE_LINGER_S = 5.0  # the turn's writes wait for the forget's: one batch
+    model = make_model("llama")
+    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0, disk_budget="256GiB")
+    ids = random_ids(9, 7)
+    cache = store.open(model, ids, session="A")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    cache.commit(out)  # two blocks and a 2-token tail
+    other = torch.cat([out[:, :8], torch.tensor([[11, 12, 13]])], dim=1)
+    cache = store.open(model, other, session="B")  # shares A's two blocks
+    cache.commit(model.generate(other, past_key_values=cache, max_new_tokens=1, do_sample=False))
+    store.flush()
+    nxt = torch.cat([out, torch.tensor([[5, 6]])], dim=1)
+    cache = store.open(model, nxt, session="A")
+    cache.commit(model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False))
+    apply = DiskTier._apply
+
+    def dying(self: DiskTier, ops: object, trailing: bool = False) -> object:
+        if trailing:
+            os._exit(9)
+        return apply(self, ops, trailing)  # type: ignore[arg-type]
+
+    DiskTier._apply = dying  # type: ignore[method-assign]
+    store.forget(session="A")
+    store.flush()
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "tail":
         tail(sys.argv[1])
+    elif sys.argv[2] == "tail_then_forget":
+        tail_then_forget(sys.argv[1])
     else:
         main(sys.argv[1], int(sys.argv[2]), "churn" in sys.argv[3:], "nolinger" not in sys.argv[3:])

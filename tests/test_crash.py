@@ -97,6 +97,29 @@ def test_a_crash_while_a_longer_chain_replaces_a_flushed_tail_keeps_one_of_them(
         assert store.stats()["corrupt"] == 0
 
 
+def test_a_forget_in_the_batch_of_a_turn_that_replaced_a_tail_finds_that_tail_after_a_crash(tmp_path):
+    """The replaced tail's delete waits for a later transaction; a forget of its session queued
+    behind it must wait too. Applied first, it dropped every reference of the session, the tail's
+    among them, and a crash before the tail's delete left the tail on disk where no forget found
+    it again, served through the prefix another session shares."""
+    path = tmp_path / "kv"
+    child = subprocess.run([sys.executable, str(CHILD), str(path), "tail_then_forget"], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 9, child.stderr
+    model = make_model("llama")
+    ids = random_ids(9, 7)
+    first = torch.cat([model.generate(ids, max_new_tokens=2, do_sample=False), torch.tensor([[7]])], dim=1)
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        assert all(meta.sessions for meta in store._index.blocks.values())
+        assert store.open(model, first, session="A").restored_tokens == 10  # the forget never landed
+        store.forget(session="A")
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, first, session="A")
+        assert cache.restored_tokens == 8  # B's two blocks
+        assert torch.equal(model.generate(first, past_key_values=cache, max_new_tokens=3, do_sample=False),
+                           model.generate(first, max_new_tokens=3, do_sample=False))
+
+
 def shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     differ = (a[:n] != b[:n]).nonzero()

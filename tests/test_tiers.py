@@ -494,6 +494,25 @@ def test_an_op_on_a_superseded_block_keeps_its_place_after_the_delete(disk: Disk
     assert raw_get(disk, b"refs", sid(1) + key(2)) is not None
 
 
+def test_superseded_ops_wait_behind_nothing_that_names_their_blocks_or_sessions() -> None:
+    # A forget queued behind a replaced tail's delete drops all its session's references, the
+    # tail's among them (and one of a session that keeps the tail, the reference that the tail's
+    # DropRefs writes for it): applied first, a crash before the tail's delete left the tail where
+    # no forget finds it (tests/test_crash.py).
+    from tierkv.tiers.disk import _transactions
+
+    replaced = [DeleteBlocks([key(1)], [sid(1) + key(1)], superseded=True),
+                DropRefs(sid(1), [key(1)], holders=[(sid(2), "acme", key(5))], superseded=True)]
+    for forget in (DropRefs(sid(1), [key(3)], drop_session=True), DropRefs(sid(2), [key(4)], drop_session=True),
+                   DeleteBlocks([key(3)], [sid(1) + key(3)]), PutRefs(sid(2), "acme", [key(4)]), put_op(1)):
+        assert _transactions([put_op(2), *replaced, forget]) == [([0], False), ([1, 2], True), ([3], False)]
+    unrelated = DropRefs(sid(3), [key(6)], drop_session=True)
+    assert _transactions([put_op(2), *replaced, unrelated, Touch({key(1): 1})]) == [([0, 3, 4], False),
+                                                                                   ([1, 2], True)]
+    assert _transactions([*replaced, put_op(2)]) == [([0, 1, 2], False)]  # no write before them
+    assert _transactions([]) == [([], False)]
+
+
 def test_scan_record_bytes_are_the_stored_length(disk: DiskTier) -> None:
     op = put_op(1)
     disk.apply([op])

@@ -351,15 +351,20 @@ class _Batch:
     defer: bool = False  # whether evicted records may be left to the next transaction
 
 
-def _conflict_keys(op: DiskOp) -> set[bytes]:
-    """The blocks an op's outcome depends on the order of (a ``Touch`` after a block's delete
-    only leaves a stamp that the delete would have removed)."""
+def _conflicts(op: DiskOp) -> set[bytes]:
+    """The blocks (``b"k" + key``) and sessions (``b"s" + sid``) whose rows an op's outcome depends
+    on the order of: a session's row and references, a forget's among them, go with its sid (a
+    ``Touch`` after a block's delete only leaves a stamp that the delete would have removed)."""
     if isinstance(op, PutBlock):
-        return {op.header.key}
-    if isinstance(op, (DeleteBlocks, PutRefs, DropRefs)):
-        return set(op.keys)
+        return {b"k" + op.header.key}
     if isinstance(op, PutHeads):
-        return set(op.heads)
+        return {b"k" + key for key in op.heads}
+    if isinstance(op, DeleteBlocks):
+        return {b"k" + key for key in op.keys} | {b"s" + ref[:KEY_BYTES] for ref in op.refs}
+    if isinstance(op, (PutRefs, DropRefs)):
+        holders = op.holders if isinstance(op, DropRefs) else []
+        return ({b"k" + key for key in op.keys} | {b"s" + op.sid}
+                | {b"s" + sid for sid, _, _ in holders})
     return set()
 
 
@@ -371,15 +376,16 @@ def _transactions(ops: Sequence[DiskOp]) -> list[tuple[list[int], bool]]:
     is the file). A partial tail that a longer chain replaced, deleted in the transaction that
     writes that chain, was zeroed even when the process died before the commit: the flushed tail
     and its unflushed replacement were both lost. So its delete waits for a later transaction,
-    with the other superseded deletes of the batch; an op of a block that one of those names
-    (the same tail written again) ends the wait first, keeping the order the store gave."""
+    with the other superseded deletes of the batch; an op of a block or session that one of those
+    names (the same tail written again, the session forgotten) ends the wait first, keeping the
+    order the store gave."""
     parts: list[tuple[list[int], bool]] = []
     now: list[int] = []
     later: list[int] = []
     later_keys: set[bytes] = set()
     writes = False
     for i, op in enumerate(ops):
-        keys = _conflict_keys(op)
+        keys = _conflicts(op)
         if writes and isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded:
             later.append(i)
             later_keys |= keys
