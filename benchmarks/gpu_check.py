@@ -269,16 +269,20 @@ def main() -> None:
           f"transformers {__import__('transformers').__version__}\n")
     print("Exactness (3 turns, then a restart), tierkv vs DynamicCache and plain generate:\n")
     print("| model | blocks rest in | result | restored per turn | restored after restart |\n|---|---|---|---|---|")
+    failed = 0
     for line in check_exactness(device):
         print(line)
+        failed += failure(line)
     print("\nThe fingerprint's device kind:\n")
     print("| case | result |\n|---|---|")
     for line in check_device_kind(device):
         print(line)
+        failed += failure(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")
     print("| case | result | restored tokens per tier | host pool after flush |\n|---|---|---|---|")
     for line in check_pool_churn(device):
         print(line)
+        failed += failure(line)
     print("\nCopy bandwidth through the copy engine vs raw pinned copy_ of the same bytes:\n")
     print("| direction | tierkv GB/s | raw copy_ GB/s | tierkv / raw |\n|---|---|---|---|")
     blocks, mib = (8, 1) if args.cpu else (64, 4)
@@ -300,6 +304,13 @@ def main() -> None:
         for name, value in checks(layers, 9, device):
             print(f"| {name} | {value} |")
     print(f"\nfinished in {time.perf_counter() - start:.0f} s")
+    if failed:
+        raise SystemExit(f"{failed} check(s) failed (MISMATCH or WRONG above): please report this as a bug")
+
+
+def failure(row: str) -> bool:
+    """A correctness row that failed: its verdict cell says so (the figures' rows have none)."""
+    return any(cell.strip().startswith(("MISMATCH", "WRONG")) for cell in row.split("|"))
 
 
 if __name__ == "__main__":

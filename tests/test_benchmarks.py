@@ -90,6 +90,18 @@ class _EchoForward:
         return SimpleNamespace(logits=torch.zeros(1, 1, 4))
 
 
+def test_gpu_check_fails_where_a_row_says_mismatch_or_wrong() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check import failure
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert failure("| llama float16 | disk | MISMATCH (pool fallbacks 0) | 8 | 16 |")
+    assert failure("| CPU blocks reopened on CUDA | WRONG: 32 stored on CPU, 32 restored on CUDA, exact |")
+    assert not failure("| llama float16 | disk | exact | 8 | 16 |")
+    assert not failure("| host -> device | 20.1 | 21.0 | 0.96 |")
+
+
 def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
     out = run(tmp_path, "benchmarks/gpu_check.py", "--cpu")
     # 2 models x 2 dtypes x 3 tiers, and the host-pool churn case.
@@ -285,9 +297,31 @@ def test_chat_trace_disk_budget_flag_reaches_the_store(tmp_path: Path) -> None:
 
     from benchmarks import chat_trace
 
-    chat_trace.main([*TOY_TRACE, "--turns", "2", "--disk-budget", "3MiB", "--out", str(tmp_path)])
-    policies = json.loads((tmp_path / "results.json").read_text())["policies"]
+    # No system prompt at all (its warm-up open had nothing to open).
+    chat_trace.main([*TOY_TRACE, "--turns", "2", "--disk-budget", "3MiB", "--system-tokens", "0", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "results.json").read_text())
+    policies = report["policies"]
+    assert report["args"]["system_tokens"] == 0
     assert policies["tierkv"]["budgets"]["disk"] == 3 * 2**20 and policies["tierkv-no-disk"]["budgets"]["disk"] == 0
+
+
+def test_chat_trace_prints_its_table_before_the_reports_and_says_when_they_cannot_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import tierkv.bench as bench
+
+    monkeypatch.setattr(bench, "run", lambda args: {"results": {}})
+    monkeypatch.setattr(bench, "summarise", lambda run_: {})
+    monkeypatch.setattr(bench, "markdown", lambda run_, summary: "| the table |")
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 4 and "| the table |" in out
+    assert "could not write the reports" in err and "No space left on device" in err
 
 
 def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
@@ -319,9 +353,11 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     (["--host-budget=-5%"], "give a percentage of the working set"),
     (["--disk-budget", "3 parsecs"], "or a percentage of the working set"),
     (["--device-budget", "12XB"], "unknown byte unit"),
-    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
+    (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),
     (["--out", __file__], "is a file; give a directory"),
-    (["--out", "/proc/tierkv-out"], "cannot make that directory"),
+    (["--out", "/proc/tierkv-out"], "cannot write there"),
+    (["--out", "/proc"], "cannot write there"),  # there, but not writable (also by root)
     (["--device-budget", "1e300%"], "from 0 to 100000"),
     (["--host-budget", "100001%"], "from 0 to 100000"),
 ])
@@ -448,7 +484,8 @@ def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_ho
     (["--block-size", "0"], "--block-size must be 1 or more"),
     (["--hidden", "0"], "--hidden must be 64, 128, 192 or a multiple of 128"),
     (["--hidden", "320"], "--hidden must be 64, 128, 192 or a multiple of 128"),
-    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
+    (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),
     (["--store", __file__], "is a file; give a directory"),
 ])
 def test_the_demo_refuses_bad_flags_saying_what_to_give(flags: list[str], message: str,
@@ -458,6 +495,44 @@ def test_the_demo_refuses_bad_flags_saying_what_to_give(flags: list[str], messag
     with pytest.raises(SystemExit) as exc:
         main(flags)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_demo_refuses_a_store_it_cannot_open_saying_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    from tierkv.demo import main
+
+    with TieredStore(tmp_path / "kv", block_size=16):
+        pass
+    with pytest.raises(SystemExit) as exc:  # before the model is built
+        main(["--quick", "--store", str(tmp_path / "kv")])
+    assert exc.value.code == 2
+    assert "holds a store of --block-size 16: give --block-size 16, or another directory" in capsys.readouterr().err
+    with TieredStore(tmp_path / "kv", block_size=16):  # held by another process: refused as the store commands do
+        held = subprocess.run([sys.executable, "-m", "tierkv", "demo", "--quick", "--store", str(tmp_path / "kv"),
+                               "--block-size", "16", "--layers", "1", "--hidden", "64"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert held.returncode == 3 and "in use" in held.stderr and "Traceback" not in held.stderr
+
+
+def test_the_demo_runs_the_turns_asked_for_and_removes_its_store_whatever_ends_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import tierkv.demo as demo
+
+    small = ["--quick", "--layers", "1", "--hidden", "64", "--system-tokens", "16", "--reply-tokens", "2"]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(demo.tempfile, "tempdir", None)
+    demo.main([*small, "--sessions", "5", "--turns", "2"])
+    turns = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s+user", line)]
+    assert [line.split()[1] for line in turns] == ["user0", "user1", "user0", "user1"]  # 2, then 2 after the restart
+    assert not left_behind(tmp_path)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "simulate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.main(small)
+    assert not left_behind(tmp_path)
 
 
 def test_the_demos_quick_sets_defaults_that_flags_given_with_it_override(monkeypatch: pytest.MonkeyPatch) -> None:

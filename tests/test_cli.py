@@ -388,6 +388,21 @@ def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callabl
     assert "(sessions 'alice', 'bob' of every tenant)" in results["sessions"].out
 
 
+def test_clear_refuses_names_that_are_not_utf8(built: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    # A terminal in another encoding hands Python undecodable bytes as lone surrogates.
+    for flags in (["--session", "caf\udce9"], ["--tenant", "caf\udce9"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["clear", str(built.path), *flags])
+        assert exc.value.code == 2 and "b'caf\\xe9' is not UTF-8" in capsys.readouterr().err
+
+
+def test_version_and_help_load_no_torch() -> None:
+    probe = ("import sys\nfrom tierkv import cli\ntry:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "False", result.stderr
+
+
 @pytest.mark.parametrize("args", [[], ["--all", "--tenant", "acme"], ["--all", "--session", "alice"],
                                   ["--tenant", "acme", "--default-tenant"]])
 def test_clear_without_one_clear_filter_is_refused_and_changes_nothing(

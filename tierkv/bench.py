@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -313,7 +314,9 @@ def run(args: argparse.Namespace) -> dict:
             with TieredStore(None, device=device, block_size=args.block_size) as warm:
                 # Untimed: a model's first open reads its static facts and all its weights once
                 # (memoised per model), which would fall on the first store policy's first turn.
-                warm.open(model, torch.tensor(system).unsqueeze(0).to(device))
+                # (With the first user message: the system prompt may be empty.)
+                first = np.concatenate([system, turns[0].user_tokens])
+                warm.open(model, torch.tensor(first).unsqueeze(0).to(device))
             interleave(policies, model, system, turns, args.round_turns, progress)
 
             mark_exact(policies)
@@ -552,14 +555,16 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
         parser.error(f"--zipf must be a finite number of 0 or more (0: sessions equally popular), got {args.zipf}")
     if args.round_turns < 0:
         parser.error(f"--round-turns must be 0 or more, got {args.round_turns}")
-    if args.seed < 0:
-        parser.error(f"--seed must be 0 or more, got {args.seed}")
+    if not 0 <= args.seed < 2**64:  # torch's seeds are 64-bit
+        parser.error(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out!r} is a file; give a directory for the reports (made if missing)")
     try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)  # before the run: one that cannot be made fails at once
+        # Before the run, which takes minutes: a directory that cannot be made or written to fails at once.
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
     except OSError as exc:
-        parser.error(f"--out {args.out!r}: cannot make that directory ({exc.strerror}); give one you can write to")
+        parser.error(f"--out {args.out!r}: cannot write there ({exc.strerror}); give a directory you can write to")
     for flag in ("device_budget", "host_budget", "disk_budget"):
         try:
             budget_bytes(getattr(args, flag), 1, f"--{flag.replace('_', '-')}")
@@ -579,13 +584,17 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     run_ = run(args)
     summary = summarise(run_)
     table = markdown(run_, summary)
-    (out / "results.md").write_text(table)
-    (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
-                                                  "working_set_bytes": run_["working_set_bytes"],
-                                                  "kv_bytes_per_token": run_["kv_bytes_per_token"],
-                                                  **summary}, indent=2, default=str))
-    written = plots(run_, out)
-    print(table)
+    print(table)  # first: the figures of a long run are not lost with the files
+    try:
+        (out / "results.md").write_text(table)
+        (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
+                                                      "working_set_bytes": run_["working_set_bytes"],
+                                                      "kv_bytes_per_token": run_["kv_bytes_per_token"],
+                                                      **summary}, indent=2, default=str))
+        written = plots(run_, out)
+    except OSError as exc:
+        print(f"error: could not write the reports to {out} ({exc}); the table above is the run's", file=sys.stderr)
+        raise SystemExit(4) from None
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {out / w}" for w in written))
     if not all(r.exact for r in run_["results"].values() if not r.skipped):
         raise SystemExit("a policy's replies differ from recomputation: please report this as a bug")

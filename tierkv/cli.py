@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from . import __version__
-from .codec import RecordHeader
-from .tiers.disk import UNREADABLE, DamagedStore, DeleteBlocks, DiskTier, DropRefs, PutHeads, ScanResult, StoreInUse
 from .units import format_bytes
 
 if TYPE_CHECKING:
+    from .codec import RecordHeader
     from .store import TieredStore
+    from .tiers.disk import DiskTier, ScanResult
 
 EXIT_OK = 0
 EXIT_BAD_RECORDS = 1
@@ -60,6 +60,7 @@ exit codes:
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
   {EXIT_IO}  a disk error stopped check --repair or clear: what was to be removed may still be there
+     (bench: its reports could not be written)
   {EXIT_PIPE}  the program reading the output closed the pipe (as `| head` does)
 """
 # A budget no store reaches: a smaller one would make the store evict blocks as it opens.
@@ -80,6 +81,8 @@ def _stored_meta(path: str) -> dict[str, int]:
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
     if not os.path.isdir(path):
         raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+    from .tiers.disk import DiskTier  # imported when used: torch takes seconds, `tierkv --version` none
+
     try:
         return DiskTier.stored_meta(path)
     except ValueError as exc:
@@ -89,6 +92,8 @@ def _stored_meta(path: str) -> dict[str, int]:
 @contextmanager
 def _refusals() -> Iterator[None]:
     """Opening errors as exit codes: the lock (3); the format, permissions or LMDB itself (2)."""
+    from .tiers.disk import StoreInUse
+
     try:
         yield
     except StoreInUse as exc:
@@ -100,6 +105,8 @@ def _refusals() -> Iterator[None]:
 
 
 def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
+    from .tiers.disk import DiskTier
+
     meta = _stored_meta(path)
     with _refusals():
         return DiskTier(path, _NO_LIMIT, meta["block_size"]), meta
@@ -219,6 +226,8 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
     """Drop ``bad`` records with their session references and last-use stamps, and the sessions
     they leave empty, and rewrite the ``stale`` heads of sound records, in one write transaction;
     returns what was done."""
+    from .tiers.disk import UNREADABLE, DamagedStore, DeleteBlocks, DropRefs, PutHeads
+
     doomed = set(bad)
     refs: list[bytes] = []
     emptied: list[bytes] = []
@@ -395,6 +404,14 @@ def _check_clear_filters(args: argparse.Namespace) -> None:
         args.usage_error("--all removes every entry: give it alone, or --tenant/--session without it")
     if not args.all and args.session is None and not args.tenant_given:
         args.usage_error("give --tenant T, --default-tenant or --session S; or --all to remove every entry")
+    for flag, names in (("--session", args.session or []), ("--tenant", [args.tenant] if args.tenant else [])):
+        for name in names:
+            try:
+                name.encode()
+            except UnicodeEncodeError:
+                # Bytes the terminal's encoding could not decode: no stored name is (names are UTF-8).
+                args.usage_error(f"{flag} {os.fsencode(name)!r} is not UTF-8, and names in a store are: give the "
+                                 "name as UTF-8 text")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

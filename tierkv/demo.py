@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -30,6 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
 from .store import TieredStore
+from .tiers.disk import DiskTier, StoreInUse
 
 
 class FirstTokenTimer(BaseStreamer):
@@ -80,10 +82,31 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.hidden < 64 or args.hidden % 64 or heads % max(1, heads // 2):
         parser.error(f"--hidden must be 64, 128, 192 or a multiple of 128 (the model has hidden/64 query heads "
                      f"sharing hidden/128 KV heads), got {args.hidden}")
-    if args.seed < 0:
-        parser.error(f"--seed must be 0 or more, got {args.seed}")
+    if not 0 <= args.seed < 2**64:
+        parser.error(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
     if args.store is not None and os.path.exists(args.store) and not os.path.isdir(args.store):
         parser.error(f"--store {args.store!r} is a file; give a directory (made if missing)")
+    if args.store is not None and os.path.isfile(os.path.join(args.store, "data.mdb")):
+        try:
+            stored = DiskTier.stored_meta(args.store)["block_size"]
+        except ValueError as exc:
+            parser.error(f"--store: {exc}")
+        if stored != args.block_size:
+            parser.error(f"--store {args.store!r} holds a store of --block-size {stored}: give --block-size {stored}, "
+                         f"or another directory")
+
+
+def open_store(path: str, block_size: int, budgets: dict) -> TieredStore:
+    """The demo's store; one that cannot be opened exits as the ``tierkv`` store commands do: 3
+    when another process holds it, 2 otherwise, with the reason and no traceback."""
+    try:
+        return TieredStore(path, block_size=block_size, **budgets)
+    except StoreInUse as exc:
+        print(f"tierkv demo: error: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except (ValueError, OSError) as exc:
+        print(f"tierkv demo: error: --store {path!r}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -121,6 +144,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     typical = (args.system_tokens + 200) * kv_per_token
     budgets = dict(device_budget=typical, host_budget=2 * typical, disk_budget="4GiB")
     path = args.store or tempfile.mkdtemp(prefix="tierkv-chatbot-")
+    try:
+        simulate(args, model, system, gen, budgets, kv_per_token, path)
+    finally:
+        if not args.store:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def simulate(args: argparse.Namespace, model: torch.nn.Module, system: torch.Tensor, gen: torch.Generator,
+             budgets: dict, kv_per_token: int, path: str) -> None:
+    """The turns, the restart and the summary, on the store at ``path``."""
+    vocab = model.config.vocab_size
     kept = "" if args.store else " (temporary: removed at the end; --store DIR keeps one)"
     print(f"tiny llama: {args.layers} layers, hidden {args.hidden}, KV {kv_per_token} B/token; store at {path}{kept}")
     print(f"budgets: device {budgets['device_budget'] // 1024} KiB, host {budgets['host_budget'] // 1024} KiB, "
@@ -130,13 +164,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # Zipf-like popularity: user0 returns most often.
     weights = torch.tensor([1.0 / (i + 1) for i in range(args.sessions)])
     order = torch.multinomial(weights, args.turns, replacement=True, generator=gen).tolist()
-    order[: args.sessions] = list(range(args.sessions))  # everyone speaks once first
+    order = (list(range(args.sessions)) + order[args.sessions:])[:args.turns]  # everyone speaks once first
 
     header = f"{'turn':>4}  {'session':<7} {'tokens':>6}  {'restored':>8} {'device':>6} {'host':>5} {'disk':>5}  " \
              f"{'TTFT tierkv':>11} {'recompute':>9} {'speedup':>7}  exact"
     print(header)
     print("-" * len(header))
-    store = TieredStore(path, block_size=args.block_size, **budgets)
+    store = open_store(path, args.block_size, budgets)
     timed_generate(model, system, args.reply_tokens)  # warm up kernels and allocator before timing
 
     def run_turn(turn: int, user: str) -> None:
@@ -159,13 +193,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     store.close()
     print("\n-- restart: the store is closed and reopened from disk --")
-    store = TieredStore(path, block_size=args.block_size, **budgets)
+    store = open_store(path, args.block_size, budgets)
     for turn, user_idx in enumerate(range(min(2, args.sessions)), len(order) + 1):
         run_turn(turn, f"user{user_idx}")
     stats = store.stats()
     store.close()
-    if not args.store:
-        shutil.rmtree(path, ignore_errors=True)
     print(f"\nsince the restart: hit tokens {stats['hits']}, computed tokens {stats['misses']}, evictions {stats['evictions']}")
     for tier in ("device", "host", "disk"):
         s = stats[tier]
