@@ -245,8 +245,10 @@ def test_the_collector_plugs_into_an_existing_registry_beside_other_metrics(mode
         assert one(found, "app_requests_total") == 1
         assert one(found, "tierkv_open_duration_seconds_count") == 1
         verify_scrape_equals_stats(found, store.stats())
+        refused = StoreCollector(store)
         with pytest.raises(ValueError, match="Duplicated"):
-            registry.register(StoreCollector(store))  # one store per registry, as prometheus_client enforces
+            registry.register(refused)  # one store per registry, as prometheus_client enforces
+        refused.close()  # as StoreCollector's docstring says: else it stays subscribed
     # A closed store still answers: stats() works after close, and the histograms stay.
     collector.close()
     found = samples(generate_latest(registry).decode())
@@ -271,6 +273,13 @@ def test_a_server_may_serve_from_a_given_registry_and_leaves_it_clean_on_close()
     with pytest.raises(TypeError, match="port must be an int"):
         serve(store, port=True)
     assert not store.events.active
+
+
+def test_an_empty_addr_is_refused_rather_than_bound_to_every_interface() -> None:
+    store = FakeStore()
+    with pytest.raises(ValueError, match=r"addr='' would serve on every interface; pass addr='0\.0\.0\.0'"):
+        serve(store, addr="")  # the socket API reads "" as every interface
+    assert not store.events.active  # refused before subscribing
 
 
 def test_metric_names_follow_prometheus_conventions(model) -> None:

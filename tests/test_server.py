@@ -416,6 +416,10 @@ def test_settings_come_from_the_environment_then_the_flags() -> None:
     (["--port", "70000"], "port must be in 0..65535"),
     (["--store", __file__], "is a file; give a directory"),
     (["--model", "meta-llama/Llama-3-8B"], "serves the built-in random model only"),
+    (["--host", ""], "host is empty, which would listen on every interface; pass --host 0.0.0.0"),
+    (["--device", "gpu"], "device='gpu' is not a device"),
+    pytest.param(["--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
 ])
 def test_bad_server_settings_are_usage_errors_before_the_server_starts(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -424,6 +428,87 @@ def test_bad_server_settings_are_usage_errors_before_the_server_starts(
     with pytest.raises(SystemExit) as exc:
         parse_args(flags, {})
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_host_is_refused_rather_than_read_as_every_interface() -> None:
+    from examples.server.settings import parse_args
+
+    # TIERKV_HOST= left empty in an env file: uvicorn would listen on every interface, without any key check.
+    with pytest.raises(ValueError, match=r"host is empty.*pass --host 0\.0\.0\.0"):
+        Settings.from_env({"TIERKV_HOST": ""})
+    assert parse_args(["--host", "0.0.0.0"], {"TIERKV_HOST": ""}).host == "0.0.0.0"  # everywhere, asked by name
+
+
+def test_a_store_made_with_another_block_size_is_refused_before_the_server_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.server.settings import parse_args
+
+    TieredStore(tmp_path / "kv", device="cpu", block_size=16).close()
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--store", str(tmp_path / "kv")], {})  # the default block size, 64
+    assert exc.value.code == 2
+    assert "was created with block_size=16; pass --block-size 16" in capsys.readouterr().err
+    assert parse_args(["--store", str(tmp_path / "kv")], {"TIERKV_BLOCK_SIZE": "16"}).block_size == 16
+
+
+def test_a_store_in_use_stops_the_startup_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    settings = Settings(store=str(tmp_path / "kv"), **SMALL)  # checked before the store exists, as a server does
+    holder = TieredStore(tmp_path / "kv", device="cpu", block_size=SMALL["block_size"])
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        uv = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="info", lifespan="on"))
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        errors = logging.getLogger("uvicorn.error")  # after Config, which replaces uvicorn's handlers
+        errors.addHandler(handler)
+        statuses: list[object] = []
+
+        def run() -> None:
+            try:
+                uv.run(sockets=[sock])
+            except SystemExit as exc:  # uvicorn's exit status for a failed startup
+                statuses.append(exc.code)
+
+        try:
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            thread.join(60)
+        finally:
+            errors.removeHandler(handler)
+            sock.close()
+        assert not thread.is_alive() and not uv.started and statuses == [3]
+    finally:
+        holder.close()
+    logged = [(r.levelno, r.getMessage()) for r in records if r.levelno >= logging.ERROR]
+    assert len(logged) == 2 and all(r.exc_info is None for r in records), logged
+    assert logged[0][1].startswith("the server cannot start: ") and "is in use by another TieredStore" in logged[0][1]
+    assert "\n" not in logged[0][1] and "Traceback" not in logged[0][1]
+    assert logged[1][1] == "Application startup failed. Exiting."
+
+
+def test_the_app_for_uvicorn_is_made_from_the_environment_on_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from starlette.testclient import TestClient
+    from uvicorn.importer import import_from_string
+
+    import examples.server.app as module
+
+    monkeypatch.delattr(module, "app", raising=False)  # made by an earlier use, if any
+    try:
+        monkeypatch.setenv("TIERKV_STORE", __file__)  # refused at the first use, not at the import
+        with pytest.raises(ValueError, match="is a file"):
+            import_from_string("examples.server.app:app")
+        monkeypatch.setenv("TIERKV_STORE", "none")
+        monkeypatch.setenv("TIERKV_MODEL_NAME", "from-the-environment")
+        app = import_from_string("examples.server.app:app")  # as `uvicorn examples.server.app:app` finds it
+        assert module.app is app  # made once
+        # Without `with`, TestClient runs no lifespan: nothing is opened.
+        assert TestClient(app).get("/v1/models").json()["data"][0]["id"] == "from-the-environment"
+        with pytest.raises(AttributeError, match="no attribute 'apps'"):
+            module.apps  # noqa: B018
+    finally:
+        vars(module).pop("app", None)
 
 
 def free_port() -> int:
@@ -435,7 +520,9 @@ def free_port() -> int:
 def test_python_m_examples_server_serves_and_closes_its_store_on_shutdown(tmp_path: Path) -> None:
     store = tmp_path / "kv"
     port = free_port()
-    env = {**os.environ, "TIERKV_BLOCK_SIZE": "8", "TIERKV_TINY_LAYERS": "1", "TIERKV_TINY_HIDDEN": "64"}
+    # TIERKV_STORE alone is refused (a file); the flag overrides it, and importing the app must not object.
+    env = {**os.environ, "TIERKV_BLOCK_SIZE": "8", "TIERKV_TINY_LAYERS": "1", "TIERKV_TINY_HIDDEN": "64",
+           "TIERKV_STORE": __file__}
     proc = subprocess.Popen([sys.executable, "-m", "examples.server", "--port", str(port), "--store", str(store)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

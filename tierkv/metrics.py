@@ -108,7 +108,14 @@ _HISTOGRAMS = {
 
 
 class StoreCollector(Collector):
-    """A Prometheus collector for one ``TieredStore``; register it in any ``CollectorRegistry``."""
+    """A Prometheus collector for one ``TieredStore``; register it in any ``CollectorRegistry``.
+
+    It subscribes to the store's events when made. A registry holds one store's collector: its metric
+    names are fixed, so registering a second store's collector in the same registry raises
+    (prometheus_client's ``Duplicated timeseries``); give each store a registry of its own (``serve``
+    does). ``close()`` a collector whose ``register`` raised, or it stays subscribed and its queue
+    keeps filling up to ``maxlen`` events until the store closes.
+    """
 
     def __init__(self, store: Any, maxlen: int = 100_000) -> None:
         self._store = store
@@ -262,7 +269,11 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     registry of its own; pass one (``prometheus_client.REGISTRY`` for the process-wide one) to
     serve the store's metrics beside what is already registered there. Binds to 127.0.0.1 unless
     told otherwise: metrics name sessions' counts and sizes, not for every network by default.
+    ``addr=""`` is refused: the socket API reads it as every interface, which is to be asked for by name.
     """
+    if isinstance(addr, str) and not addr.strip():
+        raise ValueError(f"addr={addr!r} would serve on every interface; pass addr='0.0.0.0' (or '::') to serve "
+                         "metrics on every network, or leave the default 127.0.0.1")
     port = whole_number(port, "port", 0, " (0 picks a free port)")
     if port > 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free port), got {port}")

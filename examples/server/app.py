@@ -26,6 +26,12 @@ is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from
 
 Lifespan: the store, the model and the metrics collector are created at startup and closed at
 shutdown (the running turn finishes and commits, queued ones are dropped, the store is flushed).
+A startup the store or the device refuses (the store in use by another process, say) is logged as
+one line, and uvicorn exits with status 3.
+
+``app`` (for ``uvicorn examples.server.app:app``) is made from the environment on first use, not at
+import: ``python -m examples.server`` imports this module, and its flags may override a variable
+that alone is refused.
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from lmdb import Error as LmdbError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tierkv
 from tierkv import TieredStore
@@ -57,6 +65,9 @@ from .settings import Settings
 
 logger = logging.getLogger("examples.server")
 FINGERPRINT = f"tierkv-{tierkv.__version__}"
+# What the store, its directory or the device refuse at startup: a setting to fix, said in one line.
+# Anything else (a bug) keeps its traceback.
+REFUSALS = (ValueError, OSError, LmdbError)
 
 
 @dataclass(slots=True)
@@ -91,6 +102,28 @@ class ServerState:
         self.engine.close()  # first: the turn still running commits into the open store
         self.collector.close()
         self.store.close()
+
+
+class OneLineRefusals:
+    """Starlette reports a failed startup to uvicorn as a traceback, which uvicorn logs. For a startup
+    ``REFUSALS`` stopped, the lifespan leaves the one line to log in ``app.state.refusal`` and this
+    middleware sends it instead; uvicorn still exits with its startup failure status (3)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_refusal(message: Message) -> None:
+            refusal = getattr(scope["app"].state, "refusal", None)
+            if message["type"] == "lifespan.startup.failed" and refusal is not None:
+                message = {**message, "message": refusal}
+            await send(message)
+
+        await self.app(scope, receive, send_refusal)
 
 
 def tenant_of(request: Request) -> str | None:
@@ -211,7 +244,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.server = await asyncio.to_thread(ServerState.start, settings)
+        try:
+            app.state.server = await asyncio.to_thread(ServerState.start, settings)
+        except REFUSALS as exc:
+            logger.debug("startup refused", exc_info=True)  # the traceback, for whoever enables DEBUG
+            app.state.refusal = f"the server cannot start: {exc}"
+            raise
         try:
             yield
         finally:
@@ -219,6 +257,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tierkv chat server", version=tierkv.__version__, lifespan=lifespan)
     errors.install(app, schemas.FIELDS)
+    app.add_middleware(OneLineRefusals)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -272,4 +311,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-app = create_app()  # for `uvicorn examples.server.app:app`; configured by TIERKV_* environment variables
+def __getattr__(name: str) -> Any:
+    """``app``, for ``uvicorn examples.server.app:app``: configured by ``TIERKV_*`` variables, made once."""
+    if name == "app":
+        app = globals()["app"] = create_app()  # later lookups find it without calling here
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

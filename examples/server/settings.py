@@ -63,12 +63,39 @@ class Settings:
                              f"got {self.max_input_tokens} + {self.max_output_tokens}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.host.strip():
+            # uvicorn (like socket.bind) reads "" as every interface, and this server checks no keys: a
+            # TIERKV_HOST= left empty must not expose it. Refused, not read as the default, since to the
+            # socket API "" means everywhere: whoever wrote it may have meant either.
+            raise ValueError("host is empty, which would listen on every interface; pass --host 0.0.0.0 (or ::) "
+                             "to listen everywhere (put an authenticating proxy in front), or leave it unset for "
+                             "127.0.0.1")
         if self.store is not None and os.path.exists(self.store) and not os.path.isdir(self.store):
             raise ValueError(f"store {self.store!r} is a file; give a directory (made if missing), or 'none'")
-        from tierkv.units import parse_bytes  # loads torch: only once the cheap checks passed
+        from tierkv.transfer import resolve_device  # loads torch: only once the cheap checks passed
+        from tierkv.units import parse_bytes
 
         for name in ("device_budget", "host_budget", "disk_budget"):
             parse_bytes(getattr(self, name), name)
+        if self.device is not None:  # None (auto) always resolves
+            resolve_device(self.device)
+        self._check_stored_block_size()
+
+    def _check_stored_block_size(self) -> None:
+        """An existing store's block size must be this one: else the store refuses to open, after the model loaded.
+        Reads the store's meta record without its lock, so it must run before this process opens the store."""
+        from tierkv.tiers.disk import DiskTier
+
+        if self.store is None:
+            return
+        path = os.path.expanduser(self.store)  # as the store reads it
+        data = os.path.join(path, "data.mdb")
+        if not (os.path.isfile(data) and os.path.getsize(data) > 0):
+            return  # a new store, made at startup with this block size
+        stored = DiskTier.stored_meta(path)["block_size"]  # raises ValueError for a directory that holds no store
+        if stored != self.block_size:
+            raise ValueError(f"store {self.store!r} was created with block_size={stored}; pass --block-size {stored} "
+                             f"(TIERKV_BLOCK_SIZE={stored}), or another store directory")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
