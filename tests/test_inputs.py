@@ -254,8 +254,10 @@ def test_a_batch_of_other_conversations_is_refused() -> None:
     with TieredStore(None, block_size=8) as store:
         cache, later = restored_cache(store, model)
         other = random_ids(later.shape[1], 7)
-        with pytest.raises(ValueError, match="batch of 2 different rows"):
+        with pytest.raises(ValueError, match="holds one conversation, but generate.. got a batch of 2 rows"):
             greedy(model, torch.cat([later, other]), past_key_values=cache)
+        with pytest.raises(ValueError, match="batch of 2 different rows"):  # model() is fed the new ids only
+            model(torch.cat([later, other])[:, cache.get_seq_length():], past_key_values=cache)
 
 
 def test_generate_given_only_the_new_message_is_refused() -> None:
@@ -455,10 +457,57 @@ def test_ids_edited_in_place_after_open_are_refused_at_commit() -> None:
         assert cache.restored_tokens > 3
         later[0, 3] = (later[0, 3] + 1) % VOCAB
         assert int(cache.input_ids[3]) != int(later[0, 3])
-        got = greedy(model, later, past_key_values=cache)
+        # generate() feeds the model only the ids past the cache: its whole ids are checked first.
+        with pytest.raises(ValueError, match="differ from those store.open got at token 3"):
+            greedy(model, later, past_key_values=cache)
+        # model() is given only those: commit compares the rest.
+        with torch.no_grad():
+            model(later[:, cache.get_seq_length():], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="do not start with the conversation"):
-            cache.commit(got)
-        assert store.open(model, torch.cat([got, random_ids(2, 3)], dim=1), session="s").restored_tokens == 3
+            cache.commit(later)
+        assert store.open(model, torch.cat([later, random_ids(2, 3)], dim=1), session="s").restored_tokens == 3
+
+
+def test_a_batch_whose_rows_differ_inside_the_restored_prefix_is_refused() -> None:
+    # generate() feeds only the ids past the cache, and the restored batch-1 prefix went to every
+    # row: a row of another conversation with the same last ids got this one's KV, silently.
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, model, random_ids(32, 1), session="a")
+        other = out.clone()
+        other[0, :30] = random_ids(30, 2)[0]
+        cache = store.open(model, out, session="a")
+        assert cache.restored_tokens > 30
+        with pytest.raises(ValueError, match="batch of 2 rows that differ within"):
+            greedy(model, torch.cat([out, other]), past_key_values=cache)
+        # Rows that generate() itself made from one (beams, several samples) are the conversation.
+        cache = store.open(model, out, session="a")
+        beams = model.generate(out, past_key_values=cache, max_new_tokens=4, num_beams=3, do_sample=False)
+        assert torch.equal(beams, model.generate(out, max_new_tokens=4, num_beams=3, do_sample=False))
+        cache = store.open(model, out, session="a")
+        same = torch.cat([out, out])  # a batch of the same conversation twice
+        assert torch.equal(greedy(model, same, past_key_values=cache), greedy(model, same))
+
+
+def test_the_check_on_generates_ids_goes_with_the_model_when_copied_or_pickled() -> None:
+    import inspect
+    import pickle
+
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        assert "prepare_inputs_for_generation" in vars(model)
+        plain = type(model).prepare_inputs_for_generation.__get__(model)
+        assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(plain)
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert vars(twin)["prepare_inputs_for_generation"].model is twin
+            edited = out.clone()
+            edited[0, 2] = (edited[0, 2] + 1) % VOCAB
+            cache = store.open(twin, out, session="s")
+            with pytest.raises(ValueError, match="at token 2"):
+                greedy(twin, edited, past_key_values=cache)
+            cache = store.open(twin, out, session="s")
+            assert torch.equal(greedy(twin, out, past_key_values=cache), greedy(model, out))
 
 
 @pytest.mark.parametrize("change", ["load_state_dict", "cast", "replaced"])

@@ -1269,6 +1269,42 @@ def test_a_key_collision_restores_nothing(tiny_model, monkeypatch):
         assert torch.equal(out, model.generate(other, max_new_tokens=3, do_sample=False))
 
 
+def test_models_attending_in_both_directions_are_refused(tiny_model):
+    # A prefix's KV then depends on the tokens after it: turn 2's restored KV differed from its
+    # prefill (gemma bidirectional: logits 0.18 off; roberta without is_decoder: other tokens).
+    ids = random_ids(6)
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        for model_type, extra, remedy in (("gemma", {"use_bidirectional_attention": True, "num_key_value_heads": 1,
+                                                     "head_dim": 16}, "use_bidirectional_attention=True"),
+                                          ("roberta", {}, "is_decoder=True"), ("bert", {}, "is_decoder=True")):
+            config = AutoConfig.for_model(model_type, **small, **extra)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            with pytest.raises(ValueError, match=f"attends in both directions .*{remedy}"):
+                store.open(model, ids)
+        decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **small, is_decoder=True)).eval()
+        cache = store.open(decoder, ids)
+        assert torch.equal(decoder.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False),
+                           decoder.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_a_model_without_a_kv_cache_is_refused(tiny_model):
+    config = AutoConfig.for_model("openai-gpt", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(ValueError, match="takes no KV cache"):
+            store.open(AutoModelForCausalLM.from_config(config).eval(), random_ids(6))
+
+
+def test_a_sliding_window_refusal_advises_sliding_window_none_only_where_it_helps(tiny_model):
+    # Where the config lists layer_types (Gemma 2), those decide the layers: the advice went round.
+    config = AutoConfig.for_model("gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=None)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(ValueError, match="sliding_attention") as info:
+            store.open(AutoModelForCausalLM.from_config(config).eval(), random_ids(6))
+        assert "sliding_window=None" not in str(info.value)
+
+
 def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
     model = tiny_model("llama")
     ids = random_ids(6)

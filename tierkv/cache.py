@@ -234,6 +234,9 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         inputs = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         inputs = set()
+    if inputs and isinstance(model, PreTrainedModel) and not inputs & {"cache", "past_key_values"}:
+        raise ValueError(f"{name} takes no KV cache (its forward has no cache or past_key_values argument), so "
+                         "there is no KV for tierkv to store or restore; use a model that generates with a cache")
     media = sorted(inputs & {"pixel_values", "image_patches", "pixel_values_videos", "input_features", "input_values"})
     for part in ("vision_config", "audio_config", "vision_tower", "speech_config", "vq_config", *media):
         if getattr(config, part, None) is not None or part in media:
@@ -246,6 +249,19 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     if getattr(text_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
         raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
                          f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
+    # A prefix's KV must not depend on the tokens after it. The attention modules that write the
+    # cache (they have a layer_idx; a vision tower's do not) say so with is_causal; cross-attention
+    # reads the encoder's states, not the conversation's.
+    for module_name, module in model.named_modules():
+        if getattr(module, "is_causal", True) is False and hasattr(module, "layer_idx") and \
+                not getattr(module, "is_cross_attention", False) and \
+                module_name.rsplit(".", 1)[-1] not in ("encoder_attn", "crossattention", "cross_attn", "cross_attention"):
+            remedy = ("it was built with use_bidirectional_attention=True" if
+                      getattr(text_config, "use_bidirectional_attention", False) else
+                      "build it with is_decoder=True for a BERT-like model loaded as a causal LM")
+            raise ValueError(f"{name} attends in both directions ({module_name} has is_causal=False): a prefix's "
+                             f"KV depends on the tokens after it, so stored KV would not equal recomputation "
+                             f"({remedy}). tierkv supports causal decoder-only models")
 
 
 def _refuse_hidden_weights(model: torch.nn.Module) -> None:
@@ -325,8 +341,10 @@ def _static_facts(model: Any) -> _Static:
                          "store; build it with at least one layer")
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
+        # With layer_types in the config, those name the layers' kinds whatever sliding_window says.
         hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
-                "sliding_window=None)" if "sliding_attention" in other else "")
+                "sliding_window=None)" if "sliding_attention" in other and
+                getattr(text_config, "layer_types", None) is None else "")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
@@ -335,6 +353,9 @@ def _static_facts(model: Any) -> _Static:
     for part in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
         if not any(hook is _check_forward for hook in part._forward_pre_hooks.values()):
             part.register_forward_pre_hook(_check_forward, with_kwargs=True)
+        if callable(getattr(type(part), "prepare_inputs_for_generation", None)) and \
+                "prepare_inputs_for_generation" not in vars(part):
+            part.prepare_inputs_for_generation = _CheckedPrepare(part)
     sample = WeightSample(model)
     params = sample.params
     if not params:
@@ -442,6 +463,15 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     KV not computed from its conversation's ids, or by another model than the one it was opened
     with, is refused before it runs, and the ids fed after the conversation are noted for
     ``commit`` to compare."""
+    cache = _cache_of(kwargs)
+    if isinstance(cache, TieredCache):
+        cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
+    elif any(isinstance(a, TieredCache) for a in args):
+        raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
+                         "not as a positional argument")
+
+
+def _cache_of(kwargs: dict[str, Any]) -> Any:
     cache = kwargs.get("past_key_values")
     if cache is None:
         cache = kwargs.get("cache")
@@ -449,11 +479,34 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         # A decoder built with cross-attention (GPT-2's add_cross_attention) wraps the cache it is
         # given in one, and generate() feeds that wrapper back at every later step.
         cache = cache.self_attention_cache
-    if isinstance(cache, TieredCache):
-        cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
-    elif any(isinstance(a, TieredCache) for a in args):
-        raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
-                         "not as a positional argument")
+    return cache
+
+
+class _CheckedPrepare:
+    """``prepare_inputs_for_generation`` on the instance of every model ``describe_model`` has seen
+    (the class's own, called through): generate() hands it the whole ids, and feeds the model only
+    those past the cache, so the forward hook never sees the ids of the restored prefix. A batch
+    of rows that differ there, or ids edited there after ``store.open``, would have the restored
+    KV of another conversation: refused here, before the first forward. Picklable and copied with
+    its model (rebound to the copy); keeps the signature transformers reads off it."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = _cache_of(kwargs)
+        if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            cache._check_prefix(input_ids)
+        return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.model).prepare_inputs_for_generation.__get__(self.model))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _CheckedPrepare, (self.model,)
 
 
 def describe_model(model: Any) -> ModelInfo:
@@ -679,7 +732,8 @@ class TieredLayer(DynamicLayer):
             if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
                 raise ValueError(f"the model computed keys in {key_states.dtype} and values in {value_states.dtype}, "
-                                 f"but this TieredCache restored them in {parts[0].dtype}, its weights' dtype; "
+                                 f"but this TieredCache restored them in {parts[0].dtype}, its weights' dtype at "
+                                 "store.open: a model cast since (model.to(dtype)) needs a new store.open; otherwise "
                                  "tierkv needs a model that computes its KV in the dtype of its weights")
             if key_states.shape[0] == 1:
                 # The first forward after a restore: one concatenation of the restored blocks and the
@@ -922,6 +976,26 @@ class TieredCache(Cache):
                              f"from this {type(module).__name__}'s: its KV would be stored as the other model's. "
                              "Open a cache with the model that runs it: cache = store.open(model, input_ids)")
         self._also_fine.append(weakref.ref(module))
+
+    def _check_prefix(self, input_ids: torch.Tensor) -> None:
+        """generate()'s whole ids, before its first forward on this cache: every row must start
+        with the tokens this cache restored (see ``_CheckedPrepare``). Later forwards feed only
+        ids past what the cache holds, which ``_check_inputs`` checks."""
+        done = self.restored_tokens
+        if not done or self.get_seq_length() != done or input_ids.shape[1] < done:
+            return  # nothing restored, a forward ran already, or only the new ids were given
+        got = input_ids[:, :done].detach().cpu().numpy()
+        want = self.input_ids[:done]
+        if _rows_equal(got, want):
+            return
+        if got.shape[0] > 1 and not (got == got[:1]).all():
+            raise ValueError(f"a TieredCache holds one conversation, but generate() got a batch of {got.shape[0]} "
+                             f"rows that differ within the {done} tokens it restored, which would all get its KV; "
+                             "open one cache per conversation and generate each with batch 1")
+        at = int(np.argmax((got != want).any(axis=0)))
+        raise ValueError(f"generate() was given ids that differ from those store.open got at token {at}, within the "
+                         f"{done} tokens this TieredCache restored for them: generate() takes the whole conversation "
+                         "given to store.open, not only the new message; for other ids, open a cache with them")
 
     def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any], done: int) -> None:
         """A forward's inputs. While the cache holds less than its conversation they must be its
