@@ -547,7 +547,7 @@ def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> No
             model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 0.5)
         with pytest.raises(ValueError, match="2-D attention_mask"):
             model(ids, past_key_values=cache, attention_mask=torch.ones(1, 1, 20, 20))
-        with pytest.raises(ValueError, match="not as a positional argument"):
+        with pytest.raises(ValueError, match="as a positional argument, where tierkv cannot check"):
             model(ids, None, None, cache)
         model(ids, past_key_values=cache, position_ids=torch.arange(20)[None])  # its own positions pass
         assert cache.get_seq_length() == 20

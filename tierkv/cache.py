@@ -467,8 +467,12 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     if isinstance(cache, TieredCache):
         cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
     elif any(isinstance(a, TieredCache) for a in args):
-        raise ValueError("pass a TieredCache to the model as past_key_values=cache (or cache=cache), "
-                         "not as a positional argument")
+        # Also where a model's own forward hands its inner model the cache by position (CPM-Ant's,
+        # which changes the ids on the way): that forward's checks cannot be run.
+        raise ValueError(f"a TieredCache reached {type(module).__name__}.forward as a positional argument, where "
+                         "tierkv cannot check what it is fed: pass it to the model as past_key_values=cache (or "
+                         "cache=cache); a model whose own forward passes it so is not supported (use a plain "
+                         "DynamicCache with it)")
 
 
 def _cache_of(kwargs: dict[str, Any]) -> Any:
