@@ -90,6 +90,9 @@ def test_a_crash_while_a_longer_chain_replaces_a_flushed_tail_keeps_one_of_them(
     nxt = model.generate(torch.cat([out, torch.tensor([[5, 6]])], dim=1), max_new_tokens=4, do_sample=False)
     nxt = torch.cat([nxt, torch.tensor([[7]])], dim=1)
     with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        # The chain landed, and the tail it replaced, left by the kill, is let go at the reopen: it
+        # took room under the budget, where the reopen evicted other blocks instead.
+        assert store.stats()["disk"]["blocks"] == 4
         cache = store.open(model, nxt, session="s")
         assert cache.restored_tokens >= flushed == 10
         assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=3, do_sample=False),

@@ -1276,6 +1276,24 @@ class TieredStore:
             if stamps:
                 self._submit(Touch(stamps))
 
+    def _drop_replaced_tails(self, sid: bytes) -> None:
+        """Let go of a session's partial tails that another of its blocks after the same parent
+        covers: a crash between a commit's block writes and the later transaction that deletes
+        the tails they replace (``DiskTier.apply``) leaves both, and the tail would take room
+        under the disk budget that the reopen then freed by evicting other blocks."""
+        info = self._index.sessions[sid]
+        metas = [self._index.blocks[key] for key in info.keys]
+        replaced = [tail for tail in metas if tail.n_tokens < self.block_size and any(
+            other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
+            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas)]
+        for tail in replaced:
+            self._index.unref(sid, tail)
+            if not tail.sessions:
+                self._drop(tail, superseded=True)
+        if replaced:
+            keys = [tail.key for tail in replaced]
+            self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True))
+
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): those tokens are computed
         after all. Hits stay as they were (counters only grow: metrics export them as such)."""
@@ -1326,6 +1344,8 @@ class TieredStore:
                 self._submit(DropRefs(sid, dangling, drop_session=not alive))
         if damaged:
             self._drop_damaged_sessions(damaged)
+        for sid in list(self._index.sessions):
+            self._drop_replaced_tails(sid)
         for sid in list(self._index.sessions):
             self._untrack_if_hollow(sid)  # rows that earlier builds kept
         # Damaged records, deletes a crash cut short, heads and last-use stamps of blocks whose
