@@ -255,7 +255,7 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     for module_name, module in model.named_modules():
         if getattr(module, "is_causal", True) is False and hasattr(module, "layer_idx") and \
                 not getattr(module, "is_cross_attention", False) and \
-                module_name.rsplit(".", 1)[-1] not in ("encoder_attn", "crossattention", "cross_attn", "cross_attention"):
+                not {"encoder_attn", "crossattention", "cross_attn", "cross_attention"} & set(module_name.split(".")):
             remedy = ("it was built with use_bidirectional_attention=True" if
                       getattr(text_config, "use_bidirectional_attention", False) else
                       "build it with is_decoder=True for a BERT-like model loaded as a causal LM")
