@@ -233,18 +233,18 @@ def test_a_sigint_in_a_flush_or_close_never_loses_an_owed_delete(operation: str)
             store = machine.store
             store.flush()
             secret = set(store._index.blocks)
-            apply = store._disk._apply
+            apply = store._disk.apply
 
             def failing(ops, apply=apply):
                 if any(isinstance(op, (DeleteBlocks, DropRefs)) for op in ops):
                     raise lmdb.DiskError("Input/output error (simulated)")
                 return apply(ops)
 
-            store._disk._apply = failing
+            store._disk.apply = failing
             store.forget(session="b")
             store.flush()
             assert store.stats()["owed_deletes"] >= len(secret) > 0
-            store._disk._apply = apply  # the disk recovers
+            store._disk.apply = apply  # the disk recovers
             call = store.flush if operation == "flush" else lambda: store.close(timeout=5)
             sigint, raised_in = _interrupt_at(k, call)
             if raised_in is None:

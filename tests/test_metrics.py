@@ -433,7 +433,7 @@ def test_disk_write_errors_log_one_warning_and_count(model, tmp_path, caplog) ->
     def failing(ops):
         raise lmdb.DiskError("No space left on device")
 
-    store._disk._apply = failing
+    store._disk.apply = failing
     with caplog.at_level(logging.DEBUG, logger="tierkv"):
         for i in range(3):
             turn(store, model, random_ids(20, 110 + i))

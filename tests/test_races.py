@@ -459,7 +459,7 @@ def test_a_disk_io_error_degrades_to_memory_tiers_without_raising(model, stores,
         calls["n"] += any(not isinstance(op, (DeleteBlocks, DropRefs)) for op in ops)
         raise lmdb.DiskError("No space left on device")
 
-    store._disk._apply = failing
+    store._disk.apply = failing
     ids = random_ids(20, 130)
     with caplog.at_level("WARNING", logger="tierkv"):
         for turn in range(3):
