@@ -489,6 +489,41 @@ def test_a_batch_whose_rows_differ_inside_the_restored_prefix_is_refused() -> No
         assert torch.equal(greedy(model, same, past_key_values=cache), greedy(model, same))
 
 
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_a_chunked_prefill_and_only_the_new_ids_with_a_whole_mask_pass_the_prefix_check(chunk: int) -> None:
+    # Each chunk reaches prepare_inputs_for_generation alone, after the restored tokens: a chunk
+    # as long as the prefix was taken for the whole conversation and refused.
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(11, 1))
+        later = torch.cat([out, random_ids(20, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        restored = cache.restored_tokens
+        assert restored == 15
+        got = greedy(model, later, past_key_values=cache, prefill_chunk_size=chunk)
+        assert torch.equal(got, greedy(model, later))
+        cache = store.open(model, later, session="s")
+        new = later[:, restored:]
+        got = greedy(model, new, past_key_values=cache, attention_mask=torch.ones_like(later))
+        assert torch.equal(got[:, -NEW:], greedy(model, later)[:, -NEW:])
+
+
+def test_the_check_on_generates_ids_lets_its_model_go() -> None:
+    import gc
+    import weakref
+
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        one_turn(store, model, random_ids(20, 1))
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None  # freed with its last reference, not at the next collection
+    finally:
+        gc.enable()
+
+
 def test_the_check_on_generates_ids_goes_with_the_model_when_copied_or_pickled() -> None:
     import inspect
     import pickle
@@ -500,7 +535,7 @@ def test_the_check_on_generates_ids_goes_with_the_model_when_copied_or_pickled()
         plain = type(model).prepare_inputs_for_generation.__get__(model)
         assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(plain)
         for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert vars(twin)["prepare_inputs_for_generation"].model is twin
+            assert vars(twin)["prepare_inputs_for_generation"].model() is twin
             edited = out.clone()
             edited[0, 2] = (edited[0, 2] + 1) % VOCAB
             cache = store.open(twin, out, session="s")

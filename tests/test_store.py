@@ -1294,6 +1294,18 @@ def test_a_model_without_a_kv_cache_is_refused(tiny_model):
         with pytest.raises(ValueError, match="takes no KV cache"):
             store.open(AutoModelForCausalLM.from_config(config).eval(), random_ids(6))
 
+        class Wrapped(type(tiny_model("llama"))):  # a forward that names none of its arguments
+            def forward(self, *args, **kwargs):
+                return super().forward(*args, **kwargs)
+
+        llama = tiny_model("llama")
+        wrapped = Wrapped(llama.config).eval()
+        wrapped.load_state_dict(llama.state_dict())
+        ids = random_ids(6)
+        cache = store.open(wrapped, ids)
+        assert torch.equal(wrapped.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False),
+                           llama.generate(ids, max_new_tokens=3, do_sample=False))
+
 
 def test_a_sliding_window_refusal_advises_sliding_window_none_only_where_it_helps(tiny_model):
     # Where the config lists layer_types (Gemma 2), those decide the layers: the advice went round.

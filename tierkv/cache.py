@@ -231,10 +231,14 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     """Models whose KV is not a function of their token ids alone, or not of one shape."""
     name = type(model).__name__
     try:
-        inputs = set(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        inputs = set()
-    if inputs and isinstance(model, PreTrainedModel) and not inputs & {"cache", "past_key_values"}:
+        parameters = {}  # type: ignore[assignment]
+    inputs = set(parameters)
+    # A forward(*args, **kwargs) (a subclass's, a decorator's) names nothing it takes.
+    catch_all = "input_ids" not in inputs and any(
+        p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in parameters.values())
+    if inputs and not catch_all and isinstance(model, PreTrainedModel) and not inputs & {"cache", "past_key_values"}:
         raise ValueError(f"{name} takes no KV cache (its forward has no cache or past_key_values argument), so "
                          "there is no KV for tierkv to store or restore; use a model that generates with a cache")
     media = sorted(inputs & {"pixel_values", "image_patches", "pixel_values_videos", "input_features", "input_values"})
@@ -497,20 +501,33 @@ class _CheckedPrepare:
     __slots__ = ("model",)
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+        # Weak: the model holds this, and a cycle would keep its weights (GPU memory) until a
+        # garbage collection rather than free them with its last reference.
+        self.model = weakref.ref(model)
+
+    def _original(self) -> Any:
+        model = self.model()
+        if model is None:
+            raise ReferenceError("the model this prepare_inputs_for_generation belonged to is gone")
+        # As the class defines it (a staticmethod or classmethod too), bound to this model.
+        return inspect.getattr_static(type(model), "prepare_inputs_for_generation").__get__(model, type(model))
 
     def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         cache = _cache_of(kwargs)
-        if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+        if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and \
+                kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
+            # generate() says these ids hold the cached ones (it feeds the model those past them).
+            # It does not in a chunked prefill's chunks, nor where it was given only the new ids
+            # with a mask over the whole conversation: the forward hook checks those as fed.
             cache._check_prefix(input_ids)
-        return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
+        return self._original()(input_ids, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(type(self.model).prepare_inputs_for_generation.__get__(self.model))
+        return inspect.signature(self._original())
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _CheckedPrepare, (self.model,)
+        return _CheckedPrepare, (self.model(),)
 
 
 def describe_model(model: Any) -> ModelInfo:
