@@ -393,7 +393,7 @@ def test_clear_refuses_names_that_are_not_utf8(built: Built, capsys: pytest.Capt
     for flags in (["--session", "caf\udce9"], ["--tenant", "caf\udce9"]):
         with pytest.raises(SystemExit) as exc:
             cli.main(["clear", str(built.path), *flags])
-        assert exc.value.code == 2 and "b'caf\\xe9' is not UTF-8" in capsys.readouterr().err
+        assert exc.value.code == 2 and "'caf\\udce9' is not valid text" in capsys.readouterr().err
 
 
 def test_version_and_help_load_no_torch() -> None:

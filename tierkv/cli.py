@@ -404,14 +404,14 @@ def _check_clear_filters(args: argparse.Namespace) -> None:
         args.usage_error("--all removes every entry: give it alone, or --tenant/--session without it")
     if not args.all and args.session is None and not args.tenant_given:
         args.usage_error("give --tenant T, --default-tenant or --session S; or --all to remove every entry")
-    for flag, names in (("--session", args.session or []), ("--tenant", [args.tenant] if args.tenant else [])):
+    from .hashing import check_name  # as forget checks them: bytes the terminal could not decode
+
+    for what, names in (("session", args.session or []), ("tenant", [args.tenant])):
         for name in names:
             try:
-                name.encode()
-            except UnicodeEncodeError:
-                # Bytes the terminal's encoding could not decode: no stored name is (names are UTF-8).
-                args.usage_error(f"{flag} {os.fsencode(name)!r} is not UTF-8, and names in a store are: give the "
-                                 "name as UTF-8 text")
+                check_name(name, what)
+            except ValueError as exc:
+                args.usage_error(str(exc))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

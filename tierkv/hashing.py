@@ -68,3 +68,16 @@ def chain_keys(root: bytes, token_ids: TokenIds, block_size: int) -> list[bytes]
         parent = key_of_bytes(parent, data[start : start + step])
         keys.append(parent)
     return keys
+
+
+def check_name(value: object, what: str) -> None:
+    """A session or tenant name: a str (or None) that encodes as UTF-8, as names are hashed."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+    if value:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            # Refused where a name is given rather than at commit, with the turn lost.
+            raise ValueError(f"{what}={value!r} is not valid text (a lone surrogate: bytes decoded with "
+                             "errors='surrogateescape'?); pass a name that encodes as UTF-8") from None

@@ -65,7 +65,7 @@ import xxhash
 from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
-from .hashing import KEY_BYTES, block_key, chain_keys, key_of_bytes, root_key, token_bytes
+from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
@@ -88,17 +88,6 @@ def _session_id(tenant: str | None, session: str) -> bytes:
     # Names are data: msgpack keeps ("a\0b", "c") and ("a", "b\0c") apart.
     return xxhash.xxh3_128_digest(msgpack.packb(["session", tenant, session], use_bin_type=True))
 
-
-def _check_name(value: object, what: str) -> None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
-    if value:
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            # Names are hashed as UTF-8: refused here rather than at commit, with the turn lost.
-            raise ValueError(f"{what}={value!r} is not valid text (a lone surrogate: bytes decoded with "
-                             "errors='surrogateescape'?); pass a name that encodes as UTF-8") from None
 
 
 # Every open of a model and tenant has the same root: computed once (msgpack and a hash, cold
@@ -428,8 +417,8 @@ class TieredStore:
         """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``."""
         started = time.perf_counter()
         self._check_open()
-        _check_name(session, "session")
-        _check_name(tenant, "tenant")
+        check_name(session, "session")
+        check_name(tenant, "tenant")
         info = describe_model(model)
         if info.device != self.device:
             raise ValueError(f"the model is on {info.device} but this store's device tier is {self.device}; "
@@ -896,17 +885,9 @@ class TieredStore:
             if (key not in in_chain and meta.n_tokens < self.block_size and start is not None
                     and np.array_equal(ids[start:start + meta.n_tokens], meta.token_ids)):
                 stale.append(meta)
-        dropped = []
-        for meta in stale:
-            self._index.unref(sid, meta)
-            dropped.append(meta.key)
-            if not meta.sessions:
-                self._drop(meta, superseded=True)
-        if self._writer is not None:
-            if new:
-                self._submit(PutRefs(sid, tenant, new))
-            if dropped:
-                self._submit(DropRefs(sid, dropped, holders=self._holders(dropped), superseded=True))
+        if self._writer is not None and new:
+            self._submit(PutRefs(sid, tenant, new))
+        self._release_tails(sid, stale)
         # A block that was one other session's alone is now shared: that session may have nothing
         # of its own left (this one continued its conversation, or repeated it). Those sessions
         # go first, so that of two with the same blocks the one that committed last stays.
@@ -1283,15 +1264,19 @@ class TieredStore:
         under the disk budget that the reopen then freed by evicting other blocks."""
         info = self._index.sessions[sid]
         metas = [self._index.blocks[key] for key in info.keys]
-        replaced = [tail for tail in metas if tail.n_tokens < self.block_size and any(
+        self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any(
             other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
-            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas)]
-        for tail in replaced:
+            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas)])
+
+    def _release_tails(self, sid: bytes, tails: list[BlockMeta]) -> None:
+        """The session lets go of partial tails a longer chain of its own replaced: a tail no
+        other session holds is deleted, after the writes queued before it (``superseded``)."""
+        for tail in tails:
             self._index.unref(sid, tail)
             if not tail.sessions:
                 self._drop(tail, superseded=True)
-        if replaced:
-            keys = [tail.key for tail in replaced]
+        if tails and self._writer is not None:
+            keys = [tail.key for tail in tails]
             self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True))
 
     def _discard_restore(self, cache: TieredCache) -> None:
@@ -1412,9 +1397,9 @@ class TieredStore:
         self._check_open()
         if session is None and tenant is _UNSET:
             raise ValueError("forget() needs session=... and/or tenant=...")
-        _check_name(session, "session")
+        check_name(session, "session")
         if tenant is not _UNSET:
-            _check_name(tenant, "tenant")
+            check_name(tenant, "tenant")
         removed = 0
         with self._lock, defer_interrupts():
             self._check_open()
