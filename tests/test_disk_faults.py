@@ -242,11 +242,114 @@ def test_a_full_filesystem_keeps_new_blocks_in_memory_and_the_disk_serving(model
     out_third = converse(store, model, random_ids(20, 724), "third")
     store.close()
     store = make_store(stores, path, device_budget="64MiB", host_budget=0)
-    for out in (out_first, out_third):
+    # The blocks refused while the filesystem was full were written by the close's flush: the
+    # restart finds the whole of "second" too (before, only the tail it wrote later).
+    for out in (out_first, out_third, out_later):
         again = torch.cat([out, random_ids(2, 723)], dim=1)
         cache = store.open(model, again)
         assert cache.restored_from["disk"] == out.shape[1] - 1
         assert torch.equal(generate(model, again, cache), generate(model, again))
+
+
+def _full_filesystem_for_one_turn(store, model, monkeypatch, ids, session):
+    real = os.fstatvfs
+
+    def nearly_full(fd):
+        st = real(fd)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 2, 2, *st[5:]))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fstatvfs", nearly_full)
+        out = converse(store, model, ids, session)
+        store._writer.flush()
+        store.stats()  # reaps the refused writes
+    return out
+
+
+def test_blocks_refused_by_a_full_filesystem_are_written_when_they_leave_memory(model, stores, tmp_path,
+                                                                                monkeypatch):
+    # Before: a block whose write found no room stayed in memory only, and was lost once evicted,
+    # though the disk had room again by then.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=3 * _block_bytes(model), host_budget=0)
+    ids = random_ids(20, 740)
+    out = _full_filesystem_for_one_turn(store, model, monkeypatch, ids, "alice")
+    stats = store.stats()
+    assert stats["disk_full"] == 3 and stats["disk"]["blocks"] == 0 and stats["device"]["blocks"] == 3
+    for i in range(2):
+        converse(store, model, random_ids(20, 741 + i), f"other{i}")
+    stats = store.stats()
+    assert stats["disk_full"] == 3  # written, not refused again
+    alice = store._index.sessions[_session_id(None, "alice")].keys
+    assert len(alice) == 3 and all(store._index.blocks[k].resident is None for k in alice)  # left memory
+    store._writer.flush()
+    later = torch.cat([out, random_ids(2, 745)], dim=1)
+    cache = store.open(model, later, session="alice")
+    assert cache.restored_from["disk"] == out.shape[1] - 1  # from the write made at the eviction
+    assert torch.equal(generate(model, later, cache), generate(model, later))
+    store.close()
+    store = make_store(stores, path, device_budget=3 * _block_bytes(model), host_budget=0)
+    cache = store.open(model, later, session="alice")
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+    assert torch.equal(generate(model, later, cache), generate(model, later))
+    # Its session's reference was written with it: a forget after the restart finds it.
+    before = len(_records_live(store))
+    assert store.forget(session="alice") == 3
+    store.flush()
+    assert len(_records_live(store)) == before - 3
+
+
+def _block_bytes(model) -> int:
+    cfg = model.config
+    heads = cfg.num_key_value_heads
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * dim * B * model.dtype.itemsize
+
+
+def test_a_refused_block_written_as_it_leaves_the_host_tier_keeps_its_pool_buffer_until_written(
+        model, stores, tmp_path, monkeypatch):
+    # The host tier lets go of a buffer as it evicts the block: the write queued for it must hold
+    # the buffer first, or the pool hands it out again (poisoned) before the writer encodes it.
+    from test_pool_store import BLOCK_BYTES
+    path = tmp_path / "kv"
+    store, engine = pooled_store(path, pool_blocks=8, device_budget=0, host_budget=3 * BLOCK_BYTES)
+    stores.append(store)
+    ids = random_ids(20, 760)
+    out = _full_filesystem_for_one_turn(store, model, monkeypatch, ids, "carol")
+    engine.land()
+    assert store.stats()["host"]["blocks"] == 3 and store.stats()["disk"]["blocks"] == 0
+    for i in range(2):  # their blocks take the host tier: carol's are written as they leave it
+        converse(store, model, random_ids(20, 761 + i), f"other{i}")
+        engine.land()
+    store.flush()
+    store._host.reclaim()
+    assert store.stats()["host_pool"]["retiring"] == 0
+    store.close()
+    store, engine = pooled_store(path, pool_blocks=8, device_budget=0, host_budget=0)
+    stores.append(store)
+    later = torch.cat([out, random_ids(2, 765)], dim=1)
+    cache = store.open(model, later)
+    engine.land()
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+    assert torch.equal(generate(model, later, cache), generate(model, later))
+
+
+def test_a_flush_writes_the_blocks_a_full_filesystem_refused_once_it_has_room(model, stores, tmp_path,
+                                                                              monkeypatch):
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64MiB", host_budget=0)
+    ids = random_ids(20, 750)
+    out = _full_filesystem_for_one_turn(store, model, monkeypatch, ids, "bob")
+    assert store.stats()["disk"]["blocks"] == 0
+    store.flush()  # room again
+    stats = store.stats()
+    assert stats["disk"]["blocks"] == 3 and stats["disk_full"] == 3 and not store._unwritten
+    store.close()
+    store = make_store(stores, path, device_budget="64MiB", host_budget=0)
+    later = torch.cat([out, random_ids(2, 751)], dim=1)
+    cache = store.open(model, later)
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+    assert torch.equal(generate(model, later, cache), generate(model, later))
 
 
 def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, stores, tmp_path, monkeypatch,

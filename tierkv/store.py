@@ -190,7 +190,11 @@ class TieredStore:
                                             max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
         self._index = Index()
         self._lock = threading.RLock()
-        self._pending_writes: dict[bytes, Job[None]] = {}
+        self._pending_writes: dict[bytes, tuple[Job[None], RecordHeader]] = {}
+        # Blocks resting in memory only whose write found no room (the map at its cap, the
+        # filesystem full, or only pinned blocks to evict): their headers, for the write that is
+        # tried again when they leave memory and at every flush (``_write_again``).
+        self._unwritten: dict[bytes, RecordHeader] = {}
         self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
@@ -265,6 +269,7 @@ class TieredStore:
             self._check_open()
             self._write_stamps()
             self._retry_deletes()
+            self._retry_writes()
             writes = list(self._pending_writes)
             copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
         if self._writer is not None:
@@ -345,7 +350,7 @@ class TieredStore:
         stuck = self._writer.alive()
         for key in list(self._pending_writes):
             meta = self._index.blocks.get(key)
-            job = self._pending_writes.pop(key)
+            job, _ = self._pending_writes.pop(key)
             if stuck and not job.done():
                 landed = False  # in the transaction that never ended, or behind it
             else:
@@ -410,6 +415,7 @@ class TieredStore:
                 return
         self._device.clear()
         self._host.clear()
+        self._unwritten.clear()
         self._released = True
 
     # -- the public turn ------------------------------------------------------------------------
@@ -842,28 +848,69 @@ class TieredStore:
             self._host.put(key, host_job, meta.nbytes)
             self._index.set_resident(meta, Tier.HOST)
         if (self._writer is not None and self._disk is not None and not self._disk_failed
-                and meta.record_bytes <= self._disk.budget and self._make_room(Tier.DISK, meta.record_bytes)):
-            if host_job is not None:
-                source = host_job
+                and meta.record_bytes <= self._disk.budget):
+            if not self._make_room(Tier.DISK, meta.record_bytes):
+                self._unwritten[key] = header
             else:
-                source = self._engine.to_host(tensor)
-                self._count_move("device_to_host", meta.nbytes, source)
-            if ref is not None:
-                # Ahead of the block's write, in its transaction or an earlier one: a crash between
-                # two of a commit's transactions must not leave on disk a block of the session that
-                # forget(session=...) cannot find after the restart (a reference to a block whose
-                # write then fails is dropped at reopen, or with its session's row).
-                self._submit(PutRefs(ref[0], ref[1], [key]))
-            self._set_inflight(key, source)
-            write = self._pending_writes[key] = self._writer.submit(PutBlock(header, source, meta.record_bytes))
-            if source.lease is not None:
-                source.lease.after(write)  # the writer encodes from the buffer
-            self._index.set_disk(meta, DiskState.PENDING)
+                if host_job is not None:
+                    source = host_job
+                else:
+                    source = self._engine.to_host(tensor)
+                    self._count_move("device_to_host", meta.nbytes, source)
+                self._queue_write(meta, header, source, [ref] if ref is not None else [])
         if meta.resident is None and meta.disk is DiskState.NONE:
             self._remove(meta)
             self._evictions += 1
             return None
         return meta
+
+    def _queue_write(self, meta: BlockMeta, header: RecordHeader, source: Job[Any],
+                     refs: list[tuple[bytes, str | None]]) -> None:
+        """Queue a block's disk write from ``source`` (a host copy), after the references
+        ``refs`` (sid, tenant) of sessions that hold it."""
+        # The references go ahead of the block's write, in its transaction or an earlier one: a
+        # crash between two of a commit's transactions must not leave on disk a block of the session
+        # that forget(session=...) cannot find after the restart (a reference to a block whose
+        # write then fails is dropped at reopen, or with its session's row).
+        for sid, tenant in refs:
+            self._submit(PutRefs(sid, tenant, [meta.key]))
+        self._set_inflight(meta.key, source)
+        write = self._writer.submit(PutBlock(header, source, meta.record_bytes))  # type: ignore[union-attr]
+        self._pending_writes[meta.key] = (write, header)
+        if source.lease is not None:
+            source.lease.after(write)  # the writer encodes from the buffer
+        self._index.set_disk(meta, DiskState.PENDING)
+
+    def _write_again(self, meta: BlockMeta, block: Job[Any], tier: Tier) -> None:
+        """Queue the write of a block resting in memory only (``_unwritten``) from ``block``, its
+        tensor in ``tier``. A block whose write found no room is written when it leaves memory,
+        and at every flush: without it, write-through's promise (a restart finds every flushed
+        block) broke for good on a disk that was full a moment, and the block was lost for good
+        once evicted. Where the disk still has no room it stays in memory, as before."""
+        header = self._unwritten.pop(meta.key, None)
+        if (header is None or meta.disk is not DiskState.NONE or self._writer is None or self._disk is None
+                or self._disk_failed):
+            return
+        if not self._make_room(Tier.DISK, meta.record_bytes):
+            self._unwritten[meta.key] = header
+            return
+        source = block
+        if tier is Tier.DEVICE:
+            source = self._engine.to_host(block)
+            self._count_move("device_to_host", meta.nbytes, source)
+        refs = [(sid, self._index.sessions[sid].tenant) for sid in meta.sessions if sid in self._index.sessions]
+        self._queue_write(meta, header, source, refs)
+
+    def _retry_writes(self) -> None:
+        """Queue again the writes of the blocks in memory only whose write found no room."""
+        for key in list(self._unwritten):
+            meta = self._index.blocks.get(key)
+            tier = meta.resident if meta is not None else None
+            block = self._device.get(key) if tier is Tier.DEVICE else self._host.get(key) if tier is Tier.HOST else None
+            if meta is None or block is None:
+                self._unwritten.pop(key, None)
+            else:
+                self._write_again(meta, block, tier)  # type: ignore[arg-type]
 
     def _reference(self, sid: bytes, tenant: str | None, name: str, root: bytes, ids: np.ndarray,
                    chain: list[BlockMeta], written: set[bytes] = frozenset()) -> None:
@@ -920,26 +967,44 @@ class TieredStore:
             meta = self._victim(tier)
             if meta is None:
                 return False
-            # A block whose disk write is still queued leaves at once: until the write commits it
-            # stays readable from the write's own buffer (self._inflight), so eviction never waits.
-            block = space.pop(meta.key)
-            self._index.set_resident(meta, None)
-            self._evictions += 1
+            # Pinned while it moves: the room its write or its host copy makes on disk or in the
+            # host tier must not evict it from the disk meanwhile.
+            moving: list[bytes] = []
+            self._pin(moving, [meta.key])
             try:
-                if tier is Tier.DEVICE and meta.nbytes <= self._host.budget and \
-                        self._make_room(Tier.HOST, meta.nbytes):
-                    # A block on its way to disk already has a host copy: no second one.
-                    host_job = self._inflight.get(meta.key)
-                    if host_job is None:
-                        host_job = self._engine.to_host(block)
-                        self._count_move("device_to_host", meta.nbytes, host_job)
-                    self._host.put(meta.key, host_job, meta.nbytes)
-                    self._index.set_resident(meta, Tier.HOST)
+                self._evict(tier, meta)
             finally:
-                # Also when its host copy raised (out of memory for a pinned buffer): a block in
-                # no tier leaves the index, or later commits would take it as stored.
-                self._settle(meta)
+                self._unpin(moving)
         return True
+
+    def _evict(self, tier: Tier, meta: BlockMeta) -> None:
+        """Move ``meta`` out of the device tier (to the host tier if it has room) or out of the host
+        tier, writing it to disk first if its write found no room before (``_unwritten``)."""
+        space = self._device if tier is Tier.DEVICE else self._host
+        if tier is Tier.HOST and meta.key in self._unwritten:
+            # Queued while the tier still holds its buffer, which the write then holds too.
+            self._write_again(meta, space.get(meta.key), tier)  # type: ignore[arg-type]
+        # A block whose disk write is still queued leaves at once: until the write commits it
+        # stays readable from the write's own buffer (self._inflight), so eviction never waits.
+        block = space.pop(meta.key)
+        self._index.set_resident(meta, None)
+        self._evictions += 1
+        try:
+            if tier is Tier.DEVICE and meta.nbytes <= self._host.budget and \
+                    self._make_room(Tier.HOST, meta.nbytes):
+                # A block on its way to disk already has a host copy: no second one.
+                host_job = self._inflight.get(meta.key)
+                if host_job is None:
+                    host_job = self._engine.to_host(block)
+                    self._count_move("device_to_host", meta.nbytes, host_job)
+                self._host.put(meta.key, host_job, meta.nbytes)
+                self._index.set_resident(meta, Tier.HOST)
+            elif tier is Tier.DEVICE and meta.key in self._unwritten:
+                self._write_again(meta, block, tier)  # type: ignore[arg-type]
+        finally:
+            # Also when its host copy raised (out of memory for a pinned buffer): a block in
+            # no tier leaves the index, or later commits would take it as stored.
+            self._settle(meta)
 
     def _settle(self, meta: BlockMeta) -> bool:
         """Make a block's index entry follow the tiers, after a move that ended or that an
@@ -1004,6 +1069,7 @@ class TieredStore:
         LMDB as well), so a long-running store does not keep every session it ever saw."""
         sids = list(meta.sessions)
         self._index.remove(meta.key)
+        self._unwritten.pop(meta.key, None)
         for sid in sids:
             self._untrack_if_hollow(sid)
 
@@ -1066,9 +1132,10 @@ class TieredStore:
             self._reap_deletes()
             self._host.reclaim()
         for key in list(self._pending_writes) if keys is None else keys:
-            job = self._pending_writes.get(key)
-            if job is None or not job.done():
+            entry = self._pending_writes.get(key)
+            if entry is None or not entry[0].done():
                 continue
+            job, header = entry
             del self._pending_writes[key]
             self._pop_inflight(key)
             meta = self._index.blocks.get(key)
@@ -1078,7 +1145,8 @@ class TieredStore:
                 pass  # close(timeout) gave up on it: not a fault of the disk
             except DiskFull as exc:
                 # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
-                # room for it: not a fault. The block stays in memory if it rests there. At the
+                # room for it: not a fault. The block stays in memory if it rests there, and its
+                # write is tried again when it leaves memory and at each flush. At the
                 # cap as much again leaves the disk, so the free list has room for the next
                 # writes; a full filesystem gains nothing by it (freed pages stay in the file).
                 full_filesystem = isinstance(exc, FilesystemFull)
@@ -1090,6 +1158,8 @@ class TieredStore:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
                         self._remove(meta)
+                    else:
+                        self._unwritten[key] = header
                     if not full_filesystem:
                         self._free_disk(meta.record_bytes)
                 continue
