@@ -725,6 +725,34 @@ def test_a_decode_step_that_failed_keeps_the_tokens_every_layer_holds() -> None:
         assert_next_turn_exact(store, model, shown, restored=22)
 
 
+@pytest.mark.parametrize("where", ["keys", "values"])
+def test_a_fresh_cache_whose_first_update_failed_is_refused_and_commits_nothing(where: str) -> None:
+    # transformers' lazy initialization leaves 1-D empty placeholders in a layer whose first
+    # update raised before its concatenations: counting their tokens raised IndexError.
+    model = make_model("llama", num_hidden_layers=3)
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(model, ids, session="s")
+        layer = cache.layers[1]
+
+        def fail(layer: TieredLayer, keys: torch.Tensor, values: torch.Tensor, *args: object,
+                 **kwargs: object) -> None:
+            layer.lazy_initialization(keys, values)
+            if where == "values":
+                layer.keys = torch.cat([layer.keys, keys], dim=-2)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        layer.update = types.MethodType(fail, layer)
+        with pytest.raises(torch.OutOfMemoryError):
+            greedy(model, ids, past_key_values=cache)
+        del layer.update
+        assert cache.held_tokens() == 0
+        with pytest.raises(ValueError, match="stopped after 1 of its 3 layers"):
+            greedy(model, ids, past_key_values=cache)
+        assert cache.commit(ids) == 0
+        assert store.open(model, ids).restored_tokens == 0
+
+
 def test_a_restored_layer_whose_assembly_failed_keeps_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model("llama")
     with TieredStore(None, block_size=8) as store:

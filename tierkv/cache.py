@@ -787,6 +787,9 @@ class TieredLayer(DynamicLayer):
             return self._pending.tokens
         if self._keys is None or self._values is None or not self.is_initialized:
             return 0
+        # An update that raised on a fresh layer leaves transformers' empty 1-D placeholders.
+        if self._keys.dim() < 2 or self._values.dim() < 2:
+            return 0
         return min(self._keys.shape[-2], self._values.shape[-2])
 
     def reset(self) -> None:
