@@ -902,6 +902,25 @@ def test_a_second_generate_whose_mask_hides_a_generated_token_keeps_what_came_be
         assert_next_turn_exact(store, model, second, restored=24)
 
 
+@pytest.mark.parametrize("edit", ["reply", "prompt", "restored"])
+def test_a_second_generate_on_one_cache_refuses_ids_edited_where_the_cache_holds_kv(edit: str) -> None:
+    # generate() feeds the model only the ids past the cache: an id edited before them (a reply
+    # trimmed and sent back on the same cache) was given the KV of the one it replaced.
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, ids = restored_cache(store, model)
+        first = greedy(model, ids, past_key_values=cache)
+        later = torch.cat([first, random_ids(3, 4)], dim=1)
+        at = {"reply": ids.shape[1] + 1, "prompt": ids.shape[1] - 1, "restored": 5}[edit]
+        assert at < cache.get_seq_length() and (at < cache.restored_tokens) == (edit == "restored")
+        edited = later.clone()
+        edited[0, at] = (edited[0, at] + 1) % VOCAB
+        with pytest.raises(ValueError, match=f"differ.* at token {at}"):
+            greedy(model, edited, past_key_values=cache)
+        # The same ids unedited go on exactly.
+        assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
 def test_ids_fed_past_the_conversation_are_copied_when_fed() -> None:
     model = make_model("llama")
     ids = random_ids(20, 1)

@@ -520,8 +520,10 @@ class _CheckedPrepare:
                 kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
             # generate() says these ids hold the cached ones (it feeds the model those past them).
             # It does not in a chunked prefill's chunks, nor where it was given only the new ids
-            # with a mask over the whole conversation: the forward hook checks those as fed.
-            cache._check_prefix(input_ids)
+            # with a mask over the whole conversation: the forward hook checks those as fed. Its
+            # prefill says so (is_first_iteration, which decode steps do not pass): every cached
+            # id is compared then, once per generate() call.
+            cache._check_prefix(input_ids, whole=kwargs.get("is_first_iteration") is True)
         return self._original()(input_ids, *args, **kwargs)
 
     @property
@@ -1003,25 +1005,39 @@ class TieredCache(Cache):
                              "Open a cache with the model that runs it: cache = store.open(model, input_ids)")
         self._also_fine.append(weakref.ref(module))
 
-    def _check_prefix(self, input_ids: torch.Tensor) -> None:
-        """generate()'s whole ids, before its first forward on this cache: every row must start
-        with the tokens this cache restored (see ``_CheckedPrepare``). Later forwards feed only
-        ids past what the cache holds, which ``_check_inputs`` checks."""
-        done = self.restored_tokens
-        if not done or self.get_seq_length() != done or input_ids.shape[1] < done:
-            return  # nothing restored, a forward ran already, or fewer ids (the forward hook refuses them)
+    def _check_prefix(self, input_ids: torch.Tensor, whole: bool = False) -> None:
+        """generate()'s ids, which hold those the cache holds KV for (see ``_CheckedPrepare``):
+        before the cache's first forward, every row must start with the tokens it restored; at the
+        prefill of a later generate() on the same cache (``whole``), with every id it holds, the
+        conversation's and those fed after it. Forwards feed the model only the ids past what
+        the cache holds, which ``_check_inputs`` checks: an id edited before them (a reply
+        edited, then sent back on the same cache) would be given the KV of the one it replaced."""
+        done = self.get_seq_length()
+        restored = self.restored_tokens
+        if not (whole or (restored and done == restored)) or not done or input_ids.shape[1] < done:
+            return  # nothing held, a decode step, or fewer ids (the forward hook refuses them)
         got = input_ids[:, :done].detach().cpu().numpy()
-        want = self.input_ids[:done]
-        if _rows_equal(got, want):
-            return
-        if got.shape[0] > 1 and not (got == got[:1]).all():
-            raise ValueError(f"a TieredCache holds one conversation, but generate() got a batch of {got.shape[0]} "
-                             f"rows that differ within the {done} tokens it restored, which would all get its KV; "
-                             "open one cache per conversation and generate each with batch 1")
-        at = int(np.argmax((got != want).any(axis=0)))
-        raise ValueError(f"generate() was given ids that differ from those store.open got at token {at}, within the "
-                         f"{done} tokens this TieredCache restored for them: generate() takes the whole conversation "
-                         "given to store.open, not only the new message; for other ids, open a cache with them")
+        want = self.input_ids
+        n = min(done, len(want))
+        if not _rows_equal(got[:, :n], want[:n]):
+            if got.shape[0] > 1 and not (got == got[:1]).all():
+                raise ValueError(f"a TieredCache holds one conversation, but generate() got a batch of {got.shape[0]} "
+                                 f"rows that differ within the {done} tokens it holds KV for, which would all get "
+                                 "it; open one cache per conversation and generate each with batch 1")
+            at = int(np.argmax((got[:, :n] != want[:n]).any(axis=0)))
+            how = "restored for them" if at < restored else "computed for them in an earlier generate()"
+            raise ValueError(f"generate() was given ids that differ from those store.open got at token {at}, whose KV "
+                             f"this TieredCache {how}: generate() takes the whole conversation given to store.open, "
+                             "not only the new message; for other ids, open a cache with them")
+        if done > n and not self._rows_diverged:
+            fed, _ = self._fed_ids(n, done)
+            known = fed >= 0
+            if not (got[:, n:][:, known] == fed[known]).all():
+                at = n + int(np.argmax(((got[:, n:] != fed) & known).any(axis=0)))
+                raise ValueError(f"generate() was given ids that differ at token {at} from those an earlier generate() "
+                                 "on this TieredCache computed KV for (a reply edited before it was sent back?): "
+                                 "commit the cache with the sequences that generate() returned, then open a new one "
+                                 "with the edited conversation: cache = store.open(model, input_ids)")
 
     def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any], done: int) -> None:
         """A forward's inputs. While the cache holds less than its conversation they must be its
