@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import types
 from collections.abc import Iterator
 
@@ -569,6 +570,24 @@ def test_a_model_changed_during_a_turn_keeps_nothing_at_commit(change: str) -> N
         cache = store.open(model, later, session="s")
         assert cache.restored_tokens == 0
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_weights_loaded_between_open_and_generate_are_refused_where_the_cache_holds_kv(same: bool) -> None:
+    # A weight sync in another thread between store.open and generate(): the restored KV of the
+    # old weights was given to the new ones, and only commit refused, after a wrong reply.
+    model, other = make_model("llama", 0), make_model("llama", 1)
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model)
+        weights = model.state_dict() if same else other.state_dict()
+        thread = threading.Thread(target=model.load_state_dict, args=({k: v.clone() for k, v in weights.items()},))
+        thread.start()
+        thread.join()
+        if same:  # the counters moved, the weights did not: the turn goes on, exact
+            assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
+        else:
+            with pytest.raises(ValueError, match="weights changed since store.open"):
+                greedy(model, later, past_key_values=cache)
 
 
 def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> None:

@@ -120,6 +120,9 @@ class ModelInfo:
     # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
     # where generate() passes them counted from 0 (see _check_inputs).
     positions_from_pad: bool = False
+    # Which sampled parameters the fingerprint read (its WeightSample's id) and their version
+    # counters then: a forward that finds either moved takes the fingerprint again.
+    weights_state: tuple[int, tuple[int, ...] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -603,7 +606,7 @@ def describe_model(model: Any) -> ModelInfo:
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
                      attention=attention, experts=experts, vocab=static.vocab,
-                     positions_from_pad=static.positions_from_pad)
+                     positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -965,6 +968,20 @@ class TieredCache(Cache):
                              "differs in the last bits, and this TieredCache holds the other's. Set it first "
                              "(model.set_experts_implementation(...)), then open the cache: "
                              "cache = store.open(model, input_ids)")
+        if adapters and not weights and static is not None and self.model_info.weights_state is not None and \
+                self.get_seq_length():
+            # A weight sync between open and a prefill (load_state_dict in place, in another
+            # thread) would have the KV the cache holds (restored, or computed by an earlier
+            # generate) served to the new weights. Its
+            # counters, read in a few microseconds, say so; the fingerprint, taken again then,
+            # says whether the weights did change. (A write through p.data moves no counter:
+            # commit's whole fingerprint still sees it, after the turn.)
+            moved = (id(static.sample), versions(static.sample.params)) != self.model_info.weights_state
+            if moved and describe_model(opened).fingerprint != self.model_info.fingerprint:
+                raise ValueError(f"the {type(opened).__name__}'s weights changed since store.open (a weight sync, "
+                                 "load_state_dict): this TieredCache holds KV the old weights computed, which the "
+                                 "new ones would be given. Change the weights between turns, and open the cache "
+                                 "after: cache = store.open(model, input_ids)")
         if adapters and self.model_info.adapters:
             if static is not None and _adapter_state(static.adapters) != self.model_info.adapters:
                 raise ValueError("the model's peft adapters changed since store.open (set_adapter, disable_adapter(), "
