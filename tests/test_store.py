@@ -499,6 +499,50 @@ def test_a_block_whose_host_copy_raised_leaves_no_index_entry(tiny_model, monkey
         verify_generate(model, out, cache, 2)
 
 
+@pytest.mark.parametrize("how", ["session", "session and tenant", "tenant"])
+def test_a_turn_opened_before_a_forget_of_its_session_keeps_nothing_at_commit(tiny_model, tmp_path, how):
+    # A turn in flight when its user asked to be forgotten: its commit wrote the whole
+    # conversation back (KV and token ids), tracked the session again, and a restart restored it.
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    ids = random_ids(30, 60)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="alice", tenant="acme")
+        _, other = turn(store, model, random_ids(30, 61), session="bob", tenant="zeta")
+        later = cat(out, random_ids(3, 62))
+        cache = store.open(model, later, session="alice", tenant="acme")
+        unrelated = store.open(model, cat(other, random_ids(3, 63)), session="bob", tenant="zeta")
+        assert cache.restored_tokens == out.shape[1] - 1
+        kw = {"session": dict(session="alice"), "session and tenant": dict(session="alice", tenant="acme"),
+              "tenant": dict(tenant="acme")}[how]
+        assert store.forget(**kw) > 0
+        got = verify_generate(model, later, cache, 3)
+        assert cache.commit(got) == 0
+        assert unrelated.commit(verify_generate(model, cat(other, random_ids(3, 63)), unrelated, 3)) > 0
+        store.flush()
+        assert store.stats()["sessions"] == 1
+        # A turn opened after the forget is kept as usual.
+        _, kept = turn(store, model, later, session="alice", tenant="acme", expect=0)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert store.open(model, cat(kept, random_ids(2, 64)), tenant="acme").restored_tokens == kept.shape[1] - 1
+
+
+def test_a_turn_opened_before_forgets_no_longer_remembered_keeps_nothing(tiny_model, monkeypatch):
+    from tierkv import store as store_module
+    monkeypatch.setattr(store_module, "_FORGETS_KEPT", 4)
+    model = tiny_model("llama")
+    ids = random_ids(20, 65)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        old = store.open(model, ids, session="carol")
+        for i in range(6):  # others' forgets: the oldest are let go
+            store.forget(session=f"nobody{i}")
+        assert len(store._forgotten) <= 4
+        recent = store.open(model, ids, session="dave")
+        store.forget(session="nobody-else")
+        assert old.commit(verify_generate(model, ids, old, 2)) == 0  # which forgets it missed is not known
+        assert recent.commit(verify_generate(model, ids, recent, 2)) > 0
+
+
 def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_path):
     model = tiny_model("llama")
     with TieredStore(None, device="cpu", block_size=B) as store:

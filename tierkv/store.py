@@ -125,6 +125,10 @@ WRITE_LINGER_S = 0.1
 LINGER_BYTES = 16 << 20
 
 
+#: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
+_FORGETS_KEPT = 4096
+
+
 def _abandonable(op: DiskOp) -> bool:
     """What a close with a timeout may give up (``BackgroundWriter``'s ``abandonable``)."""
     return isinstance(op, PutBlock) or (isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded)
@@ -206,6 +210,12 @@ class TieredStore:
         self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
         self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
         self._clock = 0
+        # Forgets by the clock they ran at (key: ("session", name), ("sid", sid) or ("tenant",
+        # tenant)): a turn opened before a forget of its session or tenant keeps nothing at its
+        # commit, which would write the forgotten conversation back (_forgotten_since).
+        self._forget_clock = 0
+        self._forgotten: dict[tuple[str, Any], int] = {}
+        self._forgotten_floor = 0  # older entries were let go: turns opened before it keep nothing
         self._closed = False  # no new turns, flushes or forgets
         self._released = False  # the tiers are let go (the disk tier closed): close is done
         self._pid = os.getpid()
@@ -442,6 +452,9 @@ class TieredStore:
                 with self._locked_unless_interrupted():
                     self._check_open()
                     self._reap()
+                    # Before the plan: a forget while this open reads its blocks from disk must
+                    # still keep its commit from writing them back.
+                    forgets_seen = self._forget_clock
                     limit = info.position_limit
                     # Past the limit the prefill's RoPE frequencies differ from those the blocks were
                     # computed with (``ModelInfo.position_limit``): nothing is restored.
@@ -460,6 +473,7 @@ class TieredStore:
                     self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
                                                model)
+                    cache._forgets_seen = forgets_seen
                     self._unpin(pins)
                     pins = []
             finally:
@@ -771,6 +785,10 @@ class TieredStore:
         with self._lock, defer_interrupts():
             self._check_open()
             self._reap()
+            if self._forgotten_since(cache):
+                # Its KV (restored, or computed from the conversation) is what the forget took away.
+                logger.debug("tierkv: a turn opened before a forget of its session or tenant keeps nothing")
+                return 0
             keys = chain_keys(cache.root, ids, B)
             spans = [(i * B, (i + 1) * B, k) for i, k in enumerate(keys)]
             if n % B:
@@ -863,6 +881,30 @@ class TieredStore:
             self._evictions += 1
             return None
         return meta
+
+    def _forgotten_since(self, cache: TieredCache) -> bool:
+        """Whether a forget of the cache's session or tenant ran after its ``open``."""
+        seen = getattr(cache, "_forgets_seen", self._forget_clock)
+        if seen == self._forget_clock:
+            return False
+        if seen < self._forgotten_floor:
+            return True  # which forgets ran since is no longer known
+        keys: list[tuple[str, Any]] = [("tenant", cache.tenant)]
+        if cache.session is not None:
+            keys += [("session", cache.session), ("sid", _session_id(cache.tenant, cache.session))]
+        return any(self._forgotten.get(key, -1) > seen for key in keys)
+
+    def _note_forget(self, key: tuple[str, Any]) -> None:
+        self._forget_clock += 1
+        self._forgotten.pop(key, None)  # re-inserted last: the dict stays in clock order
+        self._forgotten[key] = self._forget_clock
+        if len(self._forgotten) > _FORGETS_KEPT:
+            # The older half goes. Turns run for seconds, while this many forgets take far longer:
+            # only a turn left open that long loses its commit.
+            old = list(self._forgotten.items())[:len(self._forgotten) // 2]
+            for key, _ in old:
+                del self._forgotten[key]
+            self._forgotten_floor = old[-1][1]
 
     def _queue_write(self, meta: BlockMeta, header: RecordHeader, source: Job[Any],
                      refs: list[tuple[bytes, str | None]]) -> None:
@@ -1462,7 +1504,8 @@ class TieredStore:
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
         per tenant they have. The deletes are queued and written at once; ``flush()`` returns when
-        they are on disk (until then a crash can leave the forgotten KV in the file).
+        they are on disk (until then a crash can leave the forgotten KV in the file). A turn of the
+        session (or tenant) opened before this call keeps nothing at its ``commit``.
         """
         self._check_open()
         if session is None and tenant is _UNSET:
@@ -1475,6 +1518,8 @@ class TieredStore:
             self._check_open()
             self._reap()
             sessions = self._index.sessions
+            self._note_forget(("tenant", tenant) if session is None else ("session", session) if tenant is _UNSET
+                              else ("sid", _session_id(tenant, session)))  # type: ignore[arg-type]
             if session is None:
                 sids = [sid for sid, info in sessions.items() if info.tenant == tenant]
             elif tenant is not _UNSET:
