@@ -3,7 +3,9 @@
 One server per module: uvicorn in a background thread on 127.0.0.1 (a socket bound to a free port),
 a tmp store with small budgets (sessions move between tiers), the tiny model at 2 layers, greedy
 replies of a few tokens; clients are httpx. Each test speaks as its own tenant (API key), so no
-test hits another's blocks. One more test runs ``python -m examples.server`` as a subprocess.
+test hits another's blocks. One more test runs ``python -m examples.server`` as a subprocess. Where
+what matters is what the app lets out to the server (an exception, which the server logs), the
+test calls the served app as an ASGI app directly (``call_asgi``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.server.app import ServerState, create_app, tenant_name
@@ -45,6 +48,7 @@ class Server:
     url: str
     settings: Settings
     state: ServerState
+    app: FastAPI
 
     def post(self, body: Any, key: str | None = None, session: str | None = None, raw: bytes | None = None,
              headers: dict[str, str] | None = None) -> httpx.Response:
@@ -93,7 +97,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        yield Server(url, settings, app.state.server)
+        yield Server(url, settings, app.state.server, app)
     finally:
         uv.should_exit = True
         thread.join(60)
@@ -178,6 +182,48 @@ def test_a_session_id_with_a_slash_can_be_deleted(server: Server) -> None:
     assert cached(server.chat(follow_up(messages, first, "More?"), key="k-slash", session="team/alice")) == 0
 
 
+def test_a_non_ascii_session_id_in_the_header_is_the_one_its_delete_forgets(server: Server) -> None:
+    messages = conversation("utf-8")
+    sid = "café-Ω"  # sent as UTF-8 bytes, as clients send a header; Starlette would read them as latin-1
+    header = {"X-Session-ID": sid.encode("utf-8")}
+    first = server.post({"messages": messages, "temperature": 0, "max_tokens": 8}, key="k-utf8", headers=header)
+    assert first.status_code == 200, first.text
+    again = server.post({"messages": follow_up(messages, first.json(), "More?"), "temperature": 0, "max_tokens": 8},
+                        key="k-utf8", headers=header)
+    assert cached(again.json()) > 0
+    gone = httpx.delete(f"{server.url}/v1/sessions/caf%C3%A9-%CE%A9", headers={"X-API-Key": "k-utf8"}, timeout=30)
+    assert gone.status_code == 200 and gone.json()["id"] == sid and gone.json()["blocks_removed"] > 0
+    assert cached(server.chat(messages, key="k-utf8")) == 0  # nothing of it is left
+    again = httpx.delete(f"{server.url}/v1/sessions/caf%C3%A9-%CE%A9", headers={"X-API-Key": "k-utf8"}, timeout=30)
+    assert again.status_code == 200 and again.json()["blocks_removed"] == 0  # found nothing: still 200, as documented
+
+    bad = server.post({"messages": messages}, key="k-utf8", headers={"X-Session-ID": b"caf\xe9"})  # latin-1 bytes
+    assert bad.status_code == 400 and "not UTF-8" in bad.json()["error"]["message"], bad.text
+
+
+@pytest.mark.parametrize("where, sid, reason", [
+    ("user", " chat 1 ", "begins or ends with whitespace"),
+    ("user", "chat 1\n", "begins or ends with whitespace"),
+    ("user", "chat\u00001", "control character"),
+    ("header", "\u00a0chat 1".encode(), "begins or ends with whitespace"),  # HTTP trims spaces and tabs only
+    ("header", b"chat\t1", "control character"),
+    ("path", "chat%201%20", "begins or ends with whitespace"),  # the header " chat 1 " arrives as "chat 1"
+    ("path", "%20chat", "begins or ends with whitespace"),
+    ("path", "chat%0A1", "control character"),
+    ("path", "caf%E9", "not percent-encoded UTF-8"),  # else read as "caf\ufffd", as is caf%FF
+    ("path", "", "names no session"),
+])
+def test_session_ids_that_would_name_two_sessions_are_refused(server: Server, where: str, sid: Any,
+                                                               reason: str) -> None:
+    body = {"messages": conversation("ids"), "max_tokens": 1, **({"user": sid} if where == "user" else {})}
+    if where == "path":
+        r = httpx.delete(f"{server.url}/v1/sessions/{sid}", headers={"X-API-Key": "k-ids"}, timeout=30)
+    else:
+        r = server.post(body, key="k-ids", headers={"X-Session-ID": sid} if where == "header" else None)
+    assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == ("user" if where == "user" else None)
+
+
 def test_the_access_log_does_not_name_the_session_a_delete_forgets(server: Server) -> None:
     access = logging.getLogger("uvicorn.access")
     lines: list[str] = []
@@ -234,13 +280,17 @@ def test_streaming_delivers_the_non_streamed_reply_and_commits(server: Server) -
 def test_stop_strings_cut_the_reply_streamed_or_not(server: Server) -> None:
     messages = conversation("stop")
     full = text(server.chat(messages, key="k-stop", max_tokens=24))
-    assert len(full) >= 8, "the conversation must yield a reply long enough to cut"
-    stop = full[5:7]
-    cut = server.chat(messages, key="k-stop", max_tokens=24, stop=[stop, "@@@@"])
-    assert text(cut) == full[:full.find(stop)] and cut["choices"][0]["finish_reason"] == "stop"
-    events = server.stream(messages, key="k-stop", max_tokens=24, stop=[stop, "@@@@"])
-    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
-    assert streamed == text(cut)
+    assert len(full) >= 11, "the conversation must yield a reply long enough to cut"
+    # One character (nothing held back), two, three, and two stops at once: the token completing a
+    # stop string reaches the stream before generation stops, and none of the stop may be sent.
+    for stop in ([full[5]], [full[5:7]], full[3:6], [full[8:10], full[6]], [full[9:11], "@@@@"]):
+        stops = [stop] if isinstance(stop, str) else stop
+        cut = server.chat(messages, key="k-stop", max_tokens=24, stop=stop)
+        at = min(i for i in (full.find(s) for s in stops) if i >= 0)
+        assert text(cut) == full[:at] and cut["choices"][0]["finish_reason"] == "stop", stop
+        events = server.stream(messages, key="k-stop", max_tokens=24, stop=stop)
+        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
+        assert streamed == text(cut), stop
 
 
 def test_concurrent_sessions_each_get_the_reply_they_get_alone(server: Server) -> None:
@@ -295,6 +345,113 @@ def test_an_abandoned_queued_stream_is_dropped_and_frees_its_place(server: Serve
         held.result(timeout=60)
     # Had the turn run, it would have committed this very prompt.
     assert cached(server.chat(messages, key="k-gone", session="gone")) == 0
+
+
+class Records(logging.Handler):
+    """The records of ``loggers`` while in use, at ``level`` and above."""
+
+    def __init__(self, *loggers: str, level: int = logging.ERROR) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+        self._loggers = [logging.getLogger(name) for name in loggers]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "Records":
+        for logger in self._loggers:
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for logger in self._loggers:
+            logger.removeHandler(self)
+
+
+def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) -> None:
+    messages = conversation("abandoned plain")
+    body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 8}).encode()
+    gate = threading.Event()
+    held = server.state.engine.submit(gate.wait)
+    try:
+        with Records("examples.server", "uvicorn.error") as logged:
+            host, port = server.url.removeprefix("http://").split(":")
+            client = socket.create_connection((host, int(port)), timeout=30)
+            with client:
+                client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nX-API-Key: k-gone-plain\r\n"
+                               b"X-Session-ID: gone\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"] != 1:
+                    assert time.monotonic() < deadline, "the turn was never queued"
+                    time.sleep(0.02)
+            # The client left while its turn was queued: the server notices, and the turn leaves the queue.
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"]:
+                assert time.monotonic() < deadline, "the abandoned turn was never dropped"
+                time.sleep(0.02)
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    assert not logged.records, [r.getMessage() for r in logged.records]
+    # Had the turn run, it would have committed this very prompt.
+    assert cached(server.chat(messages, key="k-gone-plain", session="gone")) == 0
+
+
+def call_asgi(app: FastAPI, method: str, path: str, headers: list[tuple[bytes, bytes]],
+              received: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What ``app`` sends for one request whose client sends ``received`` (then waits): no server
+    between, so an exception the app lets out (which a server logs) fails the test."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    sent: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        pending = list(received)
+
+        async def receive() -> dict[str, Any]:
+            if pending:
+                return pending.pop(0)
+            await asyncio.Event().wait()  # never: this client sends nothing more
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    asyncio.run(run())
+    return sent
+
+
+def test_a_client_leaving_while_it_sends_its_body_is_not_a_server_error(server: Server) -> None:
+    with Records("examples.server") as logged:
+        sent = call_asgi(server.app, "POST", "/v1/chat/completions",
+                         [(b"content-type", b"application/json"), (b"content-length", b"100")],
+                         [{"type": "http.request", "body": b'{"messages":', "more_body": True},
+                          {"type": "http.disconnect"}])
+    assert not logged.records, [r.getMessage() for r in logged.records]
+    assert sent[0]["status"] == 499  # client closed request: what the server would send to nobody
+
+
+def test_a_server_error_is_a_500_logged_once(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.state.engine, "complete", broken)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    with Records("examples.server") as logged:
+        # Starlette's last resort re-raises what it answered with a 500, for the server to log again.
+        sent = call_asgi(server.app, "POST", "/v1/chat/completions", [(b"content-type", b"application/json")],
+                         [{"type": "http.request", "body": body, "more_body": False}])
+    assert sent[0]["status"] == 500
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["type"] == "server_error" and error["message"] == "internal server error"  # no details
+    assert [r.getMessage() for r in logged.records] == ["internal error serving POST /v1/chat/completions"]
+    assert logged.records[0].exc_info is not None  # with its traceback
 
 
 def test_greedy_replies_equal_plain_transformers_from_every_tier(server: Server) -> None:
@@ -414,6 +571,8 @@ def test_settings_come_from_the_environment_then_the_flags() -> None:
     (["--tiny-hidden", "320"], "tiny_hidden must be 64, 128, 192 or a multiple of 128"),
     (["--max-input-tokens", "8000"], "max_input_tokens + max_output_tokens must be <= 8192"),
     (["--port", "70000"], "port must be in 0..65535"),
+    (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
+    (["--seed", str(-(2**63) - 1)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--store", __file__], "is a file; give a directory"),
     (["--model", "meta-llama/Llama-3-8B"], "serves the built-in random model only"),
     (["--host", ""], "host is empty, which would listen on every interface; pass --host 0.0.0.0"),
@@ -428,6 +587,13 @@ def test_bad_server_settings_are_usage_errors_before_the_server_starts(
     with pytest.raises(SystemExit) as exc:
         parse_args(flags, {})
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_seed_torch_takes_is_a_valid_setting() -> None:
+    for seed in (-(2**63), 2**64 - 1):  # the bounds refused one beyond, above
+        assert Settings(store=None, seed=seed).seed == seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # as build_model seeds the weights
 
 
 def test_an_empty_host_is_refused_rather_than_read_as_every_interface() -> None:

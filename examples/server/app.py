@@ -4,7 +4,8 @@ Routes::
 
     POST   /v1/chat/completions    a turn; OpenAI request/response shape, ``stream: true`` for SSE
     GET    /v1/models              the one model served
-    DELETE /v1/sessions/{id}       forget a session of the caller's tenant (its blocks, every tier)
+    DELETE /v1/sessions/{id}       forget a session of the caller's tenant (its blocks, every tier);
+                                   200 with blocks_removed, 0 when nothing was stored under that id
     GET    /healthz                liveness; answers while a turn is generating
     GET    /metrics                Prometheus text: the store's metrics (tierkv.metrics.StoreCollector)
 
@@ -17,7 +18,10 @@ Who is asking:
   Put an authenticating proxy in front of this example before exposing it.
 * Session: ``X-Session-ID``, else the body's ``user``. A turn without either is still cached for
   its tenant (a later turn with the same prefix hits it) but no session references it, so it
-  can only be evicted, not deleted.
+  can only be evicted, not deleted. One id must name one session wherever it is written: the
+  header's bytes are read as UTF-8 (Starlette would read them as latin-1, while the DELETE path is
+  percent-decoded UTF-8), and ids with whitespace at either end (which HTTP drops from a header's
+  value, not from a path or a JSON string) or control characters are refused (``check_session_id``).
 
 Per request: validate (every refusal is an OpenAI error body with a 4xx status, see ``errors``),
 template the messages to ids, then one tierkv turn on the engine (``engine``):
@@ -42,16 +46,20 @@ import hashlib
 import json
 import logging
 import time
+import unicodedata
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from lmdb import Error as LmdbError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
+from starlette.convertors import PathConvertor, register_url_convertor
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tierkv
@@ -126,6 +134,16 @@ class OneLineRefusals:
         await self.app(scope, receive, send_refusal)
 
 
+class _AnyPath(PathConvertor):
+    """Starlette's ``path`` convertor, newlines included (its ``.*`` stops at one): a DELETE of an id
+    with a newline gets the 400 that says what is wrong with it, not a 404."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("anypath", _AnyPath())
+
+
 def tenant_of(request: Request) -> str | None:
     """The tenant of the request's API key: a hash of it, or None without a key."""
     auth = request.headers.get("authorization")
@@ -145,9 +163,65 @@ def tenant_name(api_key: str) -> str:
     return "key-sha256:" + hashlib.sha256(b"tierkv tenant\0" + api_key.encode("utf-8")).hexdigest()
 
 
+def check_session_id(value: str, where: str, param: str | None = None) -> str:
+    """``value``, a session id given in ``where``, or the 400 that says what to send instead.
+
+    Refused: whitespace at either end, which HTTP's parsers drop from a header's value but not from
+    the DELETE path or a JSON string (so " chat 1 " would name one session in the body and another
+    in the header), and control characters, which a header cannot carry (but for a tab) and a log
+    line does not show.
+    """
+    if value != value.strip():
+        raise ApiError(400, f"the session id in {where} begins or ends with whitespace; send it without "
+                       "(ids are compared exactly, and HTTP drops the spaces around a header's value)",
+                       param=param, code="invalid_value")
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise ApiError(400, f"the session id in {where} contains a control character (a tab, a newline...); "
+                       "send an id of printable text", param=param, code="invalid_value")
+    return value
+
+
+def session_of(request: Request, user: str | None) -> str | None:
+    """The request's session: ``X-Session-ID`` (its bytes read as UTF-8), else the body's ``user``."""
+    # Starlette decodes header values as latin-1: "café" sent as UTF-8 would become "cafÃ©", and a
+    # DELETE of /v1/sessions/caf%C3%A9 (percent-decoded as UTF-8) would not find it.
+    raw = next((value for name, value in request.scope["headers"] if name == b"x-session-id"), b"")
+    if raw:
+        try:
+            header = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "the X-Session-ID header is not UTF-8 text; send the id encoded as UTF-8",
+                           code="invalid_value") from None
+        return check_session_id(header, "the X-Session-ID header")
+    return check_session_id(user, "user", param="user") if user else None
+
+
+def path_session_id(request: Request, value: str) -> str:
+    """The session id of ``DELETE /v1/sessions/{id}``, checked as ``check_session_id`` checks the others."""
+    raw = request.scope.get("raw_path")
+    if raw is not None:
+        # The server percent-decodes the path as UTF-8 but replaces what is not UTF-8 with U+FFFD,
+        # so %FF and %FE would both name the session "\ufffd".
+        try:
+            unquote_to_bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "the session id in the path is not percent-encoded UTF-8; percent-encode the "
+                           "id's UTF-8 bytes", code="invalid_value") from None
+    if not value:
+        raise ApiError(400, "the path names no session; DELETE /v1/sessions/{id}", code="invalid_value")
+    return check_session_id(value, "the path")
+
+
+async def client_left(request: Request) -> None:
+    """Returns once the client has disconnected; call it only after the body was read in full."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (a declared length is refused
-    before reading anything)."""
+    before reading anything). A client that leaves before sending all of it raises Starlette's
+    ``ClientDisconnect``, which ``errors.install`` answers quietly: there is nobody to answer."""
     too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -273,7 +347,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             req = schemas.ChatCompletionRequest.model_validate_json(body)
         except ValidationError as exc:
             raise errors.from_validation(exc.errors(include_url=False), schemas.FIELDS) from None
-        session = request.headers.get("x-session-id") or req.user or None
+        session = session_of(request, req.user)
         turn = make_turn(req, server.engine, settings, session, tenant)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or settings.model_name
         if req.stream:
@@ -281,7 +355,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return StreamingResponse(_sse(server.engine, turn, cid, created, model, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await server.engine.complete(turn)
+        try:
+            # The turn is cancelled if the client leaves: dropped if still queued, else stopped at its next token.
+            result = await server.engine.complete(turn, until=lambda: client_left(request))
+        except TurnCancelled:
+            raise ClientDisconnect() from None  # answered quietly, see errors.install
         return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))
 
     @app.get("/v1/models")
@@ -289,10 +367,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "tierkv"}]}
 
-    @app.delete("/v1/sessions/{session_id:path}")  # ids are data: "team/alice" is one session
+    @app.delete("/v1/sessions/{session_id:anypath}")  # ids are data: "team/alice" is one session
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
         server = state(request)
         tenant = tenant_of(request)
+        session_id = path_session_id(request, session_id)
         # On the engine's thread: the forget comes after this session's turns already queued, which
         # would otherwise commit the session back right after it was forgotten.
         removed = await server.engine.call(server.store.forget, session=session_id, tenant=tenant)

@@ -3,6 +3,9 @@
 ``ApiError`` is raised by the routes; ``install(app)`` renders it, and also turns FastAPI's and
 Starlette's own refusals (validation, unknown route, wrong method, a body over the size limit) into
 the same shape, so a client never gets a bare ``{"detail": ...}`` or, for a bad request, a 500.
+A client that left (Starlette's ``ClientDisconnect``) is not an error: nothing is sent, and only a
+DEBUG line is logged.
+A bug is a 500, logged once with its traceback (``InternalErrors``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("examples.server")
 _SESSION_ROUTE = "/v1/sessions/"
@@ -89,6 +95,39 @@ def from_validation(errors: Sequence[Any], fields: frozenset[str]) -> ApiError:
     return ApiError(400, f"{param or 'body'}: {'; or '.join(reasons)}", param=param, code=code)
 
 
+class InternalErrors:
+    """A route's unexpected exception as a 500 in OpenAI's shape, logged once with its traceback.
+
+    Starlette's own last resort (``ServerErrorMiddleware``) sends the 500 and then re-raises, for the
+    server to log too: every bug was logged twice, the second time without the request. This one
+    sits inside it and does not re-raise. Once a response has started, a 500 can no longer be sent:
+    the exception goes on, for the server to log and to close the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if started:
+                raise
+            # A bug, not a bad request: logged with its traceback here, and not described to the client.
+            logger.exception("internal error serving %s %s", scope["method"], redact_path(scope["path"]))
+            await ApiError(500, "internal server error", type="server_error").response()(scope, receive, send)
+
+
 def install(app: FastAPI, fields: frozenset[str]) -> None:
     """Render every refusal in OpenAI's shape; ``fields``: the request fields that may be named as
     ``param``."""
@@ -115,8 +154,11 @@ def install(app: FastAPI, fields: frozenset[str]) -> None:
         error = ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code), type=type_)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not a bad request: logged with its traceback here, and not described to the client.
-        logger.exception("internal error serving %s %s", request.method, redact_path(request.url.path))
-        return ApiError(500, "internal server error", type="server_error").response()
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # While sending its body, or while its turn waited: the server sends nothing to a closed
+        # connection, so the status (nginx's "client closed request") only shows in tests.
+        logger.debug("the client of %s %s disconnected", request.method, redact_path(request.url.path))
+        return Response(status_code=499)
+
+    app.add_middleware(InternalErrors)

@@ -17,6 +17,8 @@ from typing import Any
 # The tiny model's context. Fixed, not derived from the request limits: the config is part of the
 # model's fingerprint, so a change of limits must not orphan every block in the store.
 MAX_POSITIONS = 8192
+# The seeds torch.manual_seed takes (a negative one is read modulo 2**64); it overflows beyond.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,8 @@ class Settings:
         if self.max_input_tokens + self.max_output_tokens > MAX_POSITIONS:
             raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context; "
                              f"got {self.max_input_tokens} + {self.max_output_tokens}")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in {SEED_MIN}..{SEED_MAX} (what torch.manual_seed takes), got {self.seed}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.host.strip():
