@@ -532,11 +532,11 @@ def test_the_check_on_generates_ids_goes_with_the_model_when_copied_or_pickled()
     model = make_model("llama")
     with TieredStore(None, block_size=4) as store:
         out = one_turn(store, model, random_ids(20, 1))
-        assert "prepare_inputs_for_generation" in vars(model)
+        assert "prepare_inputs_for_generation" not in vars(model)  # on its class: nothing per model object
         plain = type(model).prepare_inputs_for_generation.__get__(model)
         assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(plain)
         for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert vars(twin)["prepare_inputs_for_generation"].model() is twin
+            assert "prepare_inputs_for_generation" not in vars(twin)
             edited = out.clone()
             edited[0, 2] = (edited[0, 2] + 1) % VOCAB
             cache = store.open(twin, out, session="s")
@@ -1084,3 +1084,132 @@ def test_a_chunked_prefill_under_a_mask_that_hides_a_token_it_computed_is_exact(
         out = greedy(model, ids, past_key_values=cache, attention_mask=mask, prefill_chunk_size=8)
         assert torch.equal(out, greedy(model, ids, attention_mask=mask, prefill_chunk_size=8))
         assert cache.commit(out) == 13
+
+
+# -- generate()'s whole-ids check, on the model's class ------------------------------------------
+def _edited_prefix_is_refused(store: TieredStore, model: torch.nn.Module, out: torch.Tensor) -> None:
+    edited = out.clone()
+    edited[0, 2] = (edited[0, 2] + 1) % VOCAB
+    cache = store.open(model, out, session="s")
+    assert cache.restored_tokens > 2
+    with pytest.raises(ValueError, match="differ from those store.open got at token 2"):
+        greedy(model, edited, past_key_values=cache)
+
+
+@pytest.mark.parametrize("how", ["copy", "pickled copy", "deepcopy", "pickle"])
+def test_a_copy_of_an_opened_model_generates_after_the_original_is_gone(how: str) -> None:
+    # copy.copy(model) (transformers' exporters make one) shared the check tierkv had put on the
+    # model object, which held the original weakly: once that was gone, even a plain generate() on
+    # the copy raised ReferenceError, and the copy's own store.open did not rebind it; a pickled
+    # shallow copy raised at once (the original pickled with it was referenced by nothing).
+    import gc
+    import pickle
+
+    copies = {"copy": copy.copy, "deepcopy": copy.deepcopy,
+              "pickled copy": lambda m: pickle.loads(pickle.dumps(copy.copy(m))),
+              "pickle": lambda m: pickle.loads(pickle.dumps(m))}
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        want = greedy(model, later)
+        twin = copies[how](model)
+        if how == "pickled copy":  # also while the original lives
+            assert torch.equal(greedy(twin, later), want)
+        del model
+        gc.collect()
+        assert torch.equal(greedy(twin, later), want)  # without a tierkv cache
+        cache = store.open(twin, later, session="s")
+        assert cache.restored_tokens > 20
+        got = greedy(twin, later, past_key_values=cache)
+        assert torch.equal(got, want)
+        assert cache.commit(got) > 20
+        _edited_prefix_is_refused(store, twin, out)
+
+
+@pytest.mark.parametrize("calls", ["the saved function", "super()"])
+def test_a_class_level_patch_made_after_open_runs_under_the_prefix_check(calls: str) -> None:
+    # A patch of prepare_inputs_for_generation on the model's class after its first store.open was
+    # ignored for that model (the check on the model object shadowed the class, and called the
+    # class's function as it was at that open), while models never opened ran it.
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    class Patched(LlamaForCausalLM):  # patched here, not the class the other tests use
+        pass
+
+    plain = make_model("llama")
+    model = Patched(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    ran: list[torch.nn.Module] = []
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        saved = Patched.prepare_inputs_for_generation
+
+        def patched(self: torch.nn.Module, input_ids: torch.Tensor, **kwargs: object) -> dict:
+            ran.append(self)
+            if calls == "super()":
+                return super(Patched, self).prepare_inputs_for_generation(input_ids, **kwargs)
+            return saved(self, input_ids, **kwargs)
+
+        Patched.prepare_inputs_for_generation = patched
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        want = greedy(plain, later)
+        assert torch.equal(greedy(model, later), want)
+        assert any(m is model for m in ran)  # at once, before any open
+        ran.clear()
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens > 20
+        assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(patched.__get__(model))
+        got = greedy(model, later, past_key_values=cache)
+        assert torch.equal(got, want)
+        assert any(m is model for m in ran)
+        cache.commit(got)
+        _edited_prefix_is_refused(store, model, out)
+
+
+@pytest.mark.parametrize("kind", ["staticmethod", "classmethod", "a subclass's own, calling super()"])
+def test_the_prefix_check_keeps_how_a_class_defines_prepare_inputs_for_generation(kind: str) -> None:
+    import inspect
+
+    from transformers import GenerationMixin, LlamaForCausalLM
+
+    ran: list[str] = []
+    held: list[torch.nn.Module] = []  # the model a staticmethod or classmethod prepares for
+
+    if kind == "staticmethod":
+        class Defined(LlamaForCausalLM):
+            @staticmethod
+            def prepare_inputs_for_generation(input_ids: torch.Tensor, **kwargs: object) -> dict:
+                ran.append("static")
+                return GenerationMixin.prepare_inputs_for_generation(held[0], input_ids, **kwargs)
+    elif kind == "classmethod":
+        class Defined(LlamaForCausalLM):
+            @classmethod
+            def prepare_inputs_for_generation(cls, input_ids: torch.Tensor, **kwargs: object) -> dict:
+                ran.append(cls.__name__)
+                return GenerationMixin.prepare_inputs_for_generation(held[0], input_ids, **kwargs)
+    else:
+        class Defined(LlamaForCausalLM):
+            def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: object) -> dict:
+                ran.append("own")
+                return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+    plain = make_model("llama")
+    model = Defined(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    held.append(model)
+    signature = inspect.signature(model.prepare_inputs_for_generation)
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(20, 1))
+        assert ran
+        assert inspect.signature(model.prepare_inputs_for_generation) == signature
+        assert type(inspect.getattr_static(Defined, "prepare_inputs_for_generation")).__name__ == \
+            {"staticmethod": "staticmethod", "classmethod": "classmethod"}.get(kind, "function")
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        got = greedy(model, later, past_key_values=cache)
+        assert torch.equal(got, greedy(plain, later))
+        cache.commit(got)
+        _edited_prefix_is_refused(store, model, out)

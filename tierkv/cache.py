@@ -28,8 +28,11 @@ and holds no policy:
   is given; forwards in several rows there (samples, beams) keep none. A mask must cover the
   cache and the new ids. A model in training mode (dropout) and a forward under autocast (KV
   in other dtypes than the weights') are refused. ``generate`` feeds
-  a pre-filled cache only the ids past it, so ids edited inside the restored prefix are caught
-  at ``commit`` only. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
+  a pre-filled cache only the ids past it; the whole ids it hands ``prepare_inputs_for_generation``
+  are checked there against those the cache holds KV for, by a wrapper ``describe_model`` keeps
+  on the model's class (``_install_checked_prepare``: nothing per model object, so copies and
+  pickles of the model are unaffected). Ids edited inside the restored prefix and fed to the
+  model directly are caught at ``commit``. ``ModelInfo.masked_token`` (the pad id ``generate`` masks) ends what
   ``open`` restores and ``commit`` keeps wherever it appears. A forward that raised part-way
   through the layers (out of memory, Ctrl-C) left the first layers ahead of the last: any forward
   after it is refused, and ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
@@ -56,6 +59,7 @@ Generation details handled here:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -63,6 +67,7 @@ import os
 import sys
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -153,6 +158,9 @@ class _Static:
     text_config: Any = None
     config_seen: dict[str, Any] = field(default_factory=dict)
     config_raw: dict[str, Any] = field(default_factory=dict)
+    # The classes of the model and of the transformers models inside it whose
+    # prepare_inputs_for_generation describe_model keeps checked (_install_checked_prepare).
+    prepare_classes: tuple[type, ...] = ()
 
     def config_current(self, model: Any) -> bool:
         """Whether the fields the config digest covers are as they were when it was taken (a
@@ -360,9 +368,10 @@ def _static_facts(model: Any) -> _Static:
     for part in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
         if not any(hook is _check_forward for hook in part._forward_pre_hooks.values()):
             part.register_forward_pre_hook(_check_forward, with_kwargs=True)
-        if callable(getattr(type(part), "prepare_inputs_for_generation", None)) and \
-                "prepare_inputs_for_generation" not in vars(part):
-            part.prepare_inputs_for_generation = _CheckedPrepare(part)
+    # Their classes' prepare_inputs_for_generation is checked (describe_model installs it).
+    prepare_classes = tuple(dict.fromkeys(
+        type(part) for part in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel)))
+        if callable(getattr(type(part), _PREPARE, None))))
     sample = WeightSample(model)
     params = sample.params
     if not params:
@@ -393,7 +402,7 @@ def _static_facts(model: Any) -> _Static:
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()),
                    text_config=text_config, config_seen=_snapshot(_covered(text_config)),
                    config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model),
-                   experts_configs=_experts_configs(model))
+                   experts_configs=_experts_configs(model), prepare_classes=prepare_classes)
 
 
 def _vocab(model: Any) -> int | None:
@@ -493,48 +502,119 @@ def _cache_of(kwargs: dict[str, Any]) -> Any:
     return cache
 
 
-class _CheckedPrepare:
-    """``prepare_inputs_for_generation`` on the instance of every model ``describe_model`` has seen
-    (the class's own, called through): generate() hands it the whole ids, and feeds the model only
-    those past the cache, so the forward hook never sees the ids of the restored prefix. A batch
-    of rows that differ there, or ids edited there after ``store.open``, would have the restored
-    KV of another conversation: refused here, before the first forward. Picklable and copied with
-    its model (rebound to the copy); keeps the signature transformers reads off it."""
+_PREPARE = "prepare_inputs_for_generation"
+_MISSING = object()
+# The functions _install_checked_prepare installed (of a staticmethod or classmethod: the function
+# inside it); by identity, not by a mark a functools.wraps of one would copy onto a patch.
+_checked_prepares: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_prepare_lock = threading.Lock()
 
-    __slots__ = ("model", "_defined")
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        # Weak: the model holds this, and a cycle would keep its weights (GPU memory) until a
-        # garbage collection rather than free them with its last reference.
-        self.model = weakref.ref(model)
-        # As the class defines it (a staticmethod or classmethod too); looked up once, as this
-        # runs at every decode step (getattr_static: 15 us).
-        self._defined = inspect.getattr_static(type(model), "prepare_inputs_for_generation")
+def _check_generate_ids(cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The check the wrappers of ``prepare_inputs_for_generation`` run (``_install_checked_prepare``):
+    generate() hands that function the whole ids, and feeds the model only those past the cache,
+    so the forward hook never sees the ids of the restored prefix. A batch of rows that differ
+    there, or ids edited there after ``store.open``, would have the restored KV of another
+    conversation: refused here, before the first forward. Nothing unless a TieredCache is given
+    (the wrappers call this only for a cache given as one, or wrapped in an EncoderDecoderCache)."""
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    if not isinstance(cache, TieredCache):
+        return
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and \
+            kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
+        # generate() says these ids hold the cached ones (it feeds the model those past them).
+        # It does not in a chunked prefill's chunks, nor where it was given only the new ids
+        # with a mask over the whole conversation: the forward hook checks those as fed. Its
+        # prefill says so (is_first_iteration, which decode steps do not pass): every cached
+        # id is compared then, once per generate() call.
+        cache._check_prefix(input_ids, whole=kwargs.get("is_first_iteration") is True)
 
-    def _original(self) -> Any:
-        model = self.model()
-        if model is None:
-            raise ReferenceError("the model this prepare_inputs_for_generation belonged to is gone")
-        return self._defined.__get__(model, type(model))
 
-    def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        cache = _cache_of(kwargs)
-        if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and \
-                kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
-            # generate() says these ids hold the cached ones (it feeds the model those past them).
-            # It does not in a chunked prefill's chunks, nor where it was given only the new ids
-            # with a mask over the whole conversation: the forward hook checks those as fed. Its
-            # prefill says so (is_first_iteration, which decode steps do not pass): every cached
-            # id is compared then, once per generate() call.
-            cache._check_prefix(input_ids, whole=kwargs.get("is_first_iteration") is True)
-        return self._original()(input_ids, *args, **kwargs)
+def _checked_prepare(defined: Any) -> Any:
+    """A class attribute that runs ``_check_generate_ids``, then ``defined`` (a function,
+    staticmethod or classmethod, as the class defines it) bound as ``defined`` binds; None for
+    another kind. Its signature is ``defined``'s (``__wrapped__``: transformers reads the
+    parameters), and so are its name and qualified name (transformers' auto classes read them)."""
+    if isinstance(defined, staticmethod):
+        inner = defined.__func__
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self._original())
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            cache = kwargs.get("past_key_values")  # _cache_of, inlined: a call less per decode step
+            if cache is None:
+                cache = kwargs.get("cache")
+            if isinstance(cache, _CHECKED_CACHES):
+                _check_generate_ids(cache, args, kwargs)
+            return inner(*args, **kwargs)
+    elif isinstance(defined, (classmethod, types.FunctionType)):
+        inner = defined.__func__ if isinstance(defined, classmethod) else defined
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _CheckedPrepare, (self.model(),)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:  # self: the class for a classmethod
+            cache = kwargs.get("past_key_values")
+            if cache is None:
+                cache = kwargs.get("cache")
+            if isinstance(cache, _CHECKED_CACHES):
+                _check_generate_ids(cache, args, kwargs)
+            return inner(self, *args, **kwargs)
+    else:
+        return None
+    try:
+        functools.update_wrapper(checked, inner)
+    except (AttributeError, TypeError):  # a callable without a name: its signature is enough
+        checked.__wrapped__ = inner  # type: ignore[attr-defined]
+    if isinstance(defined, staticmethod):
+        return staticmethod(checked)
+    if isinstance(defined, classmethod):
+        return classmethod(checked)
+    return checked
+
+
+def _install_checked_prepare(cls: type) -> None:
+    """Keep ``cls.prepare_inputs_for_generation`` checked (``_check_generate_ids``); run at every
+    ``describe_model``. A function on a class, not on the model object: it binds to whichever
+    instance calls it (a ``copy.copy`` of a model, a pickled one) and holds nothing per model, so
+    ``copy``, ``deepcopy`` and pickle never see it. The definition ``cls`` resolves to is
+    replaced where it stands, in the class of ``cls``'s MRO that defines it (GenerationMixin for
+    most models), by its wrapper; so no class gains an entry that would shadow a base class's,
+    and a patch made since, on any class, takes effect at once, as without tierkv: the next
+    ``describe_model`` of a model that resolves to it wraps it in turn, so the patch runs under the
+    check. A class that resolves to a wrapper already is left as it is (never wrapped twice).
+    Every model that resolves to it runs the wrapper, those tierkv never saw too: it does nothing
+    unless generate() passes a ``TieredCache``, at about half a microsecond per call on a slow CPU
+    (it runs at every decode step; the wrapper on each model object it replaced took 1.3). A ``prepare_inputs_for_generation`` set on a model object shadows it, as
+    it shadows any method; a definition that is not a function, staticmethod or classmethod is
+    left unchecked."""
+    owner, defined = _defined_in(cls)
+    if owner is None or _is_checked_prepare(defined):  # one walk of the MRO, without the lock
+        return
+    with _prepare_lock:
+        owner, defined = _defined_in(cls)
+        if owner is None or _is_checked_prepare(defined):
+            return
+        wrapper = _checked_prepare(defined)
+        if wrapper is None:
+            return
+        try:
+            setattr(owner, _PREPARE, wrapper)
+        except (AttributeError, TypeError):  # a class that takes no attributes: left unchecked
+            return
+        _checked_prepares.add(getattr(wrapper, "__func__", wrapper))
+
+
+def _defined_in(cls: type) -> tuple[type | None, Any]:
+    """The class in ``cls``'s MRO that defines ``prepare_inputs_for_generation``, and the
+    definition in its ``__dict__`` (as ``inspect.getattr_static`` finds it, 20 times faster)."""
+    for klass in cls.__mro__:
+        found = vars(klass).get(_PREPARE, _MISSING)
+        if found is not _MISSING:
+            return klass, found
+    return None, None
+
+
+def _is_checked_prepare(defined: Any) -> bool:
+    """Whether ``defined`` (as a class's ``__dict__`` holds it) is a wrapper ``_checked_prepare`` made."""
+    return getattr(defined, "__func__", defined) in _checked_prepares  # False for what weakref cannot hold
 
 
 def describe_model(model: Any) -> ModelInfo:
@@ -566,6 +646,8 @@ def describe_model(model: Any) -> ModelInfo:
                     static.weights, static.buffers = old.weights, old.buffers
                 _static_cache[model] = static
         held = static.sample.hold()
+    for cls in static.prepare_classes:  # a definition patched since the last describe is wrapped
+        _install_checked_prepare(cls)
     first = static.sample.params[0]  # its dtype and address were just checked by current()
     sampled = static.sample.read()
     counters = versions(static.sample.params)
@@ -1023,7 +1105,7 @@ class TieredCache(Cache):
         self._also_fine.append(weakref.ref(module))
 
     def _check_prefix(self, input_ids: torch.Tensor, whole: bool = False) -> None:
-        """generate()'s ids, which hold those the cache holds KV for (see ``_CheckedPrepare``):
+        """generate()'s ids, which hold those the cache holds KV for (see ``_check_generate_ids``):
         before the cache's first forward, every row must start with the tokens it restored; at the
         prefill of a later generate() on the same cache (``whole``), with every id it holds, the
         conversation's and those fed after it. Forwards feed the model only the ids past what
@@ -1307,6 +1389,10 @@ class TieredCache(Cache):
         return torch.stack([
             torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
         ]).contiguous()
+
+
+# The caches the wrappers of prepare_inputs_for_generation look into (_check_generate_ids).
+_CHECKED_CACHES = (TieredCache, EncoderDecoderCache)
 
 
 def _crop_fed(fed: _Fed, length: int) -> _Fed:
