@@ -352,6 +352,53 @@ def test_a_flush_writes_the_blocks_a_full_filesystem_refused_once_it_has_room(mo
     assert torch.equal(generate(model, later, cache), generate(model, later))
 
 
+class _FailingCommits:
+    """An LMDB environment whose write transactions write, then fail to commit (EIO) and abort."""
+
+    def __init__(self, env) -> None:
+        self.env, self.on = env, True
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def begin(self, write=False, **kw):
+        txn = self.env.begin(write=write, **kw)
+        return _FailingTxn(txn, self) if write else txn
+
+
+class _FailingTxn:
+    def __init__(self, txn, proxy) -> None:
+        self.txn, self.proxy = txn, proxy
+
+    def __enter__(self):
+        self.txn.__enter__()
+        return self.txn
+
+    def __exit__(self, kind, value, tb):
+        if kind is None and self.proxy.on:
+            self.txn.abort()
+            raise lmdb.DiskError("mdb_txn_commit: Input/output error (simulated)")
+        return self.txn.__exit__(kind, value, tb)
+
+
+def test_records_of_a_write_that_never_committed_leave_no_token_ids_in_the_file(model, stores, tmp_path):
+    # With writemap a transaction's records are in the file before it commits: one that failed
+    # left the blocks' token ids and KV in pages no delete of the store ever reached.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget="8MiB")
+    proxy = store._disk.env = _FailingCommits(store._disk.env)
+    secret = converse(store, model, random_ids(24, 790), "secret")
+    store.flush()
+    assert store.stats()["disk_errors"] > 0 and store.stats()["disk"]["blocks"] == 0
+    proxy.on = False
+    store._disk.env = proxy.env
+    assert store.forget(session="secret") == 4  # 26 tokens: 3 blocks and a tail
+    store.close()
+    data = (path / "data.mdb").read_bytes()
+    for start in range(0, 24, B):
+        assert secret[0, start:start + B].numpy().astype("<i8").tobytes() not in data
+
+
 def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, stores, tmp_path, monkeypatch,
                                                                         capsys):
     # LMDB checksums none of its own pages: a flipped bit in a B-tree page or the meta record

@@ -349,6 +349,8 @@ class _Batch:
     places: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     deferred: list[tuple[int, int]] = field(default_factory=list)
     defer: bool = False  # whether evicted records may be left to the next transaction
+    # Records and heads this attempt wrote (offset, length): zeroed if it does not commit.
+    written: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _conflicts(op: DiskOp) -> set[bytes]:
@@ -901,6 +903,10 @@ class DiskTier:
             except BaseException as exc:
                 if created:
                     self._heads = None
+                # With writemap the records and heads an aborted transaction wrote are in the
+                # file, in pages no committed snapshot references: no later delete of the
+                # store's finds them, so their KV and token ids stayed in free pages.
+                self._zero_written(batch)
                 if not isinstance(exc, lmdb.MapFullError):
                     raise
                 results = [None] * len(ops)
@@ -927,6 +933,23 @@ class DiskTier:
         offset = self._offset(txn.get(key, db=self._blocks))
         txn.put(key, index_entry.encode(index_entry.head_of(value), offset, self.page_size), db=self._heads)
         batch.moves[key] = (offset, len(value)) if offset != OFFSET_UNKNOWN else None
+        if offset != OFFSET_UNKNOWN:
+            batch.written.append((offset, len(value)))
+        head = txn.get(key, db=self._heads)
+        at = self._offset(head) if head is not None else OFFSET_UNKNOWN
+        if at != OFFSET_UNKNOWN:
+            batch.written.append((at, len(head)))
+
+    def _zero_written(self, batch: _Batch) -> None:
+        """Zero what an attempt that did not commit wrote (``_Batch.written``)."""
+        written, batch.written = batch.written, []
+        if self._map_start is None:
+            return
+        try:
+            for offset, length in written:
+                ctypes.memset(self._map_start + offset, 0, length)
+        except Exception as exc:  # noqa: BLE001 - the batch's own error is the one to raise
+            logger.warning("tierkv: could not zero the records of a write that failed in %s (%s)", self.path, exc)
 
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, batch: _Batch) -> None:
         if isinstance(op, DeleteBlocks):
