@@ -1137,7 +1137,23 @@ class TieredStore:
             blocks[key].sessions.discard(sid)
         del self._index.sessions[sid]
         if self._writer is not None:
+            self._must_land_tails(sid)
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
+
+    def _must_land_tails(self, sid: bytes) -> None:
+        """The queued deletes of partial tails that ``sid`` let go of (``_release_tails``) are no
+        longer ones a ``close(timeout)`` may give up: the session goes (forgotten, or no longer
+        tracked), its row and references with it, and a tail left on disk would be one that no
+        ``forget(session=...)`` finds after a restart."""
+        keys: set[bytes] = set()
+        queued = [op for op, job in self._deletes if not job.done()]
+        for op in queued:
+            if isinstance(op, DropRefs) and op.superseded and op.sid == sid:
+                keys.update(op.keys)
+                op.superseded = False
+        for op in queued:
+            if isinstance(op, DeleteBlocks) and op.superseded and not keys.isdisjoint(op.keys):
+                op.superseded = False
 
     def _holders(self, keys: Iterable[bytes]) -> list[tuple[bytes, str | None, bytes]]:
         """For each of ``keys`` still on disk and referenced, one session that references it:
@@ -1491,6 +1507,7 @@ class TieredStore:
                 self._drop(meta)
                 removed += 1
         if self._writer is not None:
+            self._must_land_tails(sid)
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
         return removed
 
