@@ -429,6 +429,67 @@ def test_a_close_with_a_timeout_keeps_the_delete_of_a_forgotten_sessions_replace
     assert store.open(model, torch.cat([first, random_ids(2, 798)], dim=1)).restored_tokens == 0
 
 
+def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes_it_refuses(
+        model, stores, tmp_path, monkeypatch):
+    # Every commit evicted durable blocks to make room for writes the full filesystem then
+    # refused: turn by turn the disk tier emptied while nothing new was written.
+    path = tmp_path / "kv"
+    budget = 8 * record_footprint(make_store(stores, tmp_path / "probe", device_budget=0, host_budget=0), model)
+    store = make_store(stores, path, device_budget=0, host_budget="4MiB", disk_budget=budget)
+    kept = [converse(store, model, random_ids(16, 800 + i), f"d{i}") for i in range(5)]
+    store.flush()
+    before = store.stats()["disk"]["blocks"]
+    assert before == 8  # at its budget
+    monkeypatch.setattr(type(store._disk), "filesystem_short", lambda self, nbytes: "the filesystem is full")
+    for i in range(3):
+        converse(store, model, random_ids(16, 810 + i), f"n{i}")
+        store.flush()
+        assert store.stats()["disk"]["blocks"] == before
+    store.close()  # its flush tries the refused writes again: refused, and nothing evicted for them
+    monkeypatch.undo()
+    store = make_store(stores, path, device_budget=0, host_budget=0, disk_budget=budget)
+    assert store.stats()["disk"]["blocks"] == before
+    later = torch.cat([kept[-1], random_ids(2, 820)], dim=1)
+    cache = store.open(model, later)
+    assert cache.restored_from["disk"] > 0
+    assert torch.equal(generate(model, later, cache), generate(model, later))
+
+
+def record_footprint(store: TieredStore, model) -> int:
+    """The disk footprint of one full block of ``model``, as the store counts it."""
+    converse(store, model, random_ids(B, 830), "probe")
+    store.flush()
+    sizes = {m.record_bytes for m in store._index.blocks.values() if m.n_tokens == B}
+    store.close()
+    return max(sizes)
+
+
+def test_a_failure_zeroing_one_evicted_record_leaves_the_others_zeroed(model, stores, tmp_path, monkeypatch):
+    # The first record that failed to zero dropped the zeros owed to every record after it.
+    path = tmp_path / "kv"
+    budget = 4 * record_footprint(make_store(stores, tmp_path / "probe", device_budget=0, host_budget=0), model)
+    store = make_store(stores, path, device_budget=0, host_budget=0, disk_budget=budget)
+    secret = converse(store, model, random_ids(16, 840), "secret")
+    store.flush()
+    disk = store._disk
+    real, calls = disk._zero_pages, []
+
+    def once(offset, length):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError("simulated")
+        return real(offset, length)
+
+    monkeypatch.setattr(disk, "_zero_pages", once)
+    for i in range(3):  # the budget evicts secret's blocks
+        converse(store, model, random_ids(16, 841 + i), f"o{i}")
+    store.flush()
+    assert len(calls) >= 2
+    store.close()
+    data = (path / "data.mdb").read_bytes()
+    assert all(secret[0, at:at + B].numpy().astype("<i8").tobytes() not in data for at in (0, B))
+
+
 def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, stores, tmp_path, monkeypatch,
                                                                         capsys):
     # LMDB checksums none of its own pages: a flipped bit in a B-tree page or the meta record

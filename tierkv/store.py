@@ -867,7 +867,7 @@ class TieredStore:
             self._index.set_resident(meta, Tier.HOST)
         if (self._writer is not None and self._disk is not None and not self._disk_failed
                 and meta.record_bytes <= self._disk.budget):
-            if not self._make_room(Tier.DISK, meta.record_bytes):
+            if not self._disk_room(meta.record_bytes):
                 self._unwritten[key] = header
             else:
                 if host_job is not None:
@@ -923,6 +923,22 @@ class TieredStore:
             source.lease.after(write)  # the writer encodes from the buffer
         self._index.set_disk(meta, DiskState.PENDING)
 
+    def _disk_room(self, nbytes: int) -> bool:
+        """Make room on disk for a block write of ``nbytes`` (``_make_room``). Not by eviction where
+        the filesystem has no room for the write (``DiskTier.filesystem_short``), which the writer
+        would then refuse: every commit under a full filesystem evicted durable blocks for nothing,
+        until the disk tier was empty."""
+        assert self._disk is not None
+        if self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
+            short = self._disk.filesystem_short(nbytes)
+            if short is not None:
+                self._disk_full += 1
+                if not self._warned_filesystem:
+                    self._warned_filesystem = True
+                    logger.warning("tierkv: %s", short)
+                return False
+        return self._make_room(Tier.DISK, nbytes)
+
     def _write_again(self, meta: BlockMeta, block: Job[Any], tier: Tier) -> None:
         """Queue the write of a block resting in memory only (``_unwritten``) from ``block``, its
         tensor in ``tier``. A block whose write found no room is written when it leaves memory,
@@ -933,7 +949,7 @@ class TieredStore:
         if (header is None or meta.disk is not DiskState.NONE or self._writer is None or self._disk is None
                 or self._disk_failed):
             return
-        if not self._make_room(Tier.DISK, meta.record_bytes):
+        if not self._disk_room(meta.record_bytes):
             self._unwritten[meta.key] = header
             return
         source = block

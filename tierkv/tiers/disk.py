@@ -823,7 +823,7 @@ class DiskTier:
         results: list[BaseException | None] = [None] * len(ops)
         need = sum(op.record_bytes for op in ops if isinstance(op, PutBlock))
         self._reserve(need)
-        short = self._filesystem_short(need) if need else None
+        short = self.filesystem_short(need) if need else None
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
         self._zero_owed()
@@ -1068,12 +1068,17 @@ class DiskTier:
 
     def _zero(self, records: list[tuple[int, int]]) -> None:
         """Zero evicted records (offset, length) whose pages no transaction can have reused yet."""
-        try:
-            for offset, length in records:
+        for offset, length in records:
+            try:
                 self._zero_pages(offset, length)
-        except Exception as exc:  # noqa: BLE001 - the batch committed; only these zeros are lost
-            logger.warning("tierkv: could not zero evicted records in %s (%s); their KV stays in free pages "
-                           "until LMDB reuses them", self.path, exc)
+            except Exception as exc:  # noqa: BLE001 - the batch committed: zeroed in place, or logged
+                # Each record on its own, through the map at worst: one that failed dropped every
+                # record after it, whose KV stayed in free pages where no later forget reached it.
+                try:
+                    ctypes.memset(self._map_start + offset, 0, length)  # type: ignore[operator]
+                except Exception:  # noqa: BLE001
+                    logger.warning("tierkv: could not zero an evicted record in %s (%s); its KV stays in free "
+                                   "pages until LMDB reuses them", self.path, exc)
 
     def _zero_owed(self) -> None:
         """Zero the evicted records the ledger row of the last committed transaction names (a
@@ -1166,7 +1171,7 @@ class DiskTier:
         vm.madvise(self._map_start, used, vm.MADV_RANDOM)
         vm.madvise(self._map_start + used, length - used, vm.MADV_NORMAL)
 
-    def _filesystem_short(self, nbytes: int) -> str | None:
+    def filesystem_short(self, nbytes: int) -> str | None:
         """Why a batch of ``nbytes`` of records must not be written, or None. The map is a sparse
         file written through memory: where the filesystem has no block left for a page, the write
         is not an ENOSPC but a SIGBUS, which kills the process. So a batch that would take the file
