@@ -399,36 +399,6 @@ def test_records_of_a_write_that_never_committed_leave_no_token_ids_in_the_file(
         assert secret[0, start:start + B].numpy().astype("<i8").tobytes() not in data
 
 
-def test_a_close_with_a_timeout_keeps_the_delete_of_a_forgotten_sessions_replaced_tail(model, stores, tmp_path):
-    # A replaced tail's delete is one a close(timeout) may give up (the tail is kept rather than
-    # lost with the writes that replaced it). Once its session was forgotten, the tail stayed on
-    # disk, referenced by no session: no forget found it, and the next open restored it.
-    path = tmp_path / "kv"
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    first = converse(store, model, random_ids(9, 795), "s")  # 11 kept: a block and a 3-token tail
-    store.flush()
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def slow(items):
-        entered.set()
-        release.wait(30)
-        return apply(items)
-
-    store._writer._apply = slow
-    converse(store, model, random_ids(20, 796), "other")
-    assert entered.wait(30)
-    converse(store, model, torch.cat([first, random_ids(10, 797)], dim=1), "s")  # replaces the tail, queued
-    assert store.forget(session="s") > 0
-    threading.Timer(0.3, release.set).start()
-    store.close(timeout=0.05)
-    tail = first[0, B:first.shape[1] - 1].numpy().astype("<i8").tobytes()
-    assert tail not in (path / "data.mdb").read_bytes()
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    assert all(m.sessions for m in store._index.blocks.values())
-    assert store.open(model, torch.cat([first, random_ids(2, 798)], dim=1)).restored_tokens == 0
-
-
 def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes_it_refuses(
         model, stores, tmp_path, monkeypatch):
     # Every commit evicted durable blocks to make room for writes the full filesystem then

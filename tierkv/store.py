@@ -1153,7 +1153,6 @@ class TieredStore:
             blocks[key].sessions.discard(sid)
         del self._index.sessions[sid]
         if self._writer is not None:
-            self._must_land_tails(sid)
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
 
     def _must_land_tails(self, sid: bytes) -> None:
@@ -1523,7 +1522,6 @@ class TieredStore:
                 self._drop(meta)
                 removed += 1
         if self._writer is not None:
-            self._must_land_tails(sid)
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
         return removed
 
