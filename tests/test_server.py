@@ -336,15 +336,20 @@ def test_an_abandoned_queued_stream_is_dropped_and_frees_its_place(server: Serve
             role = json.loads(next(r.iter_lines())[len("data: "):])
             assert role["choices"][0]["delta"]["role"] == "assistant"
         # The client left while its turn was queued: the server notices, and the turn leaves the queue.
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"]:
-            assert time.monotonic() < deadline, "the abandoned turn was never dropped"
-            time.sleep(0.02)
+        wait_for_pending(server, 0, "the abandoned turn was never dropped")
     finally:
         gate.set()
         held.result(timeout=60)
     # Had the turn run, it would have committed this very prompt.
     assert cached(server.chat(messages, key="k-gone", session="gone")) == 0
+
+
+def wait_for_pending(server: Server, turns: int, failure: str) -> None:
+    """Until the server's queue holds ``turns`` turns (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"] != turns:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
 
 
 class Records(logging.Handler):
@@ -381,15 +386,9 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
                 client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nX-API-Key: k-gone-plain\r\n"
                                b"X-Session-ID: gone\r\nContent-Type: application/json\r\n"
                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                deadline = time.monotonic() + 30
-                while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"] != 1:
-                    assert time.monotonic() < deadline, "the turn was never queued"
-                    time.sleep(0.02)
+                wait_for_pending(server, 1, "the turn was never queued")
             # The client left while its turn was queued: the server notices, and the turn leaves the queue.
-            deadline = time.monotonic() + 30
-            while httpx.get(f"{server.url}/healthz", timeout=5).json()["pending_turns"]:
-                assert time.monotonic() < deadline, "the abandoned turn was never dropped"
-                time.sleep(0.02)
+            wait_for_pending(server, 0, "the abandoned turn was never dropped")
     finally:
         gate.set()
         held.result(timeout=60)

@@ -932,12 +932,17 @@ class TieredStore:
         if self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
             short = self._disk.filesystem_short(nbytes)
             if short is not None:
-                self._disk_full += 1
-                if not self._warned_filesystem:
-                    self._warned_filesystem = True
-                    logger.warning("tierkv: %s", short)
+                self._refused(short)
                 return False
         return self._make_room(Tier.DISK, nbytes)
+
+    def _refused(self, filesystem: str | None) -> None:
+        """Count a block write that found no room (``disk_full``); the first for want of room on
+        the filesystem (``filesystem``: why) is logged, once per store."""
+        self._disk_full += 1
+        if filesystem is not None and not self._warned_filesystem:
+            self._warned_filesystem = True
+            logger.warning("tierkv: %s", filesystem)
 
     def _write_again(self, meta: BlockMeta, block: Job[Any], tier: Tier) -> None:
         """Queue the write of a block resting in memory only (``_unwritten``) from ``block``, its
@@ -1155,21 +1160,6 @@ class TieredStore:
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
 
-    def _must_land_tails(self, sid: bytes) -> None:
-        """The queued deletes of partial tails that ``sid`` let go of (``_release_tails``) are no
-        longer ones a ``close(timeout)`` may give up: the session goes (forgotten, or no longer
-        tracked), its row and references with it, and a tail left on disk would be one that no
-        ``forget(session=...)`` finds after a restart."""
-        keys: set[bytes] = set()
-        queued = [op for op, job in self._deletes if not job.done()]
-        for op in queued:
-            if isinstance(op, DropRefs) and op.superseded and op.sid == sid:
-                keys.update(op.keys)
-                op.superseded = False
-        for op in queued:
-            if isinstance(op, DeleteBlocks) and op.superseded and not keys.isdisjoint(op.keys):
-                op.superseded = False
-
     def _holders(self, keys: Iterable[bytes]) -> list[tuple[bytes, str | None, bytes]]:
         """For each of ``keys`` still on disk and referenced, one session that references it:
         a ``DropRefs`` writes that session's reference again with its own deletes. Its ``PutRefs``
@@ -1223,10 +1213,7 @@ class TieredStore:
                 # cap as much again leaves the disk, so the free list has room for the next
                 # writes; a full filesystem gains nothing by it (freed pages stay in the file).
                 full_filesystem = isinstance(exc, FilesystemFull)
-                if full_filesystem and not self._warned_filesystem:
-                    self._warned_filesystem = True
-                    logger.warning("tierkv: %s", exc)
-                self._disk_full += 1
+                self._refused(str(exc) if full_filesystem else None)
                 if meta is not None:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
