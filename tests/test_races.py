@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import lmdb
 import pytest
 import torch
 
@@ -305,6 +306,48 @@ def test_forget_then_close_with_a_timeout_stays_forgotten(model, stores, tmp_pat
     assert "secret" not in {info.name for info in store._index.sessions.values()}
     store.flush()  # the reopen queued the removal of references to blocks that never landed
     assert lmdb_rows(store, b"refs") == sum(len(m.sessions) for m in store._index.blocks.values())
+
+
+def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout(model, stores, tmp_path):
+    # Before: a replaced partial tail's delete may be given up at close(timeout) (with the writes
+    # of the chain that replaced it), but a forget of its session had made it forget's to land:
+    # the tail, no longer in the index, stayed in the file with no session to find it by.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    first = generate(model, random_ids(12, 80))
+    cache = store.open(model, first, session="s")
+    cache.commit(generate(model, first, cache))
+    first = generate(model, first, store.open(model, first, session="s"))
+    store.flush()
+    sid = tierkv.store._session_id(None, "s")
+    tails = [k for k in store._index.sessions[sid].keys if store._index.blocks[k].n_tokens < B]
+    assert tails
+    gate = gated(store)
+    other = random_ids(20, 81)
+    c = store.open(model, other, session="other")
+    c.commit(generate(model, other, c))
+    assert gate.entered.wait(WAIT)
+    longer = torch.cat([first, random_ids(10, 82)], 1)
+    c = store.open(model, longer, session="s")
+    c.commit(generate(model, longer, c))  # queued behind the held batch: the tail is replaced
+    assert all(k not in store._index.blocks for k in tails)
+    store.forget(session="s")
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
+    closer.start()
+    assert store._writer._abandon.wait(WAIT)
+    gate.release.set()
+    closer.join(WAIT)
+    assert store._writer._abandoned > 0  # the new chain's writes were given up
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
+    try:
+        with env.begin() as txn:
+            blocks = env.open_db(b"blocks", txn=txn, create=False)
+            refs = env.open_db(b"refs", txn=txn, create=False)
+            assert not any(txn.get(k, db=blocks) for k in tails)
+            assert not any(key.startswith(sid) for key, _ in txn.cursor(db=refs))
+    finally:
+        env.close()
 
 
 def test_concurrent_close_and_flush_are_harmless(model, stores, tmp_path):

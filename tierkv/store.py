@@ -131,7 +131,8 @@ _FORGETS_KEPT = 4096
 
 def _abandonable(op: DiskOp) -> bool:
     """What a close with a timeout may give up (``BackgroundWriter``'s ``abandonable``)."""
-    return isinstance(op, PutBlock) or (isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded)
+    return isinstance(op, PutBlock) or (isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded
+                                        and not op.forgotten)
 
 
 def write_batch_bytes(disk_budget: int) -> int:
@@ -1112,9 +1113,11 @@ class TieredStore:
                 return
             freed += evicted
 
-    def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False, superseded: bool = False) -> None:
+    def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False,
+                        superseded: bytes | None = None) -> None:
         """Delete blocks on disk, their records zeroed (``evicted``: by the budget, zeroed a
-        transaction later, ``DeleteBlocks``)."""
+        transaction later; ``superseded``: the session whose longer chain replaced them;
+        ``DeleteBlocks``)."""
         keys: list[bytes] = []
         refs: list[bytes] = []
         for meta in metas:
@@ -1125,7 +1128,7 @@ class TieredStore:
                 self._pending_writes.pop(meta.key, None)
                 self._pop_inflight(meta.key)
         if keys and self._writer is not None:
-            self._submit(DeleteBlocks(keys, refs, evicted, superseded))
+            self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded))
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1174,7 +1177,7 @@ class TieredStore:
                 holders.append((holder, self._index.sessions[holder].tenant, key))
         return holders
 
-    def _drop(self, meta: BlockMeta, superseded: bool = False) -> None:
+    def _drop(self, meta: BlockMeta, superseded: bytes | None = None) -> None:
         """Remove a block from every tier and the index (``superseded``: see ``DeleteBlocks``)."""
         if meta.resident is Tier.DEVICE:
             self._device.pop(meta.key)
@@ -1404,7 +1407,7 @@ class TieredStore:
         for tail in tails:
             self._index.unref(sid, tail)
             if not tail.sessions:
-                self._drop(tail, superseded=True)
+                self._drop(tail, superseded=sid)
         if tails and self._writer is not None:
             keys = [tail.key for tail in tails]
             self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True))
@@ -1496,6 +1499,14 @@ class TieredStore:
         for sid, keys in damaged.items():
             self._forget_session(sid, keys)
 
+    def _keep_superseded(self, sids: set[bytes]) -> None:
+        """The queued deletes of tails that these sessions' longer chains replaced are no longer a
+        close's to give up: those tails are out of the index, and only these deletes find them."""
+        for op, job in self._deletes:
+            if not job.done() and getattr(op, "superseded", False) and (
+                    op.sid if isinstance(op, DropRefs) else op.owner) in sids:  # type: ignore[union-attr]
+                op.forgotten = True  # type: ignore[union-attr]
+
     def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
         """Drop a session's references to ``keys`` and the blocks no other session references,
         from every tier and the disk; returns how many blocks were dropped."""
@@ -1556,6 +1567,7 @@ class TieredStore:
 
                 sids = [sid for sid, info in sessions.items()
                         if info.name == session or info.name is None and sid == key_in(info.tenant)]
+            self._keep_superseded(set(sids))
             for sid in sids:
                 removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
             if session is None:
