@@ -81,6 +81,19 @@ def gated(store: TieredStore) -> Gate:
     return gate
 
 
+def close_past_the_gate(store: TieredStore, gate: Gate) -> int:
+    """``close(timeout=0.01)`` while the writer is held at the gate, which opens once the timeout
+    has expired; what close returned."""
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
+    closer.start()
+    assert store._writer._abandon.wait(WAIT)  # the timeout expired with a batch held in flight
+    gate.release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    return result[0]
+
+
 @pytest.mark.parametrize("budgets, tier", [
     (dict(device_budget=0, host_budget="1MiB"), "host"),
     (dict(device_budget=0, host_budget=0), "disk"),
@@ -179,13 +192,7 @@ def test_close_with_a_timeout_drops_queued_writes_and_says_how_many(model, store
         if i == 0:
             # The writer holds the first conversation's batch (its linger over): the others queue.
             assert gate.entered.wait(WAIT)
-    result: list[int] = []
-    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
-    closer.start()
-    assert store._writer._abandon.wait(WAIT)  # the timeout expired with a batch held in flight
-    gate.release.set()
-    closer.join(WAIT)
-    dropped = result[0]
+    dropped = close_past_the_gate(store, gate)
     assert 1 <= dropped <= 9
     store = make_store(stores, path)
     assert store.stats()["disk"]["blocks"] == 9 - dropped
@@ -295,12 +302,7 @@ def test_forget_then_close_with_a_timeout_stays_forgotten(model, stores, tmp_pat
         c = store.open(model, ids, session=f"other{i}")
         c.commit(generate(model, ids, c))
     assert store.forget(session="secret") == 3
-    result: list[int] = []
-    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
-    closer.start()
-    assert store._writer._abandon.wait(WAIT)
-    gate.release.set()
-    closer.join(WAIT)
+    close_past_the_gate(store, gate)
     store = make_store(stores, path)
     assert store.open(model, torch.cat([secret, random_ids(2, 60)], dim=1)).restored_tokens == 0
     assert "secret" not in {info.name for info in store._index.sessions.values()}
@@ -314,10 +316,10 @@ def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout
     # the tail, no longer in the index, stayed in the file with no session to find it by.
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
-    first = generate(model, random_ids(12, 80))
-    cache = store.open(model, first, session="s")
-    cache.commit(generate(model, first, cache))
-    first = generate(model, first, store.open(model, first, session="s"))
+    ids = random_ids(12, 80)
+    cache = store.open(model, ids, session="s")
+    first = generate(model, ids, cache)
+    cache.commit(first)
     store.flush()
     sid = tierkv.store._session_id(None, "s")
     tails = [k for k in store._index.sessions[sid].keys if store._index.blocks[k].n_tokens < B]
@@ -332,12 +334,7 @@ def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout
     c.commit(generate(model, longer, c))  # queued behind the held batch: the tail is replaced
     assert all(k not in store._index.blocks for k in tails)
     store.forget(session="s")
-    result: list[int] = []
-    closer = threading.Thread(target=lambda: result.append(store.close(timeout=0.01)))
-    closer.start()
-    assert store._writer._abandon.wait(WAIT)
-    gate.release.set()
-    closer.join(WAIT)
+    close_past_the_gate(store, gate)
     assert store._writer._abandoned > 0  # the new chain's writes were given up
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
     try:
