@@ -15,6 +15,17 @@ warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 VOCAB = 512
 
+
+@pytest.fixture(autouse=True)
+def _stores_on_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' models are on CPU, and a store's default device is CUDA where there is one,
+    which refuses them: on a GPU machine, ``TieredStore(...)`` without ``device=`` is on CPU here.
+    (Tests of CUDA pass their device.)"""
+    if torch.cuda.is_available():
+        import tierkv.store
+        from tierkv.transfer import resolve_device
+        monkeypatch.setattr(tierkv.store, "resolve_device", lambda device: resolve_device("cpu" if device is None else device))
+
 # Per architecture, the config fields that make a 2-layer model with small heads.
 _SHAPES: dict[str, dict[str, object]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

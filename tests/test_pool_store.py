@@ -10,8 +10,10 @@ NaNs into the model, and the exactness checks fail.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 import torch
@@ -64,7 +66,7 @@ class CopyingEngine(CopyEngine):
         job = LazyCopy(src, dst)
         if lease is not None:
             job.lease = lease
-            lease.after(job)
+            lease.after(job.fence())
         self.pending.append(job)
         return job
 
@@ -125,6 +127,29 @@ def test_a_buffer_is_not_reused_while_a_copy_to_the_device_still_reads_it(model,
     assert torch.equal(generate(model, nxt, restore), generate(model, nxt))  # a's KV, not b's, not poison
     store._host.reclaim()
     assert store.stats()["host_pool"]["retiring"] == 0
+    store.close()
+
+
+def test_a_restores_device_copies_go_with_its_cache(model):
+    # Before: each copy to the device stayed registered on the host buffer it was made from, job
+    # and tensor, until that buffer's next use: blocks that stayed in the host tier (no room on
+    # the device) kept a device-sized copy each alive after the turn, outside every budget.
+    store, engine = pooled_store(None, pool_blocks=64, device_budget=0, host_budget=32 * BLOCK_BYTES)
+    a = random_ids(4 * B - 1, 820)
+    cache = store.open(model, a)
+    out = generate(model, a, cache)
+    cache.commit(out)
+    engine.land()
+    cache = store.open(model, torch.cat([out, random_ids(3, 821)], dim=1))
+    assert cache.restored_from["host"] == 4 * B
+    copies = [job for job in engine.pending if job.lease is None]  # to the device: no host buffer
+    assert len(copies) == 4
+    engine.land()
+    gone = [weakref.ref(job.dst) for job in copies]
+    del cache, copies
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * 4
+    assert store.stats()["host"]["blocks"] == 4  # the blocks themselves stay where they were
     store.close()
 
 

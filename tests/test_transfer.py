@@ -4,6 +4,7 @@ and flushes and drains. Threads are synchronised with events, never with sleeps.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
+import tierkv.transfer
 from tierkv.transfer import _MARKER, BackgroundWriter, CopyEngine, Job, WriteAbandoned, resolve_device
 
 WAIT = 10.0  # generous upper bound for anything that should happen promptly
@@ -98,6 +100,16 @@ def test_poll_turns_an_external_signal_into_done() -> None:
     assert job.done() is True
 
 
+def test_a_fence_tells_when_its_job_is_done_without_holding_its_result() -> None:
+    job: Job[torch.Tensor] = Job()
+    fence = job.fence()
+    assert not fence.done()
+    job.set_result(torch.zeros(4))
+    assert fence.done()
+    assert not any(isinstance(ref, (Job, torch.Tensor)) for ref in gc.get_referents(fence))
+    assert Job.completed(torch.zeros(1)).fence().done()
+
+
 def test_only_the_first_of_racing_completions_wins() -> None:
     for _ in range(20):
         job: Job[int] = Job()
@@ -163,6 +175,16 @@ def test_cuda_round_trip() -> None:
 def test_resolve_none_is_cuda_when_available_else_cpu() -> None:
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device(None).type == expected
+
+
+def test_resolve_none_names_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: None gave torch.device("cuda"), no index. A model on CUDA reports cuda:0, which is
+    # not equal to it, so every open on a default store was refused, and the disk writer thread
+    # died in torch.cuda.set_device (which needs an index), leaving flush() and close() hung.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device(None) == torch.device("cuda", 1) == resolve_device("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -429,6 +451,52 @@ def test_an_exception_from_apply_fails_the_whole_batch(writers: list[BackgroundW
     writer.flush(timeout=WAIT)
     assert later.wait(0) is None
     assert rec.batches[-1] == ["later"]
+
+
+def test_a_writer_thread_that_cannot_start_fails_its_jobs_rather_than_hang(
+        writers: list[BackgroundWriter], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: an error before the loop (torch.cuda.set_device refusing the device) ended the
+    # thread; every write stayed queued, and flush() and close() waited forever.
+    boom = RuntimeError("Expected a torch.device with a specified index")
+
+    def refuse() -> None:
+        raise boom
+
+    monkeypatch.setattr(tierkv.transfer, "_lower_priority", refuse)
+    rec = Recorder()
+    writer = start(writers, rec)
+    job = writer.submit(1)
+    writer.flush(timeout=WAIT)
+    with pytest.raises(RuntimeError) as info:
+        job.wait(WAIT)
+    assert info.value is boom and rec.batches == []
+    later = writer.submit(2)
+    assert writer.close(timeout=WAIT) == 0 and not writer.alive()
+    with pytest.raises(RuntimeError):
+        later.wait(0)
+    assert "background writer 'test-writer' failed" in caplog.text
+
+
+def test_an_error_outside_apply_fails_the_batch_being_gathered(writers: list[BackgroundWriter]) -> None:
+    boom = ValueError("no size for this item")
+
+    def size_of(item: object) -> int:
+        if item == "bad":
+            raise boom
+        return 0
+
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, size_of=size_of)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    first, bad = writer.submit(1), writer.submit("bad")
+    rec.release.set()
+    for job in (first, bad):
+        with pytest.raises(ValueError):
+            job.wait(WAIT)
+    assert rec.batches == [["gate"]]
+    writer.close()
+    assert not writer.alive()
 
 
 def test_flush_waits_for_earlier_items(writers: list[BackgroundWriter]) -> None:

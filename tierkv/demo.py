@@ -32,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from .store import TieredStore
 from .tiers.disk import DiskTier, StoreInUse
+from .transfer import resolve_device
 
 
 class FirstTokenTimer(BaseStreamer):
@@ -96,11 +97,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                          f"or another directory")
 
 
-def open_store(path: str, block_size: int, budgets: dict) -> TieredStore:
+def open_store(path: str, block_size: int, budgets: dict, device: torch.device) -> TieredStore:
     """The demo's store; one that cannot be opened exits as the ``tierkv`` store commands do: 3
     when another process holds it, 2 otherwise, with the reason and no traceback."""
     try:
-        return TieredStore(path, block_size=block_size, **budgets)
+        return TieredStore(path, device=device, block_size=block_size, **budgets)
     except StoreInUse as exc:
         print(f"tierkv demo: error: {exc}", file=sys.stderr)
         raise SystemExit(3) from None
@@ -135,10 +136,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    model = build_model(args.layers, args.hidden, args.seed)
+    # On the device a store takes by default (CUDA where there is one), which refuses a model elsewhere.
+    device = resolve_device(None)
+    model = build_model(args.layers, args.hidden, args.seed).to(device)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
-    system = torch.randint(3, vocab, (1, args.system_tokens), generator=gen)
+    system = torch.randint(3, vocab, (1, args.system_tokens), generator=gen).to(device)
     kv_per_token = 2 * args.layers * model.config.num_key_value_heads * (args.hidden // model.config.num_attention_heads) * 4
     # Room for about one conversation on the device and two in the host tier: the rest goes down.
     typical = (args.system_tokens + 200) * kv_per_token
@@ -170,11 +173,12 @@ def simulate(args: argparse.Namespace, model: torch.nn.Module, system: torch.Ten
              f"{'TTFT tierkv':>11} {'recompute':>9} {'speedup':>7}  exact"
     print(header)
     print("-" * len(header))
-    store = open_store(path, args.block_size, budgets)
+    store = open_store(path, args.block_size, budgets, system.device)
     timed_generate(model, system, args.reply_tokens)  # warm up kernels and allocator before timing
 
     def run_turn(turn: int, user: str) -> None:
-        message = torch.randint(3, vocab, (1, int(torch.randint(30, 80, (1,), generator=gen))), generator=gen)
+        message = torch.randint(3, vocab, (1, int(torch.randint(30, 80, (1,), generator=gen))), generator=gen
+                                ).to(system.device)
         ids = torch.cat([conversations[user], message], dim=1)
         reference, ttft_plain, _ = timed_generate(model, ids, args.reply_tokens)
         out, ttft_tier, cache = timed_generate(model, ids, args.reply_tokens, store, user)
@@ -193,7 +197,7 @@ def simulate(args: argparse.Namespace, model: torch.nn.Module, system: torch.Ten
 
     store.close()
     print("\n-- restart: the store is closed and reopened from disk --")
-    store = open_store(path, args.block_size, budgets)
+    store = open_store(path, args.block_size, budgets, system.device)
     for turn, user_idx in enumerate(range(min(2, args.sessions)), len(order) + 1):
         run_turn(turn, f"user{user_idx}")
     stats = store.stats()

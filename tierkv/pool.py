@@ -65,7 +65,8 @@ class Lease:
         self._pool.reclaim()
 
     def after(self, job: Any) -> None:
-        """``job`` (anything with ``done()``) uses the buffer: it is reused only once the job is done."""
+        """``job`` (anything with ``done()``) uses the buffer: it is reused only once the job is done.
+        Kept until then, and on a held buffer until its next ``after``: give a job's ``fence()``."""
         with self._pool._lock:
             if self.retired:
                 # Registered too late: the buffer may already be someone else's.

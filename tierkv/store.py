@@ -595,7 +595,7 @@ class TieredStore:
         for i, copy in zip(moving, copies):
             lease = sources[i][3].lease
             if lease is not None:
-                lease.after(copy)  # the buffer is not reused before this copy from it is done
+                lease.after(copy.fence())  # the buffer is not reused before this copy from it is done
         if copies:
             # One batch of copies, issued together: one move for metrics.
             self._count_move("host_to_device", sum(sources[i][0].nbytes for i in moving), copies[0])
@@ -921,7 +921,7 @@ class TieredStore:
         write = self._writer.submit(PutBlock(header, source, meta.record_bytes))  # type: ignore[union-attr]
         self._pending_writes[meta.key] = (write, header)
         if source.lease is not None:
-            source.lease.after(write)  # the writer encodes from the buffer
+            source.lease.after(write.fence())  # the writer encodes from the buffer
         self._index.set_disk(meta, DiskState.PENDING)
 
     def _disk_room(self, nbytes: int) -> bool:

@@ -17,6 +17,7 @@ its batch did. ``flush()`` waits for everything submitted before it.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -25,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+
+logger = logging.getLogger("tierkv")
 
 T = TypeVar("T")
 _PENDING = object()
@@ -77,6 +80,12 @@ class Job(Generic[T]):
             return True
         return self._poll is not None and self._poll()
 
+    def fence(self) -> Any:
+        """What tells when this job is done (``done()``) without holding its result: registered on
+        a pool buffer (``Lease.after``), which keeps it until the buffer's next use, a job would
+        keep its tensor alive, on the GPU outside every budget."""
+        return self if self._poll is not None else _Fence(self._event)
+
     def wait(self, timeout: float | None = None) -> T:
         # is_set() first: a restore waits on every block once per layer, mostly done long since,
         # and Event.wait takes a condition's lock even then.
@@ -85,6 +94,19 @@ class Job(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value
+
+
+class _Fence:
+    """A job's completion alone (``Job.fence``)."""
+
+    __slots__ = ("_event", "_cuda_event")
+
+    def __init__(self, event: threading.Event, cuda_event: Any = None) -> None:
+        self._event = event
+        self._cuda_event = cuda_event
+
+    def done(self) -> bool:
+        return self._event.is_set() or (self._cuda_event is not None and self._cuda_event.query())
 
 
 class _CudaCopyJob(Job[torch.Tensor]):
@@ -131,6 +153,9 @@ class _CudaCopyJob(Job[torch.Tensor]):
             return True
         return False
 
+    def fence(self) -> _Fence:
+        return _Fence(self._event, self._cuda_event)
+
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if not self._event.is_set():
             if timeout is not None:
@@ -168,7 +193,9 @@ def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
 def resolve_device(device: object) -> torch.device:
     """The hot tier's device: ``None`` means CUDA when available, else CPU."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Resolved as "cuda" would be, to an index: a model's parameters report cuda:N, and a
+        # device without one never equals it (every open refused), nor can a thread set it.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)  # type: ignore[arg-type]
     except (TypeError, RuntimeError) as exc:
@@ -279,7 +306,7 @@ class CopyEngine:
         job = self._copy(src, dst, self._d2h)
         if lease is not None:
             job.lease = lease
-            lease.after(job)  # the copy writes the buffer: it is not reused before the copy is done
+            lease.after(job.fence())  # the copy writes the buffer: it is not reused before the copy is done
         return job
 
     def to_device_many(self, srcs: "Sequence[torch.Tensor | Job[torch.Tensor]]") -> list[Job[torch.Tensor]]:
@@ -394,6 +421,7 @@ class BackgroundWriter(Generic[T]):
         self._gate = threading.Lock()
         self._abandon = threading.Event()
         self._abandoned = 0
+        self._stopping = False  # the writer took close's signal from the queue
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -455,14 +483,44 @@ class BackgroundWriter(Generic[T]):
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        _lower_priority()
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # event waits here must not open a context on GPU 0
+        batch: list[tuple[T, Job[None]]] = []
+        try:
+            _lower_priority()
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)  # event waits here must not open a context on GPU 0
+            self._loop(batch)
+        except BaseException as exc:  # noqa: BLE001 - handed to every job, queued or to come
+            self._fail(batch, exc)
+
+    def _fail(self, batch: list[tuple[T, Job[None]]], exc: BaseException) -> None:
+        """The thread cannot go on (an error outside ``apply``): every item, those of the batch it
+        was gathering and all submitted until ``close``, fails with ``exc``; a flush returns. A
+        thread that just died left them queued, and every flush and close waiting forever."""
+        logger.error("tierkv: the background writer %r failed (%r); its writes fail from now on",
+                     self._thread.name, exc)
         while True:
+            for item, job in batch:
+                if job.done():
+                    continue
+                if item is _MARKER:
+                    job.set_result(None)
+                else:
+                    job.set_error(exc)
+            if self._stopping:
+                return  # close's signal was taken already: nothing is queued behind it
             entry = self._queue.get()
             if entry is None:
                 return
             batch = [entry]
+
+    def _loop(self, batch: list[tuple[T, Job[None]]]) -> None:
+        while True:
+            batch.clear()
+            entry = self._queue.get()
+            if entry is None:
+                self._stopping = True
+                return
+            batch.append(entry)
             nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
             stop = False
             flushing = entry[0] is _MARKER or nbytes >= self._linger_bytes
@@ -474,7 +532,7 @@ class BackgroundWriter(Generic[T]):
                 except queue.Empty:
                     break
                 if nxt is None:
-                    stop = True
+                    stop = self._stopping = True
                     break
                 batch.append(nxt)
                 if nxt[0] is _MARKER:
@@ -482,7 +540,8 @@ class BackgroundWriter(Generic[T]):
                 else:
                     nbytes += self._size_of(nxt[0])
                     flushing = flushing or nbytes >= self._linger_bytes
-            self._run_batch(batch)
+            self._run_batch(list(batch))
+            batch.clear()
             if stop:
                 return
 
