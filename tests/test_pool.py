@@ -263,6 +263,23 @@ def test_arenas_are_allocated_lazily_up_to_capacity() -> None:
     assert pool.stats()["fallbacks"] == 2
 
 
+def test_an_arena_the_allocator_refuses_falls_back_and_is_not_asked_again() -> None:
+    # Before: a pinned arena that could not be allocated raised out of alloc(), failing the turn.
+    pool, arenas = make_pool(16, 4)
+    take(pool, 4)
+    asked = []
+
+    def refuse(nbytes: int, pinned: bool) -> torch.Tensor:
+        asked.append(nbytes)
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    pool._allocate = refuse
+    for _ in range(3):
+        tensor, lease = pool.alloc((G,), torch.uint8)
+        assert lease is None and tensor.numel() == G
+    assert asked == [4 * G] and pool.stats()["fallbacks"] == 3 and pool.stats()["allocated"] == 4 * G
+
+
 def test_a_request_larger_than_an_arena_falls_back_without_growing() -> None:
     pool, arenas = make_pool(16, 4)
     assert pool.alloc((4 * G + 1,), torch.uint8)[1] is None

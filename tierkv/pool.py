@@ -94,6 +94,7 @@ class HostPool:
         self._allocated = 0  # granules in arenas
         self.in_use = 0  # granules handed out (and retiring)
         self.fallbacks = 0
+        self._grow_refused = False
 
     # -- allocation ---------------------------------------------------------------------------------
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Lease | None]:
@@ -142,9 +143,16 @@ class HostPool:
 
     def _grow(self) -> bool:
         granules = min(self._arena_granules, self.capacity // GRANULE - self._allocated)
-        if granules <= 0:
+        if granules <= 0 or self._grow_refused:
             return False
-        self._arenas.append(self._allocate(granules * GRANULE, self.pinned))
+        try:
+            arena = self._allocate(granules * GRANULE, self.pinned)
+        except RuntimeError:
+            # Page-locked memory ran out: the blocks fall back to buffers of their own (alloc),
+            # and no later request pays for another refused arena.
+            self._grow_refused = True
+            return False
+        self._arenas.append(arena)
         self._allocated += granules
         self._runs.append({0: granules})
         self._starts.append([0])
