@@ -122,6 +122,30 @@ def check_device_kind(device: torch.device) -> list[str]:
             f"{'exact' if exact else 'MISMATCH'} |"]
 
 
+def check_default_device(device: torch.device) -> list[str]:
+    """A store made without ``device=`` (the README's quick start) takes the GPU: a model there is
+    served, its writer runs, and flush and close return."""
+    if device.type != "cuda":
+        return ["| a store without device= | n/a (dry run on CPU) |"]
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-")
+    model = tiny("llama", torch.float32, device)
+    ids = torch.randint(3, 512, (1, 21), generator=torch.Generator().manual_seed(3)).to(device)
+    with TieredStore(path, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        store.flush()
+        where, written = store.device, store.stats()["disk"]["blocks"]
+    with TieredStore(path, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        exact = torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False),
+                            model.generate(ids, max_new_tokens=5, do_sample=False))
+        restored = cache.restored_tokens
+    shutil.rmtree(path, ignore_errors=True)
+    verdict = "ok" if exact and written and restored else "WRONG"
+    return [f"| a store without device= | {verdict}: on {where}, {written} blocks written, {restored} restored after "
+            f"a restart, {'exact' if exact else 'MISMATCH'} |"]
+
+
 def check_pool_churn(device: torch.device) -> list[str]:
     """Several sessions interleaved through a host tier of a few blocks: pool buffers are handed
     back and out again while copies from them may still run; every turn must stay exact."""
@@ -273,9 +297,9 @@ def main() -> None:
     for line in check_exactness(device):
         print(line)
         failed += failure(line)
-    print("\nThe fingerprint's device kind:\n")
+    print("\nDevices: the fingerprint's device kind, and a store's default device:\n")
     print("| case | result |\n|---|---|")
-    for line in check_device_kind(device):
+    for line in check_device_kind(device) + check_default_device(device):
         print(line)
         failed += failure(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")
