@@ -672,6 +672,42 @@ def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
         assert store.open(dense, cat(out, random_ids(3, 4))).restored_tokens == out.shape[1] - 1
 
 
+def test_generates_switch_of_moe_experts_for_decoding_on_a_gpu_is_let_through(tmp_path, monkeypatch):
+    # Before: on a GPU, generate() runs the steps after its prefill with grouped_mm experts on
+    # batched_mm (transformers' _optimize_model_for_decode), and the hook refused the first one:
+    # every MoE generate on CUDA with a TieredCache raised. Here that switch is made on CPU too.
+    import contextlib
+
+    from transformers import GenerationMixin
+
+    @contextlib.contextmanager
+    def as_on_a_gpu(self):
+        original = self.get_experts_implementation()
+        self.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()})
+        try:
+            yield
+        finally:
+            self.set_experts_implementation(original)
+
+    monkeypatch.setattr(GenerationMixin, "_optimize_model_for_decode", as_on_a_gpu)
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **fields)).eval()
+    assert set(model.get_experts_implementation().values()) == {"grouped_mm"}
+    ids = random_ids(20, 7)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, model, ids, new=4)
+        nxt = cat(out, random_ids(3, 8))
+        _, out = turn(store, model, nxt, new=4, expect=out.shape[1] - 1)  # each checked against plain generate
+        # Still refused where generate() does not switch: a prefill, or a forward of the caller's.
+        assert_switch_after_open_refused(store, model, cat(out, random_ids(3, 9)),
+                                         lambda: model.set_experts_implementation("batched_mm"),
+                                         lambda: model.set_experts_implementation("grouped_mm"),
+                                         "experts implementation changed since store.open .from 'grouped_mm' to "
+                                         "'batched_mm'")
+
+
 class _BufferLinear(torch.nn.Module):
     """A linear layer whose weight is a persistent buffer, as GPTQ's and BitNet's layers keep theirs."""
 

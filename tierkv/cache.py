@@ -439,6 +439,14 @@ def _experts_of(configs: tuple[Any, ...]) -> str | None:
     return ",".join(sorted({str(getattr(c, "_experts_implementation", None)) for c in configs}))
 
 
+def _decode_kernels(experts: str | None) -> str | None:
+    """``_experts_of``'s answer once generate() switched the experts to their decode kernel
+    (transformers' ``_optimize_model_for_decode``: every grouped_mm to batched_mm)."""
+    if experts is None:
+        return None
+    return ",".join(sorted({"batched_mm" if name == "grouped_mm" else name for name in experts.split(",")}))
+
+
 def _adapter_layers(model: torch.nn.Module) -> tuple["weakref.ref[torch.nn.Module]", ...]:
     """peft's adapter layers in ``model``: modules of peft's classes that say which adapters they
     apply. Switching adapters (``set_adapter``, ``disable_adapter()``, a new scale) changes no weight,
@@ -521,6 +529,7 @@ def _check_generate_ids(cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         cache = cache.self_attention_cache
     if not isinstance(cache, TieredCache):
         return
+    cache._decode_step = kwargs.get("is_first_iteration") is not True  # decode steps do not pass it
     input_ids = args[0] if args else kwargs.get("input_ids")
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and \
             kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
@@ -936,6 +945,9 @@ class TieredCache(Cache):
         self._also_fine: list[weakref.ref[torch.nn.Module]] = []
         self._last_checked: tuple[int, tuple[Any, ...]] | None = None  # see _check_forward
         self._hooked = False  # the hook checked the forward now running (see update)
+        # generate() is about to run a forward after its prefill (_check_generate_ids): one where
+        # it may switch MoE experts to their decode kernel (check_computed_as_opened).
+        self._decode_step = False
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -1021,13 +1033,14 @@ class TieredCache(Cache):
         # generate on this cache); the attention implementation, one read, on every forward.
         prefill = last is None or (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
                                    and input_ids.shape[1] > 1)
-        self.check_computed_as_opened(adapters=prefill)
+        decode, self._decode_step = self._decode_step, False  # one prepare, one forward
+        self.check_computed_as_opened(adapters=prefill, decode=decode)
         self._check_model(module)
         self._check_inputs(input_ids, kwargs, done)
         self._last_checked = (done, seen)
         self._hooked = True
 
-    def check_computed_as_opened(self, *, adapters: bool = True, weights: bool = False) -> None:
+    def check_computed_as_opened(self, *, adapters: bool = True, weights: bool = False, decode: bool = False) -> None:
         """The opened model still computes KV as it did at ``open``: the same attention
         implementation and (with ``adapters``) the same peft adapters, which the fingerprint covers
         and which change on the same model object. KV restored for one adapter, or computed with
@@ -1044,9 +1057,13 @@ class TieredCache(Cache):
                              "bits, and this TieredCache holds the other's. Set it first, then open the cache: "
                              "cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
-        if static is not None and _experts_of(static.experts_configs) != self.model_info.experts:
+        experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
+        # generate() runs the forwards after its prefill with MoE experts on their decode kernel on
+        # a GPU (_optimize_model_for_decode): as a decode step's own kernels do, they give the KV
+        # of the tokens it generates other last bits than a prefill would; plain generate does the same.
+        if experts != self.model_info.experts and not (decode and experts == _decode_kernels(self.model_info.experts)):
             raise ValueError(f"the model's MoE experts implementation changed since store.open (from "
-                             f"{self.model_info.experts!r} to {_experts_of(static.experts_configs)!r}): its KV "
+                             f"{self.model_info.experts!r} to {experts!r}): its KV "
                              "differs in the last bits, and this TieredCache holds the other's. Set it first "
                              "(model.set_experts_implementation(...)), then open the cache: "
                              "cache = store.open(model, input_ids)")
