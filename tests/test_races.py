@@ -347,6 +347,42 @@ def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout
         env.close()
 
 
+@pytest.mark.parametrize("forget", ["tenant", "session"])
+def test_a_replaced_tail_of_a_session_no_longer_tracked_is_deleted_by_a_close_after_a_forget(
+        model, stores, tmp_path, forget):
+    # As above, where another session repeated the turn that replaced the tail: the session that
+    # replaced it, holding nothing of its own, was no longer tracked, so the forget did not find
+    # its queued delete, and after close(timeout) and a reopen the forgotten tail was served again.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    ids = random_ids(12, 90)
+    cache = store.open(model, ids, session="s", tenant="acme")
+    first = generate(model, ids, cache)
+    cache.commit(first)
+    store.flush()
+    tails = [k for k, m in store._index.blocks.items() if m.n_tokens < B]
+    assert tails
+    gate = gated(store)
+    other = random_ids(20, 91)
+    c = store.open(model, other, session="other")
+    c.commit(generate(model, other, c))
+    assert gate.entered.wait(WAIT)
+    longer = torch.cat([first, random_ids(10, 92)], 1)
+    for name in ("s", "y"):  # y repeats s's turn: s holds nothing of its own any more
+        c = store.open(model, longer, session=name, tenant="acme")
+        c.commit(generate(model, longer, c))
+    assert tierkv.store._session_id("acme", "s") not in store._index.sessions
+    if forget == "tenant":
+        store.forget(tenant="acme")
+    else:
+        store.forget(session="s")
+        store.forget(session="y", tenant="acme")
+    close_past_the_gate(store, gate)
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    assert not any(k in store._index.blocks for k in tails)
+    assert store.open(model, torch.cat([first, random_ids(2, 93)], 1), tenant="acme").restored_tokens == 0
+
+
 def test_concurrent_close_and_flush_are_harmless(model, stores, tmp_path):
     store = make_store(stores, tmp_path / "kv")
     gate = gated(store)

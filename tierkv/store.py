@@ -54,7 +54,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lmdb
@@ -1114,9 +1114,9 @@ class TieredStore:
             freed += evicted
 
     def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False,
-                        superseded: bytes | None = None) -> None:
+                        superseded: tuple[bytes, str | None] | None = None) -> None:
         """Delete blocks on disk, their records zeroed (``evicted``: by the budget, zeroed a
-        transaction later; ``superseded``: the session whose longer chain replaced them;
+        transaction later; ``superseded``: the session (sid, tenant) whose longer chain replaced them;
         ``DeleteBlocks``)."""
         keys: list[bytes] = []
         refs: list[bytes] = []
@@ -1177,7 +1177,7 @@ class TieredStore:
                 holders.append((holder, self._index.sessions[holder].tenant, key))
         return holders
 
-    def _drop(self, meta: BlockMeta, superseded: bytes | None = None) -> None:
+    def _drop(self, meta: BlockMeta, superseded: tuple[bytes, str | None] | None = None) -> None:
         """Remove a block from every tier and the index (``superseded``: see ``DeleteBlocks``)."""
         if meta.resident is Tier.DEVICE:
             self._device.pop(meta.key)
@@ -1404,13 +1404,14 @@ class TieredStore:
     def _release_tails(self, sid: bytes, tails: list[BlockMeta]) -> None:
         """The session lets go of partial tails a longer chain of its own replaced: a tail no
         other session holds is deleted, after the writes queued before it (``superseded``)."""
+        owner = (sid, self._index.sessions[sid].tenant)
         for tail in tails:
             self._index.unref(sid, tail)
             if not tail.sessions:
-                self._drop(tail, superseded=sid)
+                self._drop(tail, superseded=owner)
         if tails and self._writer is not None:
             keys = [tail.key for tail in tails]
-            self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True))
+            self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True, owner=owner))
 
     def _discard_restore(self, cache: TieredCache) -> None:
         """The cache threw its restored prefix away (assisted decoding): those tokens are computed
@@ -1499,12 +1500,13 @@ class TieredStore:
         for sid, keys in damaged.items():
             self._forget_session(sid, keys)
 
-    def _keep_superseded(self, sids: set[bytes]) -> None:
-        """The queued deletes of tails that these sessions' longer chains replaced are no longer a
-        close's to give up: those tails are out of the index, and only these deletes find them."""
+    def _keep_superseded(self, forgotten: Callable[[bytes, str | None], bool]) -> None:
+        """The queued deletes of tails that a forgotten session's (``forgotten(sid, tenant)``)
+        longer chains replaced are no longer a close's to give up: those tails are out of the
+        index, and only these deletes find them."""
         for op, job in self._deletes:
-            if not job.done() and getattr(op, "superseded", False) and (
-                    op.sid if isinstance(op, DropRefs) else op.owner) in sids:  # type: ignore[union-attr]
+            owner = getattr(op, "owner", None)
+            if owner is not None and not job.done() and forgotten(*owner):
                 op.forgotten = True  # type: ignore[union-attr]
 
     def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
@@ -1567,7 +1569,11 @@ class TieredStore:
 
                 sids = [sid for sid, info in sessions.items()
                         if info.name == session or info.name is None and sid == key_in(info.tenant)]
-            self._keep_superseded(set(sids))
+            # Also of sessions no longer tracked (another session now holds all they had).
+            self._keep_superseded(
+                (lambda sid, t: t == tenant) if session is None
+                else (lambda sid, t: sid == _session_id(t, session)) if tenant is _UNSET  # type: ignore[arg-type]
+                else (lambda sid, t: sid == _session_id(tenant, session)))  # type: ignore[arg-type]
             for sid in sids:
                 removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
             if session is None:

@@ -265,13 +265,13 @@ class DeleteBlocks:
     deletes them, and synced with it. ``superseded``: a session's partial tail that a longer one
     replaced, which a close with a timeout gives up with the block writes queued before it (the
     tail that replaced it among them), rather than delete the one the disk holds; ``owner``: that
-    session. ``forgotten``: that session was forgotten since, so its tail must go all the same: no
-    longer in the index, no later forget would find it."""
+    session (sid, tenant). ``forgotten``: that session or its tenant was forgotten since, so its
+    tail must go all the same: no longer in the index, no later forget would find it."""
     keys: list[bytes]
     refs: list[bytes] = field(default_factory=list)  # sid + key rows of the sessions that held them
     evicted: bool = False
     superseded: bool = False
-    owner: bytes | None = None
+    owner: tuple[bytes, str | None] | None = None
     forgotten: bool = False
 
 
@@ -294,7 +294,8 @@ class DropRefs:
     drop_session: bool = False
     holders: list[tuple[bytes, str | None, bytes]] = field(default_factory=list)
     superseded: bool = False  # as DeleteBlocks': the references to a replaced partial tail
-    forgotten: bool = False  # as DeleteBlocks'
+    owner: tuple[bytes, str | None] | None = None  # as DeleteBlocks'
+    forgotten: bool = False
 
 
 @dataclass(slots=True)
