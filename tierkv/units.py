@@ -51,7 +51,11 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         if unit not in _UNITS:
             raise ValueError(f"unknown byte unit {match.group(2)!r} in {name}={value!r}; use {_FORMS}")
         # Decimal, not float: "2.01KB" is 2010 bytes, not 2009.
-        number = Decimal(match.group(1)) * _UNITS[unit]
+        try:
+            number = Decimal(match.group(1)) * _UNITS[unit]
+        except ArithmeticError:  # decimal.Overflow: an exponent past Decimal's range ("1e9999999999")
+            raise ValueError(f"{name}={value!r} is larger than any machine's storage ({_MAX_BYTES} bytes); "
+                             f"use {_FORMS}") from None
         if not unit and number != number.to_integral_value():
             # "1.5": a unit left off (a byte and a half would evict nearly everything).
             raise ValueError(f"{name}={value!r} is a fraction of a byte; give a unit, like "
