@@ -47,8 +47,8 @@ def pick_device(cpu: bool) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
 
 
-def at_least(minimum: int):
-    """An argparse type: an int of at least ``minimum``, or a clear error."""
+def at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: an int of at least ``minimum`` (and at most ``maximum``), or a clear error."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -56,6 +56,8 @@ def at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is too small: give {minimum} or more")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is too large: give {maximum} or less")
         return value
     return parse
 

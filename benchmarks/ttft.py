@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from tierkv import TieredStore
+from tierkv.store import MAX_BLOCK_SIZE
 
 from .micro import at_least, drop_cached, pick_device, sync
 
@@ -167,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=at_least(2), default=1024, help="the returning session's length")
     parser.add_argument("--repeats", type=at_least(1), default=7)
-    parser.add_argument("--block-size", type=at_least(1), default=256)
+    parser.add_argument("--block-size", type=at_least(1, MAX_BLOCK_SIZE), default=256)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     args = parser.parse_args()

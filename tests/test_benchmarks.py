@@ -339,6 +339,7 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     (["--turns", "-1"], "--turns must be 1 or more"),
     (["--layers", "0"], "--layers must be 1 or more"),
     (["--block-size", "0"], "--block-size must be 1 or more"),
+    (["--block-size", str(2**20 + 1)], "--block-size must be 1048576 or less"),
     (["--user-median", "0"], "--user-median must be 1 or more"),
     (["--user-median", "64", "--user-max", "32"], "--user-max (32) must be at least --user-median (64)"),
     (["--reply-median", "1", "--reply-max", "1"], "--reply-max must be 2 or more"),
@@ -482,6 +483,8 @@ def test_offloaded_policy_reuses_a_session_cache_only_for_the_conversation_it_ho
     (["--system-tokens", "0"], "--system-tokens must be 1 or more"),
     (["--reply-tokens", "0"], "--reply-tokens must be 1 or more"),
     (["--block-size", "0"], "--block-size must be 1 or more"),
+    (["--block-size", str(2**20 + 1)], "--block-size must be 1048576 or less"),
+    (["--store", ""], "--store was given an empty path"),
     (["--hidden", "0"], "--hidden must be 64, 128, 192 or a multiple of 128"),
     (["--hidden", "320"], "--hidden must be 64, 128, 192 or a multiple of 128"),
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
@@ -556,6 +559,7 @@ def test_the_demos_quick_sets_defaults_that_flags_given_with_it_override(monkeyp
     ("benchmarks.micro", ["--mib", "-4"], "--mib: -4 is too small: give 1 or more"),
     ("benchmarks.micro", ["--check-layers", "0"], "--check-layers: 0 is too small: give 1 or more"),
     ("benchmarks.ttft", ["--tokens", "1"], "--tokens: 1 is too small: give 2 or more"),
+    ("benchmarks.ttft", ["--block-size", str(2**20 + 1)], "--block-size: 1048577 is too large: give 1048576 or less"),
     ("benchmarks.decode", ["--steps", "zero"], "--steps: 'zero' is not an integer"),
 ])
 def test_the_other_benchmarks_refuse_bad_flags_saying_what_to_give(program: str, flags: list[str], message: str) -> None:

@@ -53,7 +53,7 @@ from transformers.utils import logging as hf_logging
 
 from .demo import FirstTokenTimer
 from .events import MoveEvent
-from .store import TieredStore
+from .store import MAX_BLOCK_SIZE, TieredStore
 from .units import parse_bytes
 
 
@@ -535,6 +535,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
     for flag in ("sessions", "turns", "layers", "block_size", "user_median", "reply_median"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
+    if args.block_size > MAX_BLOCK_SIZE:
+        parser.error(f"--block-size must be {MAX_BLOCK_SIZE} or less, got {args.block_size}")
     if args.system_tokens < 0:
         parser.error(f"--system-tokens must be 0 or more, got {args.system_tokens}")
     for kind in ("user", "reply"):

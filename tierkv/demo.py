@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from .store import TieredStore
+from .store import MAX_BLOCK_SIZE, TieredStore
 from .tiers.disk import DiskTier, StoreInUse
 from .transfer import resolve_device
 
@@ -79,6 +79,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("sessions", "turns", "layers", "system_tokens", "reply_tokens", "block_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
+    if args.block_size > MAX_BLOCK_SIZE:
+        parser.error(f"--block-size must be {MAX_BLOCK_SIZE} or less, got {args.block_size}")
+    if args.store == "":
+        parser.error("--store was given an empty path (an unset variable?); give a directory, or leave --store out "
+                     "for a temporary one")
     heads = args.hidden // 64
     if args.hidden < 64 or args.hidden % 64 or heads % max(1, heads // 2):
         parser.error(f"--hidden must be 64, 128, 192 or a multiple of 128 (the model has hidden/64 query heads "
