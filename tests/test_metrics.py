@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -280,6 +281,23 @@ def test_an_empty_addr_is_refused_rather_than_bound_to_every_interface() -> None
     with pytest.raises(ValueError, match=r"addr='' would serve on every interface; pass addr='0\.0\.0\.0'"):
         serve(store, addr="")  # the socket API reads "" as every interface
     assert not store.events.active  # refused before subscribing
+
+
+@pytest.mark.parametrize("addr, error, message", [
+    (None, TypeError, "addr must be a host name or IP address as a str"),
+    (9400, TypeError, "the port goes in port="),
+    ("[::1]", ValueError, "without the brackets URLs put around it, like addr='::1'"),
+    ("localhost ", ValueError, "has spaces around it; give addr='localhost'"),
+    (" ", ValueError, "would serve on every interface"),
+    ("no-such-host.invalid", ValueError, "is not an address of this machine"),
+])
+def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None:
+    # Before: None or a port number raised "argument of type 'NoneType' is not iterable", and an
+    # address in brackets or with a space a bare socket.gaierror.
+    store = FakeStore()
+    with pytest.raises(error, match=re.escape(message)):
+        serve(store, addr=addr)
+    assert not store.events.active
 
 
 def test_metric_names_follow_prometheus_conventions(model) -> None:

@@ -271,7 +271,15 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     told otherwise: metrics name sessions' counts and sizes, not for every network by default.
     ``addr=""`` is refused: the socket API reads it as every interface, which is to be asked for by name.
     """
-    if isinstance(addr, str) and not addr.strip():
+    if not isinstance(addr, str):
+        raise TypeError(f"addr must be a host name or IP address as a str (like '127.0.0.1' or '::1'), got "
+                        f"{type(addr).__name__} {addr!r}; the port goes in port=")
+    if addr.startswith("[") and addr.endswith("]"):
+        raise ValueError(f"addr={addr!r}: give an IPv6 address without the brackets URLs put around it, like "
+                         f"addr={addr[1:-1]!r}")
+    if addr and addr != addr.strip() and addr.strip():
+        raise ValueError(f"addr={addr!r} has spaces around it; give addr={addr.strip()!r}")
+    if not addr.strip():
         raise ValueError(f"addr={addr!r} would serve on every interface; pass addr='0.0.0.0' (or '::') to serve "
                          "metrics on every network, or leave the default 127.0.0.1")
     port = whole_number(port, "port", 0, " (0 picks a free port)")
@@ -289,9 +297,12 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
         # Not prometheus_client.start_http_server: it hands its server back (needed for the port
         # that port=0 picked, and to stop it) only in recent releases, and the extra allows >= 0.17.
         httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_SilentHandler)
-    except BaseException:
+    except BaseException as exc:
         registry.unregister(collector)
         collector.close()
+        if isinstance(exc, socket.gaierror):
+            raise ValueError(f"addr={addr!r} is not an address of this machine ({exc}); give an IP address or a host "
+                             "name that resolves, like '127.0.0.1', '::1' or '0.0.0.0'") from exc
         raise
     thread = threading.Thread(target=httpd.serve_forever, name="tierkv-metrics", daemon=True)
     thread.start()
