@@ -1254,6 +1254,7 @@ def test_commit_refuses_kv_of_another_dtype_than_the_model(tmp_path):
     ({"block_size": 2**64}, ValueError, "<= 1048576"),
     ({"path": ""}, ValueError, "path is empty; pass a directory"),
     ({"path": 5}, TypeError, "pass None for no disk tier"),
+    ({"path": "kv\0x"}, ValueError, "holds a NUL character"),
 ])
 def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     with pytest.raises(error) as info:
@@ -1262,6 +1263,27 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     # Refused before the directory was made: a store can be created there with good arguments.
     assert not (tmp_path / "kv").exists()
     TieredStore(tmp_path / "kv", device="cpu", block_size=B).close()
+
+
+def test_a_directory_that_cannot_be_made_is_refused_saying_what_to_give(tmp_path):
+    # Before: a bare NotADirectoryError / PermissionError / EROFS, saying nothing of what to do.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(NotADirectoryError, match="a tierkv store needs a directory this process can create and write"):
+        TieredStore(tmp_path / "afile" / "kv", device="cpu", block_size=B)
+
+
+def test_a_store_opened_by_a_relative_path_keeps_its_map_after_a_chdir(tiny_model, tmp_path, monkeypatch):
+    # Before: the map, found again after each remap by its file's path, was looked up by the
+    # relative path, which named nothing once the working directory changed; the records' places
+    # were lost from then on (their heads, prefetch, the zeroing of an aborted transaction's writes).
+    monkeypatch.chdir(tmp_path)
+    with TieredStore("kv", device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
+        monkeypatch.chdir(tmp_path.parent)
+        size = store._disk.env.info()["map_size"]
+        assert store._disk._grow(size * 4, size * 2)
+        assert store._disk._map_start is not None
+        model = tiny_model()
+        turn(store, model, random_ids(3 * B + 2))
 
 
 def test_arguments_computed_with_numpy_and_a_numbered_cpu_are_taken(tiny_model, tmp_path):

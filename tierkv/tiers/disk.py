@@ -422,8 +422,15 @@ class DiskTier:
         data = os.path.join(self.path, "data.mdb")
         # An empty file holds nothing to lose (LMDB creating it was cut short): made anew.
         fresh = not os.path.exists(data) or os.path.getsize(data) == 0
-        os.makedirs(self.path, exist_ok=True)
-        self._lock_fd = self._lock_directory(self.path)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._lock_fd = self._lock_directory(self.path)
+        except OSError as exc:
+            # A path under a file, a read-only filesystem (a snapshot, a backup), no permission:
+            # the store is opened for writing, even by `tierkv stats`, as LMDB's readers register.
+            raise type(exc)(exc.errno, f"{exc.strerror}: a tierkv store needs a directory this process can create "
+                                       f"and write; pass another path, or copy the store to a writable one",
+                            self.path) from None
         self._pid = os.getpid()
         # Held by every read transaction, a remap and close: none unmaps the map under a reader.
         self._resize_lock = threading.Lock()
@@ -536,7 +543,12 @@ class DiskTier:
         if not resolved:
             raise ValueError("the disk tier's path is empty; pass a directory (it is created if missing), "
                              "or None for no disk tier")
-        return os.path.expanduser(resolved)
+        if "\0" in resolved:
+            raise ValueError(f"the disk tier's path {resolved!r} holds a NUL character, which no file name can; "
+                             "pass a directory's path")
+        # Absolute: the map is found again after each remap by its file's path (/proc/self/maps),
+        # which a relative one no longer named once the process changed its working directory.
+        return os.path.abspath(os.path.expanduser(resolved))
 
     @staticmethod
     def _check_path(path: str) -> None:
