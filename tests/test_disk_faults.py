@@ -938,7 +938,10 @@ def test_a_flushed_tail_outlives_a_close_that_drops_the_tail_replacing_it(model,
     converse(store, model, torch.cat([first, random_ids(10, 708)], 1), "s")  # queued behind it
     threading.Timer(0.5, release.set).start()
     assert store.close(timeout=0.1) > 0
+    closed = {k: v for k, v in store.stats()["disk"].items() if k != "budget"}  # a last metrics scrape
     reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    # Before: the closed store's stats() left out the tail the close kept on disk.
+    assert {k: v for k, v in reopened.stats()["disk"].items() if k != "budget"} == closed
     cache = reopened.open(model, torch.cat([first, random_ids(2, 709)], 1), session="s")
     assert cache.restored_tokens == first.shape[1] - 1
     assert reopened.stats()["corrupt"] == 0

@@ -209,6 +209,7 @@ class TieredStore:
         # restart, and a lost reference would leave a session's blocks where its forget cannot
         # find them.
         self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
+        self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
         self._clock = 0
         # Forgets by the clock they ran at (key: ("session", name), ("sid", sid) or ("tenant",
@@ -384,6 +385,12 @@ class TieredStore:
         if abandoned or stuck:
             logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                            "will be recomputed after a restart", timeout, dropped)
+        for op, job in self._deletes:
+            if isinstance(op, DeleteBlocks) and job.done() and isinstance(job._error, WriteAbandoned):
+                # Replaced tails kept with the writes that replaced them: still on disk, and in a
+                # last stats() (a metrics scrape) as in a reopened store's.
+                self._left_on_disk[0] += len(op.keys)
+                self._left_on_disk[1] += op.footprint
         if not stuck:
             with defer_interrupts():
                 self._reap_deletes()
@@ -1120,15 +1127,17 @@ class TieredStore:
         ``DeleteBlocks``)."""
         keys: list[bytes] = []
         refs: list[bytes] = []
+        footprint = 0
         for meta in metas:
             if meta.disk is not DiskState.NONE:
                 keys.append(meta.key)
+                footprint += meta.record_bytes
                 refs.extend(sid + meta.key for sid in meta.sessions)
                 self._index.set_disk(meta, DiskState.NONE)
                 self._pending_writes.pop(meta.key, None)
                 self._pop_inflight(meta.key)
         if keys and self._writer is not None:
-            self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded))
+            self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded, footprint=footprint))
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1607,8 +1616,8 @@ class TieredStore:
             return {
                 "device": {"bytes": self._device.used, "budget": self._device.budget, "blocks": len(self._device)},
                 "host": {"bytes": self._host.used, "budget": self._host.budget, "blocks": len(self._host)},
-                "disk": {"bytes": self._index.bytes[Tier.DISK], "budget": disk_budget,
-                         "blocks": self._index.count(Tier.DISK)},
+                "disk": {"bytes": self._index.bytes[Tier.DISK] + self._left_on_disk[1], "budget": disk_budget,
+                         "blocks": self._index.count(Tier.DISK) + self._left_on_disk[0]},
                 "hits": dict(self._hits),
                 "misses": self._misses,
                 "discarded": self._discarded,

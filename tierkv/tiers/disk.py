@@ -273,6 +273,7 @@ class DeleteBlocks:
     superseded: bool = False
     owner: tuple[bytes, str | None] | None = None
     forgotten: bool = False
+    footprint: int = 0  # bytes the records take in the file: still there where the delete was given up
 
 
 @dataclass(slots=True)
