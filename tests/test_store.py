@@ -697,9 +697,10 @@ def test_generates_switch_of_moe_experts_for_decoding_on_a_gpu_is_let_through(tm
     assert set(model.get_experts_implementation().values()) == {"grouped_mm"}
     ids = random_ids(20, 7)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
-        _, out = turn(store, model, ids, new=4)
+        # Only the prefill's KV is kept: the steps after it ran on the other kernel.
+        _, out = turn(store, model, ids, new=4, expect_stored=ids.shape[1])
         nxt = cat(out, random_ids(3, 8))
-        _, out = turn(store, model, nxt, new=4, expect=out.shape[1] - 1)  # each checked against plain generate
+        _, out = turn(store, model, nxt, new=4, expect=ids.shape[1], expect_stored=nxt.shape[1])  # exact
         # Still refused where generate() does not switch: a prefill, or a forward of the caller's.
         assert_switch_after_open_refused(store, model, cat(out, random_ids(3, 9)),
                                          lambda: model.set_experts_implementation("batched_mm"),

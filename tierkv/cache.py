@@ -954,7 +954,9 @@ class TieredCache(Cache):
         self.tenant = tenant
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
-        self._masked_from: int | None = None  # the first token a forward's attention_mask hid
+        # The first token whose KV commit must not keep: one a forward's attention_mask hid, or the
+        # first that generate() computed with MoE experts on their decode kernel.
+        self._masked_from: int | None = None
         self._fed: list[_Fed] = []  # the forwards past the conversation
         # A forward past the conversation fed several rows (beams, samples): the rows' KV there no
         # longer follows row 0's ids once they are reordered or selected, so none is kept.
@@ -1058,10 +1060,14 @@ class TieredCache(Cache):
                              "cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
-        # generate() runs the forwards after its prefill with MoE experts on their decode kernel on
-        # a GPU (_optimize_model_for_decode): as a decode step's own kernels do, they give the KV
-        # of the tokens it generates other last bits than a prefill would; plain generate does the same.
-        if experts != self.model_info.experts and not (decode and experts == _decode_kernels(self.model_info.experts)):
+        if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
+            # generate() runs the forwards after its prefill with MoE experts on their decode kernel
+            # on a GPU (_optimize_model_for_decode), as plain generate does: let through, but their
+            # KV (1e-5 apart) is not kept under the opened kernel's fingerprint. The next turn
+            # computes those tokens again, in its prefill, as plain generate would.
+            done = self.get_seq_length()
+            self._masked_from = done if self._masked_from is None else min(self._masked_from, done)
+        elif experts != self.model_info.experts:
             raise ValueError(f"the model's MoE experts implementation changed since store.open (from "
                              f"{self.model_info.experts!r} to {experts!r}): its KV "
                              "differs in the last bits, and this TieredCache holds the other's. Set it first "
