@@ -1380,7 +1380,14 @@ def test_models_attending_in_both_directions_are_refused(tiny_model):
     with TieredStore(None, device="cpu", block_size=B) as store:
         for model_type, extra, remedy in (("gemma", {"use_bidirectional_attention": True, "num_key_value_heads": 1,
                                                      "head_dim": 16}, "use_bidirectional_attention=True"),
-                                          ("roberta", {}, "is_decoder=True"), ("bert", {}, "is_decoder=True")):
+                                          ("roberta", {}, "is_decoder=True"), ("bert", {}, "is_decoder=True"),
+                                          # Their attention says is_decoder=False, not is_causal (helper-23:
+                                          # restored 25 then 36 tokens, logits 0.05-0.77 off).
+                                          ("rembert", {"input_embedding_size": 32, "output_embedding_size": 32},
+                                           "is_decoder=True"),
+                                          ("roformer", {"embedding_size": 32}, "is_decoder=True"),
+                                          ("big_bird", {"attention_type": "original_full"}, "is_decoder=True"),
+                                          ("megatron-bert", {}, "is_decoder=True")):
             config = AutoConfig.for_model(model_type, **small, **extra)
             model = AutoModelForCausalLM.from_config(config).eval()
             with pytest.raises(ValueError, match=f"attends in both directions .*{remedy}"):

@@ -265,16 +265,20 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
                          f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
     # A prefix's KV must not depend on the tokens after it. The attention modules that write the
-    # cache (they have a layer_idx; a vision tower's do not) say so with is_causal; cross-attention
-    # reads the encoder's states, not the conversation's.
+    # cache (they have a layer_idx; a vision tower's do not) say so with is_causal, or, in BERT-like
+    # models whose forward picks a bidirectional mask unless the config is a decoder's (RemBERT,
+    # RoFormer, BigBird, Megatron-BERT), with is_decoder; cross-attention reads the encoder's
+    # states, not the conversation's.
     for module_name, module in model.named_modules():
-        if getattr(module, "is_causal", True) is False and hasattr(module, "layer_idx") and \
+        flag = "is_causal" if getattr(module, "is_causal", True) is False else \
+            "is_decoder" if getattr(module, "is_decoder", True) is False else None
+        if flag is not None and hasattr(module, "layer_idx") and \
                 not getattr(module, "is_cross_attention", False) and \
                 not {"encoder_attn", "crossattention", "cross_attn", "cross_attention"} & set(module_name.split(".")):
             remedy = ("it was built with use_bidirectional_attention=True" if
                       getattr(text_config, "use_bidirectional_attention", False) else
                       "build it with is_decoder=True for a BERT-like model loaded as a causal LM")
-            raise ValueError(f"{name} attends in both directions ({module_name} has is_causal=False): a prefix's "
+            raise ValueError(f"{name} attends in both directions ({module_name} has {flag}=False): a prefix's "
                              f"KV depends on the tokens after it, so stored KV would not equal recomputation "
                              f"({remedy}). tierkv supports causal decoder-only models")
 
