@@ -447,9 +447,11 @@ def test_open_restores_nothing_from_a_pad_the_model_masks_on() -> None:
             model.generation_config.pad_token_id = None
 
 
-def test_ids_edited_in_place_after_open_are_refused_at_commit() -> None:
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_ids_edited_in_place_after_open_are_refused_at_commit(chunk: int | None) -> None:
     # The cache kept a view of the caller's int64 tensor: the edit reached its copy of the ids too,
-    # and commit stored KV computed from the old ids under the edited ones.
+    # and commit stored KV computed from the old ids under the edited ones. A chunked prefill
+    # (helper-23) fed only the chunks past the cache, and the edit went unchecked: wrong output.
     model = make_model("llama")
     with TieredStore(None, block_size=4) as store:
         out = one_turn(store, model, random_ids(20, 1))
@@ -460,7 +462,7 @@ def test_ids_edited_in_place_after_open_are_refused_at_commit() -> None:
         assert int(cache.input_ids[3]) != int(later[0, 3])
         # generate() feeds the model only the ids past the cache: its whole ids are checked first.
         with pytest.raises(ValueError, match="differ from those store.open got at token 3"):
-            greedy(model, later, past_key_values=cache)
+            greedy(model, later, past_key_values=cache, prefill_chunk_size=chunk)
         # model() is given only those: commit compares the rest.
         with torch.no_grad():
             model(later[:, cache.get_seq_length():], past_key_values=cache, use_cache=True)
@@ -469,7 +471,8 @@ def test_ids_edited_in_place_after_open_are_refused_at_commit() -> None:
         assert store.open(model, torch.cat([later, random_ids(2, 3)], dim=1), session="s").restored_tokens == 3
 
 
-def test_a_batch_whose_rows_differ_inside_the_restored_prefix_is_refused() -> None:
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_batch_whose_rows_differ_inside_the_restored_prefix_is_refused(chunk: int | None) -> None:
     # generate() feeds only the ids past the cache, and the restored batch-1 prefix went to every
     # row: a row of another conversation with the same last ids got this one's KV, silently.
     model = make_model("llama")
@@ -480,7 +483,7 @@ def test_a_batch_whose_rows_differ_inside_the_restored_prefix_is_refused() -> No
         cache = store.open(model, out, session="a")
         assert cache.restored_tokens > 30
         with pytest.raises(ValueError, match="batch of 2 rows that differ within"):
-            greedy(model, torch.cat([out, other]), past_key_values=cache)
+            greedy(model, torch.cat([out, other]), past_key_values=cache, prefill_chunk_size=chunk)
         # Rows that generate() itself made from one (beams, several samples) are the conversation.
         cache = store.open(model, out, session="a")
         beams = model.generate(out, past_key_values=cache, max_new_tokens=4, num_beams=3, do_sample=False)

@@ -615,11 +615,57 @@ def _install_checked_prepare(cls: type) -> None:
         _checked_prepares.add(getattr(wrapper, "__func__", wrapper))
 
 
-def _defined_in(cls: type) -> tuple[type | None, Any]:
-    """The class in ``cls``'s MRO that defines ``prepare_inputs_for_generation``, and the
+_PREFILL = "_prefill"
+_checked_prefills: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _install_checked_prefill(cls: type) -> None:
+    """Keep ``cls._prefill`` (transformers' prefill stage of generate, where it defines one)
+    checked, as ``_install_checked_prepare`` keeps ``prepare_inputs_for_generation``: a chunked
+    prefill (``prefill_chunk_size``) hands that function only the chunks past the cache, never the
+    whole ids, so ids edited inside the restored prefix went unchecked, and the output was not
+    plain generate's. The prefill stage holds them: checked there, once per generate() call."""
+    owner, defined = _defined_in(cls, _PREFILL)
+    if owner is None or not isinstance(defined, types.FunctionType) or defined in _checked_prefills:
+        return
+    with _prepare_lock:
+        owner, defined = _defined_in(cls, _PREFILL)
+        if owner is None or not isinstance(defined, types.FunctionType) or defined in _checked_prefills:
+            return
+        inner = defined
+        signature = inspect.signature(inner)
+
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError:
+                return inner(self, *args, **kwargs)  # transformers' own error
+            given = bound.arguments
+            config, model_kwargs = given.get("generation_config"), given.get("model_kwargs")
+            if getattr(config, "prefill_chunk_size", None) is not None and isinstance(model_kwargs, dict):
+                cache = _cache_of(model_kwargs)
+                input_ids = given.get("input_ids")
+                mask = model_kwargs.get("attention_mask")
+                if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 \
+                        and model_kwargs.get("inputs_embeds") is None \
+                        and (not isinstance(mask, torch.Tensor) or mask.shape[-1] == input_ids.shape[1]):
+                    # As without chunks (_check_generate_ids): these ids hold the cached ones.
+                    cache._check_prefix(input_ids, whole=given.get("is_first_iteration", True) is True)
+            return inner(self, *args, **kwargs)
+
+        functools.update_wrapper(checked, inner)
+        try:
+            setattr(owner, _PREFILL, checked)
+        except (AttributeError, TypeError):
+            return
+        _checked_prefills.add(checked)
+
+
+def _defined_in(cls: type, name: str = _PREPARE) -> tuple[type | None, Any]:
+    """The class in ``cls``'s MRO that defines ``name`` (``prepare_inputs_for_generation``), and the
     definition in its ``__dict__`` (as ``inspect.getattr_static`` finds it, 20 times faster)."""
     for klass in cls.__mro__:
-        found = vars(klass).get(_PREPARE, _MISSING)
+        found = vars(klass).get(name, _MISSING)
         if found is not _MISSING:
             return klass, found
     return None, None
@@ -661,6 +707,7 @@ def describe_model(model: Any) -> ModelInfo:
         held = static.sample.hold()
     for cls in static.prepare_classes:  # a definition patched since the last describe is wrapped
         _install_checked_prepare(cls)
+        _install_checked_prefill(cls)
     first = static.sample.params[0]  # its dtype and address were just checked by current()
     sampled = static.sample.read()
     counters = versions(static.sample.params)
