@@ -206,6 +206,29 @@ def test_a_prefix_of_the_stored_conversation_restores_all_but_its_last_token(tin
 
 
 # -- 3. partial tails --------------------------------------------------------------------------------
+def test_turns_of_no_session_let_go_of_the_tails_their_chains_replace(tiny_model, tmp_path):
+    # Before: only a session let go of its replaced tails; a conversation run without one (open's
+    # default, the server's requests without a session id) left a dead tail per turn at rest in
+    # every tier, and on disk, until the LRU order reached it.
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        ids = random_ids(9, 21)
+        for t in range(4):
+            _, out = turn(store, model, ids, new=2)
+            root = store.open(model, out).root
+            assert set(store._index.blocks) == set(keys_of(root, out[:, :-1])), t
+            ids = cat(out, random_ids(3, 22 + t))
+        # A tail another conversation holds stays: it is that session's to let go of.
+        _, held = turn(store, model, random_ids(5, 30), session="s", new=2)
+        tail = keys_of(root, held[:, :-1])[-1]
+        turn(store, model, cat(held, random_ids(3, 31)), new=2)
+        assert tail in store._index.blocks
+        store.flush()
+        kept = set(store._index.blocks)
+    assert set(disk_records(path)) == kept
+
+
 def test_a_returning_session_restores_its_partial_tail_and_a_longer_tail_supersedes_it(tiny_model, tmp_path):
     model = tiny_model("llama")
     path = tmp_path / "kv"

@@ -834,10 +834,12 @@ class TieredStore:
                 # A failed disk write reaped meanwhile can still have removed a block of the chain.
                 kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
                 self._touch_chain(kept)
+                # The ids the kept chain covers: an older tail past them is not superseded.
+                covered = ids[:sum(m.n_tokens for m in kept)]
                 if sid is not None:
-                    # The ids the kept chain covers: an older tail past them is not superseded.
-                    covered = ids[:sum(m.n_tokens for m in kept)]
                     self._reference(sid, cache.tenant, cache.session, cache.root, covered, kept, referenced)
+                else:
+                    self._release_unheld_tails(cache.tenant, cache.root, covered, kept)
                 self._write_stamps()
             return sum(m.n_tokens for m in kept)
 
@@ -1409,6 +1411,27 @@ class TieredStore:
         self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any(
             other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
             and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas)])
+
+    def _release_unheld_tails(self, tenant: str | None, root: bytes, ids: np.ndarray, chain: list[BlockMeta]) -> None:
+        """A turn of no session lets go of the partial tails no session holds that its chain
+        replaced (a longer one after the same parent covers their tokens), as a session lets go
+        of its own: kept, each turn's tail stayed at rest in every tier until the LRU order reached
+        it, a dead block per turn of every conversation run without a session."""
+        B = self.block_size
+        in_chain = {m.key for m in chain}
+        stale = []
+        for i, parent in enumerate([root, *(m.key for m in chain)]):
+            start = i * B
+            if start >= len(ids):
+                break
+            for meta in self._index.children(parent, int(ids[start])):
+                n = meta.n_tokens
+                if n < B and not meta.sessions and meta.key not in in_chain and start + n <= len(ids) \
+                        and np.array_equal(ids[start:start + n], meta.token_ids):
+                    stale.append(meta)
+        for tail in stale:
+            # After the chain's writes, as a session's (superseded); no session's to forget: a tenant's.
+            self._drop(tail, superseded=(b"", tenant))
 
     def _release_tails(self, sid: bytes, tails: list[BlockMeta]) -> None:
         """The session lets go of partial tails a longer chain of its own replaced: a tail no
