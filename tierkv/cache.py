@@ -636,11 +636,15 @@ def _install_checked_prefill(cls: type) -> None:
         signature = inspect.signature(inner)
 
         def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # generate() passes (input_ids, generation_config, model_kwargs): a look at the second
+            # first, as every generate() of every model runs this.
+            config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+            if getattr(config, "prefill_chunk_size", None) is None:
+                return inner(self, *args, **kwargs)
             try:
-                bound = signature.bind(self, *args, **kwargs)
+                given = signature.bind(self, *args, **kwargs).arguments
             except TypeError:
                 return inner(self, *args, **kwargs)  # transformers' own error
-            given = bound.arguments
             config, model_kwargs = given.get("generation_config"), given.get("model_kwargs")
             if getattr(config, "prefill_chunk_size", None) is not None and isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
