@@ -206,6 +206,35 @@ def test_a_prefix_of_the_stored_conversation_restores_all_but_its_last_token(tin
 
 
 # -- 3. partial tails --------------------------------------------------------------------------------
+def test_a_session_evicted_hollow_part_way_through_its_commit_keeps_its_references(tiny_model, tmp_path):
+    # Before (helper-25): Z's commit placed a new block (its reference queued ahead of its write),
+    # and the next block's room evicted Z's only block of its own: Z looked hollow, was untracked,
+    # and its DropRefs deleted that reference too; after a restart, forget(session="Z") did not find
+    # the block, and Z's forgotten conversation was restored.
+    model = tiny_model("llama")
+    z_ids = random_ids(4 * 2 + 1, 41)  # two blocks shared with y, and a 1-token tail of z's own
+    y_ids = cat(z_ids[:, :8], torch.tensor([[77]]))
+    z2_ids = cat(z_ids[:, :8], random_ids(8, 42))  # z edits its last message: two new blocks
+
+    def first_two(store):
+        turn(store, model, z_ids, session="z", new=1)
+        turn(store, model, y_ids, session="y", new=1)
+        store.flush()
+
+    budgets = dict(device="cpu", block_size=4, device_budget=0, host_budget=0)
+    with TieredStore(tmp_path / "measure", **budgets) as store:
+        first_two(store)
+        used = store.stats()["disk"]["bytes"]
+        footprint = max(m.record_bytes for m in store._index.blocks.values())
+    path = tmp_path / "kv"
+    with TieredStore(path, disk_budget=used + footprint, **budgets) as store:  # room for one block more
+        first_two(store)
+        turn(store, model, z2_ids, session="z", new=1)
+    with TieredStore(path, disk_budget=used + footprint, **budgets) as store:
+        store.forget(session="z")
+        assert store.open(model, cat(z2_ids, random_ids(1, 43))).restored_tokens == 8  # y's blocks alone
+
+
 def test_turns_of_no_session_let_go_of_the_tails_their_chains_replace(tiny_model, tmp_path):
     # Before: only a session let go of its replaced tails; a conversation run without one (open's
     # default, the server's requests without a session id) left a dead tail per turn at rest in

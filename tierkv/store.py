@@ -210,6 +210,7 @@ class TieredStore:
         # find them.
         self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
+        self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
         self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
         self._clock = 0
         # Forgets by the clock they ran at (key: ("session", name), ("sid", sid) or ("tenant",
@@ -808,6 +809,8 @@ class TieredStore:
             pins: list[bytes] = []
             ref = (sid, cache.tenant) if sid is not None else None
             referenced: set[bytes] = set()  # new blocks whose write went out after the session's reference
+            if sid is not None:
+                self._committing.add(sid)
             try:
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
@@ -828,6 +831,7 @@ class TieredStore:
                     chain.append(meta)
                     parent = key
             finally:
+                self._committing.discard(sid)  # type: ignore[arg-type]
                 self._unpin(pins)
                 # Also when a block's copy raised (out of memory): the blocks stored before it are
                 # the session's, so that forget(session=...) finds them.
@@ -1162,7 +1166,10 @@ class TieredStore:
         On disk its rows go with a ``DropRefs`` that also writes a keeping session's reference to
         each block (``_holders``), as every ``DropRefs`` does."""
         info = self._index.sessions.get(sid)
-        if info is None:
+        if info is None or sid in self._committing:
+            # A session part-way through its commit is not hollow: the blocks it has placed so far
+            # are referenced on disk ahead of their writes, but in the index only at its end, and
+            # its DropRefs would delete those references (forget would not find the blocks).
             return
         blocks = self._index.blocks
         if any(len(blocks[key].sessions) == 1 for key in info.keys):
