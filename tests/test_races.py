@@ -310,18 +310,22 @@ def test_forget_then_close_with_a_timeout_stays_forgotten(model, stores, tmp_pat
     assert lmdb_rows(store, b"refs") == sum(len(m.sessions) for m in store._index.blocks.values())
 
 
-def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout(model, stores, tmp_path):
+@pytest.mark.parametrize("forget", ["session", "untracked session", "tenant"])
+def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout(model, stores, tmp_path, forget):
     # Before: a replaced partial tail's delete may be given up at close(timeout) (with the writes
     # of the chain that replaced it), but a forget of its session had made it forget's to land:
-    # the tail, no longer in the index, stayed in the file with no session to find it by.
+    # the tail, no longer in the index, stayed in the file with no session to find it by, and a
+    # reopen served it again. Also where another session ("y") repeated the turn that replaced it:
+    # the session that replaced it then held nothing of its own and was no longer tracked, so the
+    # forget did not find its queued delete.
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     ids = random_ids(12, 80)
-    cache = store.open(model, ids, session="s")
+    cache = store.open(model, ids, session="s", tenant="acme")
     first = generate(model, ids, cache)
     cache.commit(first)
     store.flush()
-    sid = tierkv.store._session_id(None, "s")
+    sid = tierkv.store._session_id("acme", "s")
     tails = [k for k in store._index.sessions[sid].keys if store._index.blocks[k].n_tokens < B]
     assert tails
     gate = gated(store)
@@ -330,10 +334,16 @@ def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout
     c.commit(generate(model, other, c))
     assert gate.entered.wait(WAIT)
     longer = torch.cat([first, random_ids(10, 82)], 1)
-    c = store.open(model, longer, session="s")
-    c.commit(generate(model, longer, c))  # queued behind the held batch: the tail is replaced
+    for name in ("s", "y") if forget != "session" else ("s",):
+        c = store.open(model, longer, session=name, tenant="acme")
+        c.commit(generate(model, longer, c))  # queued behind the held batch: the tail is replaced
     assert all(k not in store._index.blocks for k in tails)
-    store.forget(session="s")
+    assert (sid in store._index.sessions) == (forget == "session")
+    if forget == "tenant":
+        store.forget(tenant="acme")
+    else:
+        store.forget(session="s")
+        store.forget(session="y", tenant="acme")
     close_past_the_gate(store, gate)
     assert store._writer._abandoned > 0  # the new chain's writes were given up
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
@@ -345,41 +355,7 @@ def test_a_forgotten_sessions_replaced_tail_is_deleted_by_a_close_with_a_timeout
             assert not any(key.startswith(sid) for key, _ in txn.cursor(db=refs))
     finally:
         env.close()
-
-
-@pytest.mark.parametrize("forget", ["tenant", "session"])
-def test_a_replaced_tail_of_a_session_no_longer_tracked_is_deleted_by_a_close_after_a_forget(
-        model, stores, tmp_path, forget):
-    # As above, where another session repeated the turn that replaced the tail: the session that
-    # replaced it, holding nothing of its own, was no longer tracked, so the forget did not find
-    # its queued delete, and after close(timeout) and a reopen the forgotten tail was served again.
-    path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
-    ids = random_ids(12, 90)
-    cache = store.open(model, ids, session="s", tenant="acme")
-    first = generate(model, ids, cache)
-    cache.commit(first)
-    store.flush()
-    tails = [k for k, m in store._index.blocks.items() if m.n_tokens < B]
-    assert tails
-    gate = gated(store)
-    other = random_ids(20, 91)
-    c = store.open(model, other, session="other")
-    c.commit(generate(model, other, c))
-    assert gate.entered.wait(WAIT)
-    longer = torch.cat([first, random_ids(10, 92)], 1)
-    for name in ("s", "y"):  # y repeats s's turn: s holds nothing of its own any more
-        c = store.open(model, longer, session=name, tenant="acme")
-        c.commit(generate(model, longer, c))
-    assert tierkv.store._session_id("acme", "s") not in store._index.sessions
-    if forget == "tenant":
-        store.forget(tenant="acme")
-    else:
-        store.forget(session="s")
-        store.forget(session="y", tenant="acme")
-    close_past_the_gate(store, gate)
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    assert not any(k in store._index.blocks for k in tails)
     assert store.open(model, torch.cat([first, random_ids(2, 93)], 1), tenant="acme").restored_tokens == 0
 
 

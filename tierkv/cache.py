@@ -645,8 +645,8 @@ def _install_checked_prefill(cls: type) -> None:
                 given = signature.bind(self, *args, **kwargs).arguments
             except TypeError:
                 return inner(self, *args, **kwargs)  # transformers' own error
-            config, model_kwargs = given.get("generation_config"), given.get("model_kwargs")
-            if getattr(config, "prefill_chunk_size", None) is not None and isinstance(model_kwargs, dict):
+            model_kwargs = given.get("model_kwargs")
+            if isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
                 input_ids = given.get("input_ids")
                 mask = model_kwargs.get("attention_mask")
