@@ -195,6 +195,65 @@ def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
         assert store.stats()["corrupt"] == 0
 
 
+@pytest.mark.parametrize("how", ["dropped", "in a reference cycle", "last held by its writer thread"])
+def test_a_store_dropped_without_close_is_closed_its_writes_landing_and_its_directory_free(
+        tmp_path, caplog, monkeypatch, how):
+    """An exception between a store's construction and its close, in code without ``with``: the
+    store was kept alive by its own writer thread, its directory locked until the process exited,
+    and the advice "call close() on it" could not be followed (nothing referred to it)."""
+    import gc
+    import threading
+
+    path = tmp_path / "kv"
+    model = make_model("llama")
+    ids = random_ids(41, seed=3)
+    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0)
+    finalised_on: list[str] = []
+    finalise = TieredStore.__del__
+    monkeypatch.setattr(TieredStore, "__del__",
+                        lambda self: (finalised_on.append(threading.current_thread().name), finalise(self)))
+    in_apply, release = threading.Event(), threading.Event()
+    if how == "last held by its writer thread":
+        applying = store._disk.apply
+
+        def held_apply(ops):
+            in_apply.set()
+            assert release.wait(30)
+            return applying(ops)
+
+        store._disk.apply = held_apply
+    cache = store.open(model, ids, session="a")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    cache.commit(out)
+    del cache
+    enabled = gc.isenabled()
+    try:
+        if how == "in a reference cycle":
+            gc.disable()  # only the next store's constructor collects it
+            box: dict = {"store": store}
+            box["box"] = box
+            del box
+        elif how == "last held by its writer thread":
+            store._writer.nudge()
+            assert in_apply.wait(30)
+        del store
+        assert finalised_on == ([] if how != "dropped" else ["MainThread"])
+        release.set()
+        with caplog.at_level("WARNING", logger="tierkv"):
+            with TieredStore(path, device="cpu", block_size=4) as again:
+                cache = again.open(model, out, session="a")
+                kept = out.shape[1] - 1  # all the first turn's KV: nothing queued was lost
+                assert cache.restored_from["disk"] == kept and cache.restored_tokens == kept
+                assert again.stats()["corrupt"] == 0
+    finally:
+        if enabled:
+            gc.enable()
+    assert finalised_on[:1] == [{"dropped": "MainThread", "in a reference cycle": "MainThread",
+                                 "last held by its writer thread": "tierkv-disk-writer"}[how]]
+    dropped = [r for r in caplog.records if "dropped without close()" in r.getMessage()]
+    assert len(dropped) == 1 and dropped[0].levelname == "WARNING"
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
 def test_a_forked_child_is_refused_the_parents_store(tmp_path):
     store = TieredStore(tmp_path / "kv", device="cpu", block_size=4)

@@ -37,6 +37,11 @@ Protocol of one conversation turn::
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
   the writes it still held were lost at every exit without ``close()``.
+* A store dropped without ``close()`` (nothing refers to it any more) is closed when it is
+  collected, on a thread of its own: its queued writes land and its directory is let go. Its
+  writer thread reaches it through a weak reference (``_WriterLink``), or the thread would keep it
+  alive, its directory locked, until the process exits. A new store on a directory that a store
+  of this process still locks collects garbage and waits for those closes once before giving up.
 
 Policy works on keys and sizes; tensors pass through opaquely between tiers and the copy engine.
 """
@@ -46,6 +51,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -70,6 +76,7 @@ from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
+                         StoreInUse,
                          Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
@@ -152,8 +159,69 @@ EXIT_CLOSE_TIMEOUT_S = 60.0
 _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
 
+#: Closes of stores dropped without ``close()`` that are still running (``TieredStore.__del__``).
+_dropped: set[threading.Thread] = set()
+
+
+def _close_dropped(store: "TieredStore") -> None:
+    path = store._disk.path if store._disk is not None else None
+    logger.warning("tierkv: a TieredStore at %s was dropped without close(); closing it now (its queued writes "
+                   "land first). Close stores, or open them with `with TieredStore(...) as store:`", path)
+    try:
+        store._close(None)
+    except Exception:  # noqa: BLE001 - nobody is left to raise it to
+        logger.exception("tierkv: closing a dropped store at %s failed; its queued writes may be lost", path)
+    finally:
+        _dropped.discard(threading.current_thread())
+
+
+def _wait_for_dropped(timeout: float) -> None:
+    for thread in list(_dropped):
+        thread.join(timeout)
+
+
+class _WriterLink:
+    """The disk writer's way to its store: a weak reference, so that a store nobody holds is
+    collected (and closed) rather than kept alive by its own writer thread. ``TieredStore.__del__``
+    sets ``held`` for the close: a store collected with the garbage of a reference cycle has its
+    weak references cleared before its finaliser runs."""
+
+    __slots__ = ("_ref", "held")
+
+    def __init__(self, store: "TieredStore") -> None:
+        self._ref = weakref.ref(store)
+        self.held: TieredStore | None = None
+
+    def __call__(self, ops: list[DiskOp]) -> list[BaseException | None]:
+        store = self.held if self.held is not None else self._ref()
+        if store is None:  # not reached: a store is closed (its writer stopped) before it is gone
+            raise RuntimeError("the store of these disk writes was collected")
+        return store._apply_writes(ops)
+
+
+def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) -> DiskTier:
+    """``DiskTier(...)``; where a store of this process still locks the directory, garbage is
+    collected and the closes of dropped stores are waited for (``EXIT_CLOSE_TIMEOUT_S`` each),
+    then the lock is tried once more: a store dropped a moment ago, held only by a reference
+    cycle, or by its writer thread for the rest of a batch, must not refuse the next one."""
+    try:
+        return DiskTier(path, budget, block_size)
+    except StoreInUse as exc:
+        if not exc.this_process:
+            raise
+    where = DiskTier._resolve_path(path)
+    writers = [store._writer for store in list(_open_stores)
+               if store._disk is not None and store._disk.path == where and store._writer is not None]
+    for writer in writers:
+        writer.flush(EXIT_CLOSE_TIMEOUT_S)  # past its batch in flight, the writer holds no store
+    gc.collect()
+    _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S)
+    return DiskTier(path, budget, block_size)
+
+
 @atexit.register
 def _close_at_exit() -> None:
+    _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S)
     for store in list(_open_stores):
         if not store._released:  # a forked child's copies close nothing (``_close``)
             try:
@@ -184,12 +252,13 @@ class TieredStore:
         self._disk: DiskTier | None = None
         self._writer: BackgroundWriter[DiskOp] | None = None
         if path is not None:
-            self._disk = DiskTier(path, budgets["disk_budget"], block_size)
+            self._disk = _open_disk_tier(path, budgets["disk_budget"], block_size)
+            self._link = _WriterLink(self)
             # At a close with a timeout only block writes may be given up, and with them the
             # deletes of the partial tails they replace (or a flushed tail would be lost): other
             # deletes and session references are small, and dropping them would bring forgotten
             # data back.
-            self._writer = BackgroundWriter(self._apply_writes, name="tierkv-disk-writer", size_of=op_size,
+            self._writer = BackgroundWriter(self._link, name="tierkv-disk-writer", size_of=op_size,
                                             abandonable=_abandonable, device=self.device,
                                             linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
                                             max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
@@ -261,6 +330,23 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # A finaliser runs on whichever thread dropped the last reference (the disk writer's
+        # among them, which a close joins) and at any point of its work: the close gets a thread
+        # of its own, which holds the store until it is done.
+        state = self.__dict__
+        if state.get("_released", True) or state.get("_link") is None or state.get("_pid") != os.getpid():
+            return
+        self._link.held = self
+        thread = threading.Thread(target=_close_dropped, args=(self,), name="tierkv-close-dropped", daemon=True)
+        _dropped.add(thread)
+        try:
+            thread.start()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            _dropped.discard(thread)
+            if self._writer is None or not self._writer.on_thread():
+                _close_dropped(self)
 
     def subscribe(self, maxlen: int = 100_000) -> Subscription:
         """Events of this store (opens, commits, moves) for an observer such as

@@ -478,6 +478,10 @@ class BackgroundWriter(Generic[T]):
         """``close`` was called: ``submit`` raises from then on."""
         return self._closed
 
+    def on_thread(self) -> bool:
+        """The caller is the writer's own thread (which a ``close`` would join)."""
+        return threading.current_thread() is self._thread
+
     def alive(self) -> bool:
         """The thread still runs (before ``close``, or in a batch that ``close`` stopped waiting for)."""
         return self._thread.is_alive()

@@ -151,7 +151,12 @@ class DiskClosed(lmdb.Error):
 
 
 class StoreInUse(ValueError):
-    """The store directory is locked by another process (or another open ``DiskTier``)."""
+    """The store directory is locked by another process (or another open ``DiskTier``);
+    ``this_process``: by this one."""
+
+    def __init__(self, message: str, this_process: bool = False) -> None:
+        super().__init__(message)
+        self.this_process = this_process
 
 
 _open_tiers: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
@@ -516,11 +521,13 @@ class DiskTier:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if holder == str(os.getpid()):
-                # A notebook cell run again, say: the first store is still open (its writer
-                # thread keeps it alive even once nothing else refers to it).
+                # A notebook cell run again, say: the first store is still open, and something
+                # still refers to it (a store nobody refers to is closed when it is collected).
                 raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}, this process): "
-                                 "a store that was not closed; call close() on it first (or open stores "
-                                 "with `with TieredStore(...) as store:`), or keep using that one") from None
+                                 "a store that was not closed and is still referred to (a variable, a cache "
+                                 "from its open(), a server); call close() on it first (or open stores with "
+                                 "`with TieredStore(...) as store:`), or keep using that one",
+                                 this_process=True) from None
             raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
                              "serves one process at a time: close the other store first, or give each "
                              "process its own directory") from None
