@@ -19,6 +19,7 @@ import torch
 
 from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model, random_ids
+import tierkv.store
 from tierkv import TieredStore
 from tierkv.tiers.disk import StoreInUse
 from tierkv.store import _session_id
@@ -236,6 +237,9 @@ def test_a_store_dropped_without_close_is_closed_its_writes_landing_and_its_dire
         elif how == "last held by its writer thread":
             store._writer.nudge()
             assert in_apply.wait(30)
+        import weakref
+
+        gone = weakref.ref(store)
         del store
         assert finalised_on == ([] if how != "dropped" else ["MainThread"])
         release.set()
@@ -245,6 +249,12 @@ def test_a_store_dropped_without_close_is_closed_its_writes_landing_and_its_dire
                 kept = out.shape[1] - 1  # all the first turn's KV: nothing queued was lost
                 assert cache.restored_from["disk"] == kept and cache.restored_tokens == kept
                 assert again.stats()["corrupt"] == 0
+        if how != "in a reference cycle":
+            # Once closed, freed with no collection of cycles (gc is off here): its index and
+            # buffers (on CUDA the pinned pool) were kept until one, hours away in a server.
+            gc.disable()
+            tierkv.store._wait_for_dropped(30)
+            assert gone() is None
     finally:
         if enabled:
             gc.enable()

@@ -873,6 +873,9 @@ def test_writes_a_close_drops_are_not_counted_on_disk(model, stores, tmp_path):
     threading.Timer(0.5, release.set).start()
     dropped = store.close(timeout=0.1)
     assert dropped > 0
+    # Nor are their host buffers kept (nor the disk tier's encoding buffer), by a closed store that
+    # a cache the user kept still refers to.
+    assert not store._inflight and store._disk._scratch is None
     after = store.stats()
     assert after["disk"]["blocks"] == written - dropped
     # Both budgets are 0: a block not on disk rests nowhere and leaves the index.

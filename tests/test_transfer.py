@@ -707,3 +707,23 @@ def test_cuda_layered_restore_lands_every_layer_of_every_block(blocks: int) -> N
             assert torch.equal(got.cpu(), src[layer])
     for job, src in zip(jobs, srcs):
         assert torch.equal(job.wait().cpu(), src)
+
+
+def test_an_idle_writer_holds_no_item_it_applied() -> None:
+    """The writer's loop kept its last batch's first item while it waited for the next: a block
+    write's host tensor, outside every budget, for as long as the store was idle."""
+    import weakref
+
+    class Item:
+        pass
+
+    writer: BackgroundWriter[Item] = BackgroundWriter(lambda items: [None] * len(items), name="idle")
+    item = Item()
+    held = weakref.ref(item)
+    writer.submit(item).wait(10)
+    del item
+    deadline = time.monotonic() + 5
+    while held() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held() is None
+    writer.close()

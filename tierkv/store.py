@@ -172,6 +172,11 @@ def _close_dropped(store: "TieredStore") -> None:
     except Exception:  # noqa: BLE001 - nobody is left to raise it to
         logger.exception("tierkv: closing a dropped store at %s failed; its queued writes may be lost", path)
     finally:
+        # Else store -> _link -> held -> store is a cycle that keeps the closed store (its index,
+        # _inflight buffers, the disk tier's scratch, on CUDA its pinned pool arenas) until a full
+        # garbage collection, which a long-running process may not run for hours.
+        if store._released and store._link is not None:
+            store._link.held = None
         _dropped.discard(threading.current_thread())
 
 
@@ -450,6 +455,7 @@ class TieredStore:
         for key in list(self._pending_writes):
             meta = self._index.blocks.get(key)
             job, _ = self._pending_writes.pop(key)
+            self._pop_inflight(key)  # its host buffer: a closed store a cache still refers to kept it
             if stuck and not job.done():
                 landed = False  # in the transaction that never ended, or behind it
             else:
@@ -521,6 +527,11 @@ class TieredStore:
         self._device.clear()
         self._host.clear()
         self._unwritten.clear()
+        for key in list(self._inflight):
+            self._pop_inflight(key)
+        # The pool's arenas (pinned, host budget + POOL_IN_FLIGHT) go with the store object, which
+        # a TieredCache the user kept refers to long after close().
+        self._host.pool = None
         self._released = True
 
     # -- the public turn ------------------------------------------------------------------------

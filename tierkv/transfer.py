@@ -546,6 +546,10 @@ class BackgroundWriter(Generic[T]):
                     flushing = flushing or nbytes >= self._linger_bytes
             self._run_batch(list(batch))
             batch.clear()
+            # Not held while the thread waits for the next item: the first and last items of the
+            # batch (a PutBlock holds its block's host tensor) stayed alive until then, outside
+            # every budget, for as long as the store was idle.
+            entry = nxt = None
             if stop:
                 return
 

@@ -1247,6 +1247,7 @@ class DiskTier:
         try:
             self._closed = True
             self.env.close()
+            self._scratch = None  # the largest record encoded (KV and token ids), kept for reuse
         finally:
             self._resize_lock.release()
         if self._data_fd is not None:
