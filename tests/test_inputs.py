@@ -1216,3 +1216,60 @@ def test_the_prefix_check_keeps_how_a_class_defines_prepare_inputs_for_generatio
         assert torch.equal(got, greedy(plain, later))
         cache.commit(got)
         _edited_prefix_is_refused(store, model, out)
+
+
+def test_blocks_committed_from_a_forward_with_grad_keep_no_autograd_graph() -> None:
+    """A hand-written loop calling ``model()`` without ``torch.no_grad()``: its KV carries the
+    forward's graph (every activation it saved). Stored blocks kept it alive outside every
+    budget, about 16 MiB a session for a 4-layer, 256-wide model at 512 tokens."""
+    model = make_model("llama")
+    ids = random_ids(22, 1)
+    with TieredStore(None, block_size=4, device_budget="4KiB") as store:  # blocks on device and host
+        cache = store.open(model, ids, session="g")
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert cache.layers[0].keys.requires_grad  # what the blocks were cut from
+        assert cache.commit(ids) == 22
+        tiers = [store._device, store._host]
+        blocks = [tier.get(key).wait() for tier in tiers for key in store._index.blocks if key in tier]
+        assert len(blocks) == 6
+        assert {key in store._host for key in store._index.blocks} == {True, False}
+        assert not any(b.requires_grad or b.grad_fn is not None for b in blocks)
+        assert_next_turn_exact(store, model, ids, restored=22)
+
+
+def test_a_model_compiled_whole_runs_forwards_on_a_tiered_cache() -> None:
+    """``torch.compile(model)`` traces the module's forward pre-hooks: dynamo failed in tierkv's
+    ("... is already tracked for mutation") where a DynamicCache worked."""
+    model = make_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store, torch.no_grad():
+        cache = store.open(compiled, ids, session="c")  # either the compiled module or the model
+        logits = compiled(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(logits, model(input_ids=ids).logits)
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
+        step = compiled(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(step[:, -1], model(input_ids=ids).logits[:, -1])
+        assert cache.commit(ids) == 21
+        # Keyed apart from the plain model's KV (its fingerprint is the compiled module's).
+        assert store.open(compiled, torch.cat([ids, random_ids(3, 2)], 1), session="c").restored_tokens == 21
+
+
+def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
+    """``reset()`` throws the restored prefix away: it is computed again, so a mask over it is the
+    caller's to give (it was refused as hiding restored tokens), and it is counted as discarded."""
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="a")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        cache = store.open(model, turn, session="a")
+        assert cache.restored_tokens == 33
+        cache.reset()
+        assert (cache.restored_tokens, cache.restored_from) == (0, {"device": 0, "host": 0, "disk": 0})
+        mask = torch.ones_like(turn)
+        mask[0, 5] = 0
+        out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False))
+        assert store.stats()["discarded"] == 33

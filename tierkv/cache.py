@@ -485,6 +485,10 @@ def _adapter_state(layers: tuple["weakref.ref[torch.nn.Module]", ...]) -> bytes:
     return xxhash.xxh3_128_digest(repr(state).encode())
 
 
+# Never traced: a module compiled whole (torch.compile(model)) runs its forward pre-hooks inside
+# the compiled frame, where dynamo fails on this hook ("UnspecializedNNModuleVariable(...) is
+# already tracked for mutation"); its checks are host-side work due at every call anyway.
+@torch.compiler.disable
 def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook on every model ``describe_model`` has seen (kept for the model's life;
     it does nothing unless the call passes a ``TieredCache``): a forward that would feed the cache
@@ -1438,6 +1442,12 @@ class TieredCache(Cache):
                      for f in self._fed if f.at < length]
 
     def reset(self) -> None:
+        # The restored prefix is thrown away and computed again: no longer restored (masks over
+        # it are then allowed), and counted as missed, as for assisted decoding.
+        if self.restored_tokens:
+            self._store._discard_restore(self)
+            self.restored_tokens = 0
+            self.restored_from = {k: 0 for k in self.restored_from}
         super().reset()
         self._forget_forwards()
 
@@ -1463,10 +1473,14 @@ class TieredCache(Cache):
         return max(1, self.layers[0]._rows())
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
-        """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim)."""
-        return torch.stack([
-            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
-        ]).contiguous()
+        """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim).
+        Without autograd history: KV from a forward run with grad enabled (``model()`` outside
+        ``torch.no_grad()``) holds that forward's graph, every activation it saved, which a
+        stored block must not keep alive outside every budget."""
+        with torch.no_grad():
+            return torch.stack([
+                torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
+            ]).contiguous()
 
 
 # The caches the wrappers of prepare_inputs_for_generation look into (_check_generate_ids).
