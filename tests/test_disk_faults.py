@@ -1250,3 +1250,44 @@ def test_a_small_disk_budget_still_gathers_a_light_loads_writes(model, stores, t
         converse(store, model, random_ids(398, 740 + i), f"s{i}")
     store.flush()
     assert batches[0] == 3, batches  # without the byte cut at LINGER_BYTES: one block a batch
+
+
+def test_commits_wait_for_a_disk_that_falls_behind_rather_than_queue_without_bound(model, stores, tmp_path, caplog):
+    # Before: the writer's queue had no bound: commits that outpaced the disk kept every queued
+    # block's host copy alive outside every budget (34 KB a turn with a 1 MB/s disk in helper-27's
+    # repro, while stats() showed the tiers at their budgets).
+    store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
+    release = threading.Event()
+    apply = store._writer._apply
+
+    def slow(items):  # the disk, stalled until the test lets it go
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = slow
+    first = converse(store, model, random_ids(30, 900), "a")
+    per_turn = store._writer.backlog()
+    assert per_turn > 0
+    store._backlog_limit = per_turn + per_turn // 2  # one turn's writes queue; a second one's wait
+    done = threading.Event()
+    second = {}
+
+    def turn() -> None:
+        second["out"] = converse(store, model, random_ids(30, 901), "b")
+        done.set()
+
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        worker = threading.Thread(target=turn)
+        worker.start()
+        assert not done.wait(1.0)  # its commit waits for the disk ...
+        assert store._writer.backlog() == 2 * per_turn  # ... with its own writes queued, nothing dropped
+        release.set()
+        worker.join(60)
+    assert done.is_set() and store._writer.backlog() <= store._backlog_limit
+    assert store.stats()["commit_wait_seconds"] >= 0.9
+    assert [r.levelname for r in caplog.records if "behind the commits" in r.getMessage()] == ["WARNING"]
+    store.flush()
+    assert store._writer.backlog() == 0
+    for out, session in ((first, "a"), (second["out"], "b")):  # write-through kept: both on disk
+        cache = store.open(model, torch.cat([out, random_ids(2, 902)], 1), session=session)
+        assert cache.restored_from["disk"] == out.shape[1] - 1

@@ -727,3 +727,24 @@ def test_an_idle_writer_holds_no_item_it_applied() -> None:
         time.sleep(0.01)
     assert held() is None
     writer.close()
+
+
+def test_the_writers_backlog_counts_submitted_bytes_until_applied_or_failed() -> None:
+    gate = threading.Event()
+
+    def apply(items: Sequence[int]) -> list[BaseException | None]:
+        assert gate.wait(10)
+        return [None if item % 2 else ValueError("odd one out") for item in items]
+
+    writer: BackgroundWriter[int] = BackgroundWriter(apply, name="backlog", size_of=lambda item: item)
+    jobs = [writer.submit(n) for n in (10, 21, 30)]
+    assert writer.backlog() == 61
+    assert not writer.wait_below(20, timeout=0.2)  # the writer is stalled
+    waiter = threading.Thread(target=writer.wait_below, args=(0,))
+    waiter.start()
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and writer.backlog() == 0
+    assert [j.done() for j in jobs] == [True] * 3  # failed items count as settled too
+    writer.close()
+    assert writer.wait_below(0, timeout=0)

@@ -130,6 +130,12 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 #: Until their transaction commits, blocks are served from memory, so nothing waits for it either.
 WRITE_LINGER_S = 0.1
 LINGER_BYTES = 16 << 20
+#: Bytes of block writes queued for the disk tier past which a commit waits (after its own work,
+#: off the lock) until the writer is back under it. The queued blocks' host copies stay held until
+#: their transaction commits, outside every budget: commits that outpace the disk grew that queue,
+#: and on CUDA the pinned buffers past the pool, without bound. Waiting keeps write-through's
+#: promise (every committed block reaches the disk); the disk's pace is then the commits' pace.
+WRITE_BACKLOG_BYTES = 1 << 30
 
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
@@ -310,6 +316,9 @@ class TieredStore:
         self._read_seconds = 0.0
         self._write_seconds = 0.0  # the writer thread's time in transactions
         self._write_cpu_wait = 0.0  # the part of it the writer waited for a CPU (Linux)
+        self._backlog_limit = WRITE_BACKLOG_BYTES
+        self._commit_wait = 0.0  # seconds commits waited for the disk writer's backlog
+        self._warned_backlog = False
         self._events = EventLog()
         if self._disk is not None:
             try:
@@ -823,6 +832,17 @@ class TieredStore:
     def _commit(self, cache: TieredCache, sequences: Any) -> int:
         started = time.perf_counter()
         tokens = self._commit_turn(cache, sequences)
+        writer = self._writer
+        if writer is not None and writer.backlog() > self._backlog_limit:
+            if not self._warned_backlog:
+                self._warned_backlog = True
+                logger.warning("tierkv: the disk writer of %s is %s behind the commits; commits wait for it "
+                               "(stats()['commit_wait_seconds'] counts how long): the disk is slower than the "
+                               "KV this store is given to keep", self._disk.path if self._disk else None,
+                               format_bytes(writer.backlog()))
+            waited = time.perf_counter()
+            writer.wait_below(self._backlog_limit)
+            self._commit_wait += time.perf_counter() - waited
         if self._events.active:
             self._events.emit(CommitEvent(time.perf_counter() - started, tokens))
         return tokens
@@ -1765,6 +1785,9 @@ class TieredStore:
                 # a CPU (Linux; 0.0 elsewhere): it runs at a lower priority than the turns.
                 "write_cpu_wait_seconds": self._write_cpu_wait,
                 "pending_writes": len(self._pending_writes),
+                # Time commits waited for the disk writer to come back under WRITE_BACKLOG_BYTES of
+                # queued block writes: how far the disk falls behind the turns.
+                "commit_wait_seconds": self._commit_wait,
                 # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and
                 # allocations that found no run and fell back to a fresh buffer.
                 "host_pool": self._host.stats(),

@@ -422,16 +422,41 @@ class BackgroundWriter(Generic[T]):
         self._abandon = threading.Event()
         self._abandoned = 0
         self._stopping = False  # the writer took close's signal from the queue
+        # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
+        self._backlog = 0
+        self._drained = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, item: T) -> Job[None]:
         job: Job[None] = Job()
+        size = self._size_of(item)
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed")
+            with self._drained:
+                self._backlog += size
             self._queue.put((item, job))
         return job
+
+    def backlog(self) -> int:
+        """Bytes (``size_of``) of the items submitted and not yet applied (or failed)."""
+        return self._backlog
+
+    def wait_below(self, limit: int, timeout: float | None = None) -> bool:
+        """Block until the backlog is at most ``limit`` bytes (or the thread is gone); whether
+        it is. Called from the writer's own thread it does not wait."""
+        if self.on_thread():
+            return self._backlog <= limit
+        with self._drained:
+            return self._drained.wait_for(lambda: self._backlog <= limit or not self._thread.is_alive(), timeout)
+
+    def _settled(self, batch: Sequence[tuple[T, Job[None]]]) -> None:
+        size = sum(self._size_of(item) for item, _ in batch if item is not _MARKER)
+        if size:
+            with self._drained:
+                self._backlog -= size
+                self._drained.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item submitted before this call has been applied (or the writer
@@ -510,7 +535,10 @@ class BackgroundWriter(Generic[T]):
                     job.set_result(None)
                 else:
                     job.set_error(exc)
+                    self._settled([(item, job)])
             if self._stopping:
+                with self._drained:
+                    self._drained.notify_all()  # waiters see the thread gone
                 return  # close's signal was taken already: nothing is queued behind it
             entry = self._queue.get()
             if entry is None:
@@ -554,6 +582,12 @@ class BackgroundWriter(Generic[T]):
                 return
 
     def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
+        try:
+            self._apply_batch(batch)
+        finally:
+            self._settled(batch)
+
+    def _apply_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
         if self._abandon.is_set():
             kept = []
             for item, job in batch:
