@@ -1273,3 +1273,49 @@ def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
         out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
         assert torch.equal(out, model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False))
         assert store.stats()["discarded"] == 33
+
+
+@pytest.mark.parametrize("row", [2, 0])
+def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row: int) -> None:
+    """Samples with num_return_sequences=3, sample 2 kept with ``batch_select_indices``, then a
+    second generate() on the same cache: given sample 0's ids (``row`` 0) it was accepted with
+    sample 2's KV for them (logits 0.06 off plain generate). The KV past the conversation, of a
+    row whose ids were not recorded, is computed again; commit keeps the second turn exactly."""
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        torch.manual_seed(1)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=True, num_return_sequences=3)
+        assert not torch.equal(out[0], out[2])
+        cache.batch_select_indices(torch.tensor([2]))
+        later = torch.cat([out[row:row + 1], random_ids(3, 5)], 1)
+        kw: dict = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
+        got, plain = model.generate(later, past_key_values=cache, **kw), model.generate(later, **kw)
+        assert torch.equal(got.sequences, plain.sequences)
+        for a, b in zip(got.logits, plain.logits):
+            torch.testing.assert_close(a, b)
+        assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
+        assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
+
+
+def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:
+    """Cropped below its restore, the cache computes those tokens again, under the caller's mask:
+    a mask over them was refused as hiding restored KV."""
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="a")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        mask = torch.ones_like(turn)
+        mask[0, 20] = 0
+        cache = store.open(model, turn, session="a")
+        assert cache.restored_tokens == 33
+        with pytest.raises(ValueError, match="hides token 20, which this cache restored"):
+            model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        cache = store.open(model, turn, session="a")
+        cache.crop(-23)  # 10 restored tokens left
+        out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False))
+        assert cache.commit(out) == 20  # up to the hidden token

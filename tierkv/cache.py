@@ -644,6 +644,11 @@ def _install_checked_prefill(cls: type) -> None:
             # first, as every generate() of every model runs this.
             config = args[1] if len(args) > 1 else kwargs.get("generation_config")
             if getattr(config, "prefill_chunk_size", None) is None:
+                model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
+                if isinstance(model_kwargs, dict):
+                    cache = _cache_of(model_kwargs)
+                    if isinstance(cache, TieredCache) and cache._rows_diverged:
+                        cache._drop_unverified()
                 return inner(self, *args, **kwargs)
             try:
                 given = signature.bind(self, *args, **kwargs).arguments
@@ -1373,7 +1378,8 @@ class TieredCache(Cache):
         # KV computed under a mask is not a function of the ids alone: nothing from the first
         # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
         hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
-        if hidden < self.restored_tokens:
+        # Restored KV still held: after a crop below it, what was restored there is computed again.
+        if hidden < min(self.restored_tokens, self.get_seq_length()):
             raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
                              "computed without that mask (generate() masks pad_token_id wherever it appears "
                              "in the ids). Pass the same attention_mask every turn (or none), pass "
@@ -1440,6 +1446,8 @@ class TieredCache(Cache):
         length = self.get_seq_length()
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
                      for f in self._fed if f.at < length]
+        if length <= len(self.input_ids):
+            self._rows_diverged = False  # no KV past the conversation is left
 
     def reset(self) -> None:
         # The restored prefix is thrown away and computed again: no longer restored (masks over
@@ -1450,6 +1458,15 @@ class TieredCache(Cache):
             self.restored_from = {k: 0 for k in self.restored_from}
         super().reset()
         self._forget_forwards()
+
+    def _drop_unverified(self) -> None:
+        """Before a generate()'s prefill (it reads the cache's length then): KV past the conversation
+        computed for several rows (samples, beams), then cut to one (``batch_select_indices``), is
+        KV of some row whose ids were not recorded (only row 0's are), which the ids generate() got
+        cannot be checked against: another row's would pass. Dropped, so generate() computes those
+        tokens again from its ids (a DynamicCache there gives the selected row's KV to any ids)."""
+        if self.batch_rows() == 1 and self.get_seq_length() > len(self.input_ids):
+            self.crop(len(self.input_ids) - self.get_seq_length())  # transformers takes a count to drop
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
