@@ -1319,3 +1319,27 @@ def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:
         out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
         assert torch.equal(out, model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False))
         assert cache.commit(out) == 20  # up to the hidden token
+
+
+def test_a_tiered_cache_iterates_as_a_dynamic_cache_does() -> None:
+    """``for keys, values, _ in cache`` and ``DynamicCache(cache)`` raised TypeError."""
+    from transformers import DynamicCache
+
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        cache.commit(out)
+        later = torch.cat([out, random_ids(2, 3)], 1)
+        cache = store.open(model, later, session="s")
+        copied = DynamicCache(cache)  # the restored KV, copied out
+        assert copied.get_seq_length() == cache.get_seq_length() == 22
+        assert len(list(cache)) == len(cache.layers) == 2
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=later[:, :22], past_key_values=plain)
+        for (k, v, _), layer in zip(cache, plain.layers):
+            torch.testing.assert_close((k, v), (layer.keys, layer.values))
+        assert torch.equal(model.generate(later, past_key_values=copied, max_new_tokens=3, do_sample=False),
+                           model.generate(later, max_new_tokens=3, do_sample=False))

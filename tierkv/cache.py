@@ -69,6 +69,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -1029,6 +1030,12 @@ class TieredCache(Cache):
             restore = _Restore(blocks)
             for i, layer in enumerate(layers):
                 layer.restore(i, restore)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, None]]:
+        """Each layer's keys and values, as ``DynamicCache`` yields them (no sliding window):
+        ``DynamicCache(cache)`` copies them out, e.g. to hand a turn's KV to code of its own."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, None
 
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "
