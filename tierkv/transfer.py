@@ -424,18 +424,24 @@ class BackgroundWriter(Generic[T]):
         self._stopping = False  # the writer took close's signal from the queue
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
         self._backlog = 0
+        self._sizes: dict[int, int] = {}  # id(job) -> its item's size, until it is settled
         self._drained = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, item: T) -> Job[None]:
         job: Job[None] = Job()
-        size = self._size_of(item)
+        try:
+            size = self._size_of(item)
+        except Exception:  # noqa: BLE001 - the writer's thread meets it again, and fails the item
+            size = 0
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed")
-            with self._drained:
-                self._backlog += size
+            if size:
+                with self._drained:
+                    self._backlog += size
+                    self._sizes[id(job)] = size
             self._queue.put((item, job))
         return job
 
@@ -452,9 +458,9 @@ class BackgroundWriter(Generic[T]):
             return self._drained.wait_for(lambda: self._backlog <= limit or not self._thread.is_alive(), timeout)
 
     def _settled(self, batch: Sequence[tuple[T, Job[None]]]) -> None:
-        size = sum(self._size_of(item) for item, _ in batch if item is not _MARKER)
-        if size:
-            with self._drained:
+        with self._drained:
+            size = sum(self._sizes.pop(id(job), 0) for _, job in batch)
+            if size:
                 self._backlog -= size
                 self._drained.notify_all()
 
