@@ -1291,3 +1291,46 @@ def test_commits_wait_for_a_disk_that_falls_behind_rather_than_queue_without_bou
     for out, session in ((first, "a"), (second["out"], "b")):  # write-through kept: both on disk
         cache = store.open(model, torch.cat([out, random_ids(2, 902)], 1), session=session)
         assert cache.restored_from["disk"] == out.shape[1] - 1
+
+
+def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, tmp_path):
+    # Before: every session made after the disk failed owed the delete of its row when it went
+    # (forgotten, or its blocks evicted), though none of its references ever reached the disk:
+    # the owed list grew by a session at a time, and every flush queued all of it again.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
+    system = random_ids(2 * B, 950)  # two blocks every session shares
+    kept = converse(store, model, torch.cat([system, random_ids(5, 951)], 1), "first")
+    store.flush()
+    first = _session_id(None, "first")
+    apply = store._disk.apply
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    store._disk.apply = failing
+    # Made after the failure: its references to the prompt's blocks (on disk) are owed, once.
+    keeper = converse(store, model, torch.cat([system, random_ids(4, 952)], 1), "keeper")
+    sizes = []
+    for turn in range(40):
+        converse(store, model, torch.cat([system, random_ids(3 + turn % 7, 960 + turn)], 1), f"user{turn}")
+        store.forget(session=f"user{turn}")
+        if turn % 10 == 9:
+            store.flush()
+            sizes.append(len(store._owed))
+    assert sizes == sizes[:1] * 4, sizes  # not one more per session that came and went
+    assert not [op for op in store._owed if isinstance(op, DropRefs)]
+    assert _session_id(None, "keeper") in {op.sid for op in store._owed if isinstance(op, PutRefs)}
+    store.forget(session="first")  # its row is on disk: its delete is owed until it lands
+    store.flush()
+    assert [op.sid for op in store._owed if isinstance(op, DropRefs)] == [first]
+    store._disk.apply = apply  # the disk is back: what was owed lands
+    store.flush()
+    assert not store._owed
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
+    # The prompt's blocks, found by the keeper's references (its own tail was never written).
+    assert reopened.open(model, torch.cat([keeper, random_ids(2, 998)], 1), session="keeper").restored_tokens == 2 * B
+    cache = reopened.open(model, torch.cat([kept, random_ids(2, 999)], 1), session="first")
+    assert cache.restored_tokens == 2 * B  # the shared prompt: first's own blocks are gone

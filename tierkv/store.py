@@ -292,6 +292,9 @@ class TieredStore:
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
         self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
+        # Sessions whose row may be on disk (found there at open, or a PutRefs of theirs landed):
+        # a failed DropRefs of any other has nothing on disk to delete (_reap_deletes).
+        self._sessions_on_disk: set[bytes] = set()
         self._clock = 0
         # Forgets by the clock they ran at (key: ("session", name), ("sid", sid) or ("tenant",
         # tenant)): a turn opened before a forget of its session or tenant keeps nothing at its
@@ -1442,8 +1445,29 @@ class TieredStore:
                 pass
             except Exception as exc:  # noqa: BLE001 - any failure leaves the delete owed
                 self._disk_fault(exc)
+                if isinstance(op, DropRefs) and op.sid not in self._sessions_on_disk:
+                    # No reference of this session ever reached the disk (one made after the disk
+                    # failed): owing its delete grew the owed list by a session at a time, each
+                    # retried at every flush. Owed: the references it was to write for others.
+                    self._owe_holders(op)
+                    continue
                 self._owed.append(op)
+            else:
+                # Writes land in the order they were queued, and are reaped in that order.
+                if isinstance(op, PutRefs):
+                    self._sessions_on_disk.add(op.sid)
+                elif isinstance(op, DropRefs):
+                    self._sessions_on_disk.update(holder for holder, _, _ in op.holders)
+                    if op.drop_session:
+                        self._sessions_on_disk.discard(op.sid)
         self._deletes = queued
+
+    def _owe_holders(self, op: DropRefs) -> None:
+        held: dict[tuple[bytes, str | None], list[bytes]] = {}
+        for holder, tenant, key in op.holders:
+            held.setdefault((holder, tenant), []).append(key)
+        for (holder, tenant), keys in held.items():
+            self._owed.append(PutRefs(holder, tenant, keys))
 
     def _retry_deletes(self) -> None:
         """Queue the owed deletes again, less what was stored again since: a block written again
@@ -1452,9 +1476,15 @@ class TieredStore:
         with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
             self._reap()
             owed, self._owed = self._owed, []
+            # One PutRefs per session: a session that stays while others go is owed its references
+            # once for each DropRefs that failed with it among its holders (_owe_holders).
+            merged: dict[bytes, list[bytes]] = {}
             for op in owed:
                 if isinstance(op, PutRefs):
-                    keys = self._owed_refs(op)
+                    merged.setdefault(op.sid, []).extend(op.keys)
+            for op in owed:
+                if isinstance(op, PutRefs):
+                    keys = self._owed_refs(PutRefs(op.sid, op.tenant, list(dict.fromkeys(merged.pop(op.sid, [])))))
                     if keys:
                         self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys))
                 elif isinstance(op, DeleteBlocks):
@@ -1594,6 +1624,8 @@ class TieredStore:
                 continue
             self._index.add(meta)
             self._index.set_disk(meta, DiskState.DURABLE)
+        self._sessions_on_disk.update(scan.sessions)
+        self._sessions_on_disk.update(scan.bad_sessions)
         damaged = dict(scan.bad_sessions)
         for sid, (tenant, name, keys) in scan.sessions.items():
             if name is not None and _session_id(tenant, name) != sid:
