@@ -289,6 +289,7 @@ class TieredStore:
         # restart, and a lost reference would leave a session's blocks where its forget cannot
         # find them.
         self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
+        self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
         self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
@@ -388,6 +389,32 @@ class TieredStore:
             self._retry_writes()
             writes = list(self._pending_writes)
             copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
+        self._drain_writer()
+        for job in copies:
+            job.wait()
+        with self._lock, defer_interrupts():
+            if self._closed:
+                return  # closed meanwhile by another thread: close drained everything
+            # Only this call's snapshot: its writes are applied now, so nothing here waits on
+            # writes that other threads queued since.
+            queued = self._deletes_queued
+            self._reap(keys=writes)
+            self._reap_deletes()
+            again = self._deletes_queued != queued
+        if again:
+            # Writes of this call that found the map at its cap evicted blocks from disk for the
+            # room the next ones need: those deletes land (and zero) before flush returns too.
+            self._drain_writer()
+        with self._lock, defer_interrupts():
+            if self._closed:
+                return
+            if again:
+                self._reap_deletes()
+            if self._disk is not None:
+                self._disk.sync()
+
+    def _drain_writer(self) -> None:
+        """Wait (off the lock) for every disk write queued so far, deferred zeroing included."""
         if self._writer is not None:
             self._writer.flush()
             if self._disk is not None and self._disk.owes_zeros:
@@ -399,17 +426,6 @@ class TieredStore:
                     pass  # closed meanwhile by another thread, whose close zeroes them
                 else:
                     self._writer.flush()
-        for job in copies:
-            job.wait()
-        with self._lock, defer_interrupts():
-            if self._closed:
-                return  # closed meanwhile by another thread: close drained everything
-            # Only this call's snapshot: its writes are applied now, so nothing here waits on
-            # writes that other threads queued since.
-            self._reap(keys=writes)
-            self._reap_deletes()
-            if self._disk is not None:
-                self._disk.sync()
 
     def close(self, timeout: float | None = None) -> int:
         """Flush, then release every tier; returns how many queued block writes were dropped.
@@ -1430,6 +1446,7 @@ class TieredStore:
         job = self._writer.submit(op)
         if must_land:
             self._deletes.append((op, job))  # type: ignore[arg-type]
+            self._deletes_queued += 1
         return job
 
     def _reap_deletes(self) -> None:
