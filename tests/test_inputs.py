@@ -1275,8 +1275,9 @@ def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
         assert store.stats()["discarded"] == 33
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
 @pytest.mark.parametrize("row", [2, 0])
-def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row: int) -> None:
+def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row: int, chunk: int | None) -> None:
     """Samples with num_return_sequences=3, sample 2 kept with ``batch_select_indices``, then a
     second generate() on the same cache: given sample 0's ids (``row`` 0) it was accepted with
     sample 2's KV for them (logits 0.06 off plain generate). The KV past the conversation, of a
@@ -1291,7 +1292,8 @@ def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row:
         cache.batch_select_indices(torch.tensor([2]))
         later = torch.cat([out[row:row + 1], random_ids(3, 5)], 1)
         kw: dict = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
-        got, plain = model.generate(later, past_key_values=cache, **kw), model.generate(later, **kw)
+        got = model.generate(later, past_key_values=cache, prefill_chunk_size=chunk, **kw)
+        plain = model.generate(later, **kw)
         assert torch.equal(got.sequences, plain.sequences)
         for a, b in zip(got.logits, plain.logits):
             torch.testing.assert_close(a, b)
@@ -1314,11 +1316,23 @@ def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:
         assert cache.restored_tokens == 33
         with pytest.raises(ValueError, match="hides token 20, which this cache restored"):
             model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        plain = model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        for chunk in (None, 8):  # a chunked prefill: forwards past the hidden token, then more
+            cache = store.open(model, turn, session="a")
+            cache.crop(-23)  # 10 restored tokens left
+            out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3,
+                                 do_sample=False, prefill_chunk_size=chunk)
+            assert torch.equal(out, plain)
+            assert cache.commit(out) == 20  # up to the hidden token
         cache = store.open(model, turn, session="a")
-        cache.crop(-23)  # 10 restored tokens left
-        out = model.generate(turn, past_key_values=cache, attention_mask=mask, max_new_tokens=3, do_sample=False)
-        assert torch.equal(out, model.generate(turn, attention_mask=mask, max_new_tokens=3, do_sample=False))
-        assert cache.commit(out) == 20  # up to the hidden token
+        cache.crop(-23)
+        with torch.no_grad():  # by hand, two forwards inside the conversation
+            model(input_ids=turn[:, 10:24], attention_mask=mask[:, :24], past_key_values=cache, use_cache=True)
+            model(input_ids=turn[:, 24:36], attention_mask=mask[:, :36], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="hides token 5, which this cache restored"):
+            bad = mask.clone()
+            bad[0, 5] = 0  # still restored (not cropped): refused all the same
+            model(input_ids=turn[:, 36:], attention_mask=bad, past_key_values=cache, use_cache=True)
 
 
 def test_a_tiered_cache_iterates_as_a_dynamic_cache_does() -> None:

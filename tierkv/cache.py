@@ -644,12 +644,12 @@ def _install_checked_prefill(cls: type) -> None:
             # generate() passes (input_ids, generation_config, model_kwargs): a look at the second
             # first, as every generate() of every model runs this.
             config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+            model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
+            if isinstance(model_kwargs, dict):
+                cache = _cache_of(model_kwargs)
+                if isinstance(cache, TieredCache) and cache._rows_diverged:
+                    cache._drop_unverified()  # chunked or not: generate() reads the length next
             if getattr(config, "prefill_chunk_size", None) is None:
-                model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
-                if isinstance(model_kwargs, dict):
-                    cache = _cache_of(model_kwargs)
-                    if isinstance(cache, TieredCache) and cache._rows_diverged:
-                        cache._drop_unverified()
                 return inner(self, *args, **kwargs)
             try:
                 given = signature.bind(self, *args, **kwargs).arguments
@@ -1019,6 +1019,7 @@ class TieredCache(Cache):
         self.tenant = tenant
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
+        self._restored_held = self.restored_tokens  # restored KV still held: a crop below it gives it back
         # The first token whose KV commit must not keep: one a forward's attention_mask hid, or the
         # first that generate() computed with MoE experts on their decode kernel.
         self._masked_from: int | None = None
@@ -1386,7 +1387,7 @@ class TieredCache(Cache):
         # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
         hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
         # Restored KV still held: after a crop below it, what was restored there is computed again.
-        if hidden < min(self.restored_tokens, self.get_seq_length()):
+        if hidden < getattr(self, "_restored_held", self.restored_tokens):
             raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
                              "computed without that mask (generate() masks pad_token_id wherever it appears "
                              "in the ids). Pass the same attention_mask every turn (or none), pass "
@@ -1441,7 +1442,7 @@ class TieredCache(Cache):
             self._store._discard_restore(self)
             for layer in self.layers:
                 layer.reset()
-            self.restored_tokens = 0
+            self.restored_tokens = self._restored_held = 0
             self.restored_from = {k: 0 for k in self.restored_from}
             self._forget_forwards()
         super().activate_past_recording()
@@ -1451,6 +1452,7 @@ class TieredCache(Cache):
     def crop(self, *args: Any, **kwargs: Any) -> None:
         super().crop(*args, **kwargs)
         length = self.get_seq_length()
+        self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
                      for f in self._fed if f.at < length]
         if length <= len(self.input_ids):
@@ -1461,7 +1463,7 @@ class TieredCache(Cache):
         # it are then allowed), and counted as missed, as for assisted decoding.
         if self.restored_tokens:
             self._store._discard_restore(self)
-            self.restored_tokens = 0
+            self.restored_tokens = self._restored_held = 0
             self.restored_from = {k: 0 for k in self.restored_from}
         super().reset()
         self._forget_forwards()
