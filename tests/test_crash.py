@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model, random_ids
 import tierkv.store
 from tierkv import TieredStore
-from tierkv.tiers.disk import StoreInUse
+from tierkv.tiers.disk import StoreInUse, Touch
 from tierkv.store import _session_id
 
 CHILD = Path(__file__).with_name("_crash_child.py")
@@ -180,6 +181,18 @@ def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
     with pytest.raises(ValueError, match="in use by another TieredStore") as info:
         TieredStore(path, device="cpu", block_size=4)
     assert f"pid {os.getpid()}, this process" in str(info.value) and "call close() on it" in str(info.value)
+    # Also while the holder's writer is busy past the wait for its batch in flight: refused as in
+    # use, not with that wait's TimeoutError.
+    gate = threading.Event()
+    apply = first._disk.apply
+    first._disk.apply = lambda ops: (gate.wait(30), apply(ops))[1]
+    first._writer.submit(Touch({}))
+    first._writer.nudge()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tierkv.store, "EXIT_CLOSE_TIMEOUT_S", 0.5)
+        with pytest.raises(StoreInUse, match="in use by another TieredStore"):
+            TieredStore(path, device="cpu", block_size=4)
+    gate.set()
     first.close()
     TieredStore(path, device="cpu", block_size=4).close()  # free again once closed
 
@@ -262,6 +275,66 @@ def test_a_store_dropped_without_close_is_closed_its_writes_landing_and_its_dire
                                  "last held by its writer thread": "tierkv-disk-writer"}[how]]
     dropped = [r for r in caplog.records if "dropped without close()" in r.getMessage()]
     assert len(dropped) == 1 and dropped[0].levelname == "WARNING"
+
+
+def test_a_store_collected_with_garbage_that_lets_its_writer_run_still_writes(tmp_path):
+    """A store dropped in a reference cycle whose garbage holds a finaliser that sleeps (or does
+    I/O): gc cleared the store's weak references first, its writer ran before the store's own
+    finaliser held it, found no store and failed its batch as a disk fault: the writes were lost."""
+    import gc
+    import time
+
+    class SlowFinaliser:
+        def __del__(self) -> None:
+            time.sleep(0.5)  # past the writer's linger
+
+    path = tmp_path / "kv"
+    model = make_model("llama")
+    ids = random_ids(41, seed=3)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        slow = SlowFinaliser()  # made before the store: finalised first in the same collection
+        store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0)
+        cache = store.open(model, ids, session="a")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        del cache
+        box: dict = {"store": store, "slow": slow}
+        box["box"] = box
+        del box, store, slow
+        gc.collect()
+        tierkv.store._wait_for_dropped(30)
+    finally:
+        if enabled:
+            gc.enable()
+    with TieredStore(path, device="cpu", block_size=4) as again:
+        assert again.open(model, out, session="a").restored_from["disk"] == out.shape[1] - 1
+        assert again.stats()["disk_errors"] == 0
+
+
+FINALISED_AT_EXIT = """
+import sys, tempfile
+from tierkv import TieredStore
+
+store = TieredStore(sys.argv[1], device="cpu", block_size=8)
+real_close = store._disk.close
+
+def failing_close(timeout=None):
+    real_close(timeout)
+    raise OSError(5, "Input/output error")  # its close at exit raises: still unreleased after it
+
+store._disk.close = failing_close
+print("exiting", flush=True)
+"""
+
+
+def test_a_store_still_open_when_the_interpreter_finalises_does_not_hang_the_exit(tmp_path):
+    """Python 3.11 starts no thread while it finalises, and Thread.start() then waits forever: a
+    store its exit could not close, finalised with the modules, hung the process."""
+    child = subprocess.run([sys.executable, "-c", FINALISED_AT_EXIT, str(tmp_path / "kv")], capture_output=True,
+                           text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0 and "exiting" in child.stdout, child.stderr[-2000:]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")

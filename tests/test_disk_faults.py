@@ -1338,3 +1338,27 @@ def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, t
     assert reopened.open(model, torch.cat([keeper, random_ids(2, 998)], 1), session="keeper").restored_tokens == 2 * B
     cache = reopened.open(model, torch.cat([kept, random_ids(2, 999)], 1), session="first")
     assert cache.restored_tokens == 2 * B  # the shared prompt: first's own blocks are gone
+
+
+def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, stores, tmp_path, caplog, monkeypatch):
+    # A hung disk past the backlog's bound: the commit waited for ever, and a request thread
+    # waiting there kept the process from exiting (non-daemon threads are joined before atexit).
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "WRITE_STALL_S", 0.5)
+    store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
+    release = threading.Event()
+    apply = store._writer._apply
+    store._writer._apply = lambda items: (release.wait(60), apply(items))[1]
+    converse(store, model, random_ids(30, 910), "a")
+    store._backlog_limit = 1  # the first turn's writes are past it: the next commit would wait
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (converse(store, model, random_ids(30, 911), "b"), done.set()))
+        worker.start()
+        assert done.wait(30)  # it gave up waiting after a stall
+    assert any("made no progress" in r.getMessage() for r in caplog.records)
+    release.set()
+    worker.join(30)
+    store.flush()
+    assert store._writer.backlog() == 0 and store.stats()["disk"]["blocks"] > 0

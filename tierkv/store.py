@@ -55,6 +55,7 @@ import gc
 import itertools
 import logging
 import os
+import sys
 import struct
 import threading
 import time
@@ -136,6 +137,8 @@ LINGER_BYTES = 16 << 20
 #: and on CUDA the pinned buffers past the pool, without bound. Waiting keeps write-through's
 #: promise (every committed block reaches the disk); the disk's pace is then the commits' pace.
 WRITE_BACKLOG_BYTES = 1 << 30
+#: How long a commit waits for a writer that settles nothing before it stops waiting.
+WRITE_STALL_S = 10.0
 
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
@@ -197,16 +200,21 @@ class _WriterLink:
     sets ``held`` for the close: a store collected with the garbage of a reference cycle has its
     weak references cleared before its finaliser runs."""
 
-    __slots__ = ("_ref", "held")
+    __slots__ = ("_ref", "held", "_disk")
 
     def __init__(self, store: "TieredStore") -> None:
         self._ref = weakref.ref(store)
         self.held: TieredStore | None = None
+        self._disk = store._disk
 
     def __call__(self, ops: list[DiskOp]) -> list[BaseException | None]:
         store = self.held if self.held is not None else self._ref()
-        if store is None:  # not reached: a store is closed (its writer stopped) before it is gone
-            raise RuntimeError("the store of these disk writes was collected")
+        if store is None:
+            # A store in collected garbage: gc cleared its weak references (and ran their callbacks,
+            # and other finalisers, any of which may let this thread run) before its __del__ sets
+            # ``held``. Its writes still land; only its counters miss them, and it is being closed.
+            assert self._disk is not None
+            return self._disk.apply(ops)
         return store._apply_writes(ops)
 
 
@@ -224,7 +232,10 @@ def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) 
     writers = [store._writer for store in list(_open_stores)
                if store._disk is not None and store._disk.path == where and store._writer is not None]
     for writer in writers:
-        writer.flush(EXIT_CLOSE_TIMEOUT_S)  # past its batch in flight, the writer holds no store
+        try:
+            writer.flush(EXIT_CLOSE_TIMEOUT_S)  # past its batch in flight, the writer holds no store
+        except TimeoutError:
+            pass  # a store still in use whose disk is slow: refused below, as it is in use
     gc.collect()
     _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S)
     return DiskTier(path, budget, block_size)
@@ -355,6 +366,10 @@ class TieredStore:
         # of its own, which holds the store until it is done.
         state = self.__dict__
         if state.get("_released", True) or state.get("_link") is None or state.get("_pid") != os.getpid():
+            return
+        if sys.is_finalizing():
+            # Python 3.11 starts the thread but never runs it (Thread.start() then waits forever), and
+            # a daemon writer no longer runs: the process exit releases the lock; LMDB is atomic.
             return
         self._link.held = self
         thread = threading.Thread(target=_close_dropped, args=(self,), name="tierkv-close-dropped", daemon=True)
@@ -860,7 +875,16 @@ class TieredStore:
                                "KV this store is given to keep", self._disk.path if self._disk else None,
                                format_bytes(writer.backlog()))
             waited = time.perf_counter()
-            writer.wait_below(self._backlog_limit)
+            settled = writer.settled_bytes()
+            while not writer.wait_below(self._backlog_limit, timeout=WRITE_STALL_S):
+                if self._closed or writer.closed or writer.settled_bytes() == settled:
+                    # No byte landed for WRITE_STALL_S (a hung disk), or the store is closing: the
+                    # commit goes on, as before the bound; a thread waiting here for ever kept the
+                    # process from exiting (non-daemon threads are joined before atexit).
+                    logger.warning("tierkv: the disk writer of %s made no progress in %s s; this commit "
+                                   "stops waiting for it", self._disk.path if self._disk else None, WRITE_STALL_S)
+                    break
+                settled = writer.settled_bytes()
             self._commit_wait += time.perf_counter() - waited
         if self._events.active:
             self._events.emit(CommitEvent(time.perf_counter() - started, tokens))

@@ -424,6 +424,7 @@ class BackgroundWriter(Generic[T]):
         self._stopping = False  # the writer took close's signal from the queue
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
         self._backlog = 0
+        self._settled_bytes = 0  # ever settled: progress, for a waiter to tell a stalled writer
         self._sizes: dict[int, int] = {}  # id(job) -> its item's size, until it is settled
         self._drained = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -455,13 +456,19 @@ class BackgroundWriter(Generic[T]):
         if self.on_thread():
             return self._backlog <= limit
         with self._drained:
-            return self._drained.wait_for(lambda: self._backlog <= limit or not self._thread.is_alive(), timeout)
+            return self._drained.wait_for(lambda: self._backlog <= limit or not self._thread.is_alive()
+                                          or self._abandon.is_set(), timeout)
+
+    def settled_bytes(self) -> int:
+        """Bytes of items ever applied or failed."""
+        return self._settled_bytes
 
     def _settled(self, batch: Sequence[tuple[T, Job[None]]]) -> None:
         with self._drained:
             size = sum(self._sizes.pop(id(job), 0) for _, job in batch)
             if size:
                 self._backlog -= size
+                self._settled_bytes += size
                 self._drained.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
@@ -501,6 +508,8 @@ class BackgroundWriter(Generic[T]):
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abandon.set()
+            with self._drained:
+                self._drained.notify_all()  # waiters stop waiting for writes that may never land
             self._thread.join(grace)
         return self._abandoned
 
