@@ -189,7 +189,7 @@ def test_a_store_directory_serves_one_process_at_a_time(tmp_path):
     first._writer.submit(Touch({}))
     first._writer.nudge()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tierkv.store, "EXIT_CLOSE_TIMEOUT_S", 0.5)
+        patch.setattr(tierkv.store, "BUSY_WRITER_WAIT_S", 0.5)
         with pytest.raises(StoreInUse, match="in use by another TieredStore"):
             TieredStore(path, device="cpu", block_size=4)
     gate.set()
@@ -311,6 +311,34 @@ def test_a_store_collected_with_garbage_that_lets_its_writer_run_still_writes(tm
     with TieredStore(path, device="cpu", block_size=4) as again:
         assert again.open(model, out, session="a").restored_from["disk"] == out.shape[1] - 1
         assert again.stats()["disk_errors"] == 0
+
+
+def test_a_refusal_waits_for_no_dropped_store_of_another_directory(tmp_path):
+    """A dropped store's close that a slow disk holds up, on one directory: refusing a store on
+    another one (in use in this process) waited for it, up to a minute."""
+    import gc
+
+    gate = threading.Event()
+    dropped = TieredStore(tmp_path / "a", device="cpu", block_size=4)
+    apply = dropped._disk.apply
+    dropped._disk.apply = lambda ops: (gate.wait(30), apply(ops))[1]
+    dropped._writer.submit(Touch({}))
+    del dropped
+    gc.collect()
+    (closing, where), = tierkv.store._dropped.items()
+    assert where.endswith(os.sep + "a")
+    joined = []
+    closing.join = lambda timeout=None: joined.append(timeout)  # type: ignore[method-assign]
+    try:
+        with TieredStore(tmp_path / "b", device="cpu", block_size=4):
+            with pytest.raises(StoreInUse, match="in use by another TieredStore"):
+                TieredStore(tmp_path / "b", device="cpu", block_size=4)
+        assert joined == []
+    finally:
+        gate.set()
+        del closing.join
+        tierkv.store._wait_for_dropped(30)
+    TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
 
 
 FINALISED_AT_EXIT = """

@@ -169,7 +169,10 @@ _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
 
 #: Closes of stores dropped without ``close()`` that are still running (``TieredStore.__del__``).
-_dropped: set[threading.Thread] = set()
+_dropped: dict[threading.Thread, str | None] = {}  # each close's thread, and its store's directory
+#: How long a new store waits for the batch in flight of another store of this process on its
+#: directory (one that may be held by nothing but that batch) before it is refused as in use.
+BUSY_WRITER_WAIT_S = 5.0
 
 
 def _close_dropped(store: "TieredStore") -> None:
@@ -186,12 +189,14 @@ def _close_dropped(store: "TieredStore") -> None:
         # garbage collection, which a long-running process may not run for hours.
         if store._released and store._link is not None:
             store._link.held = None
-        _dropped.discard(threading.current_thread())
+        _dropped.pop(threading.current_thread(), None)
 
 
-def _wait_for_dropped(timeout: float) -> None:
-    for thread in list(_dropped):
-        thread.join(timeout)
+def _wait_for_dropped(timeout: float, path: str | None = None) -> None:
+    """Join the closes of dropped stores (on the directory ``path``, or all)."""
+    for thread, where in list(_dropped.items()):
+        if path is None or where == path:
+            thread.join(timeout)
 
 
 class _WriterLink:
@@ -220,7 +225,8 @@ class _WriterLink:
 
 def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) -> DiskTier:
     """``DiskTier(...)``; where a store of this process still locks the directory, garbage is
-    collected and the closes of dropped stores are waited for (``EXIT_CLOSE_TIMEOUT_S`` each),
+    collected, a busy writer of a store there gets ``BUSY_WRITER_WAIT_S`` to end its batch, and the
+    closes of dropped stores on that directory are waited for (``EXIT_CLOSE_TIMEOUT_S`` each),
     then the lock is tried once more: a store dropped a moment ago, held only by a reference
     cycle, or by its writer thread for the rest of a batch, must not refuse the next one."""
     try:
@@ -233,11 +239,11 @@ def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) 
                if store._disk is not None and store._disk.path == where and store._writer is not None]
     for writer in writers:
         try:
-            writer.flush(EXIT_CLOSE_TIMEOUT_S)  # past its batch in flight, the writer holds no store
+            writer.flush(BUSY_WRITER_WAIT_S)  # past its batch in flight, the writer holds no store
         except TimeoutError:
             pass  # a store still in use whose disk is slow: refused below, as it is in use
     gc.collect()
-    _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S)
+    _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S, where)
     return DiskTier(path, budget, block_size)
 
 
@@ -373,11 +379,11 @@ class TieredStore:
             return
         self._link.held = self
         thread = threading.Thread(target=_close_dropped, args=(self,), name="tierkv-close-dropped", daemon=True)
-        _dropped.add(thread)
+        _dropped[thread] = self._disk.path if self._disk is not None else None
         try:
             thread.start()
         except RuntimeError:  # the interpreter is shutting down: no new threads
-            _dropped.discard(thread)
+            _dropped.pop(thread, None)
             if self._writer is None or not self._writer.on_thread():
                 _close_dropped(self)
 
