@@ -1436,8 +1436,10 @@ class TieredCache(Cache):
         missing = np.flatnonzero(out < 0)
         return out, start + (int(missing[0]) if len(missing) else len(out))
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         # transformers calls this only when assisted decoding starts; see the module docstring.
+        # 5.25 passes how many recurrent states to keep (for linear-attention layers, which a
+        # TieredCache never holds); 5.24 passes nothing and its base takes nothing.
         if self.get_seq_length() > 0:
             self._store._discard_restore(self)
             for layer in self.layers:
@@ -1445,7 +1447,7 @@ class TieredCache(Cache):
             self.restored_tokens = self._restored_held = 0
             self.restored_from = {k: 0 for k in self.restored_from}
             self._forget_forwards()
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     # What a forward the hook never saw writes after these is neither counted as checked nor
     # known by the ids fed before them there.
