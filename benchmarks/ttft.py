@@ -184,7 +184,7 @@ def main() -> None:
               "| of which store.open / floor, paired |")
         print("|---|---|---|---|---|---|")
         for name, t in med.items():
-            made = f"{paired({**times, name: opens[name]}, name, floor_name):.2f}" if name.startswith("tierkv") else "-"
+            made = f"{paired({**times, name: opens[name]}, name, floor_name):.3f}" if name.startswith("tierkv") else "-"
             print(f"| {name} | {t / floor:.2f} | {paired(times, name, floor_name):.2f} | "
                   f"{spread(times, name, floor_name)} | {t / recompute:.3f} | {made} |")
 
