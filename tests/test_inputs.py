@@ -1048,9 +1048,14 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         with torch.no_grad(), pytest.raises(ValueError, match="attention_mask over 1 tokens rather than 25"):
             model(out[:, -1:], past_key_values=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
         cache = store.open(model, ids, session="b")
-        greedy(model, ids, past_key_values=cache, num_beams=3)
-        with pytest.raises(ValueError, match="holds 3 rows"):
-            greedy(model, torch.cat([ids, random_ids(2, 3)], dim=1), past_key_values=cache)
+        out = greedy(model, ids, past_key_values=cache, num_beams=3)
+        with torch.no_grad(), pytest.raises(ValueError, match="holds 3 rows"):
+            model(random_ids(2, 3), past_key_values=cache)  # by hand: one row on three beams' KV
+        cache = store.open(model, ids, session="c")
+        with torch.no_grad():
+            model(ids, past_key_values=cache)  # a cache that holds every id, then a chunked prefill on it
+        with pytest.raises(ValueError, match="4 ids with position_ids for 0 tokens on top of the 20"):
+            greedy(model, ids, past_key_values=cache, prefill_chunk_size=4)
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
@@ -1299,6 +1304,50 @@ def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row:
             torch.testing.assert_close(a, b)
         assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
         assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
+
+
+@pytest.mark.parametrize("first, second", [
+    (dict(do_sample=True, num_return_sequences=2), dict(do_sample=True, num_return_sequences=2)),
+    (dict(do_sample=True, num_return_sequences=2), dict(do_sample=False, num_beams=2)),
+    (dict(do_sample=True, num_return_sequences=3), dict(do_sample=False)),
+    (dict(num_beams=2, num_return_sequences=2), dict(do_sample=False)),  # both rows continued, in a batch of 2
+    (dict(num_beams=3, max_new_tokens=1), dict(do_sample=False)),  # rows alike: beams fed nothing past the prompt
+])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_second_generate_on_a_cache_several_rows_filled_is_plain_generates(first: dict, second: dict,
+                                                                             chunk: int | None) -> None:
+    """After a generate() of several rows (samples, beams), a second generate() on the same cache
+    of as many rows was served each old row's KV under the new rows' ids (samples: logits 0.11-0.63
+    off plain generate; beams: the rows follow the last step's beams, not the sequences returned),
+    and a batch-1 one was refused. The KV past the conversation, whose ids only row 0's records
+    could vouch for, is computed again, from one row of the conversation's."""
+    model = make_model("llama")
+    ids = random_ids(13, 0)
+    with TieredStore(None, block_size=4) as store:
+        for c in (store.open(model, ids[:, :9], session="s"),):
+            c.commit(greedy(model, ids[:, :9], past_key_values=c))
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 9  # the first turn's prompt, whose reply these ids do not hold
+        torch.manual_seed(0)
+        out = model.generate(ids, past_key_values=cache, **{"max_new_tokens": 4, **first})
+        assert out.shape[0] > 1 or first.get("max_new_tokens") == 1
+        if "num_return_sequences" in first and first.get("do_sample"):
+            assert not torch.equal(out[0], out[1])  # the rows diverged
+        x = torch.cat([out if "num_beams" in first and out.shape[0] > 1 else out[:1],
+                       random_ids(4, 1).expand(out.shape[0] if "num_beams" in first else 1, -1)], 1)
+        kw = dict(max_new_tokens=3, return_dict_in_generate=True, output_logits=True, **second)
+        torch.manual_seed(1)
+        plain = model.generate(x, **kw)
+        torch.manual_seed(1)
+        got = model.generate(x, past_key_values=cache, prefill_chunk_size=chunk, **kw)
+        assert torch.equal(got.sequences, plain.sequences)
+        for a, b in zip(got.logits, plain.logits):
+            torch.testing.assert_close(a, b)
+        if cache.batch_rows() == 1:  # commit keeps the turn, and the next one is exact
+            assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
+            assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
+        else:  # samples or beams in the cache's rows: the conversation it was opened with
+            assert cache.commit(got.sequences[:1]) == ids.shape[1]
 
 
 def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:

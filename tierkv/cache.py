@@ -647,7 +647,7 @@ def _install_checked_prefill(cls: type) -> None:
             model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
             if isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
-                if isinstance(cache, TieredCache) and cache._rows_diverged:
+                if isinstance(cache, TieredCache) and (cache._rows_diverged or cache._several_rows()):
                     cache._drop_unverified()  # chunked or not: generate() reads the length next
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
@@ -1351,6 +1351,14 @@ class TieredCache(Cache):
                              "message (store.open restores at most all but the last id)")
         positions = kwargs.get("position_ids")
         positions = positions if isinstance(positions, torch.Tensor) else None
+        if positions is not None and positions.dim() and positions.shape[-1] != input_ids.shape[1]:
+            # generate() with prefill_chunk_size on a cache that holds every id it is given feeds
+            # its first chunk with the positions past the cache: none.
+            raise ValueError(f"the model was given {input_ids.shape[1]} ids with position_ids for "
+                             f"{positions.shape[-1]} tokens on top of the {done} this TieredCache holds (generate() "
+                             "with prefill_chunk_size feeds so on a cache that already holds every id it is given): "
+                             "commit this cache and open a new one with the conversation and its new message "
+                             "(store.open restores at most all but the last id)")
         # Read (a sync) for a forward of several ids only, never a decode step; generate() counts
         # positions over the mask, so past a masked token they stay behind the cache's length.
         if positions is not None and input_ids.shape[1] > 1 and (mask is None or bool(mask.all())) and \
@@ -1472,12 +1480,20 @@ class TieredCache(Cache):
 
     def _drop_unverified(self) -> None:
         """Before a generate()'s prefill (it reads the cache's length then): KV past the conversation
-        computed for several rows (samples, beams), then cut to one (``batch_select_indices``), is
-        KV of some row whose ids were not recorded (only row 0's are), which the ids generate() got
-        cannot be checked against: another row's would pass. Dropped, so generate() computes those
-        tokens again from its ids (a DynamicCache there gives the selected row's KV to any ids)."""
-        if self.batch_rows() == 1 and self.get_seq_length() > len(self.input_ids):
+        computed for several rows (samples, beams) is KV of rows whose ids were not recorded (only
+        row 0's are), in the order of the last step's beams, not of the sequences generate()
+        returned: the ids a later generate() got cannot be checked against it, and another row's
+        would pass (a DynamicCache there gives each row's KV to whatever ids sit in that row).
+        Dropped, whether the rows were cut to one (``batch_select_indices``) or not; and several
+        rows left, alike over the conversation, are cut to one: generate() computes the tokens
+        past the conversation again from its ids, in as many rows as it asks for (as after a
+        restore), where a batch of another size met rows it could not take."""
+        if self._rows_diverged and self.get_seq_length() > len(self.input_ids):
             self.crop(len(self.input_ids) - self.get_seq_length())  # transformers takes a count to drop
+        if self.batch_rows() > 1:
+            first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
+            self.batch_select_indices(first)
+        self._rows_diverged = False
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
@@ -1499,6 +1515,11 @@ class TieredCache(Cache):
 
     def batch_rows(self) -> int:
         return max(1, self.layers[0]._rows())
+
+    def _several_rows(self) -> bool:
+        """Whether layer 0 holds several rows, without assembling a pending restore (one row)."""
+        keys = self.layers[0]._keys if self.layers and self.layers[0]._pending is None else None
+        return keys is not None and keys.dim() > 2 and keys.shape[0] > 1
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim).
