@@ -747,6 +747,66 @@ def test_a_decode_step_that_failed_keeps_the_tokens_every_layer_holds() -> None:
         assert_next_turn_exact(store, model, shown, restored=22)
 
 
+@pytest.mark.parametrize("stop", ["criterion", "streamer"])
+def test_a_generate_stopped_between_steps_commits_up_to_the_ids_the_caller_has(stop: str, caplog) -> None:
+    """An exception between two forwards (a stopping criterion or a streamer that raises, Ctrl-C)
+    ends generate() with nothing returned, the cache holding the prompt and the tokens generated
+    so far. commit() of the prompt was refused ("pass the full sequences"), and the turn's new
+    KV was lost: it keeps the KV up to the ids given now, checked against the ids fed."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    class Abort(StoppingCriteria, BaseStreamer):
+        def __init__(self) -> None:
+            self.calls = 0
+            self.shown: list[int] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyboardInterrupt
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        def put(self, value: torch.Tensor) -> None:
+            self.calls += 1
+            if self.calls == 4:  # the prompt, then two tokens shown
+                raise RuntimeError("the client went away")
+            if self.calls > 1:
+                self.shown += value.reshape(-1).tolist()
+
+        def end(self) -> None:
+            pass
+
+    model = make_model("llama")
+    ids = random_ids(22, 4)
+    plain = greedy(model, ids)
+    with TieredStore(None, block_size=4) as store:
+        one_turn(store, model, ids[:, :13])
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 13
+        abort = Abort()
+        kw: dict = (dict(stopping_criteria=StoppingCriteriaList([abort])) if stop == "criterion"
+                    else dict(streamer=abort))
+        with pytest.raises(KeyboardInterrupt if stop == "criterion" else RuntimeError):
+            greedy(model, ids, past_key_values=cache, **kw)
+        assert cache.get_seq_length() == 24  # the prompt and two tokens fed
+        with pytest.raises(ValueError, match="after a generate.. that raised, commit the cache with the ids you have"):
+            greedy(model, ids, past_key_values=cache)
+        edited = torch.cat([ids, (plain[:, 22:23] + 1) % VOCAB], 1)
+        with pytest.raises(ValueError, match="differ from the ones the model generated"):
+            cache.commit(edited)
+        # The prompt; or the prompt and the first of the two tokens the streamer showed (the
+        # second one's put raised before the client got it).
+        assert len(abort.shown) == (0 if stop == "criterion" else 2)
+        shown = torch.cat([ids, torch.tensor([abort.shown[:1]], dtype=ids.dtype)], 1)
+        assert shown.shape[1] == (22 if stop == "criterion" else 23)
+        assert torch.equal(shown, plain[:, :shown.shape[1]])
+        with caplog.at_level("INFO", logger="tierkv"):
+            assert cache.commit(shown) == shown.shape[1]
+        assert "the KV up to the ids given is kept" in caplog.text
+        assert_next_turn_exact(store, model, shown, restored=shown.shape[1])
+
+
 @pytest.mark.parametrize("where", ["keys", "values"])
 def test_a_fresh_cache_whose_first_update_failed_is_refused_and_commits_nothing(where: str) -> None:
     # transformers' lazy initialization leaves 1-D empty placeholders in a layer whose first

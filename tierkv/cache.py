@@ -1368,7 +1368,9 @@ class TieredCache(Cache):
             raise ValueError(f"the model was given {input_ids.shape[1]} ids at positions from "
                              f"{int(positions.reshape(-1)[0])} on, but this TieredCache holds {done} tokens: "
                              "generate() takes the whole conversation the cache holds and its new ids (pass the "
-                             "sequences the last generate() returned, with the new message appended)")
+                             "sequences the last generate() returned, with the new message appended; after a "
+                             "generate() that raised, commit the cache with the ids you have, which keeps the KV "
+                             "up to them, and open a new one)")
         self._note(done, input_ids, mask if isinstance(mask, torch.Tensor) else None, positions)
 
     def _note(self, at: int, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:

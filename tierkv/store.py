@@ -909,14 +909,15 @@ class TieredStore:
             raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
                              "pass the sequences that generate() returned for this cache")
         n = cache.held_tokens()
-        # A forward raised part-way through the layers (out of memory, Ctrl-C): what every layer
-        # holds is kept, up to the ids given (the prompt, or what a streamer showed).
+        # A forward raised part-way through the layers (out of memory, Ctrl-C), or generate()
+        # stopped between two of them (an exception from a stopping criterion, a logits processor
+        # or a streamer; Ctrl-C), returning nothing: what every layer holds is kept, up to the ids
+        # given (the prompt, or what a streamer showed), which the ids fed are checked against.
         unfinished = n < cache.get_seq_length()
-        if unfinished:
-            n = min(n, len(seq))
         if n > len(seq):
-            raise ValueError(f"the cache holds KV for {n} tokens but commit() got only {len(seq)} ids; pass the "
-                             "full sequences that generate() returned")
+            logger.info("tierkv: commit() got %d ids, and the cache holds KV for %d: the KV up to the ids given "
+                        "is kept (pass the sequences generate() returned to keep its reply too)", len(seq), n)
+        n = min(n, len(seq))
         limit = cache.model_info.position_limit
         # Past a RoPE limit, Phi-3's generate() drops the cache and goes on without it.
         crossed = limit is not None and len(seq) - 1 > limit
