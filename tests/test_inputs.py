@@ -1119,6 +1119,9 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
+        # Refused before its first forward: the advice then works on the same cache.
+        assert cache.get_seq_length() == cache.restored_tokens
+        assert torch.equal(greedy(model, ids, past_key_values=cache), greedy(model, ids))
 
 
 def test_mpt_runs_exact_once_its_generation_config_uses_the_cache(tmp_path) -> None:

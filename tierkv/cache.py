@@ -647,6 +647,10 @@ def _install_checked_prefill(cls: type) -> None:
             model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
             if isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
+                if isinstance(cache, TieredCache) and getattr(config, "use_cache", None) is False:
+                    # Refused before its first forward, which would grow the cache (the forward
+                    # hook refuses a later one, and then the cache held the prompt's KV twice over).
+                    raise ValueError(_NO_CACHE_USE)
                 if isinstance(cache, TieredCache) and (cache._rows_diverged or cache._several_rows()):
                     cache._drop_unverified()  # chunked or not: generate() reads the length next
             if getattr(config, "prefill_chunk_size", None) is None:
@@ -985,6 +989,11 @@ class _Fed(NamedTuple):
     unmasked: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 
+
+_NO_CACHE_USE = ("generate() ran with use_cache=False (given to it, or the model's generation_config.use_cache, "
+                 "False in some configs such as MPT's), so it feeds every id at every step: a TieredCache would "
+                 "hold their KV twice. Pass use_cache=True to generate(), or set "
+                 "model.generation_config.use_cache = True")
 
 # Transformers' docs reuse a prompt's cache by deep-copying it; a TieredCache is one turn of one
 # conversation, tied to its store (which shares prefixes itself), and a copy would commit twice.
@@ -1333,10 +1342,7 @@ class TieredCache(Cache):
         if input_ids.shape[1] >= len(want) > 1 and \
                 (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
             if kwargs.get("use_cache") is False:
-                raise ValueError("generate() ran with use_cache=False (given to it, or the model's "
-                                 "generation_config.use_cache, False in some configs such as MPT's), so it feeds "
-                                 "every id at every step: a TieredCache would hold their KV twice. Pass "
-                                 "use_cache=True to generate(), or set model.generation_config.use_cache = True")
+                raise ValueError(_NO_CACHE_USE)
             if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
                 # Right after a prefill this cache computed: the model's own generate() re-feeds
                 # every id at each step (one that ignores the cache it is given), not the caller.
