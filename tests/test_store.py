@@ -1769,6 +1769,37 @@ def test_sessions_that_repeat_or_continue_another_leave_its_blocks_to_the_last(t
         verify_sessions_hold_blocks_of_their_own(store)
 
 
+def test_forget_takes_the_blocks_below_its_own_that_no_session_holds(tiny_model, tmp_path):
+    """A turn without a session that continued a session's conversation stored blocks below that
+    session's; forget(session=...) removed the session's blocks and left those (KV computed over
+    the forgotten conversation) at rest, on disk and after a restart, where no lookup reaches
+    them. They go with it now; the blocks another session shares (a system prompt) stay."""
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    prompt = random_ids(B, 81)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        _, other = turn(store, model, cat(prompt, random_ids(B + 2, 82)), session="C", new=2)
+        _, mine = turn(store, model, cat(prompt, random_ids(B + 3, 83)), session="B", new=2, expect=B)
+        later = cat(mine, random_ids(2 * B, 84))
+        _, out = turn(store, model, later, new=3, expect=mine.shape[1] - 1)  # no session
+        below = {m.key for m in store._index.blocks.values() if not m.sessions}
+        assert len(below) >= 2  # the untracked turn's own blocks
+        before = store.stats()["disk"]["blocks"]
+        removed = store.forget(session="B")
+        assert removed == before - store.stats()["disk"]["blocks"]
+        assert not below & set(store._index.blocks)
+        assert all(m.sessions for m in store._index.blocks.values())  # nothing at rest that no one holds
+        verify_open(store, model, cat(out, random_ids(1, 85)), expect=B)  # the shared prompt only
+        verify_open(store, model, cat(other, random_ids(1, 86)), session="C", expect=other.shape[1] - 1)
+        store.flush()
+        kept = store.stats()["disk"]["blocks"]
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == kept
+        assert not below & set(store._index.blocks)
+        verify_open(store, model, cat(out, random_ids(1, 85)), expect=B)
+        verify_open(store, model, cat(other, random_ids(1, 86)), session="C", expect=other.shape[1] - 1)
+
+
 def test_a_reopened_store_stops_tracking_sessions_with_no_block_of_their_own(tiny_model, tmp_path):
     # Rows an earlier build kept: a session whose only block another session also references.
     model = tiny_model("llama")

@@ -100,6 +100,10 @@ class Index:
         for key in self._children.get(parent, {}).get(first_token, ()):
             yield self.blocks[key]
 
+    def all_children(self, parent: bytes) -> list[BlockMeta]:
+        """Every stored continuation of ``parent``, whatever its first token."""
+        return [self.blocks[key] for keys in self._children.get(parent, {}).values() for key in keys]
+
     # -- placement ----------------------------------------------------------------------------
     def set_resident(self, meta: BlockMeta, tier: Tier | None) -> None:
         if meta.resident is tier:

@@ -1749,6 +1749,7 @@ class TieredStore:
         """Drop a session's references to ``keys`` and the blocks no other session references,
         from every tier and the disk; returns how many blocks were dropped."""
         removed = 0
+        dropped = []
         for key in keys:
             meta = self._index.blocks.get(key)
             if meta is None:
@@ -1756,9 +1757,25 @@ class TieredStore:
             meta.sessions.discard(sid)
             if not meta.sessions:
                 self._drop(meta)
+                dropped.append(key)
                 removed += 1
+        removed += self._drop_below(dropped)
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
+        return removed
+
+    def _drop_below(self, parents: list[bytes]) -> int:
+        """Drop the blocks below dropped ones that no session references: turns without a session
+        that continued a forgotten conversation. Their KV was computed over it, and no lookup
+        reaches them once their parent is gone (found by helper-33: they stayed at rest, on disk
+        and after a restart, until evicted). Returns how many were dropped."""
+        removed = 0
+        while parents:
+            for meta in self._index.all_children(parents.pop()):
+                if not meta.sessions:
+                    self._drop(meta)
+                    parents.append(meta.key)
+                    removed += 1
         return removed
 
     # -- forget and stats ---------------------------------------------------------------------------
@@ -1766,7 +1783,9 @@ class TieredStore:
         """Drop a session's (or a whole tenant's) blocks from every tier; returns blocks removed.
 
         ``forget(session=s)`` forgets session ``s`` under every tenant, ``forget(session=s,
-        tenant=t)`` only under ``t``; blocks another live session still references stay.
+        tenant=t)`` only under ``t``; blocks another live session still references stay, and the
+        blocks below those removed that no session references (turns without a session that
+        continued the conversation) go with them.
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
