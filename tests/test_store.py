@@ -1447,15 +1447,63 @@ def test_models_attending_in_both_directions_are_refused(tiny_model):
                                            "is_decoder=True"),
                                           ("roformer", {"embedding_size": 32}, "is_decoder=True"),
                                           ("big_bird", {"attention_type": "original_full"}, "is_decoder=True"),
+                                          # Block-sparse attention says neither until a forward swaps in
+                                          # full attention (helper-31: accepted before any forward, then
+                                          # logits 1.3 off).
+                                          ("big_bird", {}, "is_decoder=True"),
                                           ("megatron-bert", {}, "is_decoder=True")):
             config = AutoConfig.for_model(model_type, **small, **extra)
             model = AutoModelForCausalLM.from_config(config).eval()
             with pytest.raises(ValueError, match=f"attends in both directions .*{remedy}"):
                 store.open(model, ids)
-        decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **small, is_decoder=True)).eval()
-        cache = store.open(decoder, ids)
-        assert torch.equal(decoder.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False),
-                           decoder.generate(ids, max_new_tokens=3, do_sample=False))
+        for model_type in ("bert", "big_bird"):
+            decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **small, is_decoder=True)).eval()
+            cache = store.open(decoder, ids)
+            assert torch.equal(decoder.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False),
+                               decoder.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model):
+    """Each was accepted at open (helper-31's sweep of transformers' causal LMs), then failed in
+    its first or second generate() with another error, or kept nothing."""
+    from transformers import MllamaForCausalLM
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig
+
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    cases = {
+        "predicts 2 n-gram streams": AutoConfig.for_model(
+            "prophetnet", vocab_size=VOCAB, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            num_encoder_layers=3, num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4),
+        "runs its recurrent layers 2 times": AutoConfig.for_model(
+            "dory", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=16,
+            n_input_layers=2, n_recurrent_layers=2, n_output_layers=2, n_recurrent_loops=2,
+            layer_types=["full_attention", "mlp"] * 3, sliding_window=1024, **heads),
+        "adds language embeddings": AutoConfig.for_model("xlm", vocab_size=VOCAB, emb_dim=64, n_layers=2, n_heads=4),
+        r"cross-attention layers \(\[1\]\)": MllamaTextConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, cross_attention_layers=[1],
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **heads),
+        r"shares KV between layers \(num_kv_shared_layers=2": AutoConfig.for_model(
+            "gemma3n_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, layer_types=["full_attention"] * 4,
+            num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, **heads),
+    }
+    ids = random_ids(21)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        for message, config in cases.items():
+            torch.manual_seed(0)
+            build = MllamaForCausalLM if isinstance(config, MllamaTextConfig) else AutoModelForCausalLM.from_config
+            model = build(config).eval()
+            with pytest.raises(ValueError, match=message):
+                store.open(model, ids)
+        # Cross-attention layers past the model's depth (Mllama's defaults, cut to 3 layers): none.
+        torch.manual_seed(0)
+        model = MllamaForCausalLM(MllamaTextConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, cross_attention_layers=[3, 8],
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **heads)).eval()
+        cache = store.open(model, ids, session="m")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+        assert cache.commit(out) == out.shape[1] - 1
 
 
 def test_a_model_without_a_kv_cache_is_refused(tiny_model):

@@ -259,6 +259,27 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
             raise ValueError(f"{name} embeds images or audio ({part}); tierkv keys KV on token ids alone, and an "
                              "image's placeholder ids are the same for every image. Use it with a text-only "
                              "language model (AutoModelForCausalLM on the text config)")
+    # Layouts of the KV that a reused cache does not give back as recomputed, or that the model
+    # builds itself (each found by helper-31 accepted at open, then failing or wrong).
+    if getattr(text_config, "ngram", None) and hasattr(text_config, "num_decoder_layers"):
+        raise ValueError(f"{name} predicts {text_config.ngram} n-gram streams, whose attention holds a main and "
+                         "predicting streams' KV: a prefix restored into it does not equal recomputation (a reused "
+                         "DynamicCache fails there too). tierkv supports decoder-only models with one stream")
+    loops = getattr(text_config, "n_recurrent_loops", None)
+    if isinstance(loops, int) and loops > 1:
+        raise ValueError(f"{name} runs its recurrent layers {loops} times, each loop over cache layers it adds "
+                         "(copies of the recurrent layers' own) past num_hidden_layers: tierkv cannot restore "
+                         "those. Use it without tierkv")
+    if "langs" in inputs:
+        raise ValueError(f"{name} adds language embeddings (langs, which generate() fills in from the config) to "
+                         "the ids' KV, which tierkv keys on token ids alone. Use it without tierkv")
+    layers = getattr(text_config, "num_hidden_layers", None)
+    crossing = [i for i in getattr(text_config, "cross_attention_layers", None) or ()
+                if not isinstance(layers, int) or i < layers]
+    if crossing:
+        raise ValueError(f"{name} has cross-attention layers ({list(crossing)}) that read image states and hold no "
+                         "KV of the ids, so a TieredCache would keep nothing of any turn; use a text-only "
+                         "model (no cross_attention_layers)")
     v_dim = getattr(text_config, "v_head_dim", None)
     qk_dim = getattr(text_config, "qk_head_dim", None) or (
         (getattr(text_config, "qk_nope_head_dim", 0) or 0) + (getattr(text_config, "qk_rope_head_dim", 0) or 0))
@@ -273,7 +294,14 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     for module_name, module in model.named_modules():
         flag = "is_causal" if getattr(module, "is_causal", True) is False else \
             "is_decoder" if getattr(module, "is_decoder", True) is False else None
-        if flag is not None and hasattr(module, "layer_idx") and \
+        writes_cache = hasattr(module, "layer_idx")
+        if getattr(module, "attention_type", None) == "block_sparse" and \
+                getattr(getattr(module, "config", None), "is_decoder", True) is False:
+            # BigBird's block-sparse attention holds no layer_idx and no is_decoder; its first
+            # forward swaps in full attention over a bidirectional mask (found by helper-31: a
+            # model accepted before any forward served wrong output).
+            flag, writes_cache = "config.is_decoder", True
+        if flag is not None and writes_cache and \
                 not getattr(module, "is_cross_attention", False) and \
                 not {"encoder_attn", "crossattention", "cross_attn", "cross_attention"} & set(module_name.split(".")):
             remedy = ("it was built with use_bidirectional_attention=True" if
@@ -365,6 +393,12 @@ def _static_facts(model: Any) -> _Static:
         hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
                 "sliding_window=None)" if "sliding_attention" in other and
                 getattr(text_config, "layer_types", None) is None else "")
+        if "dummy" in other:
+            shared = getattr(text_config, "num_kv_shared_layers", None)
+            raise ValueError(f"{type(model).__name__} shares KV between layers (num_kv_shared_layers={shared}: its "
+                             "last layers read earlier layers' KV and hold none, 'dummy' layers in transformers' "
+                             "caches); tierkv supports decoder-only models whose every layer holds its own "
+                             "full-attention KV")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention layers only, for now{hint}")
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
