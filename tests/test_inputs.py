@@ -979,9 +979,16 @@ def test_a_second_generate_whose_mask_hides_a_generated_token_keeps_what_came_be
         later = torch.cat([first, random_ids(4, 2)], dim=1)
         mask = torch.ones_like(later)
         mask[0, 22] = 0  # a token the first generate() made, hidden from the second's
-        second = greedy(model, later, past_key_values=cache, attention_mask=mask)
-        assert cache.commit(second) == 24
-        assert_next_turn_exact(store, model, second, restored=24)
+        kw: dict = dict(attention_mask=mask, return_dict_in_generate=True, output_logits=True)
+        second = greedy(model, later, past_key_values=cache, **kw)
+        # The KV of token 23 was computed at its own position, seeing token 22: under this mask
+        # generate() puts it a position lower, without it. It is computed again, from 22 on.
+        plain = greedy(model, later, **kw)
+        assert torch.equal(second.sequences, plain.sequences)
+        for a, b in zip(second.logits, plain.logits):
+            torch.testing.assert_close(a, b)
+        assert cache.commit(second.sequences) == 22
+        assert_next_turn_exact(store, model, second.sequences, restored=22)
 
 
 @pytest.mark.parametrize("edit", ["reply", "prompt", "restored"])
@@ -1411,6 +1418,55 @@ def test_a_second_generate_on_a_cache_several_rows_filled_is_plain_generates(fir
             assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
         else:  # samples or beams in the cache's rows: the conversation it was opened with
             assert cache.commit(got.sequences[:1]) == ids.shape[1]
+
+
+@pytest.mark.parametrize("how", ["embeds", "mask"])
+def test_a_generate_after_forwards_of_unknown_ids_computes_them_again(how: str) -> None:
+    """A forward past the conversation fed as embeddings, or under a mask that hides a token,
+    leaves KV whose ids are unknown; a later generate() on the cache was given other ids there
+    and served that KV (the prefix check compared known ids only: logits 0.8 off)."""
+    model = make_model("llama")
+    ids = random_ids(10, 2)
+    other, mine = random_ids(3, 5), random_ids(3, 6)
+    with TieredStore(None, block_size=4) as store:
+        cache = store.open(model, ids)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            if how == "embeds":
+                model(inputs_embeds=model.get_input_embeddings()(other), past_key_values=cache,
+                      position_ids=torch.arange(10, 13)[None])
+            else:
+                model(mine, past_key_values=cache, attention_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, 12)], 1).long())
+        assert cache.get_seq_length() == 13
+        x = torch.cat([ids, mine, random_ids(2, 7)], 1)
+        kw: dict = dict(return_dict_in_generate=True, output_logits=True)
+        got = greedy(model, x, past_key_values=cache, **kw)
+        plain = greedy(model, x, **kw)
+        assert torch.equal(got.sequences, plain.sequences)
+        for a, b in zip(got.logits, plain.logits):
+            torch.testing.assert_close(a, b)
+        assert cache.commit(got.sequences) == got.sequences.shape[1] - 1  # the unknown KV was dropped
+
+
+def test_a_second_generate_whose_mask_hides_a_token_of_the_first_reply_computes_from_it() -> None:
+    """generate() masks its pad_token_id wherever it appears: a token of the first reply made the
+    pad of the second generate() on the same cache shifted the positions after it, while the cache
+    held that reply's KV computed unmasked at the old positions (logits 4e-3 off)."""
+    model = make_model("llama")
+    ids = random_ids(12, 3)
+    with TieredStore(None, block_size=4) as store:
+        cache = store.open(model, ids, session="s")
+        first = greedy(model, ids, past_key_values=cache, pad_token_id=1)
+        pad = int(first[0, 13])
+        assert not (ids == pad).any() and not (first[0, 14:] == pad).any()
+        x = torch.cat([first, random_ids(3, 4)], 1)
+        kw: dict = dict(pad_token_id=pad, return_dict_in_generate=True, output_logits=True)
+        got = greedy(model, x, past_key_values=cache, **kw)
+        plain = greedy(model, x, **kw)
+        assert torch.equal(got.sequences, plain.sequences)
+        for a, b in zip(got.logits, plain.logits):
+            torch.testing.assert_close(a, b)
+        assert cache.commit(got.sequences) == 13  # up to the masked token
 
 
 def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:

@@ -685,8 +685,10 @@ def _install_checked_prefill(cls: type) -> None:
                     # Refused before its first forward, which would grow the cache (the forward
                     # hook refuses a later one, and then the cache held the prompt's KV twice over).
                     raise ValueError(_NO_CACHE_USE)
-                if isinstance(cache, TieredCache) and (cache._rows_diverged or cache._several_rows()):
-                    cache._drop_unverified()  # chunked or not: generate() reads the length next
+                if isinstance(cache, TieredCache) and (cache._rows_diverged or cache._several_rows() or
+                                                       cache.get_seq_length() > cache._restored_held):
+                    # Chunked or not: generate() reads the length next.
+                    cache._drop_unverified(model_kwargs.get("attention_mask"))
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
             try:
@@ -1520,18 +1522,41 @@ class TieredCache(Cache):
         super().reset()
         self._forget_forwards()
 
-    def _drop_unverified(self) -> None:
-        """Before a generate()'s prefill (it reads the cache's length then): KV past the conversation
-        computed for several rows (samples, beams) is KV of rows whose ids were not recorded (only
-        row 0's are), in the order of the last step's beams, not of the sequences generate()
-        returned: the ids a later generate() got cannot be checked against it, and another row's
-        would pass (a DynamicCache there gives each row's KV to whatever ids sit in that row).
-        Dropped, whether the rows were cut to one (``batch_select_indices``) or not; and several
-        rows left, alike over the conversation, are cut to one: generate() computes the tokens
-        past the conversation again from its ids, in as many rows as it asks for (as after a
-        restore), where a batch of another size met rows it could not take."""
-        if self._rows_diverged and self.get_seq_length() > len(self.input_ids):
-            self.crop(len(self.input_ids) - self.get_seq_length())  # transformers takes a count to drop
+    def _drop_unverified(self, mask: Any = None) -> None:
+        """Before a generate()'s prefill on a cache that holds more than it restored (it reads the
+        cache's length then), the KV this generate() cannot vouch for is dropped, so that it
+        computes those tokens again from its own ids and mask:
+
+        * KV past the conversation computed for several rows (samples, beams): only row 0's ids
+          were recorded, and the rows follow the last step's beams, not the sequences returned
+          (a DynamicCache there gives each row's KV to whatever ids sit in that row);
+        * from the first token past the conversation whose ids are not known (fed as embeddings,
+          under a mask that hid a token, at other positions): the prefix check compares known
+          ids only (found by helper-34: another message's KV was served, logits 0.8 off);
+        * from the first token the cache computed (not restored) that this generate()'s mask
+          hides (a pad id generate() masks in an earlier reply): the KV after it was computed
+          unmasked, at positions the mask now shifts (helper-34: logits 4e-3 off);
+
+        and several rows left, alike over the conversation, are cut to one: generate() computes
+        in as many rows as it asks for, as after a restore."""
+        n = len(self.input_ids)
+        done = self.get_seq_length()
+        keep = done
+        if done > n:
+            if self._rows_diverged:
+                keep = n
+            else:
+                fed, _ = self._fed_ids(n, done)
+                unknown = np.flatnonzero(fed < 0)
+                if len(unknown):
+                    keep = n + int(unknown[0])
+        held = self._restored_held
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= keep > held:
+            hidden = np.flatnonzero((mask[:, held:keep] == 0).any(dim=0).cpu().numpy())
+            if len(hidden):
+                keep = held + int(hidden[0])
+        if keep < done:
+            self.crop(keep - done)  # transformers takes a count to drop
         if self.batch_rows() > 1:
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
             self.batch_select_indices(first)
