@@ -807,6 +807,26 @@ def test_a_generate_stopped_between_steps_commits_up_to_the_ids_the_caller_has(s
         assert_next_turn_exact(store, model, shown, restored=shown.shape[1])
 
 
+def test_beams_that_end_on_eos_before_the_search_commit_the_conversation(caplog) -> None:
+    """A beam that finished on eos wins while the others decode on: generate() returns fewer ids
+    than the cache holds, and commit() of exactly what it returned was refused with advice to
+    pass what it returned (helper-32), keeping nothing of the turn."""
+    model = make_model("llama")
+    ids = random_ids(12, 4)
+    beams = model.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False)
+    with TieredStore(None, block_size=4) as store:
+        cache = store.open(model, ids, session="s")
+        eos = int(beams[0, 12])
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, num_beams=2, do_sample=False,
+                             eos_token_id=eos)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False, eos_token_id=eos))
+        assert out.shape[1] == 13 and cache.get_seq_length() > 13
+        with caplog.at_level("INFO", logger="tierkv"):
+            assert cache.commit(out) == 12
+        assert "the KV up to the ids given is kept" not in caplog.text  # beams keep the conversation anyway
+        assert_next_turn_exact(store, model, out, restored=12)
+
+
 @pytest.mark.parametrize("where", ["keys", "values"])
 def test_a_fresh_cache_whose_first_update_failed_is_refused_and_commits_nothing(where: str) -> None:
     # transformers' lazy initialization leaves 1-D empty placeholders in a layer whose first

@@ -914,7 +914,9 @@ class TieredStore:
         # or a streamer; Ctrl-C), returning nothing: what every layer holds is kept, up to the ids
         # given (the prompt, or what a streamer showed), which the ids fed are checked against.
         unfinished = n < cache.get_seq_length()
-        if n > len(seq):
+        if n > len(seq) and cache.batch_rows() == 1 and not cache._rows_diverged:
+            # (Beams that ended on eos before the search did return fewer ids than they fed; their
+            # commit keeps the conversation only, whatever it is given.)
             logger.info("tierkv: commit() got %d ids, and the cache holds KV for %d: the KV up to the ids given "
                         "is kept (pass the sequences generate() returned to keep its reply too)", len(seq), n)
         n = min(n, len(seq))
