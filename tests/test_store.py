@@ -1848,6 +1848,29 @@ def test_forget_takes_the_blocks_below_its_own_that_no_session_holds(tiny_model,
         verify_open(store, model, cat(other, random_ids(1, 86)), session="C", expect=other.shape[1] - 1)
 
 
+def test_a_turn_opened_before_a_forget_of_blocks_it_restored_keeps_none_of_them(tiny_model, tmp_path):
+    """A turn without a session that restored a session's conversation, open while that session
+    was forgotten, wrote the forgotten blocks back at its commit, on disk and past a restart
+    (helper-34). It keeps the blocks before the first forgotten one (shared with a live session)."""
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    prompt = random_ids(2 * B, 91)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, mine = turn(store, model, cat(prompt, random_ids(B + 1, 92)), session="A", new=2)
+        _, other = turn(store, model, cat(prompt, random_ids(B + 2, 93)), session="B", new=2, expect=2 * B)
+        later = cat(mine, random_ids(3, 94))
+        cache = verify_open(store, model, later, expect=mine.shape[1] - 1)  # no session
+        out = verify_generate(model, later, cache, 2)
+        assert store.forget(session="A") > 0
+        assert store.open(model, cat(mine, random_ids(1, 95))).restored_tokens == 2 * B
+        assert cache.commit(out) == 2 * B  # the blocks B holds, not A's
+        verify_open(store, model, cat(mine, random_ids(1, 95)), expect=2 * B)
+        verify_sessions_hold_blocks_of_their_own(store)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        verify_open(store, model, cat(mine, random_ids(1, 95)), expect=2 * B)
+        verify_open(store, model, cat(other, random_ids(1, 96)), session="B", expect=other.shape[1] - 1)
+
+
 def test_a_reopened_store_stops_tracking_sessions_with_no_block_of_their_own(tiny_model, tmp_path):
     # Rows an earlier build kept: a session whose only block another session also references.
     model = tiny_model("llama")

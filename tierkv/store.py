@@ -143,6 +143,8 @@ WRITE_STALL_S = 10.0
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
 _FORGETS_KEPT = 4096
+#: Blocks dropped by session forgets, remembered for the turns in flight (``_first_forgotten``).
+_FORGOTTEN_BLOCKS_KEPT = 1 << 16
 
 
 def _abandonable(op: DiskOp) -> bool:
@@ -320,6 +322,10 @@ class TieredStore:
         self._forget_clock = 0
         self._forgotten: dict[tuple[str, Any], int] = {}
         self._forgotten_floor = 0  # older entries were let go: turns opened before it keep nothing
+        # The blocks each session forget dropped, by the clock of that forget: a turn opened before
+        # it (of any session, or none) that restored one keeps nothing from it on at its commit.
+        self._forgotten_blocks: dict[bytes, int] = {}
+        self._forgotten_blocks_floor = 0
         self._closed = False  # no new turns, flushes or forgets
         self._released = False  # the tiers are let go (the disk tier closed): close is done
         self._pid = os.getpid()
@@ -972,6 +978,11 @@ class TieredStore:
             if n % B:
                 start = len(keys) * B
                 spans.append((start, n, block_key(keys[-1] if keys else cache.root, ids[start:])))
+            cut = self._first_forgotten(cache, [key for _, _, key in spans])
+            if cut is not None:
+                # Its KV from there on is a forgotten conversation's, or was computed over it.
+                logger.debug("tierkv: a turn opened before a forget of blocks it holds keeps the blocks before them")
+                spans = spans[:cut]
             sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
             parent = cache.root
             chain: list[BlockMeta] = []
@@ -1750,7 +1761,6 @@ class TieredStore:
     def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
         """Drop a session's references to ``keys`` and the blocks no other session references,
         from every tier and the disk; returns how many blocks were dropped."""
-        removed = 0
         dropped = []
         for key in keys:
             meta = self._index.blocks.get(key)
@@ -1760,25 +1770,46 @@ class TieredStore:
             if not meta.sessions:
                 self._drop(meta)
                 dropped.append(key)
-                removed += 1
-        removed += self._drop_below(dropped)
+        dropped += self._drop_below(list(dropped))
+        self._note_forgotten_blocks(dropped)
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
-        return removed
+        return len(dropped)
 
-    def _drop_below(self, parents: list[bytes]) -> int:
+    def _drop_below(self, parents: list[bytes]) -> list[bytes]:
         """Drop the blocks below dropped ones that no session references: turns without a session
         that continued a forgotten conversation. Their KV was computed over it, and no lookup
         reaches them once their parent is gone (found by helper-33: they stayed at rest, on disk
-        and after a restart, until evicted). Returns how many were dropped."""
-        removed = 0
+        and after a restart, until evicted). Returns their keys."""
+        dropped = []
         while parents:
             for meta in self._index.all_children(parents.pop()):
                 if not meta.sessions:
                     self._drop(meta)
                     parents.append(meta.key)
-                    removed += 1
-        return removed
+                    dropped.append(meta.key)
+        return dropped
+
+    def _note_forgotten_blocks(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._forgotten_blocks.pop(key, None)  # re-inserted last: the dict stays in clock order
+            self._forgotten_blocks[key] = self._forget_clock
+        if len(self._forgotten_blocks) > _FORGOTTEN_BLOCKS_KEPT:
+            old = list(self._forgotten_blocks.items())[:len(self._forgotten_blocks) // 2]
+            for key, _ in old:
+                del self._forgotten_blocks[key]
+            self._forgotten_blocks_floor = old[-1][1]
+
+    def _first_forgotten(self, cache: TieredCache, keys: list[bytes]) -> int | None:
+        """The index of the first of a commit's ``keys`` (its chain's) that a forget dropped since
+        ``cache`` was opened (helper-34: a turn without a session that restored a conversation
+        just forgotten wrote it back at its commit, on disk and past a restart), or None."""
+        seen = getattr(cache, "_forgets_seen", self._forget_clock)
+        if seen == self._forget_clock or not keys:
+            return None
+        if seen < self._forgotten_blocks_floor:
+            return 0  # which blocks went since is no longer known
+        return next((i for i, key in enumerate(keys) if self._forgotten_blocks.get(key, -1) > seen), None)
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:
