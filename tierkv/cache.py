@@ -1490,6 +1490,8 @@ class TieredCache(Cache):
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         # transformers calls this only when assisted decoding starts; see the module docstring.
+        # (5.25's DeferredStopCheck also calls it after a prefill, on MPS only, which
+        # resolve_device refuses: there this would throw away KV the prefill just computed.)
         # 5.25 passes how many recurrent states to keep (for linear-attention layers, which a
         # TieredCache never holds); 5.24 passes nothing and its base takes nothing.
         if self.get_seq_length() > 0:
