@@ -50,6 +50,9 @@ and holds no policy:
 Generation details handled here:
 * beam search and ``num_return_sequences`` expand the batch after the cache was filled: a batch-1
   layer is repeated to the incoming batch on its first update;
+* a later ``generate`` on the same cache first drops the KV its ids and mask cannot vouch for
+  (several rows past the conversation, ids fed unknown, tokens its mask hides) and cuts several
+  rows to one (``_drop_unverified``, from the wrapper of generate's prefill stage);
 * assisted decoding (``prompt_lookup_num_tokens``, assistant models) re-feeds the whole prompt on
   its first forward in transformers 5.x whatever the cache holds, and announces itself through
   ``activate_past_recording``; the cache then drops what it restored, so the prompt is recomputed
