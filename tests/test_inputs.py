@@ -1143,6 +1143,12 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
             model(ids, past_key_values=cache)  # a cache that holds every id, then a chunked prefill on it
         with pytest.raises(ValueError, match="4 ids with position_ids for 0 tokens on top of the 20"):
             greedy(model, ids, past_key_values=cache, prefill_chunk_size=4)
+        cache = store.open(model, ids, session="d")
+        out = greedy(model, ids, past_key_values=cache)
+        for beams in (3, 1):  # fewer ids than the cache holds, with a message of their own
+            with pytest.raises(ValueError, match="given no more ids than the cache holds"):
+                model.generate(torch.cat([out[:, :4], random_ids(2, 8)], 1), past_key_values=cache,
+                               num_beams=beams, max_new_tokens=2, do_sample=False)
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
@@ -1487,6 +1493,52 @@ def test_a_second_generate_whose_mask_hides_a_token_of_the_first_reply_computes_
         for a, b in zip(got.logits, plain.logits):
             torch.testing.assert_close(a, b)
         assert cache.commit(got.sequences) == 13  # up to the masked token
+
+
+@pytest.mark.parametrize("case", ["masked, then unmasked", "masked by hand, then generate",
+                                  "rows, then token 0 masked", "restored token masked"])
+def test_a_later_generate_never_meets_kv_computed_under_another_mask(case: str) -> None:
+    """KV after a token an earlier forward's mask hid sits at the positions that mask gave, and
+    KV restored or computed unmasked sits at its own: a later generate() on the cache under
+    another mask was served either (logits 0.02-0.04 off), and one whose mask hid token 0 after
+    several rows raised in torch.cat (helper-35). It computes from the first such token again,
+    or, for a restored token, is refused as a first generate() is."""
+    model = make_model("llama")
+    ids = random_ids(12, 3)
+    kw: dict = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    with TieredStore(None, block_size=4) as store:
+        if case == "restored token masked":
+            one_turn(store, model, ids[:, :9])
+        cache = store.open(model, ids, session="s")
+        if case == "masked, then unmasked":
+            mask = torch.ones_like(ids)
+            mask[0, 10] = 0
+            first = model.generate(ids, past_key_values=cache, attention_mask=mask, **kw).sequences
+            x, mask = torch.cat([first, random_ids(3, 4)], 1), None
+        elif case == "masked by hand, then generate":
+            with torch.no_grad():
+                model(ids[:, :11], attention_mask=torch.tensor([[1] * 10 + [0]]), past_key_values=cache)
+            assert cache.get_seq_length() == 11
+            x, mask = ids, None
+        elif case == "rows, then token 0 masked":
+            torch.manual_seed(0)
+            first = model.generate(ids, past_key_values=cache, do_sample=True, num_return_sequences=3,
+                                   max_new_tokens=2)
+            x = torch.cat([first[:1], random_ids(3, 4)], 1)
+            mask = torch.ones_like(x)
+            mask[0, 0] = 0
+        else:
+            assert cache.restored_tokens == 9
+            first = greedy(model, ids, past_key_values=cache)
+            x = torch.cat([first, random_ids(3, 4)], 1)
+            with pytest.raises(ValueError, match="hides token 2, which this cache restored"):
+                model.generate(x, past_key_values=cache, pad_token_id=int(x[0, 2]), **kw)
+            return
+        got = model.generate(x, past_key_values=cache, attention_mask=mask, **kw)
+        plain = model.generate(x, attention_mask=mask, **kw)
+        assert torch.equal(got.sequences, plain.sequences)
+        for a, b in zip(got.logits, plain.logits):
+            torch.testing.assert_close(a, b)
 
 
 def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:

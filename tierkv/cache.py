@@ -1029,6 +1029,13 @@ class _Fed(NamedTuple):
     positions: torch.Tensor | None = None
 
 
+def _restored_hidden(token: int) -> ValueError:
+    return ValueError(f"the attention_mask hides token {token}, which this cache restored from KV computed without "
+                      "that mask (generate() masks pad_token_id wherever it appears in the ids). Pass the same "
+                      "attention_mask every turn (or none), pass pad_token_id=<your eos id> to generate(), or do "
+                      "not pad one conversation")
+
+
 _NO_CACHE_USE = ("generate() ran with use_cache=False (given to it, or the model's generation_config.use_cache, "
                  "False in some configs such as MPT's), so it feeds every id at every step: a TieredCache would "
                  "hold their KV twice. Pass use_cache=True to generate(), or set "
@@ -1401,9 +1408,9 @@ class TieredCache(Cache):
             # its first chunk with the positions past the cache: none.
             raise ValueError(f"the model was given {input_ids.shape[1]} ids with position_ids for "
                              f"{positions.shape[-1]} tokens on top of the {done} this TieredCache holds (generate() "
-                             "with prefill_chunk_size feeds so on a cache that already holds every id it is given): "
-                             "commit this cache and open a new one with the conversation and its new message "
-                             "(store.open restores at most all but the last id)")
+                             "given no more ids than the cache holds feeds so, with prefill_chunk_size or beams): "
+                             "pass the whole conversation the cache holds and its new ids, or commit this cache "
+                             "and open a new one with the conversation and its new message")
         # Read (a sync) for a forward of several ids only, never a decode step; generate() counts
         # positions over the mask, so past a masked token they stay behind the cache's length.
         if positions is not None and input_ids.shape[1] > 1 and (mask is None or bool(mask.all())) and \
@@ -1443,10 +1450,7 @@ class TieredCache(Cache):
         hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
         # Restored KV still held: after a crop below it, what was restored there is computed again.
         if hidden < getattr(self, "_restored_held", self.restored_tokens):
-            raise ValueError(f"the attention_mask hides token {hidden}, which this cache restored from KV "
-                             "computed without that mask (generate() masks pad_token_id wherever it appears "
-                             "in the ids). Pass the same attention_mask every turn (or none), pass "
-                             "pad_token_id=<your eos id> to generate(), or do not pad one conversation")
+            raise _restored_hidden(hidden)
         return hidden
 
     def _fed_ids(self, start: int, stop: int) -> tuple[np.ndarray, int]:
@@ -1512,6 +1516,8 @@ class TieredCache(Cache):
         super().crop(*args, **kwargs)
         length = self.get_seq_length()
         self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
+        if self._masked_from is not None and self._masked_from >= length:
+            self._masked_from = None  # no KV left that a mask hid a token from
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
                      for f in self._fed if f.at < length]
         if length <= len(self.input_ids):
@@ -1555,16 +1561,26 @@ class TieredCache(Cache):
                 unknown = np.flatnonzero(fed < 0)
                 if len(unknown):
                     keep = n + int(unknown[0])
+        if self._masked_from is not None:
+            # An earlier forward's mask hid a token of the conversation: the KV after it sits at
+            # the positions that mask gave, which this generate()'s mask need not give.
+            keep = min(keep, self._masked_from)
         held = self._restored_held
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= keep > held:
-            hidden = np.flatnonzero((mask[:, held:keep] == 0).any(dim=0).cpu().numpy())
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= keep:
+            hidden = np.flatnonzero((mask[:, :keep] == 0).any(dim=0).cpu().numpy())
+            if len(hidden) and int(hidden[0]) < held:
+                raise _restored_hidden(int(hidden[0]))  # as at a first generate
             if len(hidden):
-                keep = held + int(hidden[0])
+                keep = int(hidden[0])
         if keep < done:
             self.crop(keep - done)  # transformers takes a count to drop
-        if self.batch_rows() > 1:
-            first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
-            self.batch_select_indices(first)
+        if self._several_rows():
+            if keep:
+                first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
+                self.batch_select_indices(first)
+            else:
+                for layer in self.layers:  # nothing left: empty rows would meet another batch
+                    layer.reset()
         self._rows_diverged = False
 
     def _forget_forwards(self) -> None:
