@@ -1130,7 +1130,7 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
     with TieredStore(None, block_size=8) as store:
         cache = store.open(model, ids, session="s")
         out = greedy(model, ids, past_key_values=cache)
-        with pytest.raises(ValueError, match="positions from 4 on, but this TieredCache holds 24"):
+        with pytest.raises(ValueError, match="given 20 ids, fewer than the 24 this TieredCache holds"):
             greedy(model, ids, past_key_values=cache)  # the first prompt again: a slice of it is fed
         with torch.no_grad(), pytest.raises(ValueError, match="attention_mask over 1 tokens rather than 25"):
             model(out[:, -1:], past_key_values=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
@@ -1146,9 +1146,24 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         cache = store.open(model, ids, session="d")
         out = greedy(model, ids, past_key_values=cache)
         for beams in (3, 1):  # fewer ids than the cache holds, with a message of their own
-            with pytest.raises(ValueError, match="given no more ids than the cache holds"):
+            with pytest.raises(ValueError, match="given 6 ids, fewer than the 24 this TieredCache holds"):
                 model.generate(torch.cat([out[:, :4], random_ids(2, 8)], 1), past_key_values=cache,
                                num_beams=beams, max_new_tokens=2, do_sample=False)
+        # Fewer ids where generate() feeds one of them, past the cache, with no check tripping
+        # (2L - held = 1): it ran on another context's KV (helper-35). And a first generate()
+        # given fewer ids than the cache restored, chunked or not.
+        cache = store.open(model, ids[:, :17], session="e")
+        with torch.no_grad():
+            model(ids[:, :17], past_key_values=cache)
+        for chunk in (None, 4):
+            with pytest.raises(ValueError, match="given 9 ids, fewer than the 17 this TieredCache holds"):
+                greedy(model, ids[:, :9], past_key_values=cache, prefill_chunk_size=chunk)
+        cache.commit(ids[:, :17])
+        cache = store.open(model, torch.cat([ids[:, :17], random_ids(1, 9)], 1), session="e")
+        assert cache.restored_tokens == 17
+        for chunk in (None, 4):
+            with pytest.raises(ValueError, match="given 5 ids, fewer than the 17 this TieredCache holds"):
+                greedy(model, ids[:, :5], past_key_values=cache, prefill_chunk_size=chunk)
         cache = store.open(model, ids, session="c")
         with pytest.raises(ValueError, match="use_cache=False"):
             greedy(model, ids, past_key_values=cache, use_cache=False)
@@ -1496,7 +1511,7 @@ def test_a_second_generate_whose_mask_hides_a_token_of_the_first_reply_computes_
 
 
 @pytest.mark.parametrize("case", ["masked, then unmasked", "masked by hand, then generate",
-                                  "rows, then token 0 masked", "restored token masked"])
+                                  "rows, then token 0 masked", "token 0 masked, then beams", "restored token masked"])
 def test_a_later_generate_never_meets_kv_computed_under_another_mask(case: str) -> None:
     """KV after a token an earlier forward's mask hid sits at the positions that mask gave, and
     KV restored or computed unmasked sits at its own: a later generate() on the cache under
@@ -1510,11 +1525,13 @@ def test_a_later_generate_never_meets_kv_computed_under_another_mask(case: str) 
         if case == "restored token masked":
             one_turn(store, model, ids[:, :9])
         cache = store.open(model, ids, session="s")
-        if case == "masked, then unmasked":
+        if case in ("masked, then unmasked", "token 0 masked, then beams"):
             mask = torch.ones_like(ids)
-            mask[0, 10] = 0
+            mask[0, 10 if case == "masked, then unmasked" else 0] = 0
             first = model.generate(ids, past_key_values=cache, attention_mask=mask, **kw).sequences
             x, mask = torch.cat([first, random_ids(3, 4)], 1), None
+            if case == "token 0 masked, then beams":  # all is computed again, in two rows
+                kw["num_beams"] = 2
         elif case == "masked by hand, then generate":
             with torch.no_grad():
                 model(ids[:, :11], attention_mask=torch.tensor([[1] * 10 + [0]]), past_key_values=cache)

@@ -692,6 +692,17 @@ def _install_checked_prefill(cls: type) -> None:
                                                        cache.get_seq_length() > cache._restored_held):
                     # Chunked or not: generate() reads the length next.
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
+                given = args[0] if args else kwargs.get("input_ids")
+                if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2 and \
+                        0 < given.shape[1] < cache.get_seq_length():
+                    # generate() feeds the last ids past that length, at their positions in these
+                    # ids, on top of another context: one id passed every check (helper-35).
+                    raise ValueError(f"generate() was given {given.shape[1]} ids, fewer than the "
+                                     f"{cache.get_seq_length()} this TieredCache holds: it takes the whole "
+                                     "conversation the cache holds and its new ids (pass the sequences the last "
+                                     "generate() returned, with the new message appended); for a shorter "
+                                     "conversation, or after a generate() that raised, commit the cache with the "
+                                     "ids you have, which keeps the KV up to them, and open a new one")
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
             try:
@@ -1574,13 +1585,12 @@ class TieredCache(Cache):
                 keep = int(hidden[0])
         if keep < done:
             self.crop(keep - done)  # transformers takes a count to drop
-        if self._several_rows():
-            if keep:
-                first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
-                self.batch_select_indices(first)
-            else:
-                for layer in self.layers:  # nothing left: empty rows would meet another batch
-                    layer.reset()
+        if not keep:
+            for layer in self.layers:  # nothing left: empty rows would not meet another batch
+                layer.reset()
+        elif self._several_rows():
+            first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
+            self.batch_select_indices(first)
         self._rows_diverged = False
 
     def _forget_forwards(self) -> None:
