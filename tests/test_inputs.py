@@ -43,6 +43,14 @@ def assert_next_turn_exact(store: TieredStore, model: torch.nn.Module, out: torc
     assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
+def assert_as_plain(got: object, plain: object) -> None:
+    """Two generate() outputs (return_dict_in_generate, output_logits): the same tokens, and
+    logits to float rounding."""
+    assert torch.equal(got.sequences, plain.sequences)  # type: ignore[attr-defined]
+    for a, b in zip(got.logits, plain.logits):  # type: ignore[attr-defined]
+        torch.testing.assert_close(a, b)
+
+
 def unsampled_row(weight: torch.Tensor) -> int:
     """A row of ``weight`` that holds none of the fingerprint's sample points."""
     sampled = {int(i) // weight.shape[1] for i in sample_index(weight.numel())}
@@ -1004,9 +1012,7 @@ def test_a_second_generate_whose_mask_hides_a_generated_token_keeps_what_came_be
         # The KV of token 23 was computed at its own position, seeing token 22: under this mask
         # generate() puts it a position lower, without it. It is computed again, from 22 on.
         plain = greedy(model, later, **kw)
-        assert torch.equal(second.sequences, plain.sequences)
-        for a, b in zip(second.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(second, plain)
         assert cache.commit(second.sequences) == 22
         assert_next_turn_exact(store, model, second.sequences, restored=22)
 
@@ -1410,9 +1416,7 @@ def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row:
         kw: dict = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
         got = model.generate(later, past_key_values=cache, prefill_chunk_size=chunk, **kw)
         plain = model.generate(later, **kw)
-        assert torch.equal(got.sequences, plain.sequences)
-        for a, b in zip(got.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(got, plain)
         assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
         assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
 
@@ -1451,9 +1455,7 @@ def test_a_second_generate_on_a_cache_several_rows_filled_is_plain_generates(fir
         plain = model.generate(x, **kw)
         torch.manual_seed(1)
         got = model.generate(x, past_key_values=cache, prefill_chunk_size=chunk, **kw)
-        assert torch.equal(got.sequences, plain.sequences)
-        for a, b in zip(got.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(got, plain)
         if cache.batch_rows() == 1:  # commit keeps the turn, and the next one is exact
             assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
             assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
@@ -1483,9 +1485,7 @@ def test_a_generate_after_forwards_of_unknown_ids_computes_them_again(how: str) 
         kw: dict = dict(return_dict_in_generate=True, output_logits=True)
         got = greedy(model, x, past_key_values=cache, **kw)
         plain = greedy(model, x, **kw)
-        assert torch.equal(got.sequences, plain.sequences)
-        for a, b in zip(got.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(got, plain)
         assert cache.commit(got.sequences) == got.sequences.shape[1] - 1  # the unknown KV was dropped
 
 
@@ -1504,9 +1504,7 @@ def test_a_second_generate_whose_mask_hides_a_token_of_the_first_reply_computes_
         kw: dict = dict(pad_token_id=pad, return_dict_in_generate=True, output_logits=True)
         got = greedy(model, x, past_key_values=cache, **kw)
         plain = greedy(model, x, **kw)
-        assert torch.equal(got.sequences, plain.sequences)
-        for a, b in zip(got.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(got, plain)
         assert cache.commit(got.sequences) == 13  # up to the masked token
 
 
@@ -1553,9 +1551,7 @@ def test_a_later_generate_never_meets_kv_computed_under_another_mask(case: str) 
             return
         got = model.generate(x, past_key_values=cache, attention_mask=mask, **kw)
         plain = model.generate(x, attention_mask=mask, **kw)
-        assert torch.equal(got.sequences, plain.sequences)
-        for a, b in zip(got.logits, plain.logits):
-            torch.testing.assert_close(a, b)
+        assert_as_plain(got, plain)
 
 
 def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:

@@ -153,6 +153,20 @@ def _abandonable(op: DiskOp) -> bool:
                                         and not op.forgotten)
 
 
+def _remember(entries: dict[Any, int], keys: Iterable[Any], clock: int, kept: int, floor: int) -> int:
+    """Note ``keys`` at ``clock`` in ``entries`` (kept in clock order); past ``kept`` entries the
+    older half goes. Returns the floor: turns opened before it cannot tell what went since."""
+    for key in keys:
+        entries.pop(key, None)  # re-inserted last
+        entries[key] = clock
+    if len(entries) > kept:
+        old = list(entries.items())[:len(entries) // 2]
+        for key, _ in old:
+            del entries[key]
+        floor = old[-1][1]
+    return floor
+
+
 def write_batch_bytes(disk_budget: int) -> int:
     """The most block bytes one write transaction takes: 64 MiB, less under a disk budget below
     4 GiB. A transaction's puts need free pages besides those its own evictions free (LMDB reuses
@@ -1090,15 +1104,10 @@ class TieredStore:
 
     def _note_forget(self, key: tuple[str, Any]) -> None:
         self._forget_clock += 1
-        self._forgotten.pop(key, None)  # re-inserted last: the dict stays in clock order
-        self._forgotten[key] = self._forget_clock
-        if len(self._forgotten) > _FORGETS_KEPT:
-            # The older half goes. Turns run for seconds, while this many forgets take far longer:
-            # only a turn left open that long loses its commit.
-            old = list(self._forgotten.items())[:len(self._forgotten) // 2]
-            for key, _ in old:
-                del self._forgotten[key]
-            self._forgotten_floor = old[-1][1]
+        # Turns run for seconds, while this many forgets take far longer: only a turn left open
+        # that long loses its commit when the older half goes.
+        self._forgotten_floor = _remember(self._forgotten, [key], self._forget_clock, _FORGETS_KEPT,
+                                          self._forgotten_floor)
 
     def _queue_write(self, meta: BlockMeta, header: RecordHeader, source: Job[Any],
                      refs: list[tuple[bytes, str | None]]) -> None:
@@ -1791,14 +1800,8 @@ class TieredStore:
         return dropped
 
     def _note_forgotten_blocks(self, keys: list[bytes]) -> None:
-        for key in keys:
-            self._forgotten_blocks.pop(key, None)  # re-inserted last: the dict stays in clock order
-            self._forgotten_blocks[key] = self._forget_clock
-        if len(self._forgotten_blocks) > _FORGOTTEN_BLOCKS_KEPT:
-            old = list(self._forgotten_blocks.items())[:len(self._forgotten_blocks) // 2]
-            for key, _ in old:
-                del self._forgotten_blocks[key]
-            self._forgotten_blocks_floor = old[-1][1]
+        self._forgotten_blocks_floor = _remember(self._forgotten_blocks, keys, self._forget_clock,
+                                                 _FORGOTTEN_BLOCKS_KEPT, self._forgotten_blocks_floor)
 
     def _first_forgotten(self, cache: TieredCache, keys: list[bytes]) -> int | None:
         """The index of the first of a commit's ``keys`` (its chain's) that a forget dropped since
