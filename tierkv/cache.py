@@ -688,9 +688,10 @@ def _install_checked_prefill(cls: type) -> None:
                     # Refused before its first forward, which would grow the cache (the forward
                     # hook refuses a later one, and then the cache held the prompt's KV twice over).
                     raise ValueError(_NO_CACHE_USE)
-                if isinstance(cache, TieredCache) and (cache._rows_diverged or cache._several_rows() or
-                                                       cache.get_seq_length() > cache._restored_held):
-                    # Chunked or not: generate() reads the length next.
+                if isinstance(cache, TieredCache) and (cache.get_seq_length() > cache._restored_held or
+                                                       cache._several_rows()):
+                    # Chunked or not: generate() reads the length next. (Rows that diverged past
+                    # the conversation hold more than it restored.)
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
                 given = args[0] if args else kwargs.get("input_ids")
                 if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2 and \

@@ -925,13 +925,13 @@ class TieredStore:
         cache.check_computed_as_opened(weights=True)
         seq = sequence_ids_of(sequences)
         opened = cache.input_ids
-        if len(seq) < len(opened) and np.array_equal(seq, opened[:len(seq)]):
+        if not np.array_equal(seq[:len(opened)], opened[:len(seq)]):
+            raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
+                             "pass the sequences that generate() returned for this cache")
+        if len(seq) < len(opened):
             raise ValueError(f"commit() got the first {len(seq)} ids of the conversation this cache was opened "
                              f"with, not ids that start with all {len(opened)} of it: pass the sequences that "
                              "generate() returned for this cache")
-        if len(seq) < len(opened) or not np.array_equal(seq[:len(opened)], opened):
-            raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
-                             "pass the sequences that generate() returned for this cache")
         n = cache.held_tokens()
         # A forward raised part-way through the layers (out of memory, Ctrl-C), or generate()
         # stopped between two of them (an exception from a stopping criterion, a logits processor
