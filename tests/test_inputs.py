@@ -1147,7 +1147,7 @@ def test_generate_misused_on_a_cache_past_its_conversation_is_refused_clearly() 
         cache = store.open(model, ids, session="c")
         with torch.no_grad():
             model(ids, past_key_values=cache)  # a cache that holds every id, then a chunked prefill on it
-        with pytest.raises(ValueError, match="4 ids with position_ids for 0 tokens on top of the 20"):
+        with pytest.raises(ValueError, match="prefill_chunk_size was given 20 ids on a TieredCache that holds 20"):
             greedy(model, ids, past_key_values=cache, prefill_chunk_size=4)
         cache = store.open(model, ids, session="d")
         out = greedy(model, ids, past_key_values=cache)
@@ -1610,3 +1610,66 @@ def test_a_tiered_cache_iterates_as_a_dynamic_cache_does() -> None:
             torch.testing.assert_close((k, v), (layer.keys, layer.values))
         assert torch.equal(model.generate(later, past_key_values=copied, max_new_tokens=3, do_sample=False),
                            model.generate(later, max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_only_a_short_new_message_with_a_whole_mask_runs_on_a_longer_restore(chunk: int | None) -> None:
+    # The usual chat turn in that form: fewer new ids than the cache restored (helper-38). They
+    # were refused as "fewer ids than the cache holds" (and, chunked, as edited ids).
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        out = one_turn(store, model, random_ids(11, 1))
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        restored = cache.restored_tokens
+        assert later.shape[1] - restored < restored
+        got = greedy(model, later[:, restored:], past_key_values=cache, attention_mask=torch.ones_like(later),
+                     prefill_chunk_size=chunk)
+        assert torch.equal(got[:, -NEW:], greedy(model, later)[:, -NEW:])
+        # Fewer ids than the cache holds with a mask as long as them are still refused.
+        cache = store.open(model, later, session="s")
+        with pytest.raises(ValueError, match="fewer than"):
+            greedy(model, later[:, :restored - 1], past_key_values=cache)
+
+
+def test_a_chunked_prefill_on_a_cache_holding_every_id_is_refused_without_position_ids() -> None:
+    # Bloom's forward takes no position_ids, which the forward hook's refusal read: the chunks
+    # (every id again) ran on top of the cache and the output was not plain generate's.
+    model = make_model("bloom")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(12, 1)
+        cache = store.open(model, ids, session="s")
+        with torch.no_grad():
+            model(ids[:, cache.get_seq_length():], past_key_values=cache)
+        assert cache.get_seq_length() == ids.shape[1]
+        with pytest.raises(ValueError, match="prefill_chunk_size was given 12 ids"):
+            greedy(model, ids, past_key_values=cache, prefill_chunk_size=4)
+        assert cache.get_seq_length() == ids.shape[1]  # refused before any forward
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_beams=3), dict(do_sample=True, num_return_sequences=2)])
+def test_a_cache_cropped_to_nothing_takes_several_rows(kwargs: dict[str, object]) -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(12, 1)
+        one_turn(store, model, ids)
+        cache = store.open(model, ids, session="s")
+        cache.crop(-cache.get_seq_length())
+        torch.manual_seed(5)
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=4, **kwargs)
+        torch.manual_seed(5)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=4, **kwargs))
+
+
+def test_one_row_on_several_cropped_inside_the_conversation_is_refused() -> None:
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(12, 1)
+        one_turn(store, model, ids)
+        cache = store.open(model, ids, session="s")
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, num_beams=2, num_return_sequences=2,
+                       do_sample=False)
+        assert cache.batch_rows() == 2
+        cache.crop(-(cache.get_seq_length() - 8))
+        with torch.no_grad(), pytest.raises(ValueError, match="holds 2 rows"):
+            model(ids[:, 8:], past_key_values=cache)

@@ -661,6 +661,16 @@ _PREFILL = "_prefill"
 _checked_prefills: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+def _mask_length(model_kwargs: dict[str, Any], config: Any) -> int:
+    """The length generate()'s prefill reads as the conversation's, as it reads it: its mask's, or,
+    where it dropped a mask of ones, the one it noted. Ids as long are the whole conversation (it
+    feeds those past the cache); shorter ones are only the new ids (it feeds them all)."""
+    mask = model_kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
+        return int(mask.shape[1])
+    return int(getattr(config, "_mask_length", -1))
+
+
 def _install_checked_prefill(cls: type) -> None:
     """Keep ``cls._prefill`` (transformers' prefill stage of generate, where it defines one)
     checked, as ``_install_checked_prepare`` keeps ``prepare_inputs_for_generation``: a chunked
@@ -695,7 +705,8 @@ def _install_checked_prefill(cls: type) -> None:
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
                 given = args[0] if args else kwargs.get("input_ids")
                 if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2 and \
-                        0 < given.shape[1] < cache.get_seq_length():
+                        0 < given.shape[1] < cache.get_seq_length() and \
+                        _mask_length(model_kwargs, config) == given.shape[1]:
                     # generate() feeds the last ids past that length, at their positions in these
                     # ids, on top of another context: one id passed every check (helper-35).
                     raise ValueError(f"generate() was given {given.shape[1]} ids, fewer than the "
@@ -714,10 +725,17 @@ def _install_checked_prefill(cls: type) -> None:
             if isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
                 input_ids = given.get("input_ids")
-                mask = model_kwargs.get("attention_mask")
                 if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 \
                         and model_kwargs.get("inputs_embeds") is None \
-                        and (not isinstance(mask, torch.Tensor) or mask.shape[-1] == input_ids.shape[1]):
+                        and _mask_length(model_kwargs, config) == input_ids.shape[1]:
+                    if 0 < input_ids.shape[1] <= cache.get_seq_length():
+                        # Its chunks would be every id (input_ids[:, -0:]) on top of the cache: caught
+                        # by the forward hook only where the model takes position_ids (not Bloom, MPT).
+                        raise ValueError(f"generate() with prefill_chunk_size was given {input_ids.shape[1]} ids "
+                                         f"on a TieredCache that holds {cache.get_seq_length()}: it would feed them "
+                                         "all again on top of the cache. Pass the whole conversation the cache "
+                                         "holds and its new ids, or commit this cache and open a new one with the "
+                                         "conversation and its new message")
                     # As without chunks (_check_generate_ids): these ids hold the cached ones.
                     cache._check_prefix(input_ids, whole=given.get("is_first_iteration", True) is True)
             return inner(self, *args, **kwargs)
@@ -1337,6 +1355,14 @@ class TieredCache(Cache):
                              f"holds, with an attention_mask over {mask.shape[1]} tokens rather than "
                              f"{done + input_ids.shape[1]}: generate() takes the whole conversation, the cache's "
                              "ids and the new ones (and model() a mask over both)")
+        rows = self.batch_rows()
+        given = input_ids if isinstance(input_ids, torch.Tensor) else embeds
+        if rows > 1 and done and isinstance(given, torch.Tensor) and given.dim() >= 2 and given.shape[0] != rows:
+            # Several rows (beams, num_return_sequences) cropped back inside the conversation too
+            # (helper-38: torch's error otherwise); generate() cuts them to one first.
+            raise ValueError(f"this TieredCache holds {rows} rows (beams or num_return_sequences), and the model "
+                             f"was given {given.shape[0]}: commit it (which keeps the conversation's KV) and open "
+                             "a new cache, or pick a row first with cache.batch_select_indices")
         if done >= len(want):
             self._note_past(input_ids, embeds, kwargs, done)
             return
@@ -1527,6 +1553,11 @@ class TieredCache(Cache):
     def crop(self, *args: Any, **kwargs: Any) -> None:
         super().crop(*args, **kwargs)
         length = self.get_seq_length()
+        if not length:
+            # Empty (1, H, 0, D) layers would meet beams unexpanded (transformers repeats only
+            # layers that hold tokens): reset, they take any batch, as a fresh cache's do.
+            for layer in self.layers:
+                layer.reset()
         self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
         if self._masked_from is not None and self._masked_from >= length:
             self._masked_from = None  # no KV left that a mask hid a token from
