@@ -1817,6 +1817,29 @@ def test_sessions_that_repeat_or_continue_another_leave_its_blocks_to_the_last(t
         verify_sessions_hold_blocks_of_their_own(store)
 
 
+def test_forget_takes_the_blocks_beside_its_partial_tail_that_extend_it(tiny_model, tmp_path):
+    """A session whose own part is a partial tail after a shared prompt: a turn without a session
+    that continued it stored a block beside the tail (same parent, the tail's ids and more), not
+    below it. forget(session=...) left that block, the forgotten ids and KV, at rest, on disk and
+    after a restart, and a returning session restored the forgotten conversation (helper-36)."""
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    prompt = random_ids(2 * B, 91)
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        turn(store, model, cat(prompt, random_ids(3, 92)), session="C", new=2)
+        _, mine = turn(store, model, cat(prompt, random_ids(2, 93)), session="A", new=2, expect=2 * B)
+        assert mine.shape[1] - 1 - 2 * B < B  # A holds only a partial tail of its own
+        turn(store, model, cat(mine, random_ids(B, 94)), new=3, expect=mine.shape[1] - 1)  # no session
+        store.forget(session="A")
+        assert all(m.sessions for m in store._index.blocks.values())
+        verify_open(store, model, cat(mine, random_ids(1, 95)), session="A", expect=2 * B)
+        store.flush()
+    with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+        verify_open(store, model, cat(mine, random_ids(1, 95)), session="A", expect=2 * B)
+    tail = mine[0, 2 * B:].numpy().astype("<i8").tobytes()
+    assert tail not in (path / "data.mdb").read_bytes()
+
+
 def test_forget_takes_the_blocks_below_its_own_that_no_session_holds(tiny_model, tmp_path):
     """A turn without a session that continued a session's conversation stored blocks below that
     session's; forget(session=...) removed the session's blocks and left those (KV computed over

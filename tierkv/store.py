@@ -1775,6 +1775,7 @@ class TieredStore:
         """Drop a session's references to ``keys`` and the blocks no other session references,
         from every tier and the disk; returns how many blocks were dropped."""
         dropped = []
+        tails = []
         for key in keys:
             meta = self._index.blocks.get(key)
             if meta is None:
@@ -1783,11 +1784,30 @@ class TieredStore:
             if not meta.sessions:
                 self._drop(meta)
                 dropped.append(key)
+                if meta.n_tokens < self.block_size:
+                    tails.append(meta)
+        dropped += self._drop_extensions(tails)
         dropped += self._drop_below(list(dropped))
         self._note_forgotten_blocks(dropped)
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
         return len(dropped)
+
+    def _drop_extensions(self, tails: list[BlockMeta]) -> list[bytes]:
+        """Drop the blocks beside dropped partial tails that extend them and that no session
+        references: a turn without a session that continued the conversation stored its block
+        (the tail's tokens and more) under the tail's parent, not below the tail (found by
+        helper-36: the forgotten tail's ids and KV stayed, and a returning session restored them).
+        Returns their keys."""
+        dropped = []
+        for tail in tails:
+            head = tail.token_ids.tobytes()
+            for meta in self._index.all_children(tail.parent):
+                if not meta.sessions and meta.n_tokens > tail.n_tokens and \
+                        meta.token_ids[:tail.n_tokens].tobytes() == head:
+                    self._drop(meta)
+                    dropped.append(meta.key)
+        return dropped
 
     def _drop_below(self, parents: list[bytes]) -> list[bytes]:
         """Drop the blocks below dropped ones that no session references: turns without a session
