@@ -158,6 +158,20 @@ def test_clear_whose_deletes_hit_disk_errors_fails_with_exit_4(copy, monkeypatch
     assert "may still be on disk" in capsys.readouterr().err
 
 
+def test_clear_whose_final_sync_fails_exits_4_without_a_traceback(copy, monkeypatch, capsys) -> None:
+    import lmdb
+
+    from tierkv.tiers.disk import DiskTier
+
+    def failing(self) -> None:
+        raise lmdb.DiskError("Input/output error")
+
+    monkeypatch.setattr(DiskTier, "sync", failing)
+    assert cli.main(["clear", str(copy()), "--tenant", "acme"]) == cli.EXIT_IO
+    err = capsys.readouterr().err
+    assert "a disk error stopped clear" in err and "Traceback" not in err
+
+
 @pytest.fixture
 def copy(built: Built, tmp_path: Path) -> Callable[..., Path]:
     """``copy(name)``: a fresh copy of the built store, for a command that changes it."""

@@ -138,6 +138,24 @@ def _fail_deletes(store: TieredStore) -> dict[str, int]:
     return seen
 
 
+def test_a_flush_whose_sync_fails_raises_an_oserror_and_counts_it(model, stores, tmp_path, monkeypatch):
+    from tierkv.tiers.disk import DiskSyncFailed
+
+    store = make_store(stores, tmp_path / "kv")
+    converse(store, model, random_ids(20, 710), "alice")
+
+    def failing() -> None:
+        raise lmdb.DiskError("Input/output error")
+
+    monkeypatch.setattr(store._disk, "sync", failing)
+    with pytest.raises(DiskSyncFailed, match="durable") as raised:
+        store.flush()
+    assert isinstance(raised.value, OSError)
+    stats = store.stats()
+    assert stats["disk_errors"] == 1 and stats["disk_failed"]
+    store.close()  # the same failure again: a warning, not an exception
+
+
 def _records(path) -> set[bytes]:
     with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
         with env.begin() as txn:

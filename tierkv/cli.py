@@ -324,7 +324,12 @@ def cmd_clear(args: argparse.Namespace) -> int:
                 removed = sum(store.forget(session=name) for name in sessions)
             what = (f"session{'s' if len(sessions) > 1 else ''} {', '.join(map(repr, sessions))} of "
                     f"{'tenant ' + _tenant_label(args.tenant) if args.tenant_given else 'every tenant'}")
-        store.flush()
+        try:
+            store.flush()
+        except OSError as exc:
+            # The deletes may not have reached the disk: the documented disk-error exit, not a traceback.
+            raise CliError(EXIT_IO, f"a disk error stopped clear of {os.path.abspath(path)}: {exc}; the removed "
+                                    f"entries may still be on disk; run the same command again") from exc
         stats = store.stats()
         left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
     finally:

@@ -76,7 +76,7 @@ from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes,
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
+from .tiers.disk import (DeleteBlocks, DiskFull, DiskSyncFailed, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
                          StoreInUse,
                          Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
@@ -422,7 +422,10 @@ class TieredStore:
                              "from it); create a TieredStore in this process, on its own directory")
 
     def flush(self) -> None:
-        """Block until every move and disk write queued before this call is done and durable."""
+        """Block until every move and disk write queued before this call is done and durable.
+
+        If the disk tier's final sync fails, raises ``DiskSyncFailed`` (an ``OSError``) after
+        counting it in ``stats()['disk_errors']`` and marking the disk failed, as ``close`` does."""
         with self._lock, defer_interrupts():
             self._check_open()
             self._write_stamps()
@@ -452,7 +455,14 @@ class TieredStore:
             if again:
                 self._reap_deletes()
             if self._disk is not None:
-                self._disk.sync()
+                try:
+                    self._disk.sync()
+                except (lmdb.Error, OSError) as exc:
+                    # flush promises durability: the caller must learn it was not reached, and the
+                    # store stops trusting the disk as close() does for the same failure.
+                    self._disk_fault(exc)
+                    raise DiskSyncFailed(f"tierkv: could not make the writes to {self._disk.path} durable "
+                                         f"({exc}); check the disk, then close the store and reopen it") from exc
 
     def _drain_writer(self) -> None:
         """Wait (off the lock) for every disk write queued so far, deferred zeroing included."""

@@ -108,6 +108,13 @@ class DiskFull(RuntimeError):
     """A block write that did not fit in the LMDB map at its cap; the block stays in memory."""
 
 
+class DiskSyncFailed(OSError):
+    """``TieredStore.flush`` could not make its writes durable (the sync of the disk tier failed).
+
+    Protocol: the failure is counted in ``stats()['disk_errors']`` and the disk tier is marked
+    failed (``disk_failed``) before this is raised; what the flush wrote may not survive a crash."""
+
+
 class DamagedStore(ValueError):
     """The store's LMDB file is damaged where LMDB itself reads it (its B-tree, its meta record):
     not a missing record, which is a plain miss, but a store that cannot be opened."""
