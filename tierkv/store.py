@@ -76,8 +76,8 @@ from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes,
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import (DeleteBlocks, DiskFull, DiskSyncFailed, DiskOp, DropRefs, FilesystemFull, PutBlock, PutHeads, PutRefs,
-                         StoreInUse,
+from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs, FilesystemFull, PutBlock, PutHeads,
+                         PutRefs, StoreInUse,
                          Scrubbed, Touch, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
