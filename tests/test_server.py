@@ -712,3 +712,41 @@ def test_python_m_examples_server_serves_and_closes_its_store_on_shutdown(tmp_pa
     # Closed means unlocked and flushed: this process can open the store and finds the turn's blocks.
     with TieredStore(store, block_size=8) as reopened:
         assert reopened.stats()["disk"]["blocks"] > 0
+
+
+def test_close_ends_the_queued_turns_with_server_closing() -> None:
+    # A queued stream waited forever for an end its dropped job never sent, and a queued
+    # complete() raised a bare CancelledError (helper-37); the app answers 503 to the latter.
+    import asyncio
+
+    from examples.server.engine import Engine, ServerClosing, Turn
+
+    model, tokenizer = build_model(Settings(store=None, **SMALL))
+    gate = threading.Event()
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        with TieredStore(None, device="cpu", block_size=8) as store:
+            engine = Engine(model, tokenizer, store)
+            engine.submit(gate.wait)  # the running turn
+            ids = tokenizer.encode_chat([("user", "hi")])
+
+            async def consume() -> None:
+                async for _ in engine.stream(Turn(ids=ids, session="x", tenant=None, max_tokens=4)):
+                    pass
+
+            streamed = asyncio.ensure_future(consume())
+            plain = asyncio.ensure_future(engine.complete(Turn(ids=ids, session="y", tenant=None, max_tokens=4)))
+            await asyncio.sleep(0.1)
+            closing = asyncio.ensure_future(asyncio.to_thread(engine.close))
+            await asyncio.sleep(0.1)
+            gate.set()
+            await closing
+            done, _ = await asyncio.wait((streamed, plain), timeout=5)
+            assert len(done) == 2, "a queued turn never ended after Engine.close()"
+            return streamed.exception(), plain.exception()
+
+    try:
+        streamed, plain = asyncio.run(scenario())
+    finally:
+        gate.set()
+    assert isinstance(streamed, ServerClosing) and isinstance(plain, ServerClosing)

@@ -29,7 +29,9 @@ template the messages to ids, then one tierkv turn on the engine (``engine``):
 is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from``.
 
 Lifespan: the store, the model and the metrics collector are created at startup and closed at
-shutdown (the running turn finishes and commits, queued ones are dropped, the store is flushed).
+shutdown (the running turn finishes and commits, the store is flushed). uvicorn waits for the
+requests in flight before it shuts the lifespan down, so by default the queued turns run first; a
+turn still queued when the engine closes (``Engine.close``) is dropped with a 503, "shutting down".
 A startup the store or the device refuses (the store in use by another process, say) is logged as
 one line, and uvicorn exits with status 3.
 
@@ -67,7 +69,7 @@ from tierkv import TieredStore
 from tierkv.metrics import StoreCollector
 
 from . import errors, schemas
-from .engine import Engine, Turn, TurnCancelled, TurnResult, build_model
+from .engine import Engine, ServerClosing, Turn, TurnCancelled, TurnResult, build_model
 from .errors import ApiError
 from .settings import Settings
 
@@ -358,6 +360,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             # The turn is cancelled if the client leaves: dropped if still queued, else stopped at its next token.
             result = await server.engine.complete(turn, until=lambda: client_left(request))
+        except ServerClosing:
+            raise ApiError(503, "the server is shutting down; retry the request", type="server_error") from None
         except TurnCancelled:
             raise ClientDisconnect() from None  # answered quietly, see errors.install
         return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))

@@ -91,6 +91,10 @@ class TurnCancelled(Exception):
     """The client left before its turn finished (``complete``), or before it started (the worker)."""
 
 
+class ServerClosing(TurnCancelled):
+    """``Engine.close`` dropped the turn from the queue before it ran (the server shuts down)."""
+
+
 class _Streamer(BaseStreamer):
     """Hands each new token to ``on_tokens``; ``generate`` puts the prompt first, which is skipped."""
 
@@ -169,6 +173,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.store = store
         self.pending = 0  # turns queued or running; touched on the event loop only
+        self._closing = False
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-generate")
         self._suppress = list(tokenizer.suppress_ids)
 
@@ -186,14 +191,15 @@ class Engine:
         self.pending += 1
         watcher: asyncio.Future[object] | None = None
         try:
-            future = asyncio.wrap_future(self.submit(self._run, turn, None, cancel))
+            submitted = self.submit(self._run, turn, None, cancel)
+            future = asyncio.wrap_future(submitted)
             try:
                 if until is not None:
                     watcher = asyncio.ensure_future(until())
                     await asyncio.wait((future, watcher), return_when=asyncio.FIRST_COMPLETED)
                     if not future.done():
                         raise TurnCancelled()
-                return await future
+                return await self._outcome(future, submitted)
             finally:
                 cancel.set()  # no-op after the turn finished; else the worker stops at its next token
                 if not future.done():
@@ -215,14 +221,12 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def job() -> TurnResult:
-            try:
-                return self._run(turn, emit, cancel)
-            finally:
-                emit(None)
-
         self.pending += 1
-        future = asyncio.wrap_future(self.submit(job))
+        submitted = self.submit(self._run, turn, emit, cancel)
+        # The end of the deltas, after the job's last emit; also for a turn close() drops unrun
+        # (a job's own `finally` never ran then, and the consumer below waited forever).
+        submitted.add_done_callback(lambda _: emit(None))
+        future = asyncio.wrap_future(submitted)
         hold = max(map(len, turn.stop), default=1) - 1
         ids: list[int] = []
         sent = 0
@@ -234,7 +238,7 @@ class Engine:
                 if ready > sent:
                     yield text[sent:ready]
                     sent = ready
-            result = await future
+            result = await self._outcome(future, submitted)
             if len(result.text) > sent:
                 yield result.text[sent:]
             yield result
@@ -245,8 +249,20 @@ class Engine:
                 future.cancel()  # a queued turn is dropped; a running one's outcome is not wanted
 
     def close(self) -> None:
-        """Let the running turn finish (and commit), drop the queued ones, stop the worker."""
+        """Let the running turn finish (and commit), drop the queued ones (their callers get
+        ``ServerClosing``), stop the worker."""
+        self._closing = True
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _outcome(self, future: asyncio.Future[T], submitted: concurrent.futures.Future[T]) -> T:
+        """The turn's result; ``ServerClosing`` where ``close`` dropped it, rather than the bare
+        ``CancelledError`` of its cancelled future."""
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._closing and submitted.cancelled():
+                raise ServerClosing() from None
+            raise
 
     def _run(self, turn: Turn, on_tokens: Callable[[list[int] | None], None] | None,
              cancel: threading.Event | None) -> TurnResult:
