@@ -1840,6 +1840,23 @@ def test_forget_takes_the_blocks_beside_its_partial_tail_that_extend_it(tiny_mod
     assert tail not in (path / "data.mdb").read_bytes()
 
 
+def test_a_turn_that_restored_a_partial_tail_a_forget_took_keeps_only_the_blocks_before_it(tiny_model, tmp_path):
+    """A turn without a session, opened before forget(session=A), that restored A's partial tail:
+    its commit extends the tail into a block of another key, which the forgotten keys never
+    matched, and wrote A's forgotten ids and KV back (helper-36: 29 tokens kept, 16 expected)."""
+    model = tiny_model("llama")
+    prompt = random_ids(2 * B, 96)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        turn(store, model, cat(prompt, random_ids(3, 97)), session="C", new=2)
+        _, mine = turn(store, model, cat(prompt, random_ids(2, 98)), session="A", new=2, expect=2 * B)
+        later = cat(mine, random_ids(B, 99))
+        cache = verify_open(store, model, later, expect=mine.shape[1] - 1)
+        store.forget(session="A")
+        out = verify_generate(model, later, cache, 3)
+        assert cache.commit(out) == 2 * B
+        verify_open(store, model, cat(mine, random_ids(1, 100)), session="A", expect=2 * B)
+
+
 def test_forget_takes_the_blocks_below_its_own_that_no_session_holds(tiny_model, tmp_path):
     """A turn without a session that continued a session's conversation stored blocks below that
     session's; forget(session=...) removed the session's blocks and left those (KV computed over

@@ -801,8 +801,12 @@ class TieredStore:
         for tier_name, n in restored_from.items():
             self._hits[tier_name] += n
         self._misses += len(ids) - restored
-        return TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
-                           blocks=blocks, restored_from=restored_from, model=model)
+        cache = TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
+                            blocks=blocks, restored_from=restored_from, model=model)
+        # Block j of the restore starts at token j * block_size: a forget of a partial tail it
+        # restored drops a key its commit's chain never holds (the commit extends that tail).
+        cache._restored_keys = [meta.key for meta in used]
+        return cache
 
     def _match(self, root: bytes, ids: np.ndarray, masked: int | None = None) -> list[tuple[BlockMeta, int]]:
         """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens
@@ -1846,7 +1850,9 @@ class TieredStore:
             return None
         if seen < self._forgotten_blocks_floor:
             return 0  # which blocks went since is no longer known
-        return next((i for i, key in enumerate(keys) if self._forgotten_blocks.get(key, -1) > seen), None)
+        gone = [next((i for i, key in enumerate(chain) if self._forgotten_blocks.get(key, -1) > seen), None)
+                for chain in (keys, getattr(cache, "_restored_keys", ()))]
+        return min((i for i in gone if i is not None), default=None)
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:
