@@ -1673,3 +1673,19 @@ def test_one_row_on_several_cropped_inside_the_conversation_is_refused() -> None
         cache.crop(-(cache.get_seq_length() - 8))
         with torch.no_grad(), pytest.raises(ValueError, match="holds 2 rows"):
             model(ids[:, 8:], past_key_values=cache)
+
+
+def test_the_checks_before_a_prefill_do_not_assemble_the_restore_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The forward hook's row count read layer 0's keys, which assembled its restore in a copy of
+    # its own before the update's concatenation with the new tokens (0.03-0.05 of the TTFT floor).
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(20, 1)
+        one_turn(store, model, ids)
+        later = torch.cat([ids, random_ids(5, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens
+        early: list[int] = []
+        monkeypatch.setattr(TieredLayer, "_materialize", lambda self: early.append(1))
+        greedy(model, later, past_key_values=cache)
+        assert not early

@@ -1006,7 +1006,9 @@ class TieredLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def _rows(self) -> int:
-        keys = self.keys
+        if self._pending is not None:
+            return 1  # a restore is one conversation; reading .keys would assemble it a copy early
+        keys = self._keys
         return 0 if keys is None or not keys.numel() else int(keys.shape[0])
 
     def get_seq_length(self) -> int:
