@@ -1857,6 +1857,37 @@ def test_a_turn_that_restored_a_partial_tail_a_forget_took_keeps_only_the_blocks
         verify_open(store, model, cat(mine, random_ids(1, 100)), session="A", expect=2 * B)
 
 
+def test_forget_keeps_a_block_beside_its_tail_that_another_sessions_tail_explains(tiny_model):
+    """A block without a session beside the forgotten partial tail that also extends another
+    session's tail may be that conversation's continuation, stored before the forgotten session
+    existed: kept, and turns in flight through it keep their blocks (helper-41)."""
+    model = tiny_model("llama")
+
+    def put(store: TieredStore, ids: torch.Tensor, session: str | None = None) -> TieredCache:
+        cache = store.open(model, ids, session=session)
+        with torch.no_grad():
+            model(ids[:, cache.get_seq_length():], past_key_values=cache)
+        return cache
+
+    prompt = random_ids(2 * 4, 101)
+    a, b, c, d, e, f = 100, 101, 102, 103, 104, 105
+    with TieredStore(None, block_size=4) as store:
+        ids = cat(prompt, torch.tensor([[a]]))
+        put(store, ids, "C").commit(ids)
+        ids = cat(prompt, torch.tensor([[a, b, c, d, e]]))
+        put(store, ids).commit(ids)  # no session: a block [a b c d] beside C's tail
+        later = cat(prompt, torch.tensor([[a, b, c, d, e, f]]))
+        assert store.open(model, later).restored_tokens == 13
+        live = store.open(model, later, session="D")
+        ids = cat(prompt, torch.tensor([[a, b]]))
+        put(store, ids, "A").commit(ids)
+        assert store.forget(session="A") == 1
+        assert store.open(model, later).restored_tokens == 13
+        with torch.no_grad():
+            model(later[:, live.get_seq_length():], past_key_values=live)
+        assert live.commit(later) == later.shape[1]
+
+
 def test_forget_takes_the_blocks_below_its_own_that_no_session_holds(tiny_model, tmp_path):
     """A turn without a session that continued a session's conversation stored blocks below that
     session's; forget(session=...) removed the session's blocks and left those (KV computed over

@@ -1816,9 +1816,14 @@ class TieredStore:
         dropped = []
         for tail in tails:
             head = tail.token_ids.tobytes()
-            for meta in self._index.all_children(tail.parent):
-                if not meta.sessions and meta.n_tokens > tail.n_tokens and \
-                        meta.token_ids[:tail.n_tokens].tobytes() == head:
+            siblings = self._index.all_children(tail.parent)
+            # A session's tail that the block extends too may be what it continued (helper-41:
+            # another conversation's turn, stored before this session existed): kept.
+            held = [m.token_ids.tobytes() for m in siblings if m.sessions]
+            for meta in siblings:
+                ids = meta.token_ids.tobytes()
+                if not meta.sessions and meta.n_tokens > tail.n_tokens and ids.startswith(head) and \
+                        not any(len(other) < len(ids) and ids.startswith(other) for other in held):
                     self._drop(meta)
                     dropped.append(meta.key)
         return dropped
