@@ -1689,3 +1689,29 @@ def test_the_checks_before_a_prefill_do_not_assemble_the_restore_early(monkeypat
         monkeypatch.setattr(TieredLayer, "_materialize", lambda self: early.append(1))
         greedy(model, later, past_key_values=cache)
         assert not early
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_only_new_ids_whose_mask_does_not_cover_the_cache_and_them_are_refused(chunk: int | None) -> None:
+    # After beams the prefill drops the rows' KV past the conversation: the new ids' mask no longer
+    # covers the cache and them, and chunked, they ran on the shorter cache (logits 0.08 off;
+    # helper-41). Also a mask over more tokens than the cache and the ids.
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(12, 1)
+        one_turn(store, model, ids[:, :8])
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, num_beams=2, do_sample=False)
+        later = torch.cat([out, random_ids(4, 2)], dim=1)
+        held = cache.get_seq_length()
+        with pytest.raises(ValueError, match="attention_mask over"):
+            greedy(model, later[:, held:], past_key_values=cache, attention_mask=torch.ones_like(later),
+                   prefill_chunk_size=chunk)
+        cache = store.open(model, ids, session="t")
+        held = cache.get_seq_length()
+        assert held
+        more = torch.cat([ids, random_ids(3, 3)], dim=1)
+        with pytest.raises(ValueError, match="attention_mask over"):
+            greedy(model, more[:, held:], past_key_values=cache,
+                   attention_mask=torch.ones(1, more.shape[1] + 1, dtype=torch.long), prefill_chunk_size=chunk)

@@ -661,11 +661,12 @@ _PREFILL = "_prefill"
 _checked_prefills: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _mask_length(model_kwargs: dict[str, Any], config: Any) -> int:
+def _mask_length(model_kwargs: dict[str, Any], config: Any, model: Any = None) -> int:
     """The length generate()'s prefill reads as the conversation's, as it reads it: its mask's, or,
     where it dropped a mask of ones, the one it noted. Ids as long are the whole conversation (it
     feeds those past the cache); shorter ones are only the new ids (it feeds them all)."""
-    mask = model_kwargs.get("attention_mask")
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
+    mask = model_kwargs.get("decoder_attention_mask" if encoder_decoder else "attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
         return int(mask.shape[1])
     return int(getattr(config, "_mask_length", -1))
@@ -704,9 +705,20 @@ def _install_checked_prefill(cls: type) -> None:
                     # the conversation hold more than it restored.)
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
                 given = args[0] if args else kwargs.get("input_ids")
+                length = _mask_length(model_kwargs, config, self)
+                held = cache.get_seq_length() if isinstance(cache, TieredCache) else 0
+                if held and isinstance(given, torch.Tensor) and given.dim() == 2 and \
+                        0 <= length != given.shape[1] and length != held + given.shape[1]:
+                    # Only the new ids, which generate() feeds all, on top of what the cache holds
+                    # (less, after the drop above): a chunked prefill then gives them positions from
+                    # the cache's length, which no check sees to differ from the mask's (helper-41).
+                    raise ValueError(f"generate() was given {given.shape[1]} ids with an attention_mask over "
+                                     f"{length} tokens, while this TieredCache holds {held} now: given only the "
+                                     f"new ids, the mask covers the cache and them ({held + given.shape[1]}). Pass "
+                                     "the whole conversation and its new ids (generate() feeds the model those "
+                                     "past the cache), or commit this cache and open a new one with them")
                 if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2 and \
-                        0 < given.shape[1] < cache.get_seq_length() and \
-                        _mask_length(model_kwargs, config) == given.shape[1]:
+                        0 < given.shape[1] < held and length == given.shape[1]:
                     # generate() feeds the last ids past that length, at their positions in these
                     # ids, on top of another context: one id passed every check (helper-35).
                     raise ValueError(f"generate() was given {given.shape[1]} ids, fewer than the "
@@ -727,7 +739,7 @@ def _install_checked_prefill(cls: type) -> None:
                 input_ids = given.get("input_ids")
                 if isinstance(cache, TieredCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 \
                         and model_kwargs.get("inputs_embeds") is None \
-                        and _mask_length(model_kwargs, config) == input_ids.shape[1]:
+                        and _mask_length(model_kwargs, config, self) == input_ids.shape[1]:
                     if 0 < input_ids.shape[1] <= cache.get_seq_length():
                         # Its chunks would be every id (input_ids[:, -0:]) on top of the cache: caught
                         # by the forward hook only where the model takes position_ids (not Bloom, MPT).
