@@ -719,6 +719,7 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
     # complete() raised a bare CancelledError (helper-37); the app answers 503 to the latter.
     import asyncio
 
+    from examples.server.app import _sse
     from examples.server.engine import Engine, ServerClosing, Turn
 
     model, tokenizer = build_model(Settings(store=None, **SMALL))
@@ -734,15 +735,24 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
                 async for _ in engine.stream(Turn(ids=ids, session="x", tenant=None, max_tokens=4)):
                     pass
 
+            events: list[str] = []
+
+            async def served() -> None:  # the app's stream of the same: an error event, not a cut
+                async for event in _sse(engine, Turn(ids=ids, session="z", tenant=None, max_tokens=4),
+                                        "c", 0, "m", False):
+                    events.append(event)
+
             streamed = asyncio.ensure_future(consume())
             plain = asyncio.ensure_future(engine.complete(Turn(ids=ids, session="y", tenant=None, max_tokens=4)))
+            sse = asyncio.ensure_future(served())
             await asyncio.sleep(0.1)
             closing = asyncio.ensure_future(asyncio.to_thread(engine.close))
             await asyncio.sleep(0.1)
             gate.set()
             await closing
-            done, _ = await asyncio.wait((streamed, plain), timeout=5)
-            assert len(done) == 2, "a queued turn never ended after Engine.close()"
+            done, _ = await asyncio.wait((streamed, plain, sse), timeout=5)
+            assert len(done) == 3, "a queued turn never ended after Engine.close()"
+            assert sse.exception() is None and "shutting down" in events[-1] and '"error"' in events[-1]
             return streamed.exception(), plain.exception()
 
     try:

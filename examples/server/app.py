@@ -298,6 +298,10 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
                     yield chunk({"content": item})
                 else:
                     result = item
+    except ServerClosing:
+        # Dropped from the queue by the shutdown: said as an error event, not a stream cut short.
+        yield _event(ApiError(503, "the server is shutting down; retry the request", type="server_error").body())
+        return
     except TurnCancelled:
         return
     except Exception:  # noqa: BLE001 - the status line is sent: the error can only be an event now

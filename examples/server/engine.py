@@ -260,7 +260,9 @@ class Engine:
         try:
             return await future
         except asyncio.CancelledError:
-            if self._closing and submitted.cancelled():
+            task = asyncio.current_task()
+            # Not when this task itself is being cancelled (the caller's timeout, the server's).
+            if self._closing and submitted.cancelled() and not (task is not None and task.cancelling()):
                 raise ServerClosing() from None
             raise
 
