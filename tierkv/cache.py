@@ -672,6 +672,32 @@ def _mask_length(model_kwargs: dict[str, Any], config: Any, model: Any = None) -
     return int(getattr(config, "_mask_length", -1))
 
 
+def _check_prefill_length(cache: "TieredCache", given: int, length: int) -> None:
+    """Refuse a generate() whose ``given`` ids and mask ``length`` (``_mask_length``) do not fit
+    the KV the cache holds at its prefill: the whole conversation (``length == given``) shorter
+    than the cache, or only the new ids (``length != given``) under a mask that does not cover the
+    cache and them. A mask length transformers does not know (-1) is left to the forward hook."""
+    held = cache.get_seq_length()
+    if not held or length < 0:
+        return
+    if length != given and length != held + given:
+        # Only the new ids, which generate() feeds all, on top of what the cache holds (less,
+        # after a drop of KV it could not vouch for): a chunked prefill then gives them positions
+        # from the cache's length, which no check sees to differ from the mask's (helper-41).
+        raise ValueError(f"generate() was given {given} ids with an attention_mask over {length} tokens, while "
+                         f"this TieredCache holds {held} now: given only the new ids, the mask covers the cache "
+                         f"and them ({held + given}). Pass the whole conversation and its new ids (generate() "
+                         "feeds the model those past the cache), or commit this cache and open a new one with them")
+    if length == given and 0 < given < held:
+        # generate() feeds the last ids past that length, at their positions in these ids, on top
+        # of another context: one id passed every check (helper-35).
+        raise ValueError(f"generate() was given {given} ids, fewer than the {held} this TieredCache holds: it "
+                         "takes the whole conversation the cache holds and its new ids (pass the sequences the "
+                         "last generate() returned, with the new message appended); for a shorter conversation, "
+                         "or after a generate() that raised, commit the cache with the ids you have, which keeps "
+                         "the KV up to them, and open a new one")
+
+
 def _install_checked_prefill(cls: type) -> None:
     """Keep ``cls._prefill`` (transformers' prefill stage of generate, where it defines one)
     checked, as ``_install_checked_prepare`` keeps ``prepare_inputs_for_generation``: a chunked
@@ -705,28 +731,8 @@ def _install_checked_prefill(cls: type) -> None:
                     # the conversation hold more than it restored.)
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
                 given = args[0] if args else kwargs.get("input_ids")
-                length = _mask_length(model_kwargs, config, self)
-                held = cache.get_seq_length() if isinstance(cache, TieredCache) else 0
-                if held and isinstance(given, torch.Tensor) and given.dim() == 2 and \
-                        0 <= length != given.shape[1] and length != held + given.shape[1]:
-                    # Only the new ids, which generate() feeds all, on top of what the cache holds
-                    # (less, after the drop above): a chunked prefill then gives them positions from
-                    # the cache's length, which no check sees to differ from the mask's (helper-41).
-                    raise ValueError(f"generate() was given {given.shape[1]} ids with an attention_mask over "
-                                     f"{length} tokens, while this TieredCache holds {held} now: given only the "
-                                     f"new ids, the mask covers the cache and them ({held + given.shape[1]}). Pass "
-                                     "the whole conversation and its new ids (generate() feeds the model those "
-                                     "past the cache), or commit this cache and open a new one with them")
-                if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2 and \
-                        0 < given.shape[1] < held and length == given.shape[1]:
-                    # generate() feeds the last ids past that length, at their positions in these
-                    # ids, on top of another context: one id passed every check (helper-35).
-                    raise ValueError(f"generate() was given {given.shape[1]} ids, fewer than the "
-                                     f"{cache.get_seq_length()} this TieredCache holds: it takes the whole "
-                                     "conversation the cache holds and its new ids (pass the sequences the last "
-                                     "generate() returned, with the new message appended); for a shorter "
-                                     "conversation, or after a generate() that raised, commit the cache with the "
-                                     "ids you have, which keeps the KV up to them, and open a new one")
+                if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2:
+                    _check_prefill_length(cache, given.shape[1], _mask_length(model_kwargs, config, self))
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
             try:
@@ -1372,8 +1378,8 @@ class TieredCache(Cache):
         rows = self.batch_rows()
         given = input_ids if isinstance(input_ids, torch.Tensor) else embeds
         if rows > 1 and done and isinstance(given, torch.Tensor) and given.dim() >= 2 and given.shape[0] != rows:
-            # Several rows (beams, num_return_sequences) cropped back inside the conversation too
-            # (helper-38: torch's error otherwise); generate() cuts them to one first.
+            # Past the conversation or cropped back inside it (helper-38: torch's error there);
+            # generate() cuts them to one first.
             raise ValueError(f"this TieredCache holds {rows} rows (beams or num_return_sequences), and the model "
                              f"was given {given.shape[0]}: commit it (which keeps the conversation's KV) and open "
                              "a new cache, or pick a row first with cache.batch_select_indices")
@@ -1430,11 +1436,6 @@ class TieredCache(Cache):
                 not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             self._fed.append(_Fed(done, None))
             return
-        rows = self.batch_rows()
-        if rows > 1 and input_ids.shape[0] != rows:
-            raise ValueError(f"this TieredCache holds {rows} rows (beams or num_return_sequences) past its "
-                             f"conversation, and the model was given {input_ids.shape[0]}: commit it (which keeps "
-                             "the conversation's KV) and open a new cache for the next generate()")
         # generate() given a cache that holds every id it is given feeds them all again. Read
         # (a device sync) only for a forward as long as the conversation, never a decode step.
         if input_ids.shape[1] >= len(want) > 1 and \
@@ -1631,10 +1632,7 @@ class TieredCache(Cache):
                 keep = int(hidden[0])
         if keep < done:
             self.crop(keep - done)  # transformers takes a count to drop
-        if not keep:
-            for layer in self.layers:  # nothing left: empty rows would not meet another batch
-                layer.reset()
-        elif self._several_rows():
+        if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
             self.batch_select_indices(first)
         self._rows_diverged = False
