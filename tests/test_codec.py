@@ -504,40 +504,82 @@ def test_encode_array_equals_encode_and_decodes() -> None:
     assert header == SMALL_HEADER and bytes(payload) == bytes(SMALL_PAYLOAD)
 
 
+def whole(header: RecordHeader) -> np.ndarray:
+    """A destination for a record's whole payload: (layers * 2 * heads, tokens, head_dim bytes)."""
+    layers, two, heads, tokens, dim = header.shape
+    return np.zeros((layers * two * heads, tokens, dim * ITEMSIZE[header.dtype]), dtype=np.uint8)
+
+
 def test_decode_into_copies_and_verifies() -> None:
     from tierkv.codec import decode_into
 
     record = encode(SMALL_HEADER, SMALL_PAYLOAD)
-    dst = bytearray(SMALL_HEADER.payload_nbytes)
-    assert decode_into(record, lambda header: memoryview(dst)) == SMALL_HEADER
-    assert bytes(dst) == bytes(SMALL_PAYLOAD)
+    dst = whole(SMALL_HEADER)
+    assert decode_into(record, lambda header: dst) == SMALL_HEADER
+    assert dst.tobytes() == bytes(SMALL_PAYLOAD)
     big_header, big_payload, big_record = make_record(shape=(2, 2, 2, 300, 64), dtype="float32")
-    out = bytearray(big_header.payload_nbytes)
-    decode_into(big_record, lambda header: memoryview(out))
-    assert bytes(out) == bytes(big_payload)
+    out = whole(big_header)
+    decode_into(big_record, lambda header: out)
+    assert out.tobytes() == bytes(big_payload)
     for position in (0, len(big_record) // 2, len(big_record) - 9):  # header, payload, last payload byte
         broken = bytearray(big_record)
         broken[position] ^= 0x01
         with pytest.raises(CorruptRecord):
-            decode_into(bytes(broken), lambda header: memoryview(bytearray(header.payload_nbytes)))
+            decode_into(bytes(broken), whole)
 
 
 def test_decode_into_verifies_every_slice_of_a_record_larger_than_one() -> None:
     from tierkv.codec import decode_into
 
-    # Copied and checksummed in 1 MiB slices: a payload of several, the last one partial.
-    header = make_header(dtype="uint8", shape=(1, 2, 1, 3, (5 << 20) // 6 + 7))
-    payload = ((np.arange(header.payload_nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8).tobytes()
-    record = encode(header, payload)
-    out = bytearray(header.payload_nbytes)
-    assert decode_into(record, lambda h: memoryview(out)) == header
-    assert bytes(out) == payload
-    start = head_size(header)
-    for position in (start + 5, start + (1 << 20) + 3, start + (3 << 20) + 11, len(record) - 9):
+    # Copied and checksummed in runs of rows of about 1 MiB: a payload of several, the last one
+    # partial, and rows of more than 1 MiB each.
+    for shape in ((1, 2, 1, 3, (5 << 20) // 6 + 7), (3, 2, 5, 64, 1000)):
+        header = make_header(dtype="uint8", shape=shape)
+        payload = ((np.arange(header.payload_nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8).tobytes()
+        record = encode(header, payload)
+        out = whole(header)
+        assert decode_into(record, lambda h: out) == header
+        assert out.tobytes() == payload
+        start = head_size(header)
+        for position in (start + 5, start + (1 << 20) + 3, start + (3 << 20) + 11, len(record) - 9):
+            if position >= len(record) - 8:
+                continue
+            broken = bytearray(record)
+            broken[position] ^= 0x10
+            with pytest.raises(CorruptRecord):
+                decode_into(bytes(broken), whole)
+
+
+def test_decode_into_a_token_range_of_a_larger_buffer_copies_those_tokens_and_verifies_them_all() -> None:
+    from tierkv.codec import decode_into
+
+    # A restore reads a block's first n tokens straight into its place in the layers' buffer
+    # (layers, 2, heads, length, head_dim): the bytes around that range stay untouched, and a
+    # flip in the tokens not copied still fails the read.
+    header, payload, record = make_record(shape=(3, 2, 2, 8, 4), dtype="float32")
+    block = np.frombuffer(payload, dtype=np.float32).reshape(header.shape)
+    for n in (8, 5, 0):
+        buffer = np.full((3, 2, 2, 20, 4), -1.0, dtype=np.float32)
+        into = lambda h: buffer.view(np.uint8).reshape(12, 20, 16)[:, 7:7 + n]  # noqa: E731
+        assert decode_into(record, into) == header
+        assert np.array_equal(buffer[:, :, :, 7:7 + n], block[:, :, :, :n])
+        assert (buffer[:, :, :, :7] == -1).all() and (buffer[:, :, :, 7 + n:] == -1).all()
+    for position in (len(record) - 9, len(record) - 9 - 4 * 4):  # the last token, past any n < 8
         broken = bytearray(record)
-        broken[position] ^= 0x10
-        with pytest.raises(CorruptRecord):
-            decode_into(bytes(broken), lambda h: memoryview(bytearray(h.payload_nbytes)))
+        broken[position] ^= 0x01
+        with pytest.raises(CorruptRecord, match="checksum"):
+            decode_into(bytes(broken), lambda h: np.zeros((12, 5, 16), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("shape", [(12, 9, 16), (12, 5, 8), (6, 5, 16), (12, 5)])
+def test_decode_into_a_destination_the_record_does_not_fit_is_corrupt(shape: tuple[int, ...]) -> None:
+    from tierkv.codec import decode_into
+
+    # More tokens than the record holds, another head_dim or head count, another rank: never a
+    # partial or broadcast copy.
+    _, _, record = make_record(shape=(3, 2, 2, 8, 4), dtype="float32")
+    with pytest.raises(CorruptRecord, match="does not fill"):
+        decode_into(record, lambda h: np.zeros(shape, dtype=np.uint8))
 
 
 @pytest.mark.parametrize("min_bytes", [0, 100, 2048, 2049, 70000])

@@ -633,18 +633,18 @@ def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tm
     ids = random_ids(20, 740)
     out = converse(store, model, ids, "s")
     store.flush()
-    load = store._disk.load
+    load = store._disk.read_into
 
-    def forget_then_load(key, empty):
+    def forget_then_load(key, into):
         # Another thread forgets the session while this open reads: the delete zeroes the record.
         store.forget(session="s")
         store.flush()
-        store._disk.load = load
+        store._disk.read_into = load
         with store._disk.env.begin(write=True) as txn:  # put the zeroed bytes back for the read to find
             txn.put(key, bytes(4096), db=store._disk._blocks)
-        return load(key, empty)
+        return load(key, into)
 
-    store._disk.load = forget_then_load
+    store._disk.read_into = forget_then_load
     nxt = torch.cat([out, random_ids(2, 741)], dim=1)
     cache = store.open(model, nxt)
     assert cache.restored_tokens == 0

@@ -403,19 +403,19 @@ def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
     machine = StoreMachine()
     try:
         conv, store = _on_disk_only(machine)
-        load, loads = store._disk.load, []
+        load, loads = store._disk.read_into, []
 
-        def interrupted_load(key, empty):
+        def interrupted_load(key, into):
             loads.append(key)
             if len(loads) == 1:
                 signal.raise_signal(signal.SIGINT)
-            return load(key, empty)
+            return load(key, into)
 
-        store._disk.load = interrupted_load
+        store._disk.read_into = interrupted_load
         with pytest.raises(KeyboardInterrupt):
             store.open(MODEL, conv[0], session="a")
         assert len(loads) == 1
-        store._disk.load = load
+        store._disk.read_into = load
         machine.index_agrees_with_the_tiers()
         assert not store._pinned
         machine.next_turn(conv=conv, extra=[9], new_tokens=2)

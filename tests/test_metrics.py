@@ -468,10 +468,10 @@ def test_disk_read_errors_log_one_warning_and_count_each(model, tmp_path, caplog
     outs = [turn(store, model, random_ids(20, 120 + i))[1] for i in range(3)]
     store.flush()
 
-    def unreadable(key, empty):
+    def unreadable(key, into):
         raise OSError(5, "Input/output error")
 
-    store._disk.load = unreadable
+    store._disk.read_into = unreadable
     with caplog.at_level(logging.DEBUG, logger="tierkv"):
         for i, out in enumerate(outs):
             cache = store.open(model, torch.cat([out, random_ids(2, 130 + i)], dim=1))

@@ -400,14 +400,14 @@ def test_a_disk_read_does_not_hold_up_other_sessions(model, stores, tmp_path):
     out_hot = generate(model, hot, cache)
     cache.commit(out_hot)  # rests on the device
     reading, release = threading.Event(), threading.Event()
-    load = store._disk.load
+    load = store._disk.read_into
 
     def slow_load(*args, **kwargs):
         reading.set()
         assert release.wait(WAIT)
         return load(*args, **kwargs)
 
-    store._disk.load = slow_load
+    store._disk.read_into = slow_load
     result: list = []
     nxt_cold = torch.cat([out_cold, random_ids(2, 82)], dim=1)
     reader = threading.Thread(target=lambda: result.append(store.open(model, nxt_cold, session="cold")))
@@ -488,10 +488,10 @@ def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, t
     cache.commit(out)
     store.flush()
 
-    def gone(key, empty):
+    def gone(key, into):
         raise KeyError(key)
 
-    store._disk.load = gone
+    store._disk.read_into = gone
     nxt = torch.cat([out, random_ids(2, 91)], dim=1)
     cache = store.open(model, nxt)
     assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 0

@@ -1200,9 +1200,9 @@ def test_open_asks_the_disk_for_every_block_it_reads_before_reading_one(tiny_mod
         _, out = turn(store, model, ids, new=2)
     with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
         calls: list[tuple[str, object]] = []
-        prefetch, load = store._disk.prefetch, store._disk.load
+        prefetch, load = store._disk.prefetch, store._disk.read_into
         store._disk.prefetch = lambda keys: (calls.append(("prefetch", list(keys))), prefetch(keys))[1]
-        store._disk.load = lambda key, empty: (calls.append(("load", key)), load(key, empty))[1]
+        store._disk.read_into = lambda key, into: (calls.append(("load", key)), load(key, into))[1]
         nxt = cat(out, random_ids(2, 821))
         cache = verify_open(store, model, nxt, expect=out.shape[1] - 1, expect_from={"device": 0, "host": 0,
                                                                                      "disk": out.shape[1] - 1})

@@ -44,7 +44,11 @@ and holds no policy:
   ``keys``, crop...), so restores overlap with the prefill of earlier layers. The first
   ``update`` concatenates the restored blocks and the new tokens in one copy, keys and values
   together (a block holds a layer's keys and values side by side): the layer's keys and values
-  are the two contiguous halves of that one tensor.
+  are the two contiguous halves of that one tensor. A restore that ``open`` read from disk into
+  one buffer of its own (on CPU, blocks no memory tier keeps: ``restore_slots``) is assembled in
+  that buffer instead: the first ``update`` that brings exactly the conversation's remaining
+  tokens in one row writes them into the room left for them, and any other first access copies
+  the prefix out as before.
   ``commit(sequences)`` hands the KV back to the store.
 
 Generation details handled here:
@@ -87,6 +91,7 @@ try:
 except ImportError:  # transformers before 5.x's per-layer config API
     get_layer_types_and_kwargs = None
 
+from .codec import CorruptRecord
 from .transfer import Job, _CudaCopyJob
 from .weights import BufferDigests, WeightSample, digest_weights, versions
 
@@ -910,21 +915,71 @@ def sequence_ids_of(sequences: Any) -> np.ndarray:
     return token_ids_of(sequences[:1], "sequences")
 
 
+#: A restored block that ``store.open`` read from disk straight into the restore's buffer: no
+#: tensor of its own (``restore_slots``).
+IN_PLACE: Job[Any] = Job.completed(None)
+
+
+def restore_slots(buffer: list[torch.Tensor], length: int, at: int, n: int, header: Any) -> np.ndarray:
+    """Where a block read from disk lands in a restore's buffer: tokens ``[at, at + n)`` of a
+    (layers, 2, kv_heads, length, head_dim) tensor (``buffer[0]``, made on the first call, from
+    the block's own shape and dtype), as the bytes ``codec.decode_into`` fills. ``length`` is the
+    whole conversation's, so the buffer has room for the tokens the first forward adds."""
+    layers, two, heads, _, dim = header.shape
+    dtype = getattr(torch, header.dtype)
+    if not buffer:
+        buffer.append(torch.empty((layers, two, heads, length, dim), dtype=dtype))
+    kv = buffer[0]
+    if kv.dtype != dtype or kv.shape[:3] != (layers, two, heads) or kv.shape[4] != dim:
+        raise CorruptRecord(f"a block shaped {tuple(header.shape)} in {header.dtype} among blocks shaped "
+                            f"{tuple(kv.shape[:3])} x {kv.shape[4]} in {kv.dtype}")
+    # .view, never reshape: a copy would take the read and leave the buffer unwritten.
+    return kv.view(torch.uint8).view(layers * two * heads, length, -1)[:, at:at + n].numpy()
+
+
 class _Restore:
     """One restore's blocks, shared by every layer of the cache. Each block that is not a CUDA
     copy is waited for once and split into its per-layer views once (``unbind``, one call), for
     whichever layer comes first: a view per block per layer was a dispatch each, tens of
-    microseconds per layer right after the forward's own kernels."""
+    microseconds per layer right after the forward's own kernels.
 
-    __slots__ = ("blocks", "tokens", "_views")
+    With a ``buffer`` (blocks read from disk on CPU, ``restore_slots``), layer ``i`` is assembled
+    in ``buffer[i]``: the blocks read into it are there already, the others are copied in, and
+    room past them is left for the first forward's tokens."""
 
-    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]]) -> None:
+    __slots__ = ("blocks", "tokens", "_views", "buffer")
+
+    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: torch.Tensor | None = None) -> None:
         self.blocks = blocks
         self.tokens = sum(n for _, n in blocks)
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
+        self.buffer = buffer
+
+    def layer_buffer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s (2, H, length, D) part of the buffer, every restored block in place in
+        its first ``tokens`` (copying again a block copied before is harmless: a retry after an
+        interrupted assembly)."""
+        assert self.buffer is not None
+        kv = self.buffer[i]
+        at = 0
+        for j, (job, n) in enumerate(self.blocks):
+            if job is not IN_PLACE:
+                kv[:, :, at:at + n].copy_(self._block_views(j)[i])
+            at += n
+        return kv
+
+    def _block_views(self, j: int) -> tuple[torch.Tensor, ...]:
+        views = self._views[j]
+        if views is None:
+            job, n = self.blocks[j]
+            tensor = job.wait()
+            views = self._views[j] = (tensor if n == tensor.shape[3] else tensor[:, :, :, :n]).unbind(0)
+        return views
 
     def layer_parts(self, i: int) -> list[torch.Tensor]:
         """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block."""
+        if self.buffer is not None:
+            return [self.layer_buffer(i)[:, :, :self.tokens]]
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
@@ -938,11 +993,7 @@ class _Restore:
                 # A block's keys and values of one layer lie together: a whole block is one view.
                 parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
                 continue
-            views = self._views[j]
-            if views is None:
-                tensor = job.wait()
-                views = self._views[j] = (tensor if n == tensor.shape[3] else tensor[:, :, :, :n]).unbind(0)
-            parts.append(views[i])
+            parts.append(self._block_views(j)[i])
         return parts
 
 
@@ -1003,6 +1054,18 @@ class TieredLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pending is not None:
+            restore = self._pending
+            buffer = restore.buffer
+            if buffer is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == buffer.dtype \
+                    and restore.tokens + key_states.shape[-2] == buffer.shape[3] \
+                    and key_states.shape == value_states.shape == (1, buffer.shape[2], key_states.shape[2], buffer.shape[4]):
+                # The first forward after a restore read from disk, with the conversation's new
+                # tokens: written into the room left for them, no concatenation of the layer.
+                kv = restore.layer_buffer(self._layer_idx)
+                kv[0, :, restore.tokens:].copy_(key_states[0])
+                kv[1, :, restore.tokens:].copy_(value_states[0])
+                self.device = kv.device
+                return self._assemble(kv)
             parts = self._take_parts()
             if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
@@ -1104,7 +1167,7 @@ class TieredCache(Cache):
     def __init__(self, *, store: "TieredStore", info: ModelInfo, input_ids: np.ndarray, root: bytes,
                  session: str | None, tenant: str | None,
                  blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int],
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, buffer: torch.Tensor | None = None) -> None:
         layers = [TieredLayer() for _ in range(info.num_layers)]
         super().__init__(layers=layers)
         self._store = store
@@ -1133,7 +1196,7 @@ class TieredCache(Cache):
         # longer follows row 0's ids once they are reordered or selected, so none is kept.
         self._rows_diverged = False
         if blocks:
-            restore = _Restore(blocks)
+            restore = _Restore(blocks, buffer)
             for i, layer in enumerate(layers):
                 layer.restore(i, restore)
 

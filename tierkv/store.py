@@ -12,7 +12,8 @@ Protocol of one conversation turn::
   are read and verified before ``open`` returns (a bad record must shorten the restore, not
   corrupt it), outside the store lock, with the planned blocks pinned; the copies to the device
   start at once, layer-major, and ``open`` returns without waiting for them. Hit blocks are
-  promoted to the device tier.
+  promoted to the device tier. On a CPU device tier, a disk block neither memory tier can take
+  is read straight into the cache's own buffer (``_in_place``), not into a block tensor.
 * ``commit`` stores the blocks the store lacks: into the device tier (demoting the least recently
   used blocks device -> host -> dropped), and, with a disk tier, through to disk by the
   background writer. Blocks are immutable, so each is written once and leaving a memory tier
@@ -67,9 +68,10 @@ from typing import Any
 import lmdb
 import msgpack
 import numpy as np
+import torch
 import xxhash
 
-from .cache import TieredCache, describe_model, sequence_ids_of, token_ids_of
+from .cache import IN_PLACE, TieredCache, describe_model, restore_slots, sequence_ids_of, token_ids_of
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
@@ -78,7 +80,7 @@ from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs, FilesystemFull, PutBlock, PutHeads,
                          PutRefs, StoreInUse,
-                         Scrubbed, Touch, dtype_name, op_size, slack)
+                         Scrubbed, Touch, block_bytes, dtype_name, op_size, slack)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
                        resolve_device)
@@ -652,12 +654,12 @@ class TieredStore:
                             held.append(where[1].lease)
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
-                reads, read_seconds = self._read_disk_blocks(plan, found, info.fingerprint, held)
+                reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
                 with self._locked_unless_interrupted():
                     self._check_open()
                     self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
-                                               model)
+                                               model, buffer)
                     cache._forgets_seen = forgets_seen
                     self._unpin(pins)
                     pins = []
@@ -699,36 +701,46 @@ class TieredStore:
             self._orphaned_pins.extend(pins)  # one C call: atomic against the popleft in _reap
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          fingerprint: bytes, held: list[Any]) -> tuple[dict[int, Any], float]:
-        """Plan index -> verified host tensor, or the exception that made it a miss; stops at the
-        first miss, since a restore is a prefix."""
+                          fingerprint: bytes, held: list[Any], length: int
+                          ) -> tuple[dict[int, Any], float, torch.Tensor | None]:
+        """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
+        miss; stops at the first miss, since a restore is a prefix. With them, the restore's
+        buffer (see ``_in_place``), or None."""
         reads: dict[int, Any] = {}
         start = time.perf_counter()
         if self._disk is not None:
             # Every record this open reads is asked of the disk at once, not page by page.
             self._disk.prefetch([meta.key for (meta, _), where in zip(plan, found) if where is None])
-        for i, ((meta, _), where) in enumerate(zip(plan, found)):
+        buffer: list[torch.Tensor] = []  # made by the first block read into it
+        offset = 0
+        for i, ((meta, n), where) in enumerate(zip(plan, found)):
+            at, offset = offset, offset + n
             if where is not None:
                 continue
             if self._disk is None or interrupt_pending():
                 break  # after a Ctrl-C, a shorter restore: the open ends (and raises) soon
-            leases: list[Any] = []
+            made: list[Any] = []  # the block's host tensor and its pool lease
 
-            def empty(shape: tuple[int, ...], dtype: Any) -> Any:
-                tensor, lease = self._host.alloc(shape, dtype)
+            def into(header: RecordHeader) -> Any:
+                tensor, lease = self._host.alloc(header.shape, getattr(torch, header.dtype))
                 if lease is not None:
                     # Held by this open until its copies to the device are registered; the open
                     # lets go of it whatever happens, a failed read included.
                     lease.hold()
                     held.append(lease)
-                    leases.append(lease)
-                return tensor
+                made[:] = tensor, lease
+                return block_bytes(tensor)
 
             try:
-                header, host_tensor = self._disk.load(meta.key, empty)
+                in_place = self._in_place(meta)
+                header = self._disk.read_into(meta.key, functools.partial(restore_slots, buffer, length, at, n)
+                                              if in_place else into)
                 self._check_header(header, meta, fingerprint)
-                job = Job.completed(host_tensor)
-                job.lease = leases[0] if leases else None
+                if in_place:
+                    reads[i] = IN_PLACE
+                    continue
+                job = Job.completed(made[0])
+                job.lease = made[1]
                 reads[i] = job
             except (CorruptRecord, KeyError) as exc:
                 reads[i] = exc
@@ -739,11 +751,21 @@ class TieredStore:
                                      "TieredStore(path, ...) to use it again") from exc
                 reads[i] = exc
                 break
-        return reads, time.perf_counter() - start
+        return reads, time.perf_counter() - start, buffer[0] if buffer else None
+
+    def _in_place(self, meta: BlockMeta) -> bool:
+        """Whether a block read from disk goes straight into the restore's buffer: on a CPU device
+        tier (a GPU takes its copies from the pinned pool's buffers), where neither memory tier can take
+        the block, so no tier keeps a copy of it (``_promote``). One copy out of the memory map,
+        not two: none into a host buffer, and the first forward writes its new tokens into the
+        buffer's room for them instead of concatenating the layer afresh (``TieredLayer.update``)."""
+        return self.device.type == "cpu" and self._host.pool is None and meta.nbytes > self._device.budget \
+            and meta.nbytes > self._host.budget
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                     reads: dict[int, Any], read_seconds: float, model: Any = None) -> TieredCache:
+                     reads: dict[int, Any], read_seconds: float, model: Any = None, buffer: Any = None
+                     ) -> TieredCache:
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
         read_bytes = 0
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
@@ -774,7 +796,7 @@ class TieredStore:
             self._count_move("disk_to_host", read_bytes, seconds=read_seconds)
         # Every copy to the device starts at once, layer by layer across blocks, so that layer i
         # can be used as soon as its own copies landed.
-        moving = [i for i, (_, _, tier, _) in enumerate(sources) if tier is not Tier.DEVICE]
+        moving = [i for i, (_, _, tier, src) in enumerate(sources) if tier is not Tier.DEVICE and src is not IN_PLACE]
         copies = self._engine.to_device_many([sources[i][3] for i in moving])
         for i, copy in zip(moving, copies):
             lease = sources[i][3].lease
@@ -788,10 +810,11 @@ class TieredStore:
         restored_from = dict(_NO_TOKENS)
         used: list[BlockMeta] = []
         for meta, n, tier, src in sources:
-            job = src if tier is Tier.DEVICE else next(moved)
+            job = src if tier is Tier.DEVICE or src is IN_PLACE else next(moved)
             # Promote unless another thread moved or dropped the block since it was found.
             was = Tier.HOST if tier is Tier.HOST else None
-            if tier is not Tier.DEVICE and self._index.blocks.get(meta.key) is meta and meta.resident is was:
+            if tier is not Tier.DEVICE and src is not IN_PLACE and self._index.blocks.get(meta.key) is meta and \
+                    meta.resident is was:
                 self._promote(meta, job, src)
             blocks.append((job, n))
             restored_from[tier.value] += n
@@ -802,7 +825,7 @@ class TieredStore:
             self._hits[tier_name] += n
         self._misses += len(ids) - restored
         cache = TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
-                            blocks=blocks, restored_from=restored_from, model=model)
+                            blocks=blocks, restored_from=restored_from, model=model, buffer=buffer)
         # Block j of the restore starts at token j * block_size: a forget of a partial tail it
         # restored drops a key its commit's chain never holds (the commit extends that tail).
         cache._restored_keys = [meta.key for meta in used]

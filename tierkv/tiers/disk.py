@@ -261,6 +261,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def block_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous block tensor (layers, 2, kv_heads, tokens, head_dim) as the uint8 array
+    ``codec.decode_into`` fills: (layers * 2 * kv_heads, tokens, head_dim * itemsize), a view."""
+    layers, two, heads, tokens, _ = tensor.shape
+    return tensor.view(torch.uint8).view(layers * two * heads, tokens, -1).numpy()
+
+
 # -- write operations, applied in order by the writer thread ---------------------------------
 @dataclass(slots=True)
 class PutBlock:
@@ -812,26 +819,33 @@ class DiskTier:
             raise DiskClosed(f"the disk tier at {self.path} is closed")
         return self.env.begin(buffers=True)
 
-    def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-             ) -> tuple[RecordHeader, torch.Tensor]:
-        """Read and verify one block into a tensor made by ``empty``. Raises ``KeyError`` if it is
-        absent and ``CorruptRecord`` if it fails any check. Call ``prefetch`` first when the page
-        cache may not hold the record (one synchronous read per page otherwise)."""
+    def read_into(self, key: bytes, into: Callable[[RecordHeader], np.ndarray]) -> RecordHeader:
+        """Read and verify one block into the destination ``into(header)`` returns (see
+        ``codec.decode_into``: the whole payload, or its first tokens into a larger buffer).
+        Raises ``KeyError`` if it is absent and ``CorruptRecord`` if it fails any check. Call
+        ``prefetch`` first when the page cache may not hold the record (one synchronous read per
+        page otherwise)."""
         with self._resize_lock, self._read_txn() as txn:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
                 raise KeyError(key)
             if _is_zeroed(buf):
                 raise Scrubbed("record zeroed by a delete")
-            made: list[torch.Tensor] = []
-
-            def destination(header: RecordHeader) -> memoryview:
-                made.append(empty(header.shape, getattr(torch, header.dtype)))
-                return memoryview(made[0].view(torch.uint8).numpy().reshape(-1))
-
             # The only copy: from the memory map into the destination, inside the transaction
             # that keeps the map's pages valid, checksummed on the way.
-            header = _under(key, decode_into(buf, destination))
+            return _under(key, decode_into(buf, into))
+
+    def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+             ) -> tuple[RecordHeader, torch.Tensor]:
+        """One block as a tensor of its own, made by ``empty(shape, dtype)``; raises as
+        ``read_into``."""
+        made: list[torch.Tensor] = []
+
+        def destination(header: RecordHeader) -> np.ndarray:
+            made.append(empty(header.shape, getattr(torch, header.dtype)))
+            return block_bytes(made[0])
+
+        header = self.read_into(key, destination)
         return header, made[0]
 
     # -- writes (writer thread only) ------------------------------------------------------------

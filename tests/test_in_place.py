@@ -1,0 +1,153 @@
+"""Restores read from disk straight into the cache's own buffer (``TieredStore._in_place``).
+
+On a CPU device tier where neither memory tier can take a block, ``open`` copies each block
+read from disk into its token range of one (layers, 2, kv_heads, L, head_dim) buffer, and the
+first forward writes its new tokens into the room left past the restore: no host copy of the
+block and no concatenation of the layer. Output stays equal to plain ``generate``, whatever the
+restore mixes (blocks in memory, a corrupt block that cuts it short) and whatever the first
+forward feeds (fewer tokens, several rows, a crop first).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import ARCHITECTURES, random_ids
+from tierkv import TieredCache, TieredStore
+from tierkv.cache import IN_PLACE
+
+B = 8
+
+
+def disk_only(path, **budgets) -> TieredStore:
+    kw = {"device_budget": 0, "host_budget": 0, **budgets}
+    return TieredStore(path, device="cpu", block_size=B, **kw)
+
+
+def generate(model, ids, cache=None, **kw):
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    return model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, **kwargs, **kw)
+
+
+def stored_conversation(model, path, ids) -> torch.Tensor:
+    """One turn through a disk-only store, closed after it: the next store reads it from disk."""
+    with disk_only(path) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        cache.commit(out)
+    return out
+
+
+def restore_of(cache: TieredCache):
+    restore = cache.layers[0]._pending
+    assert restore is not None and all(layer._pending is restore for layer in cache.layers)
+    return restore
+
+
+def shares_buffer(cache: TieredCache, buffer: torch.Tensor) -> bool:
+    base = buffer.untyped_storage().data_ptr()
+    return all(layer._keys.untyped_storage().data_ptr() == base and
+               layer._values.untyped_storage().data_ptr() == base for layer in cache.layers)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_into_it(tiny_model, tmp_path, arch):
+    model = tiny_model(arch)
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 10))
+    nxt = torch.cat([out, random_ids(3, 11)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        r = cache.restored_tokens
+        assert r == out.shape[1] - 1 and cache.restored_from["disk"] == r
+        restore = restore_of(cache)
+        assert restore.buffer is not None and restore.buffer.shape[3] == nxt.shape[1]
+        assert all(job is IN_PLACE for job, _ in restore.blocks)
+        # The first forward: the layers are the buffer itself, its room filled with the new tokens.
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :r], past_key_values=plain)
+            expected = model(nxt[:, r:], past_key_values=plain).logits
+            logits = model(nxt[:, r:], past_key_values=cache).logits
+        assert shares_buffer(cache, restore.buffer)
+        assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
+        for layer, (keys, values, _) in zip(cache.layers, plain):
+            assert torch.allclose(layer.keys, keys, atol=1e-5, rtol=0)
+            assert torch.allclose(layer.values, values, atol=1e-5, rtol=0)
+        # And a whole turn, token for token.
+        cache = store.open(model, nxt)
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the_buffer(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    ids = random_ids(2 * B + 1, 20)  # + 4 generated: 2 full blocks and a tail of 4 are kept
+    config = model.config
+    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        assert cache.commit(out) == 2 * B + 4
+        store.flush()  # written: read from disk, not from the writes' own buffers
+        stats = store.stats()
+        assert stats["host"]["blocks"] == 1  # the tail fits the host tier, full blocks do not
+        nxt = torch.cat([out, random_ids(3, 21)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_from == {"device": 0, "host": 4, "disk": 2 * B}
+        restore = restore_of(cache)
+        assert [job is IN_PLACE for job, _ in restore.blocks] == [True, True, False]
+        got = generate(model, nxt, cache)
+        assert torch.equal(got, generate(model, nxt))
+        assert cache.get_seq_length() == got.shape[1] - 1
+
+
+def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_used(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 30))
+    nxt = torch.cat([out, random_ids(2, 31)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        second = cache._restored_keys[1]
+        del cache
+        disk = store._disk
+        with disk.env.begin(write=True) as txn:
+            record = bytearray(txn.get(second, db=disk._blocks))
+            record[-20] ^= 0x01  # the payload's last bytes
+            txn.put(second, bytes(record), db=disk._blocks)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == B and store.stats()["corrupt"] == 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+@pytest.mark.parametrize("first", ["fewer tokens", "crop first", "beams", "chunked prefill"])
+def test_a_first_forward_other_than_the_new_tokens_in_one_row_assembles_the_layer_as_before(tiny_model, tmp_path,
+                                                                                          first):
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 40))
+    nxt = torch.cat([out, random_ids(5, 41)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        r = cache.restored_tokens
+        assert restore_of(cache).buffer is not None
+        if first == "fewer tokens":
+            plain = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(nxt[:, :r], past_key_values=plain)
+                for cut in (r + 2, nxt.shape[1]):
+                    start = cache.get_seq_length()
+                    got = model(nxt[:, start:cut], past_key_values=cache).logits
+                    expected = model(nxt[:, start:cut], past_key_values=plain).logits
+                    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+            assert cache.get_seq_length() == nxt.shape[1]
+            return
+        if first == "crop first":
+            cache.crop(-3)
+            got = generate(model, nxt, cache)
+        elif first == "beams":
+            got = generate(model, nxt, cache, num_beams=3)
+            assert torch.equal(got, generate(model, nxt, num_beams=3))
+            return
+        else:
+            got = generate(model, nxt, cache, prefill_chunk_size=2)
+        assert torch.equal(got, generate(model, nxt))
