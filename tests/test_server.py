@@ -397,15 +397,17 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
     assert cached(server.chat(messages, key="k-gone-plain", session="gone")) == 0
 
 
+ASGI_SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "query_string": b"",
+              "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+
 def call_asgi(app: FastAPI, method: str, path: str, headers: list[tuple[bytes, bytes]],
               received: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What ``app`` sends for one request whose client sends ``received`` (then waits): no server
     between, so an exception the app lets out (which a server logs) fails the test."""
     import asyncio
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {**ASGI_SCOPE, "method": method, "path": path, "raw_path": path.encode(), "headers": headers}
     sent: list[dict[str, Any]] = []
 
     async def run() -> None:
@@ -760,3 +762,99 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
     finally:
         gate.set()
     assert isinstance(streamed, ServerClosing) and isinstance(plain, ServerClosing)
+
+
+def test_requests_the_graceful_shutdown_cancels_get_a_503_without_a_traceback() -> None:
+    # uvicorn --timeout-graceful-shutdown: once it runs out, uvicorn cancels the requests still
+    # running, and logged the CancelledError the app let out with a traceback, then sent a bare
+    # 500 ("Internal Server Error") or cut a stream short (helper-44).
+    app = create_app(Settings(store=None, **SMALL))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=0.5))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="test-uvicorn-shutdown", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    gate = threading.Event()
+    app.state.server.engine.submit(gate.wait)  # the running turn: both requests stay queued
+    body = {"messages": conversation("cancelled"), "temperature": 0, "max_tokens": 8}
+
+    def plain() -> httpx.Response:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+    def streamed() -> tuple[int, list[str]]:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+            return r.status_code, [line for line in r.iter_lines() if line]  # raises if the stream is cut
+
+    try:
+        with Records("examples.server", "uvicorn.error") as logged, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = pool.submit(plain), pool.submit(streamed)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/healthz", timeout=5).json()["pending_turns"] != 2:
+                assert time.monotonic() < deadline, "the turns were never queued"
+                time.sleep(0.02)
+            uv.should_exit = True
+            response, (status, lines) = answers[0].result(timeout=30), answers[1].result(timeout=30)
+    finally:
+        gate.set()
+        thread.join(60)
+        sock.close()
+    assert not thread.is_alive()
+    assert response.status_code == 503, response.text
+    assert response.json()["error"] == {"message": "the server is shutting down; retry the request",
+                                        "type": "server_error", "param": None, "code": None}
+    # The stream: its role chunk, then the error event, then its end (no [DONE]: the turn did not finish).
+    assert status == 200 and len(lines) == 2, lines
+    assert json.loads(lines[1][len("data: "):]) == response.json()
+    problems = [r.getMessage() for r in logged.records if not r.getMessage().startswith("Cancel 2 running task(s)")]
+    assert not problems and all(r.exc_info is None for r in logged.records), problems
+    assert app.state.server.engine.pending == 0
+
+
+def test_a_cancelled_error_the_request_was_not_asked_for_is_a_500_and_a_double_cancel_goes_on(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise asyncio.CancelledError()  # as awaiting a future someone else cancelled does: a bug
+
+    monkeypatch.setattr(server.state.engine, "complete", broken)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = [{"type": "http.request", "body": body, "more_body": False}]
+    with Records("examples.server") as logged:
+        sent = call_asgi(server.app, "POST", "/v1/chat/completions", [(b"content-type", b"application/json")],
+                         list(request))
+    assert sent[0]["status"] == 500 and [r.getMessage() for r in logged.records] == [
+        "internal error serving POST /v1/chat/completions"]
+
+    async def hang(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(server.state.engine, "complete", hang)
+
+    async def cancelled_twice() -> None:
+        pending = list(request)
+
+        async def receive() -> dict[str, Any]:
+            if pending:
+                return pending.pop(0)
+            await asyncio.Event().wait()
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        task = asyncio.ensure_future(server.app({**ASGI_SCOPE, "headers": [], "method": "POST",
+                                                 "path": "/v1/chat/completions",
+                                                 "raw_path": b"/v1/chat/completions"}, receive, send))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        task.cancel()  # two parties want it ended: it must end cancelled, not answered
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_twice())

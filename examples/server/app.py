@@ -32,6 +32,9 @@ Lifespan: the store, the model and the metrics collector are created at startup 
 shutdown (the running turn finishes and commits, the store is flushed). uvicorn waits for the
 requests in flight before it shuts the lifespan down, so by default the queued turns run first; a
 turn still queued when the engine closes (``Engine.close``) is dropped with a 503, "shutting down".
+With ``--timeout-graceful-shutdown``, uvicorn cancels the requests still running when it runs out:
+they get the same 503 (a stream: the error event, then its end), and the turn stops at its next
+token (``errors.InternalErrors``).
 A startup the store or the device refuses (the store in use by another process, say) is logged as
 one line, and uvicorn exits with status 3.
 
@@ -45,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import time
 import unicodedata
@@ -278,8 +280,7 @@ def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Sett
                 top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop)
 
 
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+_event = errors.sse_event
 
 
 async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool
@@ -300,7 +301,7 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
                     result = item
     except ServerClosing:
         # Dropped from the queue by the shutdown: said as an error event, not a stream cut short.
-        yield _event(ApiError(503, "the server is shutting down; retry the request", type="server_error").body())
+        yield _event(errors.shutting_down().body())
         return
     except TurnCancelled:
         return
@@ -365,7 +366,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # The turn is cancelled if the client leaves: dropped if still queued, else stopped at its next token.
             result = await server.engine.complete(turn, until=lambda: client_left(request))
         except ServerClosing:
-            raise ApiError(503, "the server is shutting down; retry the request", type="server_error") from None
+            raise errors.shutting_down() from None
         except TurnCancelled:
             raise ClientDisconnect() from None  # answered quietly, see errors.install
         return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))

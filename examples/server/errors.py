@@ -5,11 +5,16 @@ Starlette's own refusals (validation, unknown route, wrong method, a body over t
 the same shape, so a client never gets a bare ``{"detail": ...}`` or, for a bad request, a 500.
 A client that left (Starlette's ``ClientDisconnect``) is not an error: nothing is sent, and only a
 DEBUG line is logged.
-A bug is a 500, logged once with its traceback (``InternalErrors``).
+A bug is a 500, logged once with its traceback (``InternalErrors``). A request the server cancels
+(uvicorn does, once ``--timeout-graceful-shutdown`` runs out) is a 503, "shutting down", like a turn
+the engine's close drops: the JSON error, or in a stream already begun, the error event and the end
+of the stream (``InternalErrors``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +69,16 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def shutting_down() -> ApiError:
+    """What a request the server will not finish, since it shuts down, is answered."""
+    return ApiError(503, "the server is shutting down; retry the request", type="server_error")
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    """One server-sent event carrying ``body`` as JSON, as the chat stream sends its chunks and errors."""
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
 def _param(loc: Sequence[int | str], fields: frozenset[str]) -> str | None:
     """``("messages", 0, "content", "str")`` -> ``"messages[0].content"``: pydantic appends union
     member tags (``str``, ``list[TextPart]``) to a location, which are not parameters."""
@@ -96,12 +111,25 @@ def from_validation(errors: Sequence[Any], fields: frozenset[str]) -> ApiError:
 
 
 class InternalErrors:
-    """A route's unexpected exception as a 500 in OpenAI's shape, logged once with its traceback.
+    """A route's unexpected exception as a 500 in OpenAI's shape, logged once with its traceback; a
+    request the server cancels as a 503 (``shutting_down``), without a traceback.
 
     Starlette's own last resort (``ServerErrorMiddleware``) sends the 500 and then re-raises, for the
     server to log too: every bug was logged twice, the second time without the request. This one
     sits inside it and does not re-raise. Once a response has started, a 500 can no longer be sent:
     the exception goes on, for the server to log and to close the connection.
+
+    Cancelled: uvicorn cancels the requests still running when ``--timeout-graceful-shutdown`` runs
+    out, and logs whatever the app lets out, ``CancelledError`` included, as "Exception in ASGI
+    application" with a traceback, then sends a bare 500 or cuts a stream short. Here the request
+    is answered instead: a 503, or in an event stream already begun, the error event and the end of
+    the stream (the turn itself was stopped by the engine's cleanup on the way out). The
+    cancellation is then taken back (``uncancel``) and the app returns, which ends the request's
+    task as the cancel meant to. Re-raised, not answered: a cancellation requested more than once
+    (someone besides the server wants this task ended: it must go on ending), or one that arrives
+    once a response began that is not an event stream (it cannot be ended honestly). A
+    ``CancelledError`` that this task was not asked for (an awaited future someone cancelled) is a
+    bug like any other: a 500.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -111,21 +139,48 @@ class InternalErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = finished = events = False
 
         async def watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, finished, events
+            if message["type"] == "http.response.start":
+                started = True
+                content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+                events = content_type.split(b";")[0].strip().lower() == b"text/event-stream"
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
-        except Exception:
-            if started:
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancels = task.cancelling() if task is not None else 0
+            if cancels == 0:  # not a cancellation of this request: a bug
+                await self._internal_error(scope, receive, send, started)
+                return
+            if cancels > 1 or (started and not finished and not events):
                 raise
-            # A bug, not a bad request: logged with its traceback here, and not described to the client.
-            logger.exception("internal error serving %s %s", scope["method"], redact_path(scope["path"]))
-            await ApiError(500, "internal server error", type="server_error").response()(scope, receive, send)
+            task.uncancel()  # type: ignore[union-attr]  # answered: the request ends here, as asked
+            logger.info("%s %s cancelled by the server (shutting down): answered 503", scope["method"],
+                        redact_path(scope["path"]))
+            if not started:
+                await shutting_down().response()(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": sse_event(shutting_down().body()).encode(),
+                            "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:
+            await self._internal_error(scope, receive, send, started)
+
+    @staticmethod
+    async def _internal_error(scope: Scope, receive: Receive, send: Send, started: bool) -> None:
+        """Called in an ``except`` block: re-raises once a response has started."""
+        if started:
+            raise  # noqa: PLE0704 - the exception being handled
+        # A bug, not a bad request: logged with its traceback here, and not described to the client.
+        logger.exception("internal error serving %s %s", scope["method"], redact_path(scope["path"]))
+        await ApiError(500, "internal server error", type="server_error").response()(scope, receive, send)
 
 
 def install(app: FastAPI, fields: frozenset[str]) -> None:
