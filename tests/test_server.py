@@ -858,3 +858,47 @@ def test_a_cancelled_error_the_request_was_not_asked_for_is_a_500_and_a_double_c
             await task
 
     asyncio.run(cancelled_twice())
+
+
+def test_requests_after_the_engine_closed_get_a_503_and_hold_no_place_in_the_queue() -> None:
+    # Engine.submit raised the executor's RuntimeError once closed: a 500 for every route, and
+    # stream() had counted the turn before the submit that raised, so pending_turns never came
+    # back down (helper-44).
+    import asyncio
+
+    from examples.server.engine import ServerClosing, Turn
+
+    state = ServerState.start(Settings(store=None, **SMALL))
+    app = create_app(state.settings)
+    app.state.server = state
+    try:
+        state.engine.close()
+        with pytest.raises(ServerClosing):
+            state.engine.submit(print)
+        turn = Turn(ids=state.engine.tokenizer.encode_chat([("user", "hi")]), session=None, tenant=None, max_tokens=4)
+
+        async def consume() -> None:
+            async for _ in state.engine.stream(turn):
+                pass
+
+        with pytest.raises(ServerClosing):
+            asyncio.run(consume())
+        assert state.engine.pending == 0
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        json_type = [(b"content-type", b"application/json")]
+        for method, path, payload in (("POST", "/v1/chat/completions", body),
+                                      ("POST", "/v1/chat/completions", {**body, "stream": True}),
+                                      ("DELETE", "/v1/sessions/s", None)):
+            raw = b"" if payload is None else json.dumps(payload).encode()
+            with Records("examples.server") as logged:
+                sent = call_asgi(app, method, path, json_type, [{"type": "http.request", "body": raw, "more_body": False}])
+            assert not logged.records, [r.getMessage() for r in logged.records]
+            content = b"".join(m.get("body", b"") for m in sent[1:])
+            if payload is not None and payload.get("stream"):
+                assert sent[0]["status"] == 200 and b"the server is shutting down" in content.split(b"\n\n")[-2]
+            else:
+                assert sent[0]["status"] == 503, content
+                assert json.loads(content)["error"]["message"] == "the server is shutting down; retry the request"
+        assert state.engine.pending == 0
+    finally:
+        state.close()

@@ -340,6 +340,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, schemas.FIELDS)
     app.add_middleware(OneLineRefusals)
 
+    @app.exception_handler(ServerClosing)
+    async def server_closing(request: Request, exc: ServerClosing) -> JSONResponse:
+        # A request that reaches the engine once it closed (a DELETE's call, say): not a bug, not a 500.
+        return errors.shutting_down().response()
+
     def state(request: Request) -> ServerState:
         return request.app.state.server
 

@@ -92,7 +92,7 @@ class TurnCancelled(Exception):
 
 
 class ServerClosing(TurnCancelled):
-    """``Engine.close`` dropped the turn from the queue before it ran (the server shuts down)."""
+    """``Engine.close`` dropped the turn from the queue before it ran, or it came after (the server shuts down)."""
 
 
 class _Streamer(BaseStreamer):
@@ -178,8 +178,16 @@ class Engine:
         self._suppress = list(tokenizer.suppress_ids)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on the worker thread after every turn submitted before it."""
-        return self._executor.submit(fn, *args, **kwargs)
+        """Run ``fn`` on the worker thread after every turn submitted before it; ``ServerClosing`` once
+        ``close`` was called (the executor's own refusal, a ``RuntimeError``, would be a 500)."""
+        if self._closing:
+            raise ServerClosing()
+        try:
+            return self._executor.submit(fn, *args, **kwargs)
+        except RuntimeError:
+            if self._closing:  # close() ran between the check and the submit
+                raise ServerClosing() from None
+            raise
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
@@ -221,16 +229,17 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.pending += 1
-        submitted = self.submit(self._run, turn, emit, cancel)
-        # The end of the deltas, after the job's last emit; also for a turn close() drops unrun
-        # (a job's own `finally` never ran then, and the consumer below waited forever).
-        submitted.add_done_callback(lambda _: emit(None))
-        future = asyncio.wrap_future(submitted)
         hold = max(map(len, turn.stop), default=1) - 1
         ids: list[int] = []
         sent = 0
-        try:
+        future: asyncio.Future[TurnResult] | None = None
+        self.pending += 1
+        try:  # from the count on: whatever raises (submit, once closed), the count is given back
+            submitted = self.submit(self._run, turn, emit, cancel)
+            # The end of the deltas, after the job's last emit; also for a turn close() drops unrun
+            # (a job's own `finally` never ran then, and the consumer below waited forever).
+            submitted.add_done_callback(lambda _: emit(None))
+            future = asyncio.wrap_future(submitted)
             while (tokens := await queue.get()) is not None:
                 ids.extend(tokens)
                 text = self.tokenizer.decode(ids)
@@ -245,7 +254,7 @@ class Engine:
         finally:
             self.pending -= 1
             cancel.set()  # no-op after the turn finished; else the worker stops at its next token
-            if not future.done():
+            if future is not None and not future.done():
                 future.cancel()  # a queued turn is dropped; a running one's outcome is not wanted
 
     def close(self) -> None:
