@@ -514,6 +514,30 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
      "invalid_value"),
     ({"messages": [{"role": "user", "content": BIG}]}, 400, "messages", "context_length_exceeded"),
+    # Fields OpenAI defines that this server cannot honour: refused by name, not ignored (helper-44).
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice",
+     "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400, "functions",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}, 400, "modalities",
+     "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "store", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}, 400, "reasoning_effort",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"264": 1}}, 400, "logit_bias",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 101}}, 400, "logit_bias",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": "1"}}, 400, "logit_bias",
+     "invalid_type"),
     ({"messages": [{"role": "user", "content": "x" * 100_000}]}, 413, None, "request_too_large"),
 ])
 def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, param: str | None,
@@ -527,6 +551,52 @@ def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, 
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
+
+
+def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: Server) -> None:
+    messages = conversation("neutral")
+    plain = text(server.chat(messages, key="k-neutral"))
+    neutral = dict(frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=False, top_logprobs=0,
+                   tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False,
+                   verbosity="medium", n=1, parallel_tool_calls=False, metadata={"a": "b"}, service_tier="auto",
+                   prediction={"type": "content", "content": "x"}, audio=None, functions=None, function_call="auto")
+    assert text(server.chat(messages, key="k-neutral", **neutral)) == plain
+
+
+def openai_penalised_greedy(model: torch.nn.Module, tokenizer: Any, messages: list[dict[str, Any]], n: int,
+                            frequency: float, presence: float, bias: dict[int, float]) -> str:
+    """The greedy reply OpenAI's definition of the penalties and logit_bias gives, one full forward per
+    token: logit[j] - count[j] * frequency - (count[j] > 0) * presence + bias[j]."""
+    ids = tokenizer.encode_chat((m["role"], m["content"]) for m in messages)
+    generated: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + generated])).logits[0, -1].float()
+            logits[list(tokenizer.suppress_ids)] = float("-inf")
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0]).float()
+            logits = logits - counts * frequency - (counts > 0).float() * presence
+            for token, value in bias.items():
+                logits[token] += value
+            generated.append(int(logits.argmax()))
+            if generated[-1] == tokenizer.end_id:
+                break
+    return tokenizer.decode(generated)
+
+
+def test_frequency_and_presence_penalties_and_logit_bias_are_openai_s(server: Server) -> None:
+    # They were accepted and ignored: the reply was the one without them (helper-44).
+    model, tokenizer = build_model(server.settings)
+    messages = conversation("penalties")
+    plain = text(server.chat(messages, key="k-penalty", max_tokens=24))
+    fields = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"101": 4, "32": -1.5})
+    penalised = text(server.chat(messages, key="k-penalty", max_tokens=24, **fields))
+    assert penalised != plain
+    assert penalised == openai_penalised_greedy(model, tokenizer, messages, 24, 1.5, 0.5, {101: 4, 32: -1.5})
+    # Streamed alike; and before temperature and top_p: after them, top_p would already have cut "Z" off.
+    assert "".join(p["choices"][0]["delta"].get("content", "") for p in server.stream(
+        messages, key="k-penalty", max_tokens=24, **fields)[:-2]) == penalised
+    sampled = text(server.chat(messages, key="k-penalty", temperature=2, top_p=0.05, seed=3, logit_bias={"90": 100}))
+    assert sampled == "Z" * 8
 
 
 def test_other_refusals_are_openai_errors_too(server: Server) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import time
 import unicodedata
@@ -247,11 +248,8 @@ def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Sett
     if req.n is not None and req.n > 1:
         raise ApiError(400, "n > 1 is not supported by this server; send n requests instead (with temperature > 0 "
                        "and different seeds for different replies)", param="n", code="unsupported_value")
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
-                       code="unsupported_parameter")
-    if req.tools:
-        raise ApiError(400, "tools are not supported by this server", param="tools", code="unsupported_parameter")
+    refuse_unsupported(req)
+    logit_bias = read_logit_bias(req.logit_bias, engine.tokenizer.vocab_size)
     messages: list[tuple[str, str]] = []
     for i, message in enumerate(req.messages):
         text = message.text()
@@ -277,7 +275,67 @@ def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Sett
                        param="stop", code="invalid_value")
     return Turn(ids=engine.tokenizer.encode_chat(messages), session=session, tenant=tenant, max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop)
+                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
+                frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                logit_bias=logit_bias)
+
+
+def refuse_unsupported(req: schemas.ChatCompletionRequest) -> None:
+    """The 400 for a field OpenAI defines that this server cannot honour, unless it holds its neutral
+    value: ignored, it would change what the client gets without telling it."""
+    def refuse(param: str, message: str, code: str = "unsupported_parameter") -> ApiError:
+        return ApiError(400, message, param=param, code=code)
+
+    if req.logprobs:
+        raise refuse("logprobs", "logprobs are not supported by this server; omit logprobs (or send false)")
+    if req.top_logprobs:
+        raise refuse("top_logprobs", "logprobs are not supported by this server; omit top_logprobs (or send 0)")
+    if req.tools:
+        raise refuse("tools", "tools are not supported by this server; send the request without tools")
+    if req.functions:
+        raise refuse("functions", "functions are not supported by this server; send the request without functions")
+    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
+        if choice is not None and choice not in ("none", "auto"):  # without tools, both mean: answer in text
+            raise refuse(param, f"{param} asks for a tool call, and this server calls no tools; omit {param} "
+                         "(or send \"none\")", code="unsupported_value")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise refuse("response_format", "this server cannot constrain replies to JSON (response_format "
+                     f"{json.dumps(req.response_format.get('type'))}); omit response_format (or send "
+                     "{\"type\": \"text\"}) and ask for JSON in the messages", code="unsupported_value")
+    if req.modalities is not None and set(req.modalities) != {"text"}:
+        raise refuse("modalities", "this server replies in text only; omit modalities (or send [\"text\"])",
+                     code="unsupported_value")
+    if req.audio is not None:
+        raise refuse("audio", "this server replies in text only; send the request without audio")
+    if req.store:
+        raise refuse("store", "this server keeps no completions to retrieve later; omit store (or send false)",
+                     code="unsupported_value")
+    if req.reasoning_effort is not None:
+        raise refuse("reasoning_effort", "this server's model does not reason before replying; send the request "
+                     "without reasoning_effort")
+    if req.verbosity not in (None, "medium"):
+        raise refuse("verbosity", "this server cannot change how verbose replies are; omit verbosity (or send "
+                     "\"medium\")", code="unsupported_value")
+    if req.web_search_options is not None:
+        raise refuse("web_search_options", "this server cannot search the web; send the request without "
+                     "web_search_options")
+
+
+def read_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(token id, bias)`` pairs, zero biases left out, or the 400 that says what is wrong."""
+    pairs: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 9 else -1
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"logit_bias: {json.dumps(key)} is not a token id of this server's model; keys "
+                           f"are token ids from 0 to {vocab_size - 1}, as strings", param="logit_bias",
+                           code="invalid_value")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: the bias of token {token} is {value}; biases are from -100 to 100",
+                           param="logit_bias", code="invalid_value")
+        if value:
+            pairs.append((token, value))
+    return tuple(sorted(pairs))
 
 
 _event = errors.sse_event

@@ -1,8 +1,12 @@
 """The OpenAI chat-completions wire format: the request as parsed, and the bodies sent back.
 
 Requests are validated strictly (``"5"`` is not an integer, ``true`` is not a number), as OpenAI
-does; unknown fields are ignored, except the ones whose meaning this server cannot honour
-(``n`` > 1, ``logprobs``, ``tools``), which the route refuses by name rather than ignore.
+does. Every field of OpenAI's chat-completions request is read: the ones that shape the reply are
+honoured (``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` included), or, where this
+server cannot honour them (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text...),
+refused by name with a 400 unless they hold their neutral value; the ones that do not change the
+reply (``metadata``, ``parallel_tool_calls``, ``prediction``, ``service_tier``) are accepted.
+Fields OpenAI does not define are ignored.
 
 Usage reports what tierkv did for the turn::
 
@@ -59,8 +63,28 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = None
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    # Refused unless neutral (see app.make_turn): this server cannot honour them.
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None          # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    store: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Accepted and without effect on the reply: this server has nothing they would change.
+    metadata: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None     # no tools are ever called
+    prediction: dict[str, Any] | None = None    # a latency hint; the reply is the same without it
+    service_tier: str | None = None
 
 
 FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, TextPart, StreamOptions)
