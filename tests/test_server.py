@@ -676,6 +676,30 @@ def test_an_empty_host_is_refused_rather_than_read_as_every_interface() -> None:
     assert parse_args(["--host", "0.0.0.0"], {"TIERKV_HOST": ""}).host == "0.0.0.0"  # everywhere, asked by name
 
 
+def test_a_host_or_port_the_server_cannot_listen_on_is_refused_before_the_model_loads(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # uvicorn binds only after the lifespan's startup: the model loaded and the store opened first, and
+    # then uvicorn logged a bare "[Errno -2] Name or service not known" and exited (helper-44).
+    from examples.server.__main__ import main
+
+    def loads_the_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(uvicorn, "run", loads_the_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, message in ((["--host", "no-such-host.invalid"], "the host does not resolve"),
+                               (["--host", "127.0.0.1:8000"], "give the port with --port, not in --host"),
+                               (["--port", str(port)], f"cannot listen on --host '127.0.0.1' --port {port}")):
+            with pytest.raises(SystemExit) as exc:
+                main(["--store", "none", *flags])
+            assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="the server started"):
+        main(["--store", "none", "--port", "0"])  # what can be listened on passes
+
+
 def test_a_store_made_with_another_block_size_is_refused_before_the_server_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from examples.server.settings import parse_args

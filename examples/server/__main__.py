@@ -12,7 +12,7 @@ from .settings import parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_args(argv, description=__doc__)
+    settings = parse_args(argv, description=__doc__, listen=True)  # a host or port it cannot use: before the model loads
     import uvicorn  # after parsing: --help and flag errors answer without loading torch
 
     from .app import create_app

@@ -146,16 +146,45 @@ _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
 assert set(_FIELDS) == {f.name for f in dataclasses.fields(Settings)}
 
 
+def check_listen(host: str, port: int) -> None:
+    """The ``ValueError`` that says why this process cannot listen on ``host``:``port`` (a name that
+    does not resolve, an address not of this machine, a port in use or reserved), found before the
+    model loads: uvicorn binds only after its startup, and then logs the bare reason. Each address
+    the host resolves to is bound as asyncio's server binds it (``SO_REUSEADDR``, v6 only for IPv6),
+    then released for uvicorn (a port taken in between is still reported by uvicorn)."""
+    import socket
+
+    where = f"--host {host!r} --port {port}"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        hint = "; give the port with --port, not in --host" if host.rpartition(":")[2].isdigit() else ""
+        raise ValueError(f"cannot listen on {where}: the host does not resolve ({exc}){hint}") from None
+    for family, kind, proto, _, address in dict.fromkeys(addresses):  # getaddrinfo may repeat one
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise ValueError(f"cannot listen on {where} (address {address[0]}): {exc.strerror or exc}") from None
+
+
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
-               description: str | None = None) -> Settings:
-    """Settings from flags; a flag not given falls back to its environment variable, then the default."""
+               description: str | None = None, listen: bool = False) -> Settings:
+    """Settings from flags; a flag not given falls back to its environment variable, then the default.
+    ``listen``: also check that the host and port can be listened on (``check_listen``)."""
     parser = argparse.ArgumentParser(prog="python -m examples.server", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, (flag, env, parse, text) in _FIELDS.items():
         parser.add_argument(flag, dest=name, type=parse, default=argparse.SUPPRESS, help=f"{text} [${env}]")
     args = vars(parser.parse_args(argv))
     try:
-        return Settings.from_env(environ, **args)
+        settings = Settings.from_env(environ, **args)
+        if listen:
+            check_listen(settings.host, settings.port)
+        return settings
     except ValueError as exc:
         parser.error(str(exc))
         raise  # parser.error exits; this line is for type checkers
