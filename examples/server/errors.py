@@ -162,7 +162,7 @@ class InternalErrors:
             if cancels > 1 or (started and not finished and not events):
                 raise
             task.uncancel()  # type: ignore[union-attr]  # answered: the request ends here, as asked
-            logger.info("%s %s cancelled by the server (shutting down): answered 503", scope["method"],
+            logger.info("%s %s cancelled by the server (shutting down): answered so", scope["method"],
                         redact_path(scope["path"]))
             if not started:
                 await shutting_down().response()(scope, receive, send)
