@@ -446,6 +446,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 import tierkv.store
+import tierkv.tiers.disk
 from conftest import make_model
 from tierkv import TieredStore
 
@@ -478,6 +479,7 @@ import sys, threading
 sys.path.insert(0, {tests!r})
 import torch
 import tierkv.store
+import tierkv.tiers.disk
 from conftest import make_model
 from tierkv import TieredStore
 
@@ -505,6 +507,7 @@ import sys, threading
 sys.path.insert(0, {tests!r})
 import torch
 import tierkv.store
+import tierkv.tiers.disk
 from conftest import make_model
 from tierkv import TieredStore
 
@@ -517,11 +520,11 @@ with TieredStore({path!r}, device="cpu", block_size=8) as store:
 store = TieredStore({path!r}, device="cpu", block_size=8, device_budget=0, host_budget=0)
 reading = threading.Event()
 
-def stuck_alloc(shape, dtype):  # inside the read transaction: a page fault on a disk that hangs
+def stuck_decode(buf, into):  # inside the read transaction: a page fault on a disk that hangs
     reading.set()
     threading.Event().wait()
 
-store._host.alloc = stuck_alloc
+tierkv.tiers.disk.decode_into = stuck_decode
 threading.Thread(target=store.open, args=(model, ids), daemon=True).start()
 assert reading.wait(60)
 print("EXITING", flush=True)
