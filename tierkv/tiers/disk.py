@@ -50,6 +50,13 @@ is applied without its block writes, which fail with ``DiskFull`` (the store kee
 memory and evicts more from disk), and without its head rewrites; deletes and references in the
 batch still apply.
 
+Full filesystem: every page of the map has its block in the file before LMDB can write to it
+(``_allocate``: ``posix_fallocate`` at open and at each growth), since a write through the map into
+a hole of a full filesystem is a SIGBUS, not an error. The map grows by an eighth at a time, so
+little is allocated and unused. A growth the filesystem has no room for fails the batch's block
+writes with ``FilesystemFull``; deletes and references go on in the map's free pages, and fail
+with ``OSError(ENOSPC)`` only where even those are used up.
+
 Opened with ``writemap=True``: values of 1-4 MiB then write at raw-disk speed on this kind of
 machine, while ``writemap=False`` ran 2-5x slower (measured when the project began).
 """
@@ -58,6 +65,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import logging
 import os
 import struct
@@ -97,6 +105,15 @@ _CHECKSUM_BYTES = 8  # the codec's trailer
 # naively (cp, a checksum) then handle all of it; a 1 GiB start made a new store's first spill only
 # 1.3x faster, and the test suite's copies of small stores several times slower.
 _INITIAL_MAP = 64 << 20
+# What a file that cannot be given more blocks reports: a full filesystem, a quota, a file-size limit.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# What a filesystem without fallocate (and without glibc's emulation of it) reports.
+_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.ESPIPE})
+# LMDB's lock file, allocated before LMDB maps it: at least the size LMDB gives it (a 64-byte slot
+# for each of its 126 readers and a header, 8 KiB here); a larger file only holds more reader slots.
+_LOCK_BYTES = 16 << 10
+_MAX_READERS = 126  # py-lmdb's default
+_FEW_READERS = 32  # a table LMDB keeps within one page (64 bytes a slot, a header of 128 to 256)
 _PAGE_HEADER = 16  # LMDB's header on the first page of a multi-page (overflow) value
 _OVERFLOW_HEADER = struct.Struct("<QHHI")  # that header: page number, pad, flags, pages (LMDB 0.9, 64-bit)
 _P_OVERFLOW = 0x04
@@ -143,9 +160,10 @@ def _truncated(env: Any, file_bytes: int) -> ValueError | None:
 
 
 class FilesystemFull(DiskFull):
-    """A block write refused because the filesystem under the map may not hold it (a write into
-    the sparse map there would kill the process with SIGBUS); the block stays in memory. Deleting
-    other records would not help: their pages stay allocated in the file."""
+    """A block write refused because the filesystem under the map has no room for it: the map
+    could not be given the blocks it needs to grow (``DiskTier._allocate``), or a forecast says so
+    (``filesystem_short``). The block stays in memory. Deleting other records would not help:
+    their pages stay allocated in the file."""
 
 
 class Scrubbed(CorruptRecord):
@@ -249,6 +267,13 @@ def _under(key: bytes, header: RecordHeader) -> RecordHeader:
 def slack(budget: int) -> int:
     """Room above the budget for LMDB's free pages and B-tree: the file never exceeds budget + this."""
     return max(4 << 20, budget // 8)
+
+
+def _headroom(map_bytes: int) -> int:
+    """How much the map grows at a time: an eighth, at least the initial map. Doubling, up to
+    half the map was allocated on disk and never used (the map's pages are allocated: see
+    ``DiskTier._allocate``); each growth remaps, so it is not made smaller."""
+    return max(_INITIAL_MAP, map_bytes // 8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -460,9 +485,13 @@ class DiskTier:
         # An existing file is opened at its own size: with writemap LMDB truncates the file to the
         # map, and opening a store (for ``tierkv check`` say) must not grow it.
         initial = min(_INITIAL_MAP, self.map_cap - _DELETE_ROOM) if fresh else os.path.getsize(data)
+        # Whether the map's pages get their blocks before LMDB writes to them (``_allocate``).
+        self._allocating = hasattr(os, "posix_fallocate")
+        self._no_room: str | None = None  # why the last ``_allocate`` fell short of its end
         try:
+            readers = self._allocate_lock_file()
             self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True,
-                                 readahead=False)
+                                 readahead=False, max_readers=readers)
         except BaseException as exc:
             self._unlock()
             if not fresh and isinstance(exc, UNREADABLE):
@@ -482,6 +511,13 @@ class DiskTier:
         self._map_start = self._find_map()
         # The same file as LMDB's, for zeroing deleted records in it without reading them.
         self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        try:
+            self._allocate_map(fresh)
+        except BaseException:
+            self.env.close()
+            os.close(self._data_fd)
+            self._unlock()
+            raise
         # Where each block's record lies in the file (offset, length), from its head: for prefetch.
         self._where: dict[bytes, tuple[int, int]] = {}
         # Evicted records deleted and not zeroed yet (``_defer_scrub``): those the last committed
@@ -554,6 +590,105 @@ class DiskTier:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _allocate_lock_file(self) -> int:
+        """Give LMDB's lock file its blocks before LMDB maps it; returns the ``max_readers`` to open
+        LMDB with. LMDB sizes the file with ``ftruncate`` (a hole) and writes its reader table
+        through a shared map, which on a full filesystem killed the process with SIGBUS inside
+        ``lmdb.open``. Where the filesystem has no room for the whole table (a lock file an earlier
+        build left with a hole, say), the file is cut to one page, all allocated, and LMDB keeps
+        that size, with fewer reader slots (a reader past them gets ``ReadersFullError``)."""
+        if not self._allocating:
+            return _MAX_READERS
+        fd = os.open(os.path.join(self.path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            for size, readers in ((max(os.fstat(fd).st_size, _LOCK_BYTES), _MAX_READERS), (vm.PAGE, _FEW_READERS)):
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno in _UNSUPPORTED:
+                        return _MAX_READERS  # no fallocate here: LMDB sizes the file itself, as before
+                    if exc.errno not in _NO_ROOM:
+                        raise
+                    continue
+                if os.fstat(fd).st_size > size:
+                    os.ftruncate(fd, size)
+                return readers
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the filesystem has no room for the store's "
+                                        "lock file; free disk space, or pass a path on another filesystem", self.path)
+        finally:
+            os.close(fd)
+
+    def _allocate_map(self, fresh: bool) -> None:
+        """At open: every page of the map gets its block in the file (``_allocate``). A store
+        whose file is larger than its pages in use need (written before the map was allocated,
+        when a doubling map left a hole of up to half the file) has its map cut back to what
+        its next writes need: allocating the whole hole would take GiBs of disk no block asked
+        for. Where the filesystem has not even that room, the map ends at the pages in use, all
+        written, so allocated: a write that needs more pages finds the map full, as at its cap."""
+        current = self.env.info()["map_size"]
+        used = self.file_bytes()
+        start = 0 if fresh else used
+        target = current if fresh else min(current, used + _headroom(used))
+        least = min(target, 64 * self.page_size) if fresh else used
+        end = self._allocate(start, target, least)
+        if fresh and end < least:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {self._no_room}", self.path)
+        self._map_to(max(end, used))
+
+    def _allocate(self, start: int, end: int, least: int) -> int:
+        """Give the file its blocks over [start, end) (``posix_fallocate``), before LMDB writes
+        there through the map; returns how far it got: ``end``, or as far as the filesystem had
+        room for, halving the request, down to ``least``; ``start`` when not even that (and
+        ``_no_room`` says why).
+
+        Why: with ``writemap`` the map is the file, and LMDB sizes the file with ``ftruncate``,
+        which leaves a hole. A page of the hole gets its block from the filesystem only when
+        something first writes to it through the map; where the filesystem has none left, the
+        kernel cannot return ENOSPC from a store instruction and kills the process with SIGBUS.
+        LMDB writes every page it takes (new records, the B-tree pages each transaction copies,
+        even a delete's) anywhere below the map's end, so checking the free space before block
+        writes (``filesystem_short``) left deletes, references, stamps and a repair to die. With
+        every page of the map allocated, no write through it can fault for want of space; what
+        needs more room than the map has fails as ``MapFullError``, which the map's growth
+        answers with an allocation that fails with ENOSPC instead: the disk-full path. The map
+        grows by an eighth (``_headroom``) rather than doubling, so that what is allocated and
+        unused stays small.
+
+        Where the OS has no ``posix_fallocate`` (glibc emulates it where a filesystem lacks
+        fallocate) nothing is allocated, and the free-space check alone stands, as before."""
+        self._no_room = None
+        if not self._allocating or end <= start or self._data_fd is None:
+            return end
+        size = end - start
+        while True:
+            try:
+                os.posix_fallocate(self._data_fd, start, size)
+                return start + size
+            except OSError as exc:
+                if exc.errno in _UNSUPPORTED:
+                    self._allocating = False
+                    logger.debug("tierkv: cannot allocate %s's file (%s); checking free space instead", self.path,
+                                 exc)
+                    return end
+                if exc.errno not in _NO_ROOM:
+                    raise
+                self._no_room = (f"the filesystem under {self.path} has no room to extend the store's file "
+                                 f"({exc.strerror}); free disk space, or lower disk_budget to what the "
+                                 "filesystem holds")
+            smaller = max(size // 2 // self.page_size * self.page_size, least - start)
+            if smaller <= 0 or smaller >= size:
+                return start
+            size = smaller
+
+    def _map_to(self, size: int) -> None:
+        """Set the map to ``size`` bytes, the file with it (LMDB truncates the file to the map), or
+        cut back an allocation that failed part-way and left the file past the map."""
+        if size != self.env.info()["map_size"]:
+            self.env.set_mapsize(size)
+            self._map_start = self._find_map()
+        elif self._data_fd is not None and os.fstat(self._data_fd).st_size > size:
+            os.ftruncate(self._data_fd, size)
 
     @staticmethod
     def _resolve_path(path: str | bytes | os.PathLike[str]) -> str:
@@ -961,14 +1096,26 @@ class DiskTier:
                 # lost (a lost delete brings forgotten KV back), keep the top of the map.
                 if self._grow(self.map_cap - _DELETE_ROOM if not full else self.map_cap):
                     continue
+                no_room = self._no_room
+                # The filesystem had no room to grow the map: block writes stay in memory, and
+                # nothing leaves the disk for them (``FilesystemFull``).
+                short = short or no_room
                 if not full:
                     full = True
                     continue
-                # Even the room kept for them is used up: the cap gives way once more rather than
-                # lose a delete (or treat a full disk as a failed one).
-                self.map_cap += _DELETE_ROOM
-                if not self._grow(self.map_cap):
-                    raise
+                if no_room is None:
+                    # Even the room kept for them is used up: the cap gives way once more rather
+                    # than lose a delete (or treat a full disk as a failed one).
+                    self.map_cap += _DELETE_ROOM
+                    if self._grow(self.map_cap):
+                        continue
+                    if self._no_room is None:
+                        raise
+                    no_room = self._no_room
+                    self.map_cap -= _DELETE_ROOM
+                # Not even the pages the deletes and references need: an error the store counts,
+                # keeping those owed and retrying them, where a write into a hole was a SIGBUS.
+                raise OSError(errno.ENOSPC, no_room) from exc
 
     def _put_record(self, txn: lmdb.Transaction, key: bytes, value: np.ndarray, batch: _Batch) -> None:
         if txn.cursor(db=self._blocks).set_key(key):
@@ -1190,15 +1337,18 @@ class DiskTier:
                 ctypes.memset(self._map_start + begin, 0, end - begin)
 
     def _grow(self, limit: int, at_least: int = 0) -> bool:
-        """Grow the map (doubling, up to ``limit``); False when it is already there."""
+        """Grow the map (by ``_headroom``, up to ``limit``), its new pages allocated first
+        (``_allocate``: as far as the filesystem has room); False when it did not grow: at
+        ``limit``, or no room (``_no_room`` then says why)."""
         with self._resize_lock:
             current = self.env.info()["map_size"]
-            size = min(max(current * 2, at_least), limit)
+            self._no_room = None
+            size = min(max(current + _headroom(current), at_least), limit)
             if size <= current:
                 return False
-            self.env.set_mapsize(size)
-            self._map_start = self._find_map()
-            return True
+            size = self._allocate(current, size, current + self.page_size)
+            self._map_to(size)
+            return size > current
 
     def _set_map(self, size: int) -> None:
         with self._resize_lock:
@@ -1219,12 +1369,13 @@ class DiskTier:
         vm.madvise(self._map_start + used, length - used, vm.MADV_NORMAL)
 
     def filesystem_short(self, nbytes: int) -> str | None:
-        """Why a batch of ``nbytes`` of records must not be written, or None. The map is a sparse
-        file written through memory: where the filesystem has no block left for a page, the write
-        is not an ENOSPC but a SIGBUS, which kills the process. So a batch that would take the file
-        past its allocated blocks by more than the filesystem has free is refused up front (its
-        blocks stay in memory, as at the map's cap). Another process filling the disk between this
-        check and the write is not covered."""
+        """Why a batch of ``nbytes`` of records must not be written, or None: it would take the
+        file past its allocated blocks by more than the filesystem has free. Refused up front (its
+        blocks stay in memory, as at the map's cap), and the store evicts nothing for it. Where
+        the map is allocated (``_allocate``) this is a forecast, and the allocation that grows the
+        map is what keeps a write through the map from a SIGBUS; elsewhere (no fallocate) it is
+        the only guard, and covers neither the B-tree's pages nor another process filling the
+        disk between this check and the write."""
         if self._data_fd is None:
             return None
         try:
