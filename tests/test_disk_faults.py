@@ -3,10 +3,18 @@ generation, and deletes that hit a disk error are kept owed and retried, never l
 
 from __future__ import annotations
 
+import errno
+import functools
+import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import lmdb
 import msgpack
@@ -15,11 +23,14 @@ import torch
 
 from conftest import random_ids
 from test_pool_store import pooled_store
+import tierkv
+import tierkv.tiers.disk
 from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
 from tierkv.store import _session_id
-from tierkv.tiers.disk import DeleteBlocks, DiskFull, DiskTier, DropRefs, PutBlock, PutRefs, Touch, slack
+from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, FilesystemFull, PutBlock, PutRefs, Touch,
+                               slack)
 from tierkv.transfer import Job
 
 B = 8
@@ -239,13 +250,7 @@ def test_a_full_filesystem_keeps_new_blocks_in_memory_and_the_disk_serving(model
     store.flush()
     on_disk = _records_live(store)
     assert len(on_disk) == 3
-    real = os.fstatvfs
-
-    def nearly_full(fd):
-        st = real(fd)
-        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 2, 2, *st[5:]))  # 2 blocks free
-
-    monkeypatch.setattr(os, "fstatvfs", nearly_full)
+    filesystem_full(monkeypatch, store)
     with caplog.at_level(logging.WARNING, logger="tierkv"):
         second = random_ids(20, 721)
         out_second = converse(store, model, second, "second")
@@ -259,7 +264,7 @@ def test_a_full_filesystem_keeps_new_blocks_in_memory_and_the_disk_serving(model
     assert cache.restored_from == {"device": out_second.shape[1] - 1, "host": 0, "disk": 0}
     out_later = generate(model, later, cache)
     assert torch.equal(out_later, generate(model, later))
-    monkeypatch.setattr(os, "fstatvfs", real)  # room again: new blocks are written
+    monkeypatch.undo()  # room again: new blocks are written
     assert cache.commit(out_later) == out_later.shape[1] - 1
     out_third = converse(store, model, random_ids(20, 724), "third")
     store.close()
@@ -273,15 +278,30 @@ def test_a_full_filesystem_keeps_new_blocks_in_memory_and_the_disk_serving(model
         assert torch.equal(generate(model, again, cache), generate(model, again))
 
 
-def _full_filesystem_for_one_turn(store, model, monkeypatch, ids, session):
+def filesystem_full(patch, store, room_pages: int = 48) -> None:
+    """A filesystem with no block left, as the disk tier meets one: 2 blocks free, allocations
+    refused (ENOSPC), and the map, whose pages are all allocated, with ``room_pages`` pages past
+    those in use (enough for references and stamps, not for the blocks of a turn)."""
     real = os.fstatvfs
 
     def nearly_full(fd):
         st = real(fd)
-        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 2, 2, *st[5:]))
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 2, 2, *st[5:]))  # 2 blocks free
 
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    patch.setattr(os, "fstatvfs", nearly_full)
+    patch.setattr(os, "posix_fallocate", no_room)
+    store._writer.flush()  # the map is cut outside any transaction
+    disk = store._disk
+    with disk._resize_lock:
+        disk._map_to(min(disk.env.info()["map_size"], disk.file_bytes() + room_pages * disk.page_size))
+
+
+def _full_filesystem_for_one_turn(store, model, monkeypatch, ids, session):
     with monkeypatch.context() as patch:
-        patch.setattr(os, "fstatvfs", nearly_full)
+        filesystem_full(patch, store)
         out = converse(store, model, ids, session)
         store._writer.flush()
         store.stats()  # reaps the refused writes
@@ -1380,3 +1400,166 @@ def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, store
     worker.join(30)
     store.flush()
     assert store._writer.backlog() == 0 and store.stats()["disk"]["blocks"] > 0
+
+
+# -- a full filesystem: the map's pages are allocated before LMDB writes to them -----------------
+# With writemap the map is the file, and LMDB sizes the file with ftruncate, leaving a hole. A
+# page of the hole that LMDB first writes (a record, a B-tree page of a delete, a stamp) on a
+# filesystem with no block left was a SIGBUS: the process died, nothing to catch.
+def _record(seq: int) -> PutBlock:
+    """A 64 KiB block write under key ``seq``."""
+    header = RecordHeader(key=seq.to_bytes(16, "little"), parent=bytes(16), tenant=None, fingerprint=b"f",
+                          dtype="float32", shape=(16384,), token_ids=(1).to_bytes(8, "little"), seq=seq)
+    return PutBlock(header, Job.completed(torch.full((16384,), float(seq))), record_size(header))
+
+
+def _no_room(fd, offset, length):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+needs_fallocate = pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate on this OS")
+
+
+@needs_fallocate
+def test_every_page_of_the_map_is_allocated_in_the_file_as_it_grows(tmp_path, monkeypatch):
+    monkeypatch.setattr(tierkv.tiers.disk, "_INITIAL_MAP", 1 << 20)  # grown by the first batches
+    path = tmp_path / "kv"
+    disk = DiskTier(path, 1 << 30, B)
+    try:
+        sizes = set()
+        for batch in range(6):
+            assert disk.apply([_record(16 * batch + i) for i in range(1, 17)]) == [None] * 16  # 1 MiB
+            map_size = disk.env.info()["map_size"]
+            size, allocated = file_use(path)
+            assert size == map_size and allocated >= map_size, (batch, map_size, allocated)
+            sizes.add(map_size)
+        assert len(sizes) > 2  # it grew, allocated each time
+        lock = os.stat(path / "lock.mdb")  # LMDB's lock file is written through a map too
+        assert lock.st_blocks * 512 >= lock.st_size > 0
+    finally:
+        disk.close()
+
+
+@needs_fallocate
+def test_a_file_with_a_hole_past_its_pages_is_cut_back_and_allocated_at_open(tmp_path):
+    # Earlier builds doubled a sparse map: their files end in a hole of up to half the file.
+    # Allocating it all at open would take that much disk no block asked for.
+    path = tmp_path / "kv"
+    disk = DiskTier(path, 1 << 40, B)
+    assert disk.apply([_record(i) for i in range(1, 9)]) == [None] * 8
+    used = disk.file_bytes()
+    disk.close()
+    os.truncate(path / "data.mdb", used)
+    os.truncate(path / "data.mdb", 1 << 30)
+    disk = DiskTier(path, 1 << 40, B)
+    try:
+        map_size = disk.env.info()["map_size"]
+        size, allocated = file_use(path)
+        assert size == map_size <= used + (64 << 20) and allocated >= map_size
+        header, tensor = disk.load((3).to_bytes(16, "little"), lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        assert header.seq == 3 and torch.equal(tensor, torch.full((16384,), 3.0))
+    finally:
+        disk.close()
+
+
+@needs_fallocate
+def test_a_map_the_filesystem_has_no_room_to_grow_refuses_block_writes_and_applies_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setattr(tierkv.tiers.disk, "_INITIAL_MAP", 1 << 20)
+    path = tmp_path / "kv"
+    disk = DiskTier(path, 1 << 30, B)
+    try:
+        assert disk.apply([_record(i) for i in range(1, 9)]) == [None] * 8
+        map_size = disk.env.info()["map_size"]
+        asked: list[int] = []
+
+        def no_room(fd, offset, length):
+            asked.append(length)
+            _no_room(fd, offset, length)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "posix_fallocate", no_room)
+            sid = bytes(16)
+            results = disk.apply([DeleteBlocks([(1).to_bytes(16, "little")]), *(_record(100 + i) for i in range(32)),
+                                  PutRefs(sid, None, [(2).to_bytes(16, "little")])])  # 2 MiB: past the map
+            assert results[0] is None and results[-1] is None  # the delete and the reference landed
+            assert all(isinstance(r, FilesystemFull) for r in results[1:-1]), results
+            assert "no room" in str(results[1])
+            assert asked and disk.env.info()["map_size"] == map_size  # it asked, and did not grow
+            assert file_use(path)[1] >= map_size
+        assert disk.apply([_record(100 + i) for i in range(32)]) == [None] * 32  # room again
+        keys = {h.key for h, _ in disk.scan().headers}
+        assert (1).to_bytes(16, "little") not in keys and len(keys) == 7 + 32
+    finally:
+        disk.close()
+
+
+@needs_fallocate
+def test_a_new_store_on_a_full_filesystem_raises_enospc_and_lets_go_of_its_directory(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "posix_fallocate", _no_room)
+        with pytest.raises(OSError) as raised:
+            DiskTier(path, 1 << 30, B)
+        assert raised.value.errno == errno.ENOSPC and "free disk space" in str(raised.value)
+    DiskTier(path, 1 << 30, B).close()  # with room, it opens: nothing was left locked
+
+
+_FULLFS_CHILD = Path(__file__).with_name("_fullfs_child.py")
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports the tierkv under test."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tierkv.__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+@functools.lru_cache(maxsize=None)
+def _mount_namespace() -> tuple[str, ...] | None:
+    """A command prefix that runs a child in a mount namespace of its own, where it may mount a
+    tmpfs: as root, or unprivileged in a user namespace. None where neither works (CI without
+    user namespaces): the test then skips, and the unprivileged tests above carry the check."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not sys.platform.startswith("linux"):
+        return None
+    with tempfile.TemporaryDirectory() as mount:
+        for prefix in ([unshare, "-m"], [unshare, "-Urm"]) if os.geteuid() == 0 else ([unshare, "-Urm"],):
+            probe = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mount],
+                                   capture_output=True, timeout=30)
+            if probe.returncode == 0:
+                return tuple(prefix)
+    return None
+
+
+def _run_child(args: list[str], prefix: tuple[str, ...] = ()) -> dict:
+    child = subprocess.run([*prefix, sys.executable, str(_FULLFS_CHILD), *args], capture_output=True, text=True,
+                           timeout=300, env=_child_env())
+    # 135 (through unshare) or -7: SIGBUS; 139 or -11: SIGSEGV.
+    assert child.returncode == 0, f"the child died with status {child.returncode}: {child.stderr[-3000:]}"
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["new", "old", "open"])
+def test_a_filesystem_another_program_fills_never_kills_the_process(tmp_path, case):
+    prefix = _mount_namespace()
+    if prefix is None:
+        pytest.skip("mounting a small tmpfs needs root or unprivileged user namespaces")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    report = _run_child([str(mount), case], prefix)
+    if case == "open":
+        assert report["open"] == f"OSError:{errno.ENOSPC}"  # not a SIGBUS inside lmdb.open
+        return
+    # Blocks past what the map holds are refused and stay in memory; stamps, references and
+    # deletes land where the map has room, or fail with ENOSPC (kept owed by the store).
+    assert report["blocks"] == ["FilesystemFull"]
+    assert report["written"] > 0 if case == "new" else True
+    for what in ("stamps", "refs", "deletes"):
+        assert report[what] in ([], [f"OSError:{errno.ENOSPC}"]), (what, report)
+
+
+@needs_fallocate
+def test_a_file_size_limit_stops_the_map_as_a_full_filesystem_would(tmp_path):
+    # ulimit -f: growing the map's file past it failed inside LMDB's remap, which left the map
+    # unmapped, and the next write crashed the process (SIGSEGV).
+    report = _run_child([str(tmp_path), "fsize"])
+    assert report["blocks"] == ["FilesystemFull"] and report["written"] > 0 and report["filesystem_full"] > 0
