@@ -103,8 +103,11 @@ _U64 = struct.Struct("<Q")
 _CHECKSUM_BYTES = 8  # the codec's trailer
 # Small: with writemap the file is truncated to the map's size, and tools that copy or read a store
 # naively (cp, a checksum) then handle all of it; a 1 GiB start made a new store's first spill only
-# 1.3x faster, and the test suite's copies of small stores several times slower.
-_INITIAL_MAP = 64 << 20
+# 1.3x faster, and the test suite's copies of small stores several times slower. And every page of
+# the map is allocated on disk (``DiskTier._allocate``): at 64 MiB each new store took 64 MiB of
+# disk (of memory on a tmpfs) at once, a test run's stores tens of GiB. Also the least the map grows
+# by (``_headroom``): a growth costs 0.1 ms, and a batch's writes grow it by what they need at once.
+_INITIAL_MAP = 1 << 20
 # What a file that cannot be given more blocks reports: a full filesystem, a quota, a file-size limit.
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # What a filesystem without fallocate (and without glibc's emulation of it) reports.
@@ -272,7 +275,8 @@ def slack(budget: int) -> int:
 def _headroom(map_bytes: int) -> int:
     """How much the map grows at a time: an eighth, at least the initial map. Doubling, up to
     half the map was allocated on disk and never used (the map's pages are allocated: see
-    ``DiskTier._allocate``); each growth remaps, so it is not made smaller."""
+    ``DiskTier._allocate``). Each growth remaps, and the pages touched after it fault into the
+    new map again: an eighth keeps those to a few dozen over a store's life."""
     return max(_INITIAL_MAP, map_bytes // 8)
 
 
