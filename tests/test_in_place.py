@@ -151,3 +151,26 @@ def test_a_first_forward_other_than_the_new_tokens_in_one_row_assembles_the_laye
         else:
             got = generate(model, nxt, cache, prefill_chunk_size=2)
         assert torch.equal(got, generate(model, nxt))
+
+
+def test_a_first_forward_with_grad_enabled_assembles_the_layer_as_before(tiny_model, tmp_path):
+    # Before: the layers were views of one buffer that each layer's write changed in place, under
+    # autograd: the next forward's concatenation raised ("Output 0 of Split is a view and its base
+    # or another view of its base has been modified inplace"), and so did a backward.
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 50))
+    nxt = torch.cat([out, random_ids(3, 51)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        r = cache.restored_tokens
+        assert restore_of(cache).buffer is not None
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :r], past_key_values=plain)
+        logits = model(nxt[:, r:], past_key_values=cache).logits  # grad enabled, as outside generate()
+        expected = model(nxt[:, r:], past_key_values=plain).logits
+        assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
+        step = logits[:, -1:].argmax(-1)
+        logits = model(step, past_key_values=cache).logits
+        assert torch.allclose(logits, model(step, past_key_values=plain).logits, atol=1e-5, rtol=0)
+        logits.sum().backward()

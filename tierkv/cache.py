@@ -1056,7 +1056,11 @@ class TieredLayer(DynamicLayer):
         if self._pending is not None:
             restore = self._pending
             buffer = restore.buffer
+            # Not with autograd recording: every layer's keys and values are views of one buffer,
+            # and each layer's write into it is an in-place change of their base that autograd
+            # holds against the others (the next step's concatenation of a split's view raises).
             if buffer is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == buffer.dtype \
+                    and not (key_states.requires_grad or value_states.requires_grad) \
                     and restore.tokens + key_states.shape[-2] == buffer.shape[3] \
                     and key_states.shape == value_states.shape == (1, buffer.shape[2], key_states.shape[2], buffer.shape[4]):
                 # The first forward after a restore read from disk, with the conversation's new
