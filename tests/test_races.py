@@ -424,7 +424,8 @@ def test_a_disk_read_does_not_hold_up_other_sessions(model, stores, tmp_path):
     assert torch.equal(generate(model, nxt_cold, cold_cache), generate(model, nxt_cold))
 
 
-def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model, stores, tmp_path):
+@pytest.mark.parametrize("host_budget", [0, "1MiB"], ids=["into the restore's buffer", "into a host tensor"])
+def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model, stores, tmp_path, host_budget):
     """Close unmaps LMDB's map: an open still copying out of it crashed the process (SIGSEGV)."""
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
@@ -433,19 +434,25 @@ def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model
     out = generate(model, ids, cache)
     cache.commit(out)
     store.close()
-    store = make_store(stores, path, device_budget=0, host_budget=0)
+    store = make_store(stores, path, device_budget=0, host_budget=host_budget)
     reading, release, closing = threading.Event(), threading.Event(), threading.Event()
     abort = False
-    alloc = store._host.alloc
+    read_into = store._disk.read_into
 
-    def held_alloc(shape, dtype):  # called inside the read transaction, before the copy
-        reading.set()
-        assert release.wait(WAIT)
-        if abort:
-            raise RuntimeError("the map was unmapped under this read")
-        return alloc(shape, dtype)
+    # The destination is asked for inside the read transaction, before the copy, on either path
+    # (host_budget=0: straight into the restore's buffer, TieredStore._in_place, which makes no
+    # host tensor: a hook on the host tier's alloc was never called there, and the test failed).
+    def held_read_into(key, into):
+        def held(header):
+            reading.set()
+            assert release.wait(WAIT)
+            if abort:
+                raise RuntimeError("the map was unmapped under this read")
+            return into(header)
 
-    store._host.alloc = held_alloc
+        return read_into(key, held)
+
+    store._disk.read_into = held_read_into
     disk_close = store._disk.close
 
     def close_disk(*args, **kwargs):
