@@ -647,12 +647,16 @@ def test_a_record_zeroed_under_a_surviving_head_is_a_plain_miss(model, stores, t
     assert key not in _records_live(store) and key not in _records_live(store, b"heads")
 
 
-def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tmp_path):
+@pytest.mark.parametrize("host_budget", [0, "1MiB"], ids=["into the restore's buffer", "into a host tensor"])
+def test_a_read_racing_the_delete_of_its_block_is_a_plain_miss(model, stores, tmp_path, host_budget):
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     ids = random_ids(20, 740)
     out = converse(store, model, ids, "s")
-    store.flush()
+    store.close()
+    # Read from disk by a store that reads into the restore's buffer (TieredStore._in_place), or
+    # into a host tensor its host tier then keeps.
+    store = make_store(stores, path, device_budget=0, host_budget=host_budget)
     load = store._disk.read_into
 
     def forget_then_load(key, into):

@@ -487,13 +487,15 @@ def test_close_waits_for_a_disk_read_in_progress_then_the_open_says_closed(model
         store.open(model, nxt)
 
 
-def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, tmp_path):
+@pytest.mark.parametrize("host_budget", [0, "1MiB"], ids=["into the restore's buffer", "into a host tensor"])
+def test_a_block_gone_from_disk_during_the_read_is_a_plain_miss(model, stores, tmp_path, host_budget):
     store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
     ids = random_ids(20, 90)
     cache = store.open(model, ids)
     out = generate(model, ids, cache)
     cache.commit(out)
-    store.flush()
+    store.close()
+    store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=host_budget)
 
     def gone(key, into):
         raise KeyError(key)
