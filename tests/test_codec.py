@@ -571,15 +571,17 @@ def test_decode_into_a_token_range_of_a_larger_buffer_copies_those_tokens_and_ve
             decode_into(bytes(broken), lambda h: np.zeros((12, 5, 16), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("shape", [(12, 9, 16), (12, 5, 8), (6, 5, 16), (12, 5)])
-def test_decode_into_a_destination_the_record_does_not_fit_is_corrupt(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape, dtype", [((12, 9, 16), np.uint8), ((12, 5, 8), np.uint8), ((6, 5, 16), np.uint8),
+                                          ((12, 5), np.uint8), ((12, 8, 16), np.float32)])
+def test_decode_into_a_destination_the_record_does_not_fit_is_corrupt(shape: tuple[int, ...], dtype: type) -> None:
     from tierkv.codec import decode_into
 
-    # More tokens than the record holds, another head_dim or head count, another rank: never a
-    # partial or broadcast copy.
+    # More tokens than the record holds, another head_dim or head count, another rank, another
+    # dtype than bytes (np.copyto cast each byte to a float: 4 bytes each): never a partial,
+    # broadcast or cast copy.
     _, _, record = make_record(shape=(3, 2, 2, 8, 4), dtype="float32")
     with pytest.raises(CorruptRecord, match="does not fill"):
-        decode_into(record, lambda h: np.zeros(shape, dtype=np.uint8))
+        decode_into(record, lambda h: np.zeros(shape, dtype=dtype))
 
 
 @pytest.mark.parametrize("min_bytes", [0, 100, 2048, 2049, 70000])

@@ -243,9 +243,11 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarra
     dst = out(header)
     layers, two, heads, tokens, dim = header.shape
     rows, width = layers * two * heads, dim * ITEMSIZE[header.dtype]
-    if dst.ndim != 3 or dst.shape[0] != rows or dst.shape[1] > tokens or dst.shape[2] != width:
+    # A destination of another dtype would take the bytes as values (np.copyto casts them).
+    if dst.dtype != np.uint8 or dst.ndim != 3 or dst.shape[0] != rows or dst.shape[1] > tokens or \
+            dst.shape[2] != width:
         raise CorruptRecord(f"record shaped {tuple(header.shape)} in {header.dtype} does not fill a destination "
-                            f"of {dst.shape} bytes")
+                            f"of {dst.shape} {dst.dtype}")
     n = dst.shape[1]
     src = np.frombuffer(view[end:stop], dtype=np.uint8).reshape(rows, tokens, width)
     h = xxhash.xxh3_64()
