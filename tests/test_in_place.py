@@ -174,3 +174,43 @@ def test_a_first_forward_with_grad_enabled_assembles_the_layer_as_before(tiny_mo
         logits = model(step, past_key_values=cache).logits
         assert torch.allclose(logits, model(step, past_key_values=plain).logits, atol=1e-5, rtol=0)
         logits.sum().backward()
+
+
+def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_buffer(tiny_model, tmp_path):
+    # The buffer is made by the first block read into it, from that record's header, before its
+    # checksum is known. Before: when that record failed, the buffer it shaped (here with heads
+    # and head_dim swapped) still took the blocks before it, which came from memory (a write in
+    # flight, as a prefix committed again after its eviction from disk is), and generate() raised.
+    from dataclasses import replace
+
+    from tierkv.codec import decode_header, encode
+    from tierkv.store import Tier
+    from tierkv.transfer import Job
+
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 60))
+    nxt = torch.cat([out, random_ids(2, 61)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        first, second = cache._restored_keys[:2]
+        del cache
+        disk = store._disk
+        _, block = disk.load(first, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        with disk.env.begin(write=True) as txn:
+            record = bytes(txn.get(second, db=disk._blocks))
+            header = decode_header(record)
+            layers, two, heads, tokens, dim = header.shape
+            swapped = encode(replace(header, shape=(layers, two, dim, tokens, heads)),
+                             record[len(record) - 8 - header.payload_nbytes:len(record) - 8])
+            broken = bytearray(swapped)
+            broken[-20] ^= 0x01  # a payload byte: the checksum fails, after the buffer was made
+            txn.put(second, bytes(broken), db=disk._blocks)
+        source = store._source
+
+        def first_in_memory(meta):
+            return (Tier.DISK, Job.completed(block)) if meta.key == first else source(meta)
+
+        store._source = first_in_memory
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == B and store.stats()["corrupt"] == 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))

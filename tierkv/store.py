@@ -731,6 +731,7 @@ class TieredStore:
                 made[:] = tensor, lease
                 return block_bytes(tensor)
 
+            fresh = not buffer  # a buffer this read makes is shaped by a header not verified yet
             try:
                 in_place = self._in_place(meta)
                 header = self._disk.read_into(meta.key, functools.partial(restore_slots, buffer, length, at, n)
@@ -744,8 +745,12 @@ class TieredStore:
                 reads[i] = job
             except (CorruptRecord, KeyError) as exc:
                 reads[i] = exc
+                if fresh:
+                    buffer.clear()  # a corrupt header's shape and dtype: the blocks before it go as before
                 break
             except (lmdb.Error, OSError) as exc:
+                if fresh:
+                    buffer.clear()
                 if self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from exc
