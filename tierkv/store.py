@@ -68,7 +68,6 @@ from typing import Any
 import lmdb
 import msgpack
 import numpy as np
-import torch
 import xxhash
 
 from .cache import IN_PLACE, TieredCache, describe_model, restore_slots, sequence_ids_of, token_ids_of
@@ -80,7 +79,7 @@ from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs, FilesystemFull, PutBlock, PutHeads,
                          PutRefs, StoreInUse,
-                         Scrubbed, Touch, block_bytes, dtype_name, op_size, slack)
+                         Scrubbed, Touch, block_bytes, dtype_name, op_size, slack, torch_dtype)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
                        resolve_device)
@@ -702,7 +701,7 @@ class TieredStore:
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                           fingerprint: bytes, held: list[Any], length: int
-                          ) -> tuple[dict[int, Any], float, torch.Tensor | None]:
+                          ) -> tuple[dict[int, Any], float, Any]:
         """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
         miss; stops at the first miss, since a restore is a prefix. With them, the restore's
         buffer (see ``_in_place``), or None."""
@@ -711,7 +710,7 @@ class TieredStore:
         if self._disk is not None:
             # Every record this open reads is asked of the disk at once, not page by page.
             self._disk.prefetch([meta.key for (meta, _), where in zip(plan, found) if where is None])
-        buffer: list[torch.Tensor] = []  # made by the first block read into it
+        buffer: list[Any] = []  # made by the first block read into it (a tensor: restore_slots)
         offset = 0
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
             at, offset = offset, offset + n
@@ -722,7 +721,7 @@ class TieredStore:
             made: list[Any] = []  # the block's host tensor and its pool lease
 
             def into(header: RecordHeader) -> Any:
-                tensor, lease = self._host.alloc(header.shape, getattr(torch, header.dtype))
+                tensor, lease = self._host.alloc(header.shape, torch_dtype(header.dtype))
                 if lease is not None:
                     # Held by this open until its copies to the device are registered; the open
                     # lets go of it whatever happens, a failed read included.

@@ -290,6 +290,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a record's header names (``dtype_name``'s inverse): the store reads records
+    without importing torch itself."""
+    return getattr(torch, name)
+
+
 def block_bytes(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous block tensor (layers, 2, kv_heads, tokens, head_dim) as the uint8 array
     ``codec.decode_into`` fills: (layers * 2 * kv_heads, tokens, head_dim * itemsize), a view."""
@@ -981,7 +987,7 @@ class DiskTier:
         made: list[torch.Tensor] = []
 
         def destination(header: RecordHeader) -> np.ndarray:
-            made.append(empty(header.shape, getattr(torch, header.dtype)))
+            made.append(empty(header.shape, torch_dtype(header.dtype)))
             return block_bytes(made[0])
 
         header = self.read_into(key, destination)
