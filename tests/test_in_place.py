@@ -214,3 +214,22 @@ def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_bu
         cache = store.open(model, nxt)
         assert cache.restored_tokens == B and store.stats()["corrupt"] == 1
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+@pytest.mark.parametrize("generate_in", ["inference_mode", "no_grad"])
+def test_a_restore_opened_under_inference_mode_generates_in_or_out_of_it(tiny_model, tmp_path, generate_in):
+    # Before: the buffer made under torch.inference_mode was an inference tensor, and the first
+    # forward outside that mode (generate() runs under no_grad) raised writing into it ("Inplace
+    # update to inference tensor outside InferenceMode is not allowed"); the restore into block
+    # tensors of their own, only read, never did.
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 70))
+    nxt = torch.cat([out, random_ids(3, 71)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        with torch.inference_mode():
+            cache = store.open(model, nxt)
+        assert restore_of(cache).buffer is not None
+        with torch.inference_mode(generate_in == "inference_mode"):
+            got = generate(model, nxt, cache)
+        assert torch.equal(got, generate(model, nxt))
+        cache.commit(got)

@@ -928,7 +928,10 @@ def restore_slots(buffer: list[torch.Tensor], length: int, at: int, n: int, head
     layers, two, heads, _, dim = header.shape
     dtype = getattr(torch, header.dtype)
     if not buffer:
-        buffer.append(torch.empty((layers, two, heads, length, dim), dtype=dtype))
+        # A normal tensor even when ``open`` runs under torch.inference_mode: the first forward
+        # writes into it, which torch refuses for an inference tensor outside that mode.
+        with torch.inference_mode(False):
+            buffer.append(torch.empty((layers, two, heads, length, dim), dtype=dtype))
     kv = buffer[0]
     if kv.dtype != dtype or kv.shape[:3] != (layers, two, heads) or kv.shape[4] != dim:
         raise CorruptRecord(f"a block shaped {tuple(header.shape)} in {header.dtype} among blocks shaped "
