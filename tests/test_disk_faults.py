@@ -1413,8 +1413,8 @@ def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, store
 def _record(seq: int) -> PutBlock:
     """A 64 KiB block write under key ``seq``."""
     header = RecordHeader(key=seq.to_bytes(16, "little"), parent=bytes(16), tenant=None, fingerprint=b"f",
-                          dtype="float32", shape=(16384,), token_ids=(1).to_bytes(8, "little"), seq=seq)
-    return PutBlock(header, Job.completed(torch.full((16384,), float(seq))), record_size(header))
+                          dtype="float32", shape=(1, 2, 1, 1, 8192), token_ids=(1).to_bytes(8, "little"), seq=seq)
+    return PutBlock(header, Job.completed(torch.full((1, 2, 1, 1, 8192), float(seq))), record_size(header))
 
 
 def _no_room(fd, offset, length):
@@ -1461,7 +1461,7 @@ def test_a_file_with_a_hole_past_its_pages_is_cut_back_and_allocated_at_open(tmp
         size, allocated = file_use(path)
         assert size == map_size <= used + (4 << 20) and allocated >= map_size
         header, tensor = disk.load((3).to_bytes(16, "little"), lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        assert header.seq == 3 and torch.equal(tensor, torch.full((16384,), 3.0))
+        assert header.seq == 3 and torch.equal(tensor, torch.full((1, 2, 1, 1, 8192), 3.0))
     finally:
         disk.close()
 
