@@ -89,6 +89,30 @@ def random_ids(length: int, seed: int = 0, low: int = 3) -> torch.Tensor:
     return torch.randint(low, VOCAB, (1, length), generator=g)
 
 
+def damage_table(path: object, table: bytes) -> None:
+    """Flip one bit in the B-tree of the LMDB sub-database ``table`` of a closed store: the key
+    size of the first node of its leaf page (32 -> 34 for ``refs``). LMDB still walks the table;
+    a write that deletes there fails, with ``MDB_BAD_TXN`` on the next call rather than an error
+    of its own. The table must fit one leaf page (a small store's do)."""
+    import struct
+
+    import lmdb
+
+    with lmdb.open(str(path), max_dbs=8, readonly=True, lock=False) as env:
+        page_size = env.stat()["psize"]
+        with env.begin() as txn:
+            keys = [bytes(k) for k in txn.cursor(db=env.open_db(table, txn=txn, create=False)).iternext(values=False)]
+    data = bytearray(open(f"{path}/data.mdb", "rb").read())
+    leaf = next(p * page_size for p in range(2, len(data) // page_size)
+                if struct.unpack_from("<H", data, p * page_size + 10)[0] == 0x02  # P_LEAF
+                and all(data.find(k, p * page_size, (p + 1) * page_size) >= 0 for k in keys))
+    node = leaf + struct.unpack_from("<H", data, leaf + 16)[0]  # the first node: flags, key size, key
+    assert struct.unpack_from("<H", data, node + 6)[0] == len(keys[0])
+    data[node + 6] ^= 0x02
+    with open(f"{path}/data.mdb", "r+b") as f:
+        f.write(bytes(data))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False, help="run the long soak tests")
 

@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import torch
 
-from conftest import random_ids
+from conftest import damage_table, random_ids
 from test_pool_store import pooled_store
 import tierkv
 import tierkv.tiers.disk
@@ -1567,3 +1567,26 @@ def test_a_file_size_limit_stops_the_map_as_a_full_filesystem_would(tmp_path):
     # unmapped, and the next write crashed the process (SIGSEGV).
     report = _run_child([str(tmp_path), "fsize"])
     assert report["blocks"] == ["FilesystemFull"] and report["written"] > 0 and report["filesystem_full"] > 0
+
+
+def test_writes_that_trip_over_a_damaged_table_say_the_store_is_damaged_not_the_disk(model, stores, tmp_path,
+                                                                                       caplog):
+    # One flipped bit in the refs table's B-tree: LMDB's first call that trips over it returns,
+    # the next fails with MDB_BAD_TXN. Before: "disk tier I/O error", and at close "reopen the
+    # store and forget them again", which failed the same way every time.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    for i in range(3):
+        converse(store, model, random_ids(30 + 5 * i, 720 + i), f"s{i}")
+    stores.pop().close()
+    damage_table(path, b"refs")
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        assert store.forget(session="s0") > 0
+        store.flush()
+        stats = store.stats()
+        assert stats["disk_failed"] and stats["disk_damaged"] and stats["owed_deletes"] > 0
+        stores.pop().close()
+    text = caplog.text
+    assert "I/O error" not in text and "disk errors" not in text, text
+    assert "is damaged" in text and f"tierkv check {path} --repair" in text, text

@@ -77,8 +77,8 @@ from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes,
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, interrupt_pending, raise_pending
 from .tiers import DeviceTier, DiskTier, HostTier
-from .tiers.disk import (DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs, FilesystemFull, PutBlock, PutHeads,
-                         PutRefs, StoreInUse,
+from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
+                         FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
                          Scrubbed, Touch, block_bytes, dtype_name, op_size, slack, torch_dtype)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
@@ -353,6 +353,7 @@ class TieredStore:
         self._disk_full = 0  # block writes that found no room under the LMDB map's cap
         self._warned_filesystem = False  # the warning that the filesystem had no room, given once
         self._disk_failed = False  # after an I/O error: no more writes through to disk
+        self._disk_damaged = False  # that error was LMDB's damaged pages, not the disk
         # Bytes per direction, for benchmarks and metrics; the disk figures count what committed.
         self._moved = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._read_seconds = 0.0
@@ -568,7 +569,12 @@ class TieredStore:
             with defer_interrupts():
                 self._reap_deletes()
         path = self._disk.path if self._disk is not None else None
-        if self._owed_keys():
+        if self._owed_keys() and self._disk_damaged:
+            logger.error("tierkv: %d deletes could not be written to %s: its LMDB file is damaged; blocks that "
+                         "were forgotten or evicted may still be on disk. Run `tierkv check %s --repair` and "
+                         "forget them again, or delete the directory (it is only a cache)", self._owed_keys(), path,
+                         path)
+        elif self._owed_keys():
             logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "
                          "cache) or reopen the store and forget them again", self._owed_keys(), path)
@@ -1517,16 +1523,25 @@ class TieredStore:
             self._events.emit(MoveEvent(direction, nbytes, None if timer is not None else (seconds or 0.0), timer))
 
     def _disk_fault(self, exc: BaseException) -> None:
-        """A disk I/O error: count it, and from the first one on, run on the device and host tiers
-        only (no more writes through), with one warning rather than one per block."""
+        """A disk I/O error, or LMDB's damaged pages: count it, and from the first one on, run on
+        the device and host tiers only (no more writes through), with one warning rather than one
+        per block. Damage (``UNREADABLE``, ``DamagedTables``) is named as such, not as a failing
+        disk: writes into a damaged B-tree fail every time, and only a repair or a new store ends it."""
         self._disk_errors += 1
-        if not self._disk_failed:
+        damage = isinstance(exc, UNREADABLE)
+        if damage and not self._disk_damaged:
+            self._disk_damaged = True
+            self._disk_failed = True
+            logger.warning("tierkv: %s. Continuing with the device and host tiers only, blocks not yet written "
+                           "stay in memory", exc if isinstance(exc, DamagedTables) else
+                           DamagedTables(self._disk.path if self._disk is not None else "?", exc))
+        elif not self._disk_failed:
             self._disk_failed = True
             logger.warning("tierkv: disk tier I/O error (%s); continuing with the device and host tiers only, "
                            "blocks not yet written stay in memory. stats()['disk_errors'] counts further errors",
                            exc)
         else:
-            logger.debug("tierkv: disk tier I/O error (%s)", exc)
+            logger.debug("tierkv: disk tier error (%s)", exc)
 
     def _submit(self, op: DiskOp) -> Job[None] | None:
         """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
@@ -1956,7 +1971,8 @@ class TieredStore:
         tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
         too), ``evictions``, ``corrupt``;
         ``disk_errors`` (disk operations that failed: each block write, delete or reference of a
-        failed transaction counts), ``disk_failed``, ``disk_full`` (block writes that found the map at its
+        failed transaction counts), ``disk_failed``, ``disk_damaged`` (that failure was the LMDB file's
+        damaged pages, not the disk: ``tierkv check --repair``), ``disk_full`` (block writes that found the map at its
         cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk
         because of errors); ``moved_bytes`` (KV
         bytes, without the records' headers and padding) and ``move_seconds`` per direction (wall
@@ -1979,6 +1995,9 @@ class TieredStore:
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
                 "disk_failed": self._disk_failed,
+                # The failure was the LMDB file's damaged pages (`tierkv check --repair` mends what
+                # it can), not the disk.
+                "disk_damaged": self._disk_damaged,
                 "disk_full": self._disk_full,
                 # Deleted entries (blocks, references, sessions) not yet removed from disk because of
                 # disk errors; retried at every flush() and at close().

@@ -145,6 +145,19 @@ class DamagedStore(ValueError):
                          "again")
 
 
+class DamagedTables(lmdb.CorruptedError):
+    """A write transaction that LMDB failed on its own damaged pages: ``MDB_CORRUPTED`` or
+    ``MDB_PAGE_NOTFOUND``, or ``MDB_BAD_TXN`` from a transaction that no error had ended before
+    (LMDB marks a transaction failed where it trips over a damaged page, at times without saying
+    so: the call returns and the next one fails). Not a failing disk: with ``writemap`` nothing in
+    a write transaction reads or writes the disk before its commit, whose sync reports ``EIO``."""
+
+    def __init__(self, path: str, exc: BaseException) -> None:
+        super().__init__(f"the tierkv store at {path!r} is damaged: LMDB tripped over a damaged page of its B-tree "
+                         f"in a write ({type(exc).__name__}: {exc}); close the store and run `tierkv check "
+                         f"{path} --repair`, or delete the directory (its blocks are only a cache)")
+
+
 #: What LMDB and msgpack raise on a damaged B-tree page or meta record.
 _DAMAGE = (lmdb.Error, msgpack.exceptions.UnpackException, UnicodeDecodeError)
 
@@ -1099,6 +1112,11 @@ class DiskTier:
                 # file, in pages no committed snapshot references: no later delete of the
                 # store's finds them, so their KV and token ids stayed in free pages.
                 self._zero_written(batch)
+                if isinstance(exc, (lmdb.BadTxnError, lmdb.CorruptedError, lmdb.PageNotFoundError)) and \
+                        not isinstance(exc, DamagedTables):
+                    # The first error of a fresh transaction (each attempt is one): its pages, not
+                    # the disk. Taken for an I/O error, it blamed the disk and said to retry.
+                    raise DamagedTables(self.path, exc) from exc
                 if not isinstance(exc, lmdb.MapFullError):
                     raise
                 results = [None] * len(ops)
