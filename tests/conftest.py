@@ -101,13 +101,20 @@ def damage_table(path: object, table: bytes) -> None:
     with lmdb.open(str(path), max_dbs=8, readonly=True, lock=False) as env:
         page_size = env.stat()["psize"]
         with env.begin() as txn:
-            keys = [bytes(k) for k in txn.cursor(db=env.open_db(table, txn=txn, create=False)).iternext(values=False)]
+            rows = [(bytes(k), len(v)) for k, v in txn.cursor(db=env.open_db(table, txn=txn, create=False))]
     data = bytearray(open(f"{path}/data.mdb", "rb").read())
-    leaf = next(p * page_size for p in range(2, len(data) // page_size)
-                if struct.unpack_from("<H", data, p * page_size + 10)[0] == 0x02  # P_LEAF
-                and all(data.find(k, p * page_size, (p + 1) * page_size) >= 0 for k in keys))
-    node = leaf + struct.unpack_from("<H", data, leaf + 16)[0]  # the first node: flags, key size, key
-    assert struct.unpack_from("<H", data, node + 6)[0] == len(keys[0])
+
+    def first_node(page: int) -> int:
+        return page * page_size + struct.unpack_from("<H", data, page * page_size + 16)[0]
+
+    # The leaf page (P_LEAF) holding every key, whose first node (data size, flags, key size,
+    # key) is the first row's: other tables (heads, atime) have the same keys as blocks.
+    node = next(first_node(p) for p in range(2, len(data) // page_size)
+                if struct.unpack_from("<H", data, p * page_size + 10)[0] == 0x02
+                and all(data.find(k, p * page_size, (p + 1) * page_size) >= 0 for k, _ in rows)
+                and struct.unpack_from("<I", data, first_node(p))[0] == rows[0][1]
+                and data[first_node(p) + 8:first_node(p) + 8 + len(rows[0][0])] == rows[0][0])
+    assert struct.unpack_from("<H", data, node + 6)[0] == len(rows[0][0])
     data[node + 6] ^= 0x02
     with open(f"{path}/data.mdb", "r+b") as f:
         f.write(bytes(data))

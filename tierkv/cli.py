@@ -19,7 +19,10 @@ version and takes the directory's lock, so a store that another process holds is
 than read or changed under it. ``stats`` and ``check`` open the disk tier alone; ``check``
 without ``--repair`` writes nothing to the store; ``check --repair`` drops the bad records, their
 session references, last-use stamps and the sessions left empty, and rewrites the damaged heads of
-sound records from the records, in one write transaction.
+sound records from the records, in one write transaction. ``check`` also walks every table of the
+LMDB file (sessions, references, stamps, heads, meta), not the records alone: where one's B-tree
+is damaged, LMDB's writes there fail every time (a forget, a clear), and ``check --repair``
+rebuilds the file from what is sound instead (``DiskTier.rebuild``; it says what was dropped).
 ``clear`` opens a ``TieredStore`` and calls ``forget``, so sessions, references and the zeroing of
 forgotten records stay exactly as the library keeps them.
 
@@ -55,7 +58,7 @@ EXIT_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command whose reader clos
 EXIT_CODES = f"""\
 exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
-  {EXIT_BAD_RECORDS}  check found bad records or damaged heads and did not repair them (demo, bench: a
+  {EXIT_BAD_RECORDS}  check found bad records, damaged heads or damaged tables and did not repair them (demo, bench: a
      reply differed from recomputation)
   {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
   {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
@@ -256,8 +259,32 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
             "sessions": len(emptied), "heads": sum(k not in unindexed for k in stale or {})}
 
 
+def _damage_text(r: dict[str, Any]) -> list[str]:
+    if not r["damaged"]:
+        return []
+    tables = ", ".join(f"{name} ({why})" for name, why in r["damaged"].items())
+    lines = [f"the store's LMDB file is damaged in its B-tree, in the table{'s' if len(r['damaged']) > 1 else ''} "
+             f"{tables}: writes there fail (forget, clear), whatever the records"]
+    rebuilt = r["rebuilt"]
+    if rebuilt is None:
+        lines.append(f"run `tierkv check {r['path']} --repair` to rebuild the file from what is sound (damaged "
+                     "records, and blocks whose session references were lost, are dropped: blocks are a cache, "
+                     "recomputed), "
+                     f"or `tierkv clear {r['path']} --all` to delete the store")
+    else:
+        lines.append(f"rebuilt the file from what was sound: kept {rebuilt['records']} records, {rebuilt['sessions']} "
+                     f"sessions and {rebuilt['stamps']} last-use stamps; dropped {rebuilt['dropped']} records"
+                     + (f" ({rebuilt['unreferenced']} of them sound, whose session references may have been in the "
+                        "damaged refs table: a forget of their session could no longer find them)"
+                        if rebuilt["unreferenced"] else "")
+                     + f" and {rebuilt['sessions_dropped']} sessions that could not be read whole")
+    return lines
+
+
 def _check_text(r: dict[str, Any]) -> str:
     lines = [f"checked {r['records']} records ({format_bytes(r['bytes'])}) in {r['path']}: {len(r['bad'])} bad"]
+    if r["damaged"]:
+        return "\n".join(lines + [f"  {b['key']}  {b['reason']}" for b in r["bad"]] + _damage_text(r))
     lines += [f"  {b['key']}  {b['reason']}" for b in r["bad"]]
     if r["stale_heads"]:
         lines.append(f"{len(r['stale_heads'])} sound records with a damaged index entry (head)")
@@ -274,26 +301,58 @@ def _check_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    tier, _meta = _open_tier(args.path)
+def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int) -> dict[str, int]:
+    """``tier.rebuild`` (which closes ``tier``), then heads for the new file's records, as a
+    store's scan would write them; returns what was kept and dropped."""
+    from dataclasses import asdict
+
+    from .tiers.disk import DiskTier, PutHeads
+
     try:
-        scan = _scan(tier)
-        bar = _progress(len(scan.headers) + len(scan.corrupt), "checking", "record")
+        rebuilt = tier.rebuild(damaged, block_size)
+    except (lmdb.Error, OSError) as exc:
+        raise CliError(EXIT_IO, f"could not rebuild {tier.path}: {exc}; the store is as it was") from None
+    with _refusals():
+        new = DiskTier(tier.path, _NO_LIMIT, block_size)
+    try:
+        heads = new.scan().unindexed
+        if heads:
+            new.apply([PutHeads(heads)])
+        new.sync()
+    except (lmdb.Error, OSError):
+        pass  # optional: the store's next scan writes them
+    finally:
+        new.close()
+    return asdict(rebuilt)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    tier, meta = _open_tier(args.path)
+    rebuilt = dropped = None
+    try:
+        # Records are verified first, the tables they index among them (LMDB's B-tree): a scan of a
+        # damaged table may trip over it.
+        bar = _progress(tier.record_count(), "checking", "record")
         try:
             checked = tier.verify(lambda _nbytes: bar.update(1))
         finally:
             bar.close()
         bad = checked.bad
-        faulty = bool(bad or checked.stale)
-        dropped = repair(tier, scan, [key for key, _ in bad], checked.stale) if faulty and args.repair else None
+        faulty = bool(bad or checked.stale or checked.damaged)
+        if checked.damaged:
+            if args.repair:
+                rebuilt = rebuild(tier, list(checked.damaged), meta["block_size"])
+        elif faulty and args.repair:
+            dropped = repair(tier, _scan(tier), [key for key, _ in bad], checked.stale)
     finally:
         tier.close()
     report = {"path": os.path.abspath(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
               "stale_heads": [key.hex() for key in checked.stale],
-              "repaired": dropped is not None, "dropped": dropped}
+              "damaged": dict(checked.damaged),
+              "repaired": dropped is not None or rebuilt is not None, "dropped": dropped, "rebuilt": rebuilt}
     _emit(args, report, _check_text)
-    return EXIT_BAD_RECORDS if faulty and dropped is None else EXIT_OK
+    return EXIT_BAD_RECORDS if faulty and not report["repaired"] else EXIT_OK
 
 
 # -- clear -------------------------------------------------------------------------------------

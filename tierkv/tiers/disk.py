@@ -68,6 +68,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import struct
 import threading
 import weakref
@@ -76,7 +77,7 @@ try:
     import fcntl
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,6 +273,30 @@ def _ledger_ranges(row: bytes, txn_id: int) -> list[tuple[int, int]]:
         return []
 
 
+def _salvage(env: Any, db: Any, read: Callable[[Any, bytes, memoryview], Any]) -> dict[bytes, Any]:
+    """key -> ``read(txn, key, value)`` of the rows of a table that read, where not None: walked
+    from the first row up to the first error, then, in another transaction (LMDB fails every
+    call of one after an error), from the last row down to it; a damaged page hides the rows
+    between."""
+    rows: dict[bytes, Any] = {}
+    for forward in (True, False):
+        try:
+            with env.begin(buffers=True) as txn:
+                cursor = txn.cursor(db=db)
+                more = cursor.first() if forward else cursor.last()
+                while more:
+                    key = bytes(cursor.key())
+                    if key in rows:
+                        break  # met the rows the other way found
+                    got = read(txn, key, cursor.value())
+                    if got is not None:
+                        rows[key] = got
+                    more = cursor.next() if forward else cursor.prev()
+        except _DAMAGE:
+            continue
+    return rows
+
+
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
     """``header`` if its record is stored under its own key; a record moved under another key
     (a damaged B-tree, a bad copy) would restore another conversation's KV."""
@@ -388,6 +413,27 @@ class CheckResult:
     stale: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)  # sound records' damaged heads
     records: int = 0
     record_bytes: int = 0
+    # Tables (LMDB sub-databases, "main" for the one listing them) whose B-tree is damaged: name ->
+    # what is wrong. No row-by-row repair mends those: ``DiskTier.rebuild`` copies what is sound.
+    damaged: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    """What ``DiskTier.rebuild`` kept and dropped."""
+    records: int = 0  # sound records copied
+    dropped: int = 0  # records not copied: damaged, unreadable, or (refs damaged) referenced by no row read soundly
+    unreferenced: int = 0  # of those, sound records dropped because the damaged refs table may have held theirs
+    sessions: int = 0  # sessions copied
+    sessions_dropped: int = 0  # session rows or references that could not be read, or name no copied block
+    stamps: int = 0  # last-use stamps copied
+
+
+#: Each table's key length and value length (None: any); the main table lists the others.
+_TABLES: dict[str, tuple[int | None, int | None]] = {
+    "main": (None, None), "meta": (None, None), "blocks": (KEY_BYTES, None), "heads": (KEY_BYTES, None),
+    "sessions": (KEY_BYTES, None), "refs": (2 * KEY_BYTES, 0), "atime": (KEY_BYTES, _U64.size)}
+_REPAIR_DIR = "repair.tmp"  # where ``rebuild`` writes the new file, inside the store's directory
 
 
 @dataclass(slots=True)
@@ -821,6 +867,11 @@ class DiskTier:
         """``footprint`` of a record of ``record_bytes`` with ``header`` (a scanned one)."""
         return self.footprint(record_bytes, record_bytes - header.payload_nbytes - _CHECKSUM_BYTES)
 
+    def record_count(self) -> int:
+        """Rows in ``blocks`` as its B-tree counts them (for a progress bar: damage may skew it)."""
+        with self._resize_lock, self._read_txn() as txn:
+            return int(txn.stat(self._blocks)["entries"])
+
     def file_bytes(self) -> int:
         """Bytes of the file in use: the high-water mark of LMDB's pages (free ones included)."""
         return (self.env.info()["last_pgno"] + 1) * self.page_size
@@ -916,32 +967,248 @@ class DiskTier:
         unlike ``scan``, which reads heads only. ``bad``: the records to drop, and heads without a
         record; ``stale``: sound records whose head is damaged or differs (rewritten by
         ``PutHeads``). A record without any head is sound (``scan`` gives it one). ``on_record(record
-        bytes)`` is called after each record, for a progress bar. One read transaction: a
-        consistent view."""
+        bytes)`` is called after each record, for a progress bar. ``damaged``: the tables whose
+        B-tree is damaged (``_table_damage``; every table is walked, not only the records), which
+        only ``rebuild`` mends. One read transaction per table."""
         result = CheckResult()
+        # A transaction per table: LMDB fails every call of one after its first error. (No
+        # writer runs meanwhile: the store commands hold the directory's lock.)
+        for name in _TABLES:
+            with self._resize_lock, self._read_txn() as txn:
+                why = self._table_damage(txn, name)
+            if why is not None:
+                result.damaged[name] = why
         with self._resize_lock, self._read_txn() as txn:
-            for key, value in txn.cursor(db=self._blocks):
-                key = bytes(key)
-                try:
-                    _under(key, decode(value)[0])
-                    head = txn.get(key, db=self._heads) if self._heads is not None else None
-                    if head is not None and _is_zeroed(head):
-                        # A forget that a crash cut short: it must be finished, never undone.
-                        raise CorruptRecord("its head was zeroed by a delete that did not finish")
-                    if head is not None and not self._heads_record(head, value):
-                        result.stale[key] = (index_entry.head_of(value), self._offset(value))
-                except CorruptRecord as exc:
-                    result.bad.append((key, str(exc)))
-                result.records += 1
-                result.record_bytes += len(value)
-                if on_record is not None:
-                    on_record(len(value))
-            if self._heads is not None:
-                cursor = txn.cursor(db=self._blocks)
-                for key in txn.cursor(db=self._heads).iternext(keys=True, values=False):
-                    if not cursor.set_key(key):
-                        result.bad.append((bytes(key), "an index entry (head) without its record"))
+            try:
+                self._verify_records(txn, result, on_record)
+            except _DAMAGE as exc:
+                result.damaged.setdefault("blocks", f"{type(exc).__name__}: {exc}")
         return result
+
+    def _verify_records(self, txn: lmdb.Transaction, result: CheckResult,
+                        on_record: Callable[[int], None] | None) -> None:
+        heads = self._heads if "heads" not in result.damaged else None
+        for key, value in txn.cursor(db=self._blocks):
+            key = bytes(key)
+            try:
+                if not self._in_place(value):
+                    # Its row's page number is damaged: LMDB's delete of it would free pages of
+                    # other values (the header of the pages it points at says how many).
+                    result.damaged.setdefault("blocks", "a row that points at pages not its record's")
+                    raise CorruptRecord("its row points at pages that are not its record")
+                _under(key, decode(value)[0])
+                head = txn.get(key, db=heads) if heads is not None else None
+                if head is not None and _is_zeroed(head):
+                    # A forget that a crash cut short: it must be finished, never undone.
+                    raise CorruptRecord("its head was zeroed by a delete that did not finish")
+                if head is not None and not self._heads_record(head, value):
+                    result.stale[key] = (index_entry.head_of(value), self._offset(value))
+            except CorruptRecord as exc:
+                result.bad.append((key, str(exc)))
+            result.records += 1
+            result.record_bytes += len(value)
+            if on_record is not None:
+                on_record(len(value))
+        if heads is not None:
+            cursor = txn.cursor(db=self._blocks)
+            for key in txn.cursor(db=heads).iternext(keys=True, values=False):
+                if not cursor.set_key(key):
+                    result.bad.append((bytes(key), "an index entry (head) without its record"))
+
+    def _in_place(self, value: memoryview) -> bool:
+        """Whether a value of ``blocks`` or ``heads`` (at least half a page: on pages of its own)
+        lies where its pages' own header says, as long as it says; True where the map's address
+        is not known."""
+        if len(value) < self.page_size // 2:
+            return False
+        offset = self._offset(value)
+        return offset == OFFSET_UNKNOWN or self._record_pages((offset, len(value)))
+
+    def _table_damage(self, txn: lmdb.Transaction, name: str) -> str | None:
+        """Why the B-tree of table ``name`` is damaged, or None. Its rows walked in order: each key
+        of the table's length, after the one before it, found again by a search from the root,
+        each value of the table's length (heads: on pages of their own, where those pages say),
+        and as many rows as the table counts. LMDB checksums none of its pages: a damaged node
+        reads through a cursor, and then fails the write that deletes near it (every time: the
+        store can neither forget there nor be cleared)."""
+        key_bytes, value_bytes = _TABLES[name]
+        db = None if name == "main" else {"meta": self._meta, "blocks": self._blocks, "heads": self._heads,
+                                           "sessions": self._sessions, "refs": self._refs,
+                                           "atime": self._atime}[name]
+        if name == "heads" and db is None:
+            return None  # an older store's: made by the first write
+        try:
+            entries = txn.stat(db)["entries"] if db is not None else self.env.stat()["entries"]
+            cursor, probe = txn.cursor(db=db), txn.cursor(db=db)
+            previous, rows = b"", 0
+            # Records (blocks) are read in full by the caller; here only their keys.
+            values = name != "blocks"
+            for key in cursor.iternext(keys=True, values=False):
+                key = bytes(key)
+                if key_bytes is not None and len(key) != key_bytes:
+                    return f"a key of {len(key)} bytes ({key_bytes} expected)"
+                if name == "main" and key not in {n.encode() for n in _TABLES}:
+                    return f"a table {key!r} that a tierkv store does not have"
+                if rows and key <= previous:
+                    return "keys out of order"
+                if not probe.set_key(key):
+                    return "a key that a search from the root does not find"
+                if values and name != "main":
+                    value = cursor.value()
+                    if value_bytes is not None and len(value) != value_bytes:
+                        return f"a value of {len(value)} bytes ({value_bytes} expected)"
+                    if name == "heads" and not self._in_place(value):
+                        return "a row that points at pages not its value's"
+                previous, rows = key, rows + 1
+            if rows != entries:
+                return f"{rows} rows walked, {entries} counted"
+        except _DAMAGE as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # -- rebuilding a damaged file ---------------------------------------------------------------
+    def rebuild(self, damaged: Collection[str], block_size: int) -> Rebuilt:
+        """Copy what is sound into a new file and put it in place of this one; the tier is closed
+        afterwards. For damage in LMDB's own B-tree (``CheckResult.damaged``), which no write in
+        place mends: LMDB's writes trip over it (and fail every time), and dropping a damaged
+        table frees the pages its damaged rows point at, other values' among them.
+
+        Copied: each record that verifies in full under its key (a head zeroed by a delete that a
+        crash cut short drops it: that delete is finished, never undone), the sessions and
+        references that read soundly and name a copied block of their session's tenant, the
+        last-use stamps of copied blocks and the meta record. Not copied: the blocks that only a
+        session dropped so referenced (``forget`` of that session could no longer find them);
+        with ``refs`` damaged, every block that no reference read soundly names (one a lost
+        reference named would stay where its session's ``forget`` cannot find it; blocks of
+        turns without a session go with them, recomputed). Heads are not copied: the store's
+        next scan writes them (``ScanResult.unindexed``). Needs free space for the records kept;
+        raises ``OSError`` (ENOSPC) before writing anything where the filesystem lacks it."""
+        made = os.path.join(self.path, _REPAIR_DIR)
+        shutil.rmtree(made, ignore_errors=True)  # a repair cut short
+        with self._resize_lock:
+            if self._closed:
+                raise DiskClosed(f"the disk tier at {self.path} is closed")
+            st, fs = os.fstat(self._data_fd), os.fstatvfs(self._data_fd)  # type: ignore[arg-type]
+            if st.st_blocks * 512 + (64 << 20) > fs.f_bavail * fs.f_frsize:
+                raise OSError(errno.ENOSPC, f"rebuilding the store needs up to {st.st_blocks * 512} bytes free "
+                                            f"next to it, and the filesystem has {fs.f_bavail * fs.f_frsize}; "
+                                            f"free space, or delete the store with `tierkv clear {self.path} --all`")
+            result = Rebuilt()
+            seen = 0
+
+            def record(txn: lmdb.Transaction, key: bytes, value: memoryview) -> tuple[str | None] | None:
+                nonlocal seen
+                seen += 1
+                return self._sound_tenant(txn, key, value, damaged)
+
+            tenants = {key: tenant for key, (tenant,) in _salvage(self.env, self._blocks, record).items()}
+            refs = _salvage(self.env, self._refs, lambda _t, k, v: True if len(k) == 2 * KEY_BYTES and not len(v)
+                            else None)
+            rows = _salvage(self.env, self._sessions, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
+                            _session_row(bytes(v)) is not None else None)
+            stamps = _salvage(self.env, self._atime, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
+                              len(v) == _U64.size else None)
+            by_session: dict[bytes, list[bytes]] = {}
+            for ref in refs:
+                by_session.setdefault(ref[:KEY_BYTES], []).append(ref[KEY_BYTES:])
+            kept_sessions: dict[bytes, tuple[bytes, list[bytes]]] = {}
+            doomed: set[bytes] = set()  # blocks of sessions dropped: their forget could not find them
+            for sid, keys in by_session.items():
+                keys = [key for key in keys if key in tenants]
+                owners = {tenants[key] for key in keys}
+                row = rows.get(sid)
+                if row is None and "sessions" in damaged and len(owners) == 1:
+                    row = msgpack.packb([next(iter(owners))])  # a session only references its tenant's blocks
+                parsed = _session_row(row) if row is not None else None
+                if keys and parsed is not None and owners == {parsed[0]}:
+                    kept_sessions[sid] = (row, keys)
+                else:
+                    doomed.update(keys)
+                    result.sessions_dropped += 1
+            held = {key for _row, keys in kept_sessions.values() for key in keys}
+            doomed -= held
+            if "refs" in damaged:
+                lost = {key for key in tenants if key not in held}
+                result.unreferenced = len(lost - doomed)
+                doomed |= lost
+            keys = sorted(key for key in tenants if key not in doomed)
+            os.makedirs(made)
+            new = lmdb.open(made, map_size=self.env.info()["map_size"], max_dbs=8, writemap=True, subdir=True,
+                            readahead=False)
+            try:
+                dbs = {name: new.open_db(name.encode()) for name in ("meta", "blocks", "sessions", "refs", "atime")}
+                copied = set()
+                for start in range(0, len(keys), 256):  # LMDB bounds a transaction's dirty pages
+                    try:
+                        with self.env.begin(buffers=True) as txn, new.begin(write=True) as out:
+                            for key in keys[start:start + 256]:
+                                value = txn.get(key, db=self._blocks)  # found again from the root
+                                if value is not None and self._sound_tenant(txn, key, value, damaged) is not None:
+                                    out.put(key, value, db=dbs["blocks"])
+                                    copied.add(key)
+                    except _DAMAGE:
+                        # A search from the root that trips over the damage (the cursor found these
+                        # keys): the batch's records are dropped, one at a time the rest of it.
+                        copied -= set(keys[start:start + 256])
+                        for key in keys[start:start + 256]:
+                            try:
+                                with self.env.begin(buffers=True) as txn, new.begin(write=True) as out:
+                                    value = txn.get(key, db=self._blocks)
+                                    if value is not None and self._sound_tenant(txn, key, value, damaged) is not None:
+                                        out.put(key, value, db=dbs["blocks"])
+                                        copied.add(key)
+                            except _DAMAGE:
+                                pass
+                with new.begin(write=True) as out:
+                    out.put(_META_KEY, msgpack.packb({"format": FORMAT_VERSION, "hash": HASH_VERSION,
+                                                      "block_size": block_size}), db=dbs["meta"])
+                    for sid, (row, session_keys) in kept_sessions.items():
+                        session_keys = [key for key in session_keys if key in copied]
+                        if not session_keys:
+                            result.sessions_dropped += 1
+                            continue
+                        result.sessions += 1
+                        out.put(sid, row, db=dbs["sessions"])
+                        for key in session_keys:
+                            out.put(sid + key, b"", db=dbs["refs"])
+                    for key, stamp in stamps.items():
+                        if key in copied:
+                            out.put(key, stamp, db=dbs["atime"])
+                            result.stamps += 1
+                new.sync(True)
+            finally:
+                new.close()
+            result.records = len(copied)
+            result.dropped = seen - len(copied)
+            self._closed = True
+            self.env.close()
+        os.close(self._data_fd)  # type: ignore[arg-type]
+        self._data_fd = None
+        os.replace(os.path.join(made, "data.mdb"), os.path.join(self.path, "data.mdb"))
+        directory = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        shutil.rmtree(made, ignore_errors=True)
+        self._unlock()
+        return result
+
+    def _sound_tenant(self, txn: lmdb.Transaction, key: bytes, value: memoryview,
+                      damaged: Collection[str]) -> tuple[str | None] | None:
+        """(its tenant,) for a record that verifies in full where it lies (its head, where the
+        heads table is sound, not zeroed by a delete); None for any other."""
+        try:
+            if len(key) != KEY_BYTES or not self._in_place(value):
+                return None
+            header = _under(key, decode(value)[0])
+            if "heads" not in damaged and self._heads is not None:
+                head = txn.get(key, db=self._heads)
+                if head is not None and _is_zeroed(head):
+                    return None
+        except CorruptRecord:
+            return None
+        return (header.tenant,)
 
     def _heads_record(self, head: memoryview, record: memoryview) -> bool:
         try:
