@@ -394,6 +394,42 @@ def test_check_finds_a_damaged_table_and_repair_rebuilds_a_store_that_forgets(
         assert restored == expected
 
 
+@pytest.mark.parametrize("table", ["refs", "meta"])
+def test_clear_of_a_damaged_store_says_what_to_do_and_clear_all_always_clears(
+        built: Built, copy: Callable[..., Path], model: torch.nn.Module, table: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: a damaged refs table made `clear` exit 4 ("disk errors ... run the same command
+    # again") on every run, --all included; a damaged meta table read as "not a tierkv store".
+    path = copy()
+    damage_table(path, table.encode())
+    assert cli.main(["clear", str(path), "--session", "dave"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is damaged" in err and f"tierkv clear {path} --all" in err, err
+    assert (f"tierkv check {path} --repair" in err) == (table == "refs"), err  # a meta table is not rebuilt
+    if table == "meta":
+        assert cli.main(["check", str(path)]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "is damaged" in err and "not a tierkv store" not in err and f"tierkv clear {path} --all" in err
+    digest = file_digest(path)
+    assert cli.main(["clear", str(path), "--tenant", "acme"]) == cli.EXIT_USAGE
+    assert file_digest(path) == digest  # refused before anything was written
+    assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK
+    assert "removed the store's files" in capsys.readouterr().out
+    assert sorted(os.listdir(path)) == ["tierkv.lock"]
+    restored, stats = reopened(path, model, built)  # a new store
+    assert stats["disk"]["blocks"] == 0 and set(restored.values()) == {0}
+
+
+def test_clear_all_removes_only_a_store_s_own_files(built: Built, copy: Callable[..., Path],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = copy()
+    damage_table(path, b"refs")
+    (path / "notes.txt").write_text("mine")
+    assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_USAGE
+    assert "holds files a tierkv store does not" in capsys.readouterr().err
+    assert sorted(os.listdir(path)) == ["data.mdb", "lock.mdb", "notes.txt", "tierkv.lock"]
+
+
 def test_check_repair_finishes_a_forget_that_a_crash_cut_short(built: Built, copy: Callable[..., Path],
                                                                model: torch.nn.Module) -> None:
     # A SIGKILL between zeroing a block's head and its record: the record is sound, the head gone.

@@ -24,7 +24,10 @@ LMDB file (sessions, references, stamps, heads, meta), not the records alone: wh
 is damaged, LMDB's writes there fail every time (a forget, a clear), and ``check --repair``
 rebuilds the file from what is sound instead (``DiskTier.rebuild``; it says what was dropped).
 ``clear`` opens a ``TieredStore`` and calls ``forget``, so sessions, references and the zeroing of
-forgotten records stay exactly as the library keeps them.
+forgotten records stay exactly as the library keeps them. A store whose LMDB file is damaged (it
+does not open, or a table's B-tree is damaged: no forget can be written there) is refused with
+what to do, except by ``clear --all``, which then deletes the store's files (``remove_store``: a
+directory holding a store's files and nothing else, under its lock).
 
 Exit codes (also in ``tierkv --help``): see ``EXIT_CODES``.
 """
@@ -84,10 +87,12 @@ def _stored_meta(path: str) -> dict[str, int]:
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
     if not os.path.isdir(path):
         raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
-    from .tiers.disk import DiskTier  # imported when used: torch takes seconds, `tierkv --version` none
+    from .tiers.disk import DamagedStore, DiskTier  # imported when used: torch takes seconds, `--version` none
 
     try:
         return DiskTier.stored_meta(path)
+    except DamagedStore as exc:
+        raise CliError(EXIT_USAGE, f"{exc}; `tierkv clear {path} --all` deletes it") from None
     except ValueError as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
 
@@ -356,17 +361,67 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # -- clear -------------------------------------------------------------------------------------
+def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
+    """Why the store cannot be cleared entry by entry (its LMDB file is damaged: no forget can
+    be written there), or None; whether `check --repair` can mend that (a damaged table: yes;
+    a store that does not open: no); and every tenant with a block or a session, the default one
+    included. Read before the store opens (one environment per process at a time)."""
+    from .tiers.disk import DamagedStore, DiskTier
+
+    if not os.path.isdir(path):
+        _stored_meta(path)  # refused as every store command refuses it
+    with _refusals():
+        try:
+            tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])
+        except DamagedStore as exc:
+            return f"the tierkv store at {os.path.abspath(path)!r} is damaged ({exc.reason})", False, set()
+    try:
+        damaged = tier.damaged_tables()
+        if damaged:
+            tables = ", ".join(f"{name} ({why})" for name, why in damaged.items())
+            return f"the tierkv store at {os.path.abspath(path)!r} is damaged in its LMDB B-tree: {tables}", True, set()
+        try:
+            scan = tier.scan()
+        except DamagedStore as exc:
+            return f"the tierkv store at {os.path.abspath(path)!r} is damaged ({exc.reason})", True, set()
+    finally:
+        tier.close()
+    return None, False, {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}
+
+
+def _remove_damaged(path: str, damage: str) -> int:
+    """``clear --all`` of a store too damaged to clear entry by entry: its files go."""
+    from .tiers.disk import StoreInUse, remove_store
+
+    try:
+        remove_store(path)
+    except StoreInUse as exc:
+        raise CliError(EXIT_IN_USE, str(exc)) from None
+    except ValueError as exc:
+        raise CliError(EXIT_USAGE, f"{damage}; and {exc}") from None
+    except OSError as exc:
+        raise CliError(EXIT_IO, f"{damage}; removing its files failed: {exc}") from None
+    print(f"removed the store's files ({damage}, too damaged to clear entry by entry); a TieredStore opened at "
+          f"{os.path.abspath(path)} starts a new store")
+    return EXIT_OK
+
+
+def _refuse_damaged(path: str, damage: str, repairable: bool) -> CliError:
+    if not repairable:
+        return CliError(EXIT_USAGE, f"{damage}: nothing can be forgotten there; `tierkv clear {path} --all` deletes "
+                                    "the whole store (its blocks are only a cache)")
+    return CliError(EXIT_USAGE, f"{damage}: a forget cannot be written there. Run `tierkv check {path} --repair` "
+                                "(it rebuilds the store from what is sound), then this command again; or "
+                                f"`tierkv clear {path} --all` to delete the whole store")
+
+
 def cmd_clear(args: argparse.Namespace) -> int:
     path = args.path
-    if args.all:
-        # Every tenant with a block or a session, the default one included; read before the store
-        # opens (one environment per process at a time).
-        tier, _meta = _open_tier(path)
-        try:
-            scan = _scan(tier)
-        finally:
-            tier.close()
-        tenants = {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}
+    damage, repairable, tenants = _read_for_clear(path)
+    if damage is not None:
+        if args.all:
+            return _remove_damaged(path, damage)
+        raise _refuse_damaged(path, damage, repairable)
     store = _open_store(path)
     try:
         if args.all:
@@ -393,6 +448,12 @@ def cmd_clear(args: argparse.Namespace) -> int:
         left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
     finally:
         store.close()
+    if owed and stats["disk_damaged"]:
+        # Damage the walk of the tables did not show (LMDB's free list, say): its writes failed.
+        damage = f"the tierkv store at {os.path.abspath(path)!r} is damaged where LMDB writes"
+        if args.all:
+            return _remove_damaged(path, damage)
+        raise _refuse_damaged(path, damage, True)
     if owed:
         raise CliError(EXIT_IO, f"disk errors kept {owed} deletes from reaching {os.path.abspath(path)}: the "
                                 f"removed entries may still be on disk; run the same command again")

@@ -141,6 +141,7 @@ class DamagedStore(ValueError):
     not a missing record, which is a plain miss, but a store that cannot be opened."""
 
     def __init__(self, path: str, exc: BaseException) -> None:
+        self.reason = f"{type(exc).__name__}: {exc}"
         super().__init__(f"the tierkv store at {path!r} is damaged ({type(exc).__name__}: {exc}); delete the "
                          "directory (its blocks are only a cache and will be recomputed) and create the store "
                          "again")
@@ -221,6 +222,49 @@ def _forget_tiers_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_tiers_in_child)
+
+
+_LMDB_MAGIC = struct.pack("<I", 0xBEEFC0DE)
+
+
+def remove_store(path: str | os.PathLike[str]) -> None:
+    """Delete a store's files, for a store too damaged to clear through LMDB. Only a directory
+    that holds a store's files and nothing else (``data.mdb`` a plain file beginning with an
+    LMDB meta page, in either of its two copies; tierkv's lock file), and only under the
+    directory's lock: raises
+    ``StoreInUse`` where another process holds it, ``ValueError`` for anything else. The lock
+    file stays (a process waiting on it keeps the same one)."""
+    path = os.path.abspath(os.fspath(path))
+    entries = set(os.listdir(path))
+    data = os.path.join(path, "data.mdb")
+    # The lock file: tierkv opened it (another program's LMDB environment has none).
+    if not {"data.mdb", _LOCK_FILE} <= entries or not entries <= {"data.mdb", "lock.mdb", _LOCK_FILE, _REPAIR_DIR}:
+        raise ValueError(f"{path!r} holds files a tierkv store does not ({', '.join(sorted(entries))}); "
+                         "not removed: delete them yourself if they are yours to delete")
+    if os.path.islink(data) or not os.path.isfile(data):
+        raise ValueError(f"{data!r} is not a plain file; not removed")
+    with open(data, "rb") as f:
+        start = f.read(64 << 10)
+    if not any(start[page + 16:page + 20] == _LMDB_MAGIC for page in range(0, len(start), 4096)):
+        raise ValueError(f"{data!r} is not an LMDB file; not removed")
+    lock = DiskTier._lock_directory(path)
+    try:
+        os.unlink(data)
+        for name in ("lock.mdb", _REPAIR_DIR):
+            target = os.path.join(path, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target, ignore_errors=True)
+            elif os.path.lexists(target):
+                os.unlink(target)
+        directory = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    finally:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
 
 
 def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
@@ -791,6 +835,9 @@ class DiskTier:
         with self.env.begin(write=True) as txn:
             raw = txn.get(_META_KEY, db=self._meta)
             if raw is None:
+                if not fresh and txn.get(b"blocks") is not None:
+                    # A tierkv store's tables, and no meta record: its meta table is damaged.
+                    raise DamagedStore(self.path, ValueError("its meta record cannot be found"))
                 if not fresh:
                     raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
                                      "pass a new or empty directory")
@@ -837,9 +884,15 @@ class DiskTier:
         if short is not None:
             env.close()
             raise DamagedStore(path, short)
+        # A tierkv store's tables (its main table lists them): a meta record that cannot be read
+        # there is damage, not another program's environment (`tierkv clear --all` removes it).
+        shaped = False
         try:
             with env.begin() as txn:
+                shaped = txn.get(b"blocks") is not None
                 raw = txn.get(_META_KEY, db=env.open_db(b"meta", txn=txn, create=False))
+        except (*UNREADABLE, lmdb.BadTxnError) as exc:
+            raise DamagedStore(path, exc) from None
         except lmdb.Error:
             raw = None
         finally:
@@ -850,8 +903,20 @@ class DiskTier:
             meta = None
         fields = ("format", "hash", "block_size")
         if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields):
+            if shaped:
+                raise DamagedStore(path, ValueError("its meta record cannot be read"))
             raise ValueError(f"{not_a_store} (no tierkv meta record)")
         return {f: meta[f] for f in fields}
+
+    def damaged_tables(self) -> dict[str, str]:
+        """``verify``'s walk of the tables alone (``CheckResult.damaged``), without the records."""
+        damaged = {}
+        for name in _TABLES:
+            with self._resize_lock, self._read_txn() as txn:
+                why = self._table_damage(txn, name)
+            if why is not None:
+                damaged[name] = why
+        return damaged
 
     def _open_db_if_there(self, name: bytes, create: bool) -> Any:
         try:
