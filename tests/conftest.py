@@ -90,34 +90,37 @@ def random_ids(length: int, seed: int = 0, low: int = 3) -> torch.Tensor:
 
 
 def damage_table(path: object, table: bytes) -> None:
-    """Flip one bit in the B-tree of the LMDB sub-database ``table`` of a closed store: the key
-    size of the first node of its leaf page (32 -> 34 for ``refs``). LMDB still walks the table;
+    """Flip one bit in the B-tree of the LMDB sub-database ``table`` of a store: the key size of
+    the first node of its root page, a leaf (32 -> 34 for ``refs``). LMDB still walks the table;
     a write that deletes there fails, with ``MDB_BAD_TXN`` on the next call rather than an error
-    of its own. The table must fit one leaf page (a small store's do)."""
+    of its own. Reads the file itself, not through LMDB: the store may be open in this process
+    (it maps the file shared, and sees the damage). The table must fit one leaf page, and the
+    file use 4 KiB pages (a small store's do, on x86-64)."""
     import struct
 
-    import lmdb
-
-    with lmdb.open(str(path), max_dbs=8, readonly=True, lock=False) as env:
-        page_size = env.stat()["psize"]
-        with env.begin() as txn:
-            rows = [(bytes(k), len(v)) for k, v in txn.cursor(db=env.open_db(table, txn=txn, create=False))]
-    data = bytearray(open(f"{path}/data.mdb", "rb").read())
-
-    def first_node(page: int) -> int:
-        return page * page_size + struct.unpack_from("<H", data, page * page_size + 16)[0]
-
-    # The leaf page (P_LEAF) holding every key, whose first node (data size, flags, key size,
-    # key) is the first row's: other tables (heads, atime) have the same keys as blocks.
-    node = next(first_node(p) for p in range(2, len(data) // page_size)
-                if struct.unpack_from("<H", data, p * page_size + 10)[0] == 0x02
-                and all(data.find(k, p * page_size, (p + 1) * page_size) >= 0 for k, _ in rows)
-                and struct.unpack_from("<I", data, first_node(p))[0] == rows[0][1]
-                and data[first_node(p) + 8:first_node(p) + 8 + len(rows[0][0])] == rows[0][0])
-    assert struct.unpack_from("<H", data, node + 6)[0] == len(rows[0][0])
-    data[node + 6] ^= 0x02
+    page = 4096
     with open(f"{path}/data.mdb", "r+b") as f:
-        f.write(bytes(data))
+        data = bytearray(f.read())
+
+        def db_root(at: int) -> int:  # an MDB_db record: pad, flags, depth, pages (3), entries, root
+            return struct.unpack_from("<IHHQQQQQ", data, at)[7]
+
+        def nodes(pgno: int) -> list[int]:
+            lower = struct.unpack_from("<H", data, pgno * page + 12)[0]
+            return [pgno * page + struct.unpack_from("<H", data, pgno * page + 16 + 2 * i)[0]
+                    for i in range((lower - 16) // 2)]
+
+        # The meta page of the last transaction (page header 16 bytes, then magic, version,
+        # address, map size, the free and main tables' records, last page, transaction id).
+        meta = max((0, page), key=lambda at: struct.unpack_from("<Q", data, at + 16 + 128)[0])
+        main = db_root(meta + 16 + 24 + 48)
+        node = next(n for n in nodes(main) if data[n + 8:n + 8 + struct.unpack_from("<H", data, n + 6)[0]] == table)
+        root = db_root(node + 8 + len(table))
+        assert struct.unpack_from("<H", data, root * page + 10)[0] == 0x02, "the table is not one leaf"  # P_LEAF
+        first = nodes(root)[0]  # data size (u32), flags, key size, key
+        data[first + 6] ^= 0x02
+        f.seek(first + 6)
+        f.write(data[first + 6:first + 7])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -520,9 +520,13 @@ def test_a_store_damaged_where_lmdb_reads_it_is_refused_with_the_remedy(model, s
         patch.setattr(DiskTier, "_scan", damaged)
         with pytest.raises(DamagedStore, match="is damaged .*PageNotFoundError.*delete the directory"):
             TieredStore(path, device="cpu", block_size=B)
-        for command in (["stats"], ["check"], ["check", "--repair"], ["clear", "--all"]):
+        for command in (["stats"], ["clear", "--session", "s"]):
             assert cli.main([*command, str(path)]) == cli.EXIT_USAGE, command
             assert "is damaged" in capsys.readouterr().err
+        # check reports it, with the remedy (check --repair rebuilds such a file; clear --all
+        # deletes it: tests/test_cli.py).
+        assert cli.main(["check", str(path)]) == cli.EXIT_BAD_RECORDS
+        assert "damaged" in capsys.readouterr().out
     store = make_store(stores, path)  # the failed opens let go of the directory's lock
     assert store.stats()["disk"]["blocks"] == 3
     store.close()
@@ -1574,15 +1578,16 @@ def test_writes_that_trip_over_a_damaged_table_say_the_store_is_damaged_not_the_
     # One flipped bit in the refs table's B-tree: LMDB's first call that trips over it returns,
     # the next fails with MDB_BAD_TXN. Before: "disk tier I/O error", and at close "reopen the
     # store and forget them again", which failed the same way every time.
+    # The damage comes while the store serves (a scan at open refuses it: the next test).
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget=0, host_budget=0)
     for i in range(3):
         converse(store, model, random_ids(30 + 5 * i, 720 + i), f"s{i}")
-    stores.pop().close()
-    damage_table(path, b"refs")
-    store = make_store(stores, path, device_budget=0, host_budget=0)
+    store.flush()
+    damage_table(path, b"refs")  # into the file the store maps (shared): it sees the damage
     with caplog.at_level(logging.WARNING, logger="tierkv"):
-        assert store.forget(session="s0") > 0
+        for i in range(3):  # one of them deletes the damaged row
+            assert store.forget(session=f"s{i}") > 0
         store.flush()
         stats = store.stats()
         assert stats["disk_failed"] and stats["disk_damaged"] and stats["owed_deletes"] > 0
@@ -1590,3 +1595,18 @@ def test_writes_that_trip_over_a_damaged_table_say_the_store_is_damaged_not_the_
     text = caplog.text
     assert "I/O error" not in text and "disk errors" not in text, text
     assert "is damaged" in text and f"tierkv check {path} --repair" in text, text
+
+
+@pytest.mark.parametrize("table", [b"refs", b"sessions", b"atime"])
+def test_a_store_whose_table_holds_a_damaged_node_is_refused_at_open_with_the_remedy(model, stores, tmp_path,
+                                                                                       table):
+    # Before: it opened, and its first delete there failed, marking the disk failed for good.
+    from tierkv.tiers.disk import DamagedStore
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    for i in range(3):
+        converse(store, model, random_ids(30 + 5 * i, 730 + i), f"s{i}")
+    stores.pop().close()
+    damage_table(path, table)
+    with pytest.raises(DamagedStore, match=f"in table {table.decode()} .*tierkv check {path} --repair"):
+        TieredStore(path, device="cpu", block_size=B)

@@ -97,6 +97,33 @@ def _stored_meta(path: str) -> dict[str, int]:
         raise CliError(EXIT_USAGE, str(exc)) from None
 
 
+def _file_damage(path: str) -> dict[str, str]:
+    """``file_damage`` of the store at ``path`` (LMDB's structure, read without LMDB: some damage
+    aborts LMDB's own reads), under the directory's lock; refused as every store command refuses
+    a path that is not a store, or a store in use."""
+    if not os.path.exists(path):
+        raise CliError(EXIT_USAGE, f"{path}: no such directory")
+    if not os.path.isdir(path):
+        raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+    data = os.path.join(path, "data.mdb")
+    if not os.path.isfile(data) or os.path.getsize(data) == 0:
+        return {}  # not a store: stored_meta says so
+    import fcntl
+
+    from .tiers.disk import DiskTier, file_damage
+
+    with _refusals():
+        lock = DiskTier._lock_directory(os.path.abspath(path))
+    try:
+        return file_damage(path)
+    except OSError as exc:
+        raise CliError(EXIT_USAGE, f"cannot read {data}: {exc}") from None
+    finally:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
+
+
 @contextmanager
 def _refusals() -> Iterator[None]:
     """Opening errors as exit codes: the lock (3); the format, permissions or LMDB itself (2)."""
@@ -267,11 +294,16 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
 def _damage_text(r: dict[str, Any]) -> list[str]:
     if not r["damaged"]:
         return []
-    tables = ", ".join(f"{name} ({why})" for name, why in r["damaged"].items())
+    names = {"main": "main (the list of tables)", "scan": "read at open", "free": "free (LMDB's free pages)",
+             "file": "file (LMDB's meta pages)"}
+    tables = ", ".join(f"{names.get(name, name)} ({why})" for name, why in r["damaged"].items())
     lines = [f"the store's LMDB file is damaged in its B-tree, in the table{'s' if len(r['damaged']) > 1 else ''} "
              f"{tables}: writes there fail (forget, clear), whatever the records"]
     rebuilt = r["rebuilt"]
-    if rebuilt is None:
+    if not r["openable"]:
+        lines.append(f"LMDB cannot open it safely, and it cannot be rebuilt: `tierkv clear {r['path']} --all` deletes "
+                     "the store (its blocks are only a cache)")
+    elif rebuilt is None:
         lines.append(f"run `tierkv check {r['path']} --repair` to rebuild the file from what is sound (damaged "
                      "records, and blocks whose session references were lost, are dropped: blocks are a cache, "
                      "recomputed), "
@@ -306,7 +338,7 @@ def _check_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int) -> dict[str, int]:
+def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Sequence[str] = ()) -> dict[str, int]:
     """``tier.rebuild`` (which closes ``tier``), then heads for the new file's records, as a
     store's scan would write them; returns what was kept and dropped."""
     from dataclasses import asdict
@@ -314,7 +346,7 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int) -> dict[str
     from .tiers.disk import DiskTier, PutHeads
 
     try:
-        rebuilt = tier.rebuild(damaged, block_size)
+        rebuilt = tier.rebuild(damaged, block_size, unsafe)
     except (lmdb.Error, OSError) as exc:
         raise CliError(EXIT_IO, f"could not rebuild {tier.path}: {exc}; the store is as it was") from None
     with _refusals():
@@ -324,37 +356,57 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int) -> dict[str
         if heads:
             new.apply([PutHeads(heads)])
         new.sync()
-    except (lmdb.Error, OSError):
-        pass  # optional: the store's next scan writes them
+    except (lmdb.Error, OSError, ValueError):
+        pass  # optional: the store's next scan writes them (or finds what is still wrong)
     finally:
         new.close()
     return asdict(rebuilt)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from .tiers.disk import UNOPENABLE, DamagedStore
+
+    unsafe = _file_damage(args.path)
+    if any(name in UNOPENABLE for name in unsafe):
+        # Not even opened: LMDB reads its table of tables at open.
+        if args.repair:
+            raise CliError(EXIT_USAGE, f"the tierkv store at {os.path.abspath(args.path)!r} is damaged where LMDB "
+                                       f"opens it ({'; '.join(unsafe.values())}): it cannot be rebuilt; `tierkv "
+                                       f"clear {args.path} --all` deletes it (its blocks are only a cache)")
+        report = {"path": os.path.abspath(args.path), "records": 0, "bytes": 0, "bad": [], "stale_heads": [],
+                  "damaged": unsafe, "openable": False, "repaired": False, "dropped": None, "rebuilt": None}
+        _emit(args, report, _check_text)
+        return EXIT_BAD_RECORDS
     tier, meta = _open_tier(args.path)
     rebuilt = dropped = None
     try:
         # Records are verified first, the tables they index among them (LMDB's B-tree): a scan of a
         # damaged table may trip over it.
-        bar = _progress(tier.record_count(), "checking", "record")
+        bar = _progress(tier.record_count() if "blocks" not in unsafe else 0, "checking", "record")
         try:
-            checked = tier.verify(lambda _nbytes: bar.update(1))
+            checked = tier.verify(lambda _nbytes: bar.update(1), unsafe)
         finally:
             bar.close()
         bad = checked.bad
+        scan = None
+        if not checked.damaged:
+            try:
+                scan = tier.scan()  # what a store reads at open
+            except DamagedStore as exc:
+                checked.damaged["scan"] = exc.reason
         faulty = bool(bad or checked.stale or checked.damaged)
         if checked.damaged:
             if args.repair:
-                rebuilt = rebuild(tier, list(checked.damaged), meta["block_size"])
+                rebuilt = rebuild(tier, list(checked.damaged), meta["block_size"], list(unsafe))
         elif faulty and args.repair:
-            dropped = repair(tier, _scan(tier), [key for key, _ in bad], checked.stale)
+            assert scan is not None
+            dropped = repair(tier, scan, [key for key, _ in bad], checked.stale)
     finally:
         tier.close()
     report = {"path": os.path.abspath(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
               "stale_heads": [key.hex() for key in checked.stale],
-              "damaged": dict(checked.damaged),
+              "damaged": dict(checked.damaged), "openable": True,
               "repaired": dropped is not None or rebuilt is not None, "dropped": dropped, "rebuilt": rebuilt}
     _emit(args, report, _check_text)
     return EXIT_BAD_RECORDS if faulty and not report["repaired"] else EXIT_OK
@@ -368,8 +420,13 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
     included. Read before the store opens (one environment per process at a time)."""
     from .tiers.disk import DamagedStore, DiskTier
 
-    if not os.path.isdir(path):
-        _stored_meta(path)  # refused as every store command refuses it
+    from .tiers.disk import UNOPENABLE
+
+    unsafe = _file_damage(path)
+    if unsafe:
+        tables = ", ".join(f"{name} ({why})" for name, why in unsafe.items())
+        return (f"the tierkv store at {os.path.abspath(path)!r} is damaged in its LMDB structure: {tables}",
+                not any(name in UNOPENABLE for name in unsafe), set())
     with _refusals():
         try:
             tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])

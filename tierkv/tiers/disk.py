@@ -144,7 +144,8 @@ class DamagedStore(ValueError):
         self.reason = f"{type(exc).__name__}: {exc}"
         super().__init__(f"the tierkv store at {path!r} is damaged ({type(exc).__name__}: {exc}); delete the "
                          "directory (its blocks are only a cache and will be recomputed) and create the store "
-                         "again")
+                         f"again, or run `tierkv check {path} --repair`, which rebuilds it from what is sound where "
+                         "LMDB can still read it")
 
 
 class DamagedTables(lmdb.CorruptedError):
@@ -222,6 +223,45 @@ def _forget_tiers_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_tiers_in_child)
+
+
+#: What ``file_damage`` names damage outside any table: where LMDB cannot be trusted to open the file.
+UNOPENABLE = ("main", "file")
+
+
+def file_damage(path: str | os.PathLike[str]) -> dict[str, str]:
+    """LMDB's own structure of the store's file checked by reading it, not through LMDB: table
+    (``free`` for LMDB's free list, ``main`` for the table of tables, ``file`` for its meta pages
+    and page accounting) -> the first problem found there; {} where the file is sound, or
+    without py-lmdb's offline verifier (``lmdb.verify``, py-lmdb 3.0 on). Damage some of LMDB's
+    own reads and writes meet with an assertion that aborts the process (a branch page without
+    children, a free list that does not add up: found by fuzzing), which nothing in the process
+    can catch: this finds it first. The caller must hold the directory's lock (a writer's pages
+    read as damage)."""
+    try:
+        from lmdb import verify as offline
+    except ImportError:  # py-lmdb before 3.0
+        return {}
+    try:
+        problems = offline.verify(os.fspath(path), subdir=True)
+    except offline.VerifyError as exc:
+        return {"file": str(exc)}
+    found: dict[str, str] = {}
+    if len(problems) > 1:
+        # Pages of a subtree the walk could not follow read as leaked: the damage is that subtree.
+        problems = [p for p in problems if "neither reachable nor in the freeDB" not in p] or problems
+    for problem in problems:
+        words = problem.split()
+        if "freeDB" in problem:  # its own pages, or pages it and the tables do not account for alike
+            table = "free"
+        elif len(words) > 1 and words[1].rstrip(":") == "DB":
+            table = words[0].rsplit("/", 1)[-1]  # a named table's: "main/refs DB: ..."
+        elif "(via " in problem:
+            table = problem.split("(via ", 1)[1].split()[0].rsplit("/", 1)[-1]
+        else:
+            table = "file"
+        found.setdefault(table if table in _TABLES or table == "free" else "file", problem)
+    return found
 
 
 _LMDB_MAGIC = struct.pack("<I", 0xBEEFC0DE)
@@ -339,6 +379,16 @@ def _salvage(env: Any, db: Any, read: Callable[[Any, bytes, memoryview], Any]) -
         except _DAMAGE:
             continue
     return rows
+
+
+def _sized(value: Any, size: int, table: str) -> Any:
+    """``value``, a key or value of ``table`` read by a scan, if it is ``size`` bytes long. Every
+    key (and reference, stamp) is written at its length: another is LMDB's own node damaged,
+    which the writes that follow trip over (``scan`` raises ``DamagedStore``; ``tierkv check
+    --repair`` rebuilds the file)."""
+    if len(value) != size:
+        raise lmdb.CorruptedError(f"a row of {len(value)} bytes in table {table} ({size} expected)")
+    return value
 
 
 def _under(key: bytes, header: RecordHeader) -> RecordHeader:
@@ -970,10 +1020,10 @@ class DiskTier:
         with self._resize_lock, self._read_txn() as txn:
             heads: dict[bytes, memoryview] = {}
             if self._heads is not None:
-                heads = {bytes(key): value for key, value in txn.cursor(db=self._heads)}
+                heads = {_sized(bytes(key), KEY_BYTES, "heads"): value for key, value in txn.cursor(db=self._heads)}
             used = self.file_bytes()
             for key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
-                key = bytes(key)
+                key = _sized(bytes(key), KEY_BYTES, "blocks")
                 head = heads.pop(key, None)
                 if head is not None:
                     if _is_zeroed(head):
@@ -1001,21 +1051,24 @@ class DiskTier:
                     (result.scrubbed if _is_zeroed(value) else result.corrupt).append(key)
             result.orphans = list(heads)
             for sid, value in txn.cursor(db=self._sessions):
+                sid = _sized(bytes(sid), KEY_BYTES, "sessions")
                 row = _session_row(bytes(value))
                 if row is None:
-                    result.bad_sessions[bytes(sid)] = []
+                    result.bad_sessions[sid] = []
                 else:
-                    result.sessions[bytes(sid)] = (row[0], row[1], [])
-            for ref, _ in txn.cursor(db=self._refs):
-                ref = bytes(ref)
+                    result.sessions[sid] = (row[0], row[1], [])
+            for ref, value in txn.cursor(db=self._refs):
+                ref = _sized(bytes(ref), 2 * KEY_BYTES, "refs")
+                _sized(bytes(value), 0, "refs")
                 entry = result.sessions.get(ref[:KEY_BYTES])
                 if entry is not None:
                     entry[2].append(ref[KEY_BYTES:])
                 else:  # its row is damaged, or gone (a damaged key): its session cannot be named
                     result.bad_sessions.setdefault(ref[:KEY_BYTES], []).append(ref[KEY_BYTES:])
             for key, value in txn.cursor(db=self._atime):
-                if len(value) == _U64.size:  # a damaged stamp only loses its block's place in the LRU order
-                    result.atime[bytes(key)] = _U64.unpack(value)[0]
+                # A stamp's bytes damaged only lose its block's place in the LRU order; its length
+                # is LMDB's node.
+                result.atime[_sized(bytes(key), KEY_BYTES, "atime")] = _U64.unpack(_sized(value, _U64.size, "atime"))[0]
             row = txn.get(_UNZEROED_KEY, db=self._meta)
             if row is not None:
                 self._unzeroed, self._unzeroed_txn = _ledger_ranges(bytes(row), txn.id()), txn.id()
@@ -1027,22 +1080,28 @@ class DiskTier:
         """Evicted records not zeroed yet; ``apply([])`` zeroes them, durably."""
         return bool(self._unzeroed or self._pending or self._ledger_written)
 
-    def verify(self, on_record: Callable[[int], None] | None = None) -> CheckResult:
+    def verify(self, on_record: Callable[[int], None] | None = None,
+               unsafe: dict[str, str] | None = None) -> CheckResult:
         """Every record checked in full (header, length, checksum, key), and its head against it,
         unlike ``scan``, which reads heads only. ``bad``: the records to drop, and heads without a
         record; ``stale``: sound records whose head is damaged or differs (rewritten by
         ``PutHeads``). A record without any head is sound (``scan`` gives it one). ``on_record(record
         bytes)`` is called after each record, for a progress bar. ``damaged``: the tables whose
         B-tree is damaged (``_table_damage``; every table is walked, not only the records), which
-        only ``rebuild`` mends. One read transaction per table."""
-        result = CheckResult()
+        only ``rebuild`` mends; ``unsafe`` (``file_damage``): tables damaged already, not walked
+        (the records neither, for ``blocks``). One read transaction per table."""
+        result = CheckResult(damaged=dict(unsafe or {}))
         # A transaction per table: LMDB fails every call of one after its first error. (No
         # writer runs meanwhile: the store commands hold the directory's lock.)
         for name in _TABLES:
+            if name in result.damaged:
+                continue  # ``unsafe``: ``file_damage`` found it damaged where LMDB's reads may abort
             with self._resize_lock, self._read_txn() as txn:
                 why = self._table_damage(txn, name)
             if why is not None:
                 result.damaged[name] = why
+        if unsafe and "blocks" in unsafe:
+            return result
         with self._resize_lock, self._read_txn() as txn:
             try:
                 self._verify_records(txn, result, on_record)
@@ -1132,7 +1191,7 @@ class DiskTier:
         return None
 
     # -- rebuilding a damaged file ---------------------------------------------------------------
-    def rebuild(self, damaged: Collection[str], block_size: int) -> Rebuilt:
+    def rebuild(self, damaged: Collection[str], block_size: int, unsafe: Collection[str] = ()) -> Rebuilt:
         """Copy what is sound into a new file and put it in place of this one; the tier is closed
         afterwards. For damage in LMDB's own B-tree (``CheckResult.damaged``), which no write in
         place mends: LMDB's writes trip over it (and fail every time), and dropping a damaged
@@ -1146,8 +1205,10 @@ class DiskTier:
         with ``refs`` damaged, every block that no reference read soundly names (one a lost
         reference named would stay where its session's ``forget`` cannot find it; blocks of
         turns without a session go with them, recomputed). Heads are not copied: the store's
-        next scan writes them (``ScanResult.unindexed``). Needs free space for the records kept;
-        raises ``OSError`` (ENOSPC) before writing anything where the filesystem lacks it."""
+        next scan writes them (``ScanResult.unindexed``). ``unsafe`` (``file_damage``): tables not
+        read at all (LMDB's reads there may abort the process), as if empty. Needs free space for
+        the records kept; raises ``OSError`` (ENOSPC) before writing anything where the
+        filesystem lacks it."""
         made = os.path.join(self.path, _REPAIR_DIR)
         shutil.rmtree(made, ignore_errors=True)  # a repair cut short
         with self._resize_lock:
@@ -1166,13 +1227,18 @@ class DiskTier:
                 seen += 1
                 return self._sound_tenant(txn, key, value, damaged)
 
-            tenants = {key: tenant for key, (tenant,) in _salvage(self.env, self._blocks, record).items()}
-            refs = _salvage(self.env, self._refs, lambda _t, k, v: True if len(k) == 2 * KEY_BYTES and not len(v)
-                            else None)
-            rows = _salvage(self.env, self._sessions, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
-                            _session_row(bytes(v)) is not None else None)
-            stamps = _salvage(self.env, self._atime, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
-                              len(v) == _U64.size else None)
+            damaged = {*damaged, *unsafe}
+
+            def salvage(name: str, db: Any, read: Callable[[Any, bytes, memoryview], Any]) -> dict[bytes, Any]:
+                return {} if name in unsafe else _salvage(self.env, db, read)
+
+            tenants = {key: tenant for key, (tenant,) in salvage("blocks", self._blocks, record).items()}
+            refs = salvage("refs", self._refs, lambda _t, k, v: True if len(k) == 2 * KEY_BYTES and not len(v)
+                           else None)
+            rows = salvage("sessions", self._sessions, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
+                           _session_row(bytes(v)) is not None else None)
+            stamps = salvage("atime", self._atime, lambda _t, k, v: bytes(v) if len(k) == KEY_BYTES and
+                             len(v) == _U64.size else None)
             by_session: dict[bytes, list[bytes]] = {}
             for ref in refs:
                 by_session.setdefault(ref[:KEY_BYTES], []).append(ref[KEY_BYTES:])
