@@ -89,13 +89,15 @@ def random_ids(length: int, seed: int = 0, low: int = 3) -> torch.Tensor:
     return torch.randint(low, VOCAB, (1, length), generator=g)
 
 
-def damage_table(path: object, table: bytes) -> None:
+def damage_table(path: object, table: bytes, page_number: bool = False) -> None:
     """Flip one bit in the B-tree of the LMDB sub-database ``table`` of a store: the key size of
     the first node of its root page, a leaf (32 -> 34 for ``refs``). LMDB still walks the table;
     a write that deletes there fails, with ``MDB_BAD_TXN`` on the next call rather than an error
-    of its own. Reads the file itself, not through LMDB: the store may be open in this process
-    (it maps the file shared, and sees the damage). The table must fit one leaf page, and the
-    file use 4 KiB pages (a small store's do, on x86-64)."""
+    of its own. ``page_number``: the page's own number instead (in its header), which no read of
+    LMDB's checks, and its next write frees that other page while still in use. Reads the file
+    itself, not through LMDB: the store may be open in this process (it maps the file shared,
+    and sees the damage). The table must fit one leaf page, and the file use 4 KiB pages (a
+    small store's do, on x86-64)."""
     import struct
 
     page = 4096
@@ -117,10 +119,10 @@ def damage_table(path: object, table: bytes) -> None:
         node = next(n for n in nodes(main) if data[n + 8:n + 8 + struct.unpack_from("<H", data, n + 6)[0]] == table)
         root = db_root(node + 8 + len(table))
         assert struct.unpack_from("<H", data, root * page + 10)[0] == 0x02, "the table is not one leaf"  # P_LEAF
-        first = nodes(root)[0]  # data size (u32), flags, key size, key
-        data[first + 6] ^= 0x02
-        f.seek(first + 6)
-        f.write(data[first + 6:first + 7])
+        at = root * page if page_number else nodes(root)[0] + 6  # a node: data size (u32), flags, key size, key
+        data[at] ^= 0x02
+        f.seek(at)
+        f.write(data[at:at + 1])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -50,7 +50,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from .codec import RecordHeader
     from .store import TieredStore
-    from .tiers.disk import DiskTier, ScanResult
+    from .tiers.disk import DiskTier, FileDamage, ScanResult
 
 EXIT_OK = 0
 EXIT_BAD_RECORDS = 1
@@ -97,7 +97,7 @@ def _stored_meta(path: str) -> dict[str, int]:
         raise CliError(EXIT_USAGE, str(exc)) from None
 
 
-def _file_damage(path: str) -> dict[str, str]:
+def _file_damage(path: str) -> FileDamage:
     """``file_damage`` of the store at ``path`` (LMDB's structure, read without LMDB: some damage
     aborts LMDB's own reads), under the directory's lock; refused as every store command refuses
     a path that is not a store, or a store in use."""
@@ -105,13 +105,11 @@ def _file_damage(path: str) -> dict[str, str]:
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
     if not os.path.isdir(path):
         raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+    from .tiers.disk import DiskTier, FileDamage, file_damage
+
     data = os.path.join(path, "data.mdb")
     if not os.path.isfile(data) or os.path.getsize(data) == 0:
-        return {}  # not a store: stored_meta says so
-    import fcntl
-
-    from .tiers.disk import DiskTier, file_damage
-
+        return FileDamage()  # not a store: stored_meta says so
     with _refusals():
         lock = DiskTier._lock_directory(os.path.abspath(path))
     try:
@@ -120,6 +118,8 @@ def _file_damage(path: str) -> dict[str, str]:
         raise CliError(EXIT_USAGE, f"cannot read {data}: {exc}") from None
     finally:
         if lock is not None:
+            import fcntl  # POSIX: a lock was taken
+
             fcntl.flock(lock, fcntl.LOCK_UN)
             os.close(lock)
 
@@ -366,7 +366,8 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Seq
 def cmd_check(args: argparse.Namespace) -> int:
     from .tiers.disk import UNOPENABLE, DamagedStore
 
-    unsafe = _file_damage(args.path)
+    found = _file_damage(args.path)
+    unsafe = {name: found.tables[name] for name in found.unsafe}
     if any(name in UNOPENABLE for name in unsafe):
         # Not even opened: LMDB reads its table of tables at open.
         if args.repair:
@@ -387,6 +388,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             checked = tier.verify(lambda _nbytes: bar.update(1), unsafe)
         finally:
             bar.close()
+        for name, why in found.tables.items():
+            checked.damaged.setdefault(name, why)
         bad = checked.bad
         scan = None
         if not checked.damaged:
@@ -422,11 +425,11 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
 
     from .tiers.disk import UNOPENABLE
 
-    unsafe = _file_damage(path)
-    if unsafe:
-        tables = ", ".join(f"{name} ({why})" for name, why in unsafe.items())
+    found = _file_damage(path)
+    if found.tables:
+        tables = ", ".join(f"{name} ({why})" for name, why in found.tables.items())
         return (f"the tierkv store at {os.path.abspath(path)!r} is damaged in its LMDB structure: {tables}",
-                not any(name in UNOPENABLE for name in unsafe), set())
+                not any(name in UNOPENABLE for name in found.unsafe), set())
     with _refusals():
         try:
             tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])

@@ -229,24 +229,39 @@ if hasattr(os, "register_at_fork"):
 UNOPENABLE = ("main", "file")
 
 
-def file_damage(path: str | os.PathLike[str]) -> dict[str, str]:
-    """LMDB's own structure of the store's file checked by reading it, not through LMDB: table
-    (``free`` for LMDB's free list, ``main`` for the table of tables, ``file`` for its meta pages
-    and page accounting) -> the first problem found there; {} where the file is sound, or
+@dataclass(slots=True)
+class FileDamage:
+    """``file_damage``'s findings: table -> the first problem found there; and the tables where
+    LMDB's reads are not safe (the others' damage, a page that names another page number, keys
+    out of order, counts that do not add up, LMDB's reads do not trip over)."""
+    tables: dict[str, str] = field(default_factory=dict)
+    unsafe: set[str] = field(default_factory=set)
+
+
+# Problems of ``lmdb.verify`` that LMDB's reads do not trip over (its writes do).
+_READ_SAFE = ("stores mp_pgno", "record says", "keys out of order", "mp_txnid", "P_DIRTY")
+
+
+def file_damage(path: str | os.PathLike[str]) -> FileDamage:
+    """LMDB's own structure of the store's file checked by reading it, not through LMDB (tables
+    named as ``CheckResult.damaged`` names them; ``free`` for LMDB's free list, whose damage
+    only writes meet, ``file`` for its meta pages); none found where the file is sound, or
     without py-lmdb's offline verifier (``lmdb.verify``, py-lmdb 3.0 on). Damage some of LMDB's
     own reads and writes meet with an assertion that aborts the process (a branch page without
     children, a free list that does not add up: found by fuzzing), which nothing in the process
     can catch: this finds it first. The caller must hold the directory's lock (a writer's pages
     read as damage)."""
+    found = FileDamage()
     try:
         from lmdb import verify as offline
     except ImportError:  # py-lmdb before 3.0
-        return {}
+        return found
     try:
         problems = offline.verify(os.fspath(path), subdir=True)
     except offline.VerifyError as exc:
-        return {"file": str(exc)}
-    found: dict[str, str] = {}
+        found.tables["file"] = str(exc)
+        found.unsafe.add("file")
+        return found
     if len(problems) > 1:
         # Pages of a subtree the walk could not follow read as leaked: the damage is that subtree.
         problems = [p for p in problems if "neither reachable nor in the freeDB" not in p] or problems
@@ -260,7 +275,10 @@ def file_damage(path: str | os.PathLike[str]) -> dict[str, str]:
             table = problem.split("(via ", 1)[1].split()[0].rsplit("/", 1)[-1]
         else:
             table = "file"
-        found.setdefault(table if table in _TABLES or table == "free" else "file", problem)
+        table = table if table in _TABLES or table == "free" else "file"
+        found.tables.setdefault(table, problem)
+        if table != "free" and not any(phrase in problem for phrase in _READ_SAFE):
+            found.unsafe.add(table)
     return found
 
 
