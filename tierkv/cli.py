@@ -246,6 +246,11 @@ def _stats_text(r: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    found = _file_damage(args.path)
+    if found.unsafe:  # LMDB's reads there may abort the process
+        tables = ", ".join(f"{name} ({found.tables[name]})" for name in sorted(found.unsafe))
+        raise CliError(EXIT_USAGE, f"the tierkv store at {os.path.abspath(args.path)!r} is damaged in its LMDB "
+                                   f"structure: {tables}; run `tierkv check {args.path}` for what can be done")
     tier, meta = _open_tier(args.path)
     try:
         report = summarise(args.path, meta, _scan(tier), tier.footprint_of, tier.file_bytes())
