@@ -245,8 +245,23 @@ def _stats_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _refuse_unopenable(path: str, found: FileDamage) -> None:
+    """Refuse a store whose file LMDB cannot be trusted to open (``UNOPENABLE``), with LMDB's own
+    reason where it refuses the file itself (its meta pages, a file cut short)."""
+    from .tiers.disk import UNOPENABLE
+
+    if "file" in found.unsafe:
+        _stored_meta(path)  # reads LMDB's meta pages alone
+    unopenable = [name for name in UNOPENABLE if name in found.unsafe]
+    if unopenable:
+        raise CliError(EXIT_USAGE, f"the tierkv store at {os.path.abspath(path)!r} is damaged where LMDB opens it "
+                                   f"({'; '.join(found.tables[name] for name in unopenable)}): it cannot be read "
+                                   f"or rebuilt; `tierkv clear {path} --all` deletes it (its blocks are only a cache)")
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     found = _file_damage(args.path)
+    _refuse_unopenable(args.path, found)
     if found.unsafe:  # LMDB's reads there may abort the process
         tables = ", ".join(f"{name} ({found.tables[name]})" for name in sorted(found.unsafe))
         raise CliError(EXIT_USAGE, f"the tierkv store at {os.path.abspath(args.path)!r} is damaged in its LMDB "
@@ -305,10 +320,7 @@ def _damage_text(r: dict[str, Any]) -> list[str]:
     lines = [f"the store's LMDB file is damaged in its B-tree, in the table{'s' if len(r['damaged']) > 1 else ''} "
              f"{tables}: writes there fail (forget, clear), whatever the records"]
     rebuilt = r["rebuilt"]
-    if not r["openable"]:
-        lines.append(f"LMDB cannot open it safely, and it cannot be rebuilt: `tierkv clear {r['path']} --all` deletes "
-                     "the store (its blocks are only a cache)")
-    elif rebuilt is None:
+    if rebuilt is None:
         lines.append(f"run `tierkv check {r['path']} --repair` to rebuild the file from what is sound (damaged "
                      "records, and blocks whose session references were lost, are dropped: blocks are a cache, "
                      "recomputed), "
@@ -369,20 +381,11 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Seq
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .tiers.disk import UNOPENABLE, DamagedStore
+    from .tiers.disk import DamagedStore
 
     found = _file_damage(args.path)
+    _refuse_unopenable(args.path, found)  # not even opened: LMDB reads its table of tables at open
     unsafe = {name: found.tables[name] for name in found.unsafe}
-    if any(name in UNOPENABLE for name in unsafe):
-        # Not even opened: LMDB reads its table of tables at open.
-        if args.repair:
-            raise CliError(EXIT_USAGE, f"the tierkv store at {os.path.abspath(args.path)!r} is damaged where LMDB "
-                                       f"opens it ({'; '.join(unsafe.values())}): it cannot be rebuilt; `tierkv "
-                                       f"clear {args.path} --all` deletes it (its blocks are only a cache)")
-        report = {"path": os.path.abspath(args.path), "records": 0, "bytes": 0, "bad": [], "stale_heads": [],
-                  "damaged": unsafe, "openable": False, "repaired": False, "dropped": None, "rebuilt": None}
-        _emit(args, report, _check_text)
-        return EXIT_BAD_RECORDS
     tier, meta = _open_tier(args.path)
     rebuilt = dropped = None
     try:
@@ -414,7 +417,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = {"path": os.path.abspath(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
               "stale_heads": [key.hex() for key in checked.stale],
-              "damaged": dict(checked.damaged), "openable": True,
+              "damaged": dict(checked.damaged),
               "repaired": dropped is not None or rebuilt is not None, "dropped": dropped, "rebuilt": rebuilt}
     _emit(args, report, _check_text)
     return EXIT_BAD_RECORDS if faulty and not report["repaired"] else EXIT_OK

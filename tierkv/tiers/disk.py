@@ -267,7 +267,9 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
         problems = [p for p in problems if "neither reachable nor in the freeDB" not in p] or problems
     for problem in problems:
         words = problem.split()
-        if "freeDB" in problem:  # its own pages, or pages it and the tables do not account for alike
+        if "beyond EOF" in problem or "truncated" in problem:
+            table = "file"  # a file cut short: LMDB's own check of its meta pages says by how much
+        elif "freeDB" in problem:  # its own pages, or pages it and the tables do not account for alike
             table = "free"
         elif len(words) > 1 and words[1].rstrip(":") == "DB":
             table = words[0].rsplit("/", 1)[-1]  # a named table's: "main/refs DB: ..."
