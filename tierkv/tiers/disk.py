@@ -1088,7 +1088,8 @@ class DiskTier:
             for key, value in txn.cursor(db=self._atime):
                 # A stamp's bytes damaged only lose its block's place in the LRU order; its length
                 # is LMDB's node.
-                result.atime[_sized(bytes(key), KEY_BYTES, "atime")] = _U64.unpack(_sized(value, _U64.size, "atime"))[0]
+                stamp = _sized(value, _U64.size, "atime")
+                result.atime[_sized(bytes(key), KEY_BYTES, "atime")] = _U64.unpack(stamp)[0]
             row = txn.get(_UNZEROED_KEY, db=self._meta)
             if row is not None:
                 self._unzeroed, self._unzeroed_txn = _ledger_ranges(bytes(row), txn.id()), txn.id()
@@ -1160,11 +1161,11 @@ class DiskTier:
                     result.bad.append((bytes(key), "an index entry (head) without its record"))
 
     def _in_place(self, value: memoryview) -> bool:
-        """Whether a value of ``blocks`` or ``heads`` (at least half a page: on pages of its own)
-        lies where its pages' own header says, as long as it says; True where the map's address
-        is not known."""
+        """Whether a value of ``blocks`` or ``heads`` on pages of its own (at least half a page)
+        lies where its pages' own header says, as long as it says; True for a shorter one (inside
+        a leaf: an earlier build's), and where the map's address is not known."""
         if len(value) < self.page_size // 2:
-            return False
+            return True
         offset = self._offset(value)
         return offset == OFFSET_UNKNOWN or self._record_pages((offset, len(value)))
 
@@ -1327,8 +1328,11 @@ class DiskTier:
                             out.put(key, stamp, db=dbs["atime"])
                             result.stamps += 1
                 new.sync(True)
-            finally:
+            except BaseException:
                 new.close()
+                shutil.rmtree(made, ignore_errors=True)  # the store stays as it was
+                raise
+            new.close()
             result.records = len(copied)
             result.dropped = seen - len(copied)
             self._closed = True
