@@ -1541,7 +1541,7 @@ class TieredStore:
                            "blocks not yet written stay in memory. stats()['disk_errors'] counts further errors",
                            exc)
         else:
-            logger.debug("tierkv: disk tier error (%s)", exc)
+            logger.debug("tierkv: disk tier %s (%s)", "damaged" if damage else "I/O error", exc)
 
     def _submit(self, op: DiskOp) -> Job[None] | None:
         """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
