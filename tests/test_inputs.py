@@ -101,6 +101,40 @@ def test_rope_scaled_on_a_loaded_model_restores_nothing_computed_before() -> Non
         assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
 
 
+_ROTARY_TABLES = {
+    # A sin/cos table (GPT-J's and CodeGen's embed_positions), and RoPE's frequencies under a layer
+    # type's prefix (full_attention_inv_freq): non-persistent buffers, like inv_freq.
+    "codegen": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
+    "mellum": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_ROTARY_TABLES))
+def test_a_model_loaded_in_bf16_and_one_cast_to_it_never_share_blocks(arch: str) -> None:
+    # from_pretrained(dtype=torch.bfloat16) keeps the rotary table in float32; the same weights
+    # loaded in float32 and cast with .to(torch.bfloat16) cast it too, and compute other keys. Their
+    # fingerprints were equal (the table is a non-persistent buffer not named inv_freq): a restart
+    # served one's KV to the other, and CodeGen and Mellum generated other tokens than plain.
+    config = AutoConfig.for_model(arch, vocab_size=VOCAB, **_ROTARY_TABLES[arch])
+    torch.manual_seed(0)
+    cast = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval().to(torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16).eval()
+    loaded.load_state_dict(cast.state_dict())
+    ids = random_ids(40, 1)
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, loaded, ids)
+        assert_next_turn_exact(store, cast, out, restored=0)
+        assert_next_turn_exact(store, loaded, out, restored=out.shape[1] - 1)
+        # The table edited in place (a rotary module rescaled by hand) restores nothing either.
+        rotary = next(m for m in loaded.modules() if "Rotary" in type(m).__name__)
+        table = next(b for n, b in rotary.named_buffers(recurse=False) if not n.endswith("original_inv_freq"))
+        with torch.no_grad():
+            table.mul_(0.5)
+        assert_next_turn_exact(store, loaded, out, restored=0)
+
+
 @pytest.mark.parametrize("arch", ["ctrl-bf16", "xglm"])
 def test_forwards_that_rewrite_their_position_tables_restore_the_next_turn(arch: str) -> None:
     # CTRL built in bf16 casts its float32 sinusoid table in its first forward; XGLM grows its own

@@ -848,9 +848,10 @@ def describe_model(model: Any) -> ModelInfo:
     experts = _experts_of(static.experts_configs)
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
-    # RoPE's frequencies, derived from the config but not saved with the weights. Not where RoPE
-    # is recomputed from each forward's length: position_limit keeps those models' KV within the
-    # base frequencies, which a forward past it replaces until the next shorter one.
+    # RoPE's frequencies (weights.is_frequency_buffer), derived from the config but not saved with
+    # the weights. Not where RoPE is recomputed from each forward's length: position_limit keeps
+    # those models' KV within the base frequencies, which a forward past it replaces until the
+    # next shorter one.
     if volatile and static.position_limit is None:
         h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)

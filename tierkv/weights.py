@@ -12,7 +12,7 @@ Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters
 buffers, ``persistent_buffers``) there are and which elements of each are read (16 evenly spread
 ones). ``sample.current(model, volatile)`` says whether that still holds: the same tensors in the
 same places of the module tree, each with the same storage address, dtype, shape and strides; it
-hands the RoPE frequency buffers it walked past to ``volatile``, whose values ``BufferDigests``
+hands the RoPE frequency buffers it walked past (``is_frequency_buffer``) to ``volatile``, whose values ``BufferDigests``
 digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the
 sampled elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
@@ -64,11 +64,23 @@ def sample_index(numel: int, device: torch.device | str = "cpu") -> torch.Tensor
 
 
 #: The non-persistent buffers whose values the fingerprint covers: RoPE's frequencies, which every
-#: rotary module (transformers' and remote code's) keeps under these names. Not the others: some
-#: forwards rewrite theirs (CTRL casts its position table to the embeddings' dtype, XGLM grows its
-#: own past the sequence length), and digesting those changed the fingerprint between open and
-#: commit of an ordinary turn.
-FREQUENCY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
+#: rotary module (transformers' and remote code's) keeps under these names, or under a layer
+#: type's prefix (``full_attention_inv_freq``: Mellum, Laguna, Olmo3, Gemma3; any name ending in
+#: ``inv_freq``, ``FREQUENCY_SUFFIX``); GPT-J's and CodeGen's sin/cos table (``embed_positions``)
+#: and Gemma's embedding scale (``embed_scale``). They compute the KV, yet ``state_dict`` does not
+#: save them, and their dtype follows how the model was made: a model loaded in bf16 keeps them in
+#: float32, the same weights cast with ``.to(torch.bfloat16)`` cast them too, and the two compute
+#: other keys (CodeGen and Mellum then generate other tokens from a restore of the other's KV).
+#: Not the others: some forwards rewrite theirs (CTRL casts its position table to the embeddings'
+#: dtype, XGLM grows its own past the sequence length), and digesting those changed the
+#: fingerprint between open and commit of an ordinary turn.
+FREQUENCY_BUFFERS = frozenset({"inv_freq", "original_inv_freq", "embed_positions", "embed_scale"})
+FREQUENCY_SUFFIX = "inv_freq"
+
+
+def is_frequency_buffer(name: str) -> bool:
+    """Whether a non-persistent buffer of this name is one the fingerprint digests (``FREQUENCY_BUFFERS``)."""
+    return name in FREQUENCY_BUFFERS or name.endswith(FREQUENCY_SUFFIX)
 
 
 def _tree(model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) -> list[Any]:
@@ -88,7 +100,7 @@ def _tree(model: torch.nn.Module, volatile: list[torch.Tensor] | None = None) ->
                 add([b for name, b in buffers.items() if name not in skip])
                 if skip and volatile is not None:
                     volatile.extend(b for name, b in buffers.items()
-                                    if name in FREQUENCY_BUFFERS and name in skip and b is not None)
+                                    if name in skip and b is not None and is_frequency_buffer(name))
             descend(module._modules.values())
     return slots
 
