@@ -12,8 +12,8 @@ Protocol: ``WeightSample(model)`` fixes, once per model object, which parameters
 buffers, ``persistent_buffers``) there are and which elements of each are read (16 evenly spread
 ones). ``sample.current(model, volatile)`` says whether that still holds: the same tensors in the
 same places of the module tree, each with the same storage address, dtype, shape and strides; it
-hands the RoPE frequency buffers it walked past (``is_frequency_buffer``) to ``volatile``, whose values ``BufferDigests``
-digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the
+hands the RoPE frequency buffers it walked past (``is_frequency_buffer``) to ``volatile``, whose
+values ``BufferDigests`` digests (they are not weights, and dynamic RoPE reassigns them). ``sample.read()`` returns the
 sampled elements' bits (see below), read afresh on every call, so that in-place writes
 (``load_state_dict``, ``p.data`` writes, training steps) change the fingerprint at once. A caller
 rebuilds the sample when ``current`` is False, and never reads one that is not.
