@@ -1506,6 +1506,29 @@ def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model
         assert cache.commit(out) == out.shape[1] - 1
 
 
+def test_a_model_whose_layers_hold_kv_of_other_shapes_is_refused_at_its_first_forward():
+    # KV heads per layer (DeciLM's and OpenELM's remote code): generate() ran, and commit failed on
+    # torch.stack ("stack expects each tensor to be equal size") with no word of what to do.
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    model = make_model("llama")
+    config = copy.deepcopy(model.config)
+    config.num_key_value_heads = 1
+    model.model.layers[1].self_attn = LlamaAttention(config, 1)
+    ids = random_ids(21)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="s")
+        with pytest.raises(ValueError, match=r"keys of 1 KV heads x head_dim 16 .* in layer 1, and keys and values "
+                                             r"of 2 x 16 in an earlier layer: .* use a plain DynamicCache"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert store.stats()["device"]["blocks"] == 0
+        # Keys and values of one shape in every layer, but not the same as each other (values of
+        # another head_dim, as multi-head latent attention computes them): refused at the first layer.
+        cache = store.open(make_model("llama"), ids)
+        with pytest.raises(ValueError, match=r"keys of 2 KV heads x head_dim 16 and values of 2 x 8 in layer 1:"):
+            cache.update(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 8), 1)
+
+
 def test_a_model_without_a_kv_cache_is_refused(tiny_model):
     config = AutoConfig.for_model("openai-gpt", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     with TieredStore(None, device="cpu", block_size=B) as store:

@@ -1203,6 +1203,8 @@ class TieredCache(Cache):
         # A forward past the conversation fed several rows (beams, samples): the rows' KV there no
         # longer follows row 0's ids once they are reordered or selected, so none is kept.
         self._rows_diverged = False
+        # The KV heads and head_dim of keys and values, from the first layer computed (_check_kv_shape).
+        self._kv_shape: tuple[int, int, int, int] | None = None
         if blocks:
             restore = _Restore(blocks, buffer)
             for i, layer in enumerate(layers):
@@ -1243,7 +1245,28 @@ class TieredCache(Cache):
                              "layers, the number this TieredCache was built with: tierkv cannot tell how many "
                              "layers hold KV in this model; report the architecture to tierkv's tracker and use a "
                              "plain DynamicCache meanwhile")
+        if not self.layers[layer_idx].is_initialized:
+            self._check_kv_shape(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_kv_shape(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A layer's first keys and values have the KV heads and head_dim of every other layer's,
+        keys as values: a block holds every layer's keys and values as one tensor. A model whose
+        layers differ there (KV heads per layer, as DeciLM's or OpenELM's remote code) or whose
+        values have another head_dim than its keys otherwise got through generate(), then failed
+        inside commit on torch.stack, with no word of what to do."""
+        shape = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
+        expected = self._kv_shape
+        if shape == expected or (expected is None and shape[:2] == shape[2:]):
+            self._kv_shape = shape
+            return
+        found = (f"keys of {shape[0]} KV heads x head_dim {shape[1]} and values of {shape[2]} x {shape[3]} in "
+                 f"layer {layer_idx}")
+        if expected is not None:
+            found += f", and keys and values of {expected[0]} x {expected[1]} in an earlier layer"
+        raise ValueError(f"the model computes {found}: tierkv stores every layer's keys and values as one "
+                         "tensor, so it supports models whose layers all hold keys and values of one shape "
+                         "(the same KV heads and head_dim throughout); use a plain DynamicCache for this model")
 
     def commit(self, sequences: torch.Tensor) -> int:
         """Hand this cache's KV for ``sequences`` (the ids ``generate`` returned) to the store.
