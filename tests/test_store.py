@@ -676,6 +676,36 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
                                          "attention implementation changed since store.open")
 
 
+def test_another_matmul_precision_never_reuses_blocks(tmp_path):
+    # torch.set_float32_matmul_precision("medium") runs float32 matmuls through bf16 on a CPU
+    # with oneDNN's bf16 kernels (TF32 on CUDA at "high"): fp32 logits 2e-3 apart, against 1e-7.
+    # KV written at one precision was restored by a process at the other, the output then not
+    # plain's there.
+    model = make_model("llama", seed=3)
+    ids = random_ids(40, 3)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+            torch.set_float32_matmul_precision("medium")
+            _, out = turn(store, model, ids, new=2)
+            nxt = cat(out, random_ids(3, 4))
+            torch.set_float32_matmul_precision("highest")
+            turn(store, model, nxt, new=2, expect=0)  # checked against no cache
+            assert describe_model(model).precision is None
+            torch.set_float32_matmul_precision("medium")
+            assert describe_model(model).precision == "fp32:bf16"
+            assert store.open(model, nxt).restored_tokens == out.shape[1] - 1
+            # Switched during a turn: its KV is kept under neither.
+            cache = store.open(model, nxt)
+            torch.set_float32_matmul_precision("highest")
+            later = model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+            with pytest.raises(ValueError, match=r"matmul precision changed since store.open \(from 'fp32:bf16' to "
+                                                 r"'the default'"):
+                cache.commit(later)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 def assert_switch_after_open_refused(store, model, ids, switch, back, message):
     """A kernel switched between ``open`` and a forward, or between the turn and ``commit``: refused."""
     cache = store.open(model, ids)

@@ -12,7 +12,8 @@ and holds no policy:
   every call, and the full digest is computed again whenever the sample or a parameter's version
   counter moved, so weights changed in place never meet KV computed with the old ones. Read on
   every call too: the attention implementation where it is not sdpa, the MoE experts'
-  implementation where it is not grouped_mm, and which adapters peft's
+  implementation where it is not grouped_mm, torch's matmul precision where it is not the default
+  (``_matmul_precision``: TF32, bf16), and which adapters peft's
   layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read
   (torch's quantised modules) and a model on the meta device are refused. RoPE recomputed from
   each forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
@@ -130,6 +131,7 @@ class ModelInfo:
     adapters: bytes = b""
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
     experts: str | None = None  # the MoE experts' implementation then (_experts_of); None without experts
+    precision: str | None = None  # _matmul_precision then: None at torch's defaults
     vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
     # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
     # where generate() passes them counted from 0 (see _check_inputs).
@@ -343,8 +345,8 @@ def _kernels_tag(device: torch.device) -> bytes:
     this one computes, in the last bits or more, so it must not be restored here (a store carried
     across a ``pip install -U``, from the CPU to a GPU or between GPU models restores nothing rather
     than near-misses). Not covered: the CPU's instruction set (a store copied to a machine with
-    other vector units) and settings that pick other kernels within one release (TF32, matmul
-    precision, SDPA backends)."""
+    other vector units) and SDPA's backends on CUDA; matmul precision (TF32) is, in
+    ``_matmul_precision``."""
     import transformers  # the module, for its version; this module already imports transformers
 
     parts = [f"torch:{torch.__version__}", f"transformers:{transformers.__version__}", f"device:{device.type}"]
@@ -353,6 +355,40 @@ def _kernels_tag(device: torch.device) -> bytes:
         major, minor = torch.cuda.get_device_capability(index)
         parts.append(f"gpu:{torch.cuda.get_device_name(index)}:sm_{major}{minor}")
     return "|".join(parts).encode()
+
+
+def _matmul_precision(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The settings under which torch computes this model's matmuls at another precision than by
+    default, read at every open: float32 matmuls through TF32 or bf16
+    (``torch.set_float32_matmul_precision("high")`` or ``("medium")``,
+    ``torch.backends.cuda.matmul.allow_tf32``, oneDNN's ``fp32_precision`` on a CPU), and on CUDA
+    fp16 and bf16 matmuls without reduced-precision reductions, or fp16 ones accumulating in fp16.
+    KV computed under one differs from what the other computes (fp32 logits 2e-3 apart on a CPU
+    at "medium", against 1e-7): a store written by a process that set it and read by one that did
+    not (or the reverse) served the other's KV. None at torch's defaults, so that fingerprints
+    taken before this was read stay valid for them."""
+    parts = []
+    backends = torch.backends
+    try:
+        if dtype == torch.float32 and device.type in ("cpu", "cuda"):
+            matmul = backends.cuda.matmul if device.type == "cuda" else backends.mkldnn.matmul
+            precision = getattr(matmul, "fp32_precision", None)  # the per-backend API (torch 2.9 on)
+            if precision is None:
+                precision = ("tf32" if backends.cuda.matmul.allow_tf32 else "ieee") if device.type == "cuda" else \
+                    {"high": "tf32", "medium": "bf16"}.get(torch.get_float32_matmul_precision(), "ieee")
+            if precision not in ("none", "ieee"):
+                parts.append(f"fp32:{precision}")
+        elif dtype == torch.float16 and device.type == "cuda":
+            if not backends.cuda.matmul.allow_fp16_reduced_precision_reduction:
+                parts.append("fp16-reduction:off")
+            if getattr(backends.cuda.matmul, "allow_fp16_accumulation", False):
+                parts.append("fp16-accumulation")
+        elif dtype == torch.bfloat16 and device.type == "cuda":
+            if not backends.cuda.matmul.allow_bf16_reduced_precision_reduction:
+                parts.append("bf16-reduction:off")
+    except RuntimeError:  # torch refuses to say, the legacy and new APIs having both been used
+        parts.append("unknown")
+    return ",".join(parts) or None
 
 
 def _not_a_model(model: object) -> str:
@@ -848,6 +884,10 @@ def describe_model(model: Any) -> ModelInfo:
     experts = _experts_of(static.experts_configs)
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
+    # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
+    precision = _matmul_precision(first.device, first.dtype)
+    if precision is not None:
+        h.update(f"precision:{precision}".encode())
     # RoPE's frequencies (weights.is_frequency_buffer), derived from the config but not saved with
     # the weights. Not where RoPE is recomputed from each forward's length: position_limit keeps
     # those models' KV within the base frequencies, which a forward past it replaces until the
@@ -858,7 +898,7 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention, experts=experts, vocab=static.vocab,
+                     attention=attention, experts=experts, precision=precision, vocab=static.vocab,
                      positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
 
 
@@ -1364,6 +1404,13 @@ class TieredCache(Cache):
                                  "a new scale, or adapter_names= given to generate): this TieredCache holds KV for the "
                                  "adapters active then. Switch adapters first, then open the cache: "
                                  "cache = store.open(model, input_ids)")
+        if weights and _matmul_precision(self.model_info.device, self.model_info.dtype) != self.model_info.precision:
+            raise ValueError(f"torch's matmul precision changed since store.open (from "
+                             f"{self.model_info.precision or 'the default'!r} to "
+                             f"{_matmul_precision(self.model_info.device, self.model_info.dtype) or 'the default'!r}: "
+                             "torch.set_float32_matmul_precision, allow_tf32): the KV this TieredCache holds was "
+                             "not all computed at the precision it would be kept for, so nothing is kept. Set it "
+                             "first, then open the cache: cache = store.open(model, input_ids)")
         # After the checks above, whose errors say which of the fingerprint's parts changed.
         if weights and describe_model(opened).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
