@@ -1559,6 +1559,23 @@ def test_a_model_whose_layers_hold_kv_of_other_shapes_is_refused_at_its_first_fo
             cache.update(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 8), 1)
 
 
+def test_models_whose_values_have_another_head_dim_are_refused_at_open():
+    # MiMo-V2-Flash's full-attention layers (values of head_dim 128, keys of 192, no latent
+    # attention) were accepted, then failed in commit on torch.stack; dots.llm3's latent attention,
+    # set per layer (per_layer_config), raised transformers' AmbiguousGlobalPerLayerAttributeError.
+    mimo = AutoConfig.for_model("mimo_v2_flash", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                v_head_dim=16, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(ValueError, match=r"keys of head_dim 24 and values of head_dim 16 \(v_head_dim\)"):
+            store.open(AutoModelForCausalLM.from_config(mimo).eval(), random_ids(6))
+        with torch.device("meta"):  # its default size, without its weights: refused before they are read
+            dots = AutoModelForCausalLM.from_config(AutoConfig.for_model("dots3_note_text"))
+        with pytest.raises(ValueError, match="multi-head latent attention"):
+            store.open(dots, random_ids(6))
+
+
 def test_a_model_without_a_kv_cache_is_refused(tiny_model):
     config = AutoConfig.for_model("openai-gpt", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     with TieredStore(None, device="cpu", block_size=B) as store:

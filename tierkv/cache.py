@@ -290,12 +290,23 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         raise ValueError(f"{name} has cross-attention layers ({list(crossing)}) that read image states and hold no "
                          "KV of the ids, so a TieredCache would keep nothing of any turn; use a text-only "
                          "model (no cross_attention_layers)")
-    v_dim = getattr(text_config, "v_head_dim", None)
-    qk_dim = getattr(text_config, "qk_head_dim", None) or (
-        (getattr(text_config, "qk_nope_head_dim", 0) or 0) + (getattr(text_config, "qk_rope_head_dim", 0) or 0))
-    if getattr(text_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
-        raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
-                         f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
+    # A field may be set per layer (transformers' per_layer_config: dots.llm3's, Gemma 4's), where
+    # reading it from the model's config raises: each layer's config is read then.
+    for layer_config in (text_config.per_layer_config if getattr(text_config, "is_heterogeneous", False)
+                         else (text_config,)):
+        v_dim = getattr(layer_config, "v_head_dim", None)
+        qk_dim = getattr(layer_config, "qk_head_dim", None) or (
+            (getattr(layer_config, "qk_nope_head_dim", 0) or 0) + (getattr(layer_config, "qk_rope_head_dim", 0) or 0))
+        if getattr(layer_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
+            raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
+                             f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
+        head_dim = getattr(layer_config, "head_dim", None) if isinstance(v_dim, int) else None
+        if isinstance(head_dim, int) and v_dim != head_dim:
+            # MiMo-V2-Flash's full-attention layers: no latent attention, yet values narrower than
+            # keys (accepted here, it failed in commit on torch.stack).
+            raise ValueError(f"{name} computes keys of head_dim {head_dim} and values of head_dim {v_dim} "
+                             "(v_head_dim); tierkv stores keys and values of one shape, so it supports models whose "
+                             "values have the keys' head_dim; use a plain DynamicCache for this model")
     # A prefix's KV must not depend on the tokens after it. The attention modules that write the
     # cache (they have a layer_idx; a vision tower's do not) say so with is_causal, or, in BERT-like
     # models whose forward picks a bidirectional mask unless the config is a decoder's (RemBERT,
