@@ -36,6 +36,14 @@ def key(seq: int) -> bytes:
     return seq.to_bytes(16, "little")
 
 
+def _punch(fd: int, offset: int, length: int) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, 0x02 | 0x01, offset, length) != 0:  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        raise OSError(ctypes.get_errno(), "fallocate")
+
+
 def fill(directory: str) -> None:
     """Another program takes every block left."""
     fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -105,6 +113,38 @@ def main() -> None:
         tier = DiskTier(path, 1 << 30, 8)
         busy(tier, 100, report)
         tier.close()
+    elif case == "punched":
+        # A store a build of the time deleted records in by punching their pages out of the file
+        # (FALLOC_FL_PUNCH_HOLE): holes below its pages in use, on LMDB's free list, which LMDB
+        # writes through the map when it reuses them. Reopened once the filesystem filled.
+        tier = DiskTier(path, 1 << 30, 8)
+        tier.apply([put(i) for i in range(1, 41)])
+        doomed = [tier._where[key(i)] for i in range(1, 31)]
+        tier.apply([DeleteBlocks([key(i) for i in range(1, 31)])])
+        tier.apply([Touch({key(40): 1})])  # the transaction after: the delete's pages free for reuse
+        tier.close()
+        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR)
+        for offset, length in doomed:
+            first, last = -(-offset // 4096) * 4096, (offset + length) // 4096 * 4096
+            if last > first:
+                _punch(fd, first, last - first)
+        os.close(fd)
+        fill(mount)
+        try:
+            tier = DiskTier(path, 1 << 30, 8)
+        except OSError as exc:
+            report["open"] = f"{type(exc).__name__}:{exc.errno}"
+        else:
+            report["open"] = "opened"
+            busy(tier, 100, report)
+            refs: list = []
+            for n in range(40):  # references enough to reuse the free list's pages, holes and all
+                try:
+                    refs += tier.apply([PutRefs(key(9), None, [key(100_000 * (n + 1) + i) for i in range(1000)])])
+                except OSError as exc:
+                    refs.append(exc)
+            report["more refs"] = sorted({f"{type(r).__name__}:{r.errno}" for r in refs if r is not None})
+            tier.close()
     elif case == "open":
         # A new store in a directory made earlier (its lock written), on a full filesystem.
         os.makedirs(path)

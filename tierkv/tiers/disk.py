@@ -808,16 +808,38 @@ class DiskTier:
         when a doubling map left a hole of up to half the file) has its map cut back to what
         its next writes need: allocating the whole hole would take GiBs of disk no block asked
         for. Where the filesystem has not even that room, the map ends at the pages in use, all
-        written, so allocated: a write that needs more pages finds the map full, as at its cap."""
+        written, so allocated: a write that needs more pages finds the map full, as at its cap.
+
+        Holes below the pages in use are allocated too: a build of the time punched deleted
+        records' pages out of the file (``FALLOC_FL_PUNCH_HOLE``), and LMDB reuses those pages,
+        from its free list, through the map (a SIGBUS on a full filesystem). The tail past the
+        pages in use is cut first, so that its blocks go to the holes; where the filesystem has
+        no room even for the holes the store is refused (``OSError`` ENOSPC), not opened to die
+        at its first write."""
         current = self.env.info()["map_size"]
         used = self.file_bytes()
-        start = 0 if fresh else used
+        hole = used if fresh else self._first_hole(used)
+        if hole < used < current:
+            self._map_to(used)
+            current = used
+        start = 0 if fresh else hole
         target = current if fresh else min(current, used + _headroom(used))
         least = min(target, 64 * self.page_size) if fresh else used
         end = self._allocate(start, target, least)
-        if fresh and end < least:
+        if end < least:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {self._no_room}", self.path)
         self._map_to(max(end, used))
+
+    def _first_hole(self, end: int) -> int:
+        """Where the data file's first hole below ``end`` begins (``SEEK_HOLE``); ``end`` if none,
+        or where the OS cannot say. Unwritten extents (``FALLOC_FL_ZERO_RANGE``) may count as
+        holes: allocating them again costs an extent walk, no disk."""
+        if not self._allocating or self._data_fd is None or not hasattr(os, "SEEK_HOLE"):
+            return end
+        try:
+            return min(os.lseek(self._data_fd, 0, os.SEEK_HOLE), end)
+        except OSError:
+            return end
 
     def _allocate(self, start: int, end: int, least: int) -> int:
         """Give the file its blocks over [start, end) (``posix_fallocate``), before LMDB writes
