@@ -1449,6 +1449,23 @@ def test_every_page_of_the_map_is_allocated_in_the_file_as_it_grows(tmp_path, mo
 
 
 @needs_fallocate
+def test_the_file_a_rebuild_makes_is_allocated_before_lmdb_writes_through_it(tmp_path):
+    # A rebuild writes a new file through a map of its own: a hole there was a SIGBUS on a disk
+    # another program filled after the rebuild's free-space check.
+    path = tmp_path / "kv"
+    disk = DiskTier(path, 1 << 30, B)
+    try:
+        assert disk.apply([_record(i) for i in range(1, 9)]) == [None] * 8
+        assert disk.rebuild(set(), B).records == 8
+    finally:
+        disk.close()
+    size, allocated = file_use(path)
+    assert allocated >= size > 0
+    lock = os.stat(path / "lock.mdb")
+    assert lock.st_blocks * 512 >= lock.st_size > 0
+
+
+@needs_fallocate
 def test_a_file_with_a_hole_past_its_pages_is_cut_back_and_allocated_at_open(tmp_path):
     # Earlier builds doubled a sparse map: their files end in a hole of up to half the file.
     # Allocating it all at open would take that much disk no block asked for.

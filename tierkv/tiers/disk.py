@@ -830,6 +830,25 @@ class DiskTier:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {self._no_room}", self.path)
         self._map_to(max(end, used))
 
+    def _allocate_file(self, name: str, size: int) -> None:
+        """Create ``name`` with ``size`` bytes all allocated (``posix_fallocate``), for LMDB to
+        write through a map; ``OSError`` (ENOSPC) where the filesystem has no room. Nothing where
+        the OS or the filesystem cannot allocate (LMDB sizes the file itself, as before)."""
+        if not self._allocating:
+            return
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in _UNSUPPORTED:
+                return
+            if exc.errno in _NO_ROOM:
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the filesystem has no room for the "
+                                            f"rebuilt store's {size} bytes; free disk space", name) from exc
+            raise
+        finally:
+            os.close(fd)
+
     def _first_hole(self, end: int) -> int:
         """Where the data file's first hole below ``end`` begins (``SEEK_HOLE``); ``end`` if none,
         or where the OS cannot say. Unwritten extents (``FALLOC_FL_ZERO_RANGE``) may count as
@@ -1307,8 +1326,24 @@ class DiskTier:
                 doomed |= lost
             keys = sorted(key for key in tenants if key not in doomed)
             os.makedirs(made)
-            new = lmdb.open(made, map_size=self.env.info()["map_size"], max_dbs=8, writemap=True, subdir=True,
-                            readahead=False)
+            map_size = self.env.info()["map_size"]
+            try:
+                # The new file's pages are allocated before LMDB writes through them, as the
+                # store's own are (``_allocate``): the free-space check above is a forecast, and
+                # another program filling the disk after it made the rebuild's writes a SIGBUS.
+                # LMDB writes a new file's meta pages with pwrite (an ENOSPC, not a fault), and
+                # takes a file that is not empty for a store: the data file is allocated after.
+                self._allocate_file(os.path.join(made, "lock.mdb"), _LOCK_BYTES)
+                new = lmdb.open(made, map_size=map_size, max_dbs=8, writemap=True, subdir=True, readahead=False)
+            except BaseException:
+                shutil.rmtree(made, ignore_errors=True)
+                raise
+            try:
+                self._allocate_file(os.path.join(made, "data.mdb"), map_size)
+            except BaseException:
+                new.close()
+                shutil.rmtree(made, ignore_errors=True)
+                raise
             try:
                 dbs = {name: new.open_db(name.encode()) for name in ("meta", "blocks", "sessions", "refs", "atime")}
                 copied = set()
