@@ -145,6 +145,18 @@ def main() -> None:
                     refs.append(exc)
             report["more refs"] = sorted({f"{type(r).__name__}:{r.errno}" for r in refs if r is not None})
             tier.close()
+    elif case == "nolock":
+        # A store without its lock file (copied without it, say), read by ``stored_meta`` (``tierkv
+        # stats``) on a full filesystem: LMDB makes the lock file and writes it through a map.
+        tier = DiskTier(path, 1 << 30, 8)
+        tier.apply([put(i) for i in range(1, 5)])
+        tier.close()
+        os.remove(os.path.join(path, "lock.mdb"))
+        fill(mount)
+        try:
+            report["open"] = sorted(DiskTier.stored_meta(path))
+        except OSError as exc:
+            report["open"] = f"{type(exc).__name__}:{exc.errno}"
     elif case == "open":
         # A new store in a directory made earlier (its lock written), on a full filesystem.
         os.makedirs(path)

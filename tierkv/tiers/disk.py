@@ -424,6 +424,31 @@ def slack(budget: int) -> int:
     return max(4 << 20, budget // 8)
 
 
+def _allocate_lock_file_of(path: str) -> None:
+    """Before a read-only LMDB environment opens the store at ``path`` (``stored_meta``): its lock
+    file's blocks, which LMDB writes through a shared map even read-only (its header, a reader
+    slot). Where the file is missing (a store copied without it) LMDB made it with ``ftruncate``,
+    a hole: ``tierkv stats`` on a full filesystem died with SIGBUS. An existing file keeps its size
+    (a holder of the store sized its reader table by it); a missing or empty one gets
+    ``_LOCK_BYTES``. ``OSError`` (ENOSPC) where the filesystem has no room for it."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return  # a read-only directory, say: LMDB decides, as before
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size or _LOCK_BYTES)
+    except OSError as exc:
+        if exc.errno in _NO_ROOM:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the filesystem has no room for the store's "
+                                        "lock file; free disk space", path) from exc
+        if exc.errno not in _UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
 def _headroom(map_bytes: int) -> int:
     """How much the map grows at a time: an eighth, at least the initial map. Doubling, up to
     half the map was allocated on disk and never used (the map's pages are allocated: see
@@ -984,6 +1009,7 @@ class DiskTier:
         if os.path.getsize(os.path.join(path, "data.mdb")) == 0:
             raise ValueError(f"{not_a_store} (its data.mdb is empty: a TieredStore opened there starts a new "
                              "store)")
+        _allocate_lock_file_of(path)
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
         except UNREADABLE as exc:
