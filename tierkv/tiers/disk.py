@@ -837,20 +837,22 @@ class DiskTier:
 
         Holes below the pages in use are allocated too: a build of the time punched deleted
         records' pages out of the file (``FALLOC_FL_PUNCH_HOLE``), and LMDB reuses those pages,
-        from its free list, through the map (a SIGBUS on a full filesystem). The tail past the
-        pages in use is cut first, so that its blocks go to the holes; where the filesystem has
-        no room even for the holes the store is refused (``OSError`` ENOSPC), not opened to die
-        at its first write."""
+        from its free list, through the map (a SIGBUS on a full filesystem). Where there is no
+        room for them, the tail past the pages in use is cut, so that its blocks go to the holes;
+        where there is none even then, the store is refused (``OSError`` ENOSPC), not opened to
+        die at its first write. (On ext4 the pages of records zeroed with ``FALLOC_FL_ZERO_RANGE``
+        read as holes too: allocating them again walks their extents, a millisecond or so.)"""
         current = self.env.info()["map_size"]
         used = self.file_bytes()
         hole = used if fresh else self._first_hole(used)
-        if hole < used < current:
-            self._map_to(used)
-            current = used
         start = 0 if fresh else hole
         target = current if fresh else min(current, used + _headroom(used))
         least = min(target, 64 * self.page_size) if fresh else used
         end = self._allocate(start, target, least)
+        if end < least and hole < used < current:
+            # The tail's blocks go to the holes below the pages in use.
+            self._map_to(used)
+            end = self._allocate(start, used, used)
         if end < least:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {self._no_room}", self.path)
         self._map_to(max(end, used))
