@@ -430,6 +430,27 @@ def test_clear_all_removes_only_a_store_s_own_files(built: Built, copy: Callable
     assert sorted(os.listdir(path)) == ["data.mdb", "lock.mdb", "notes.txt", "tierkv.lock"]
 
 
+def test_clear_all_never_removes_another_program_s_damaged_lmdb_environment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: `tierkv clear --all` deleted it. tierkv.lock was taken for evidence of a store, and
+    # the command had just created it itself (the lock of the damage check before the delete).
+    pytest.importorskip("lmdb.verify")
+    path = tmp_path / "theirs"
+    env = lmdb.open(str(path), max_dbs=2, map_size=1 << 24)
+    db = env.open_db(b"mydata")
+    with env.begin(write=True) as txn:
+        for i in range(3000):
+            txn.put(b"k%06d" % i, bytes(100), db=db)
+    env.close()
+    with open(path / "data.mdb", "r+b") as f:  # a page flag LMDB's verifier reports
+        f.seek(5 * 4096 + 10)
+        f.write(b"\xff\xff")
+    digest = file_digest(path)
+    assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_USAGE
+    assert "does not list a tierkv store's tables" in capsys.readouterr().err
+    assert file_digest(path) == digest and {"data.mdb", "lock.mdb"} <= set(os.listdir(path))
+
+
 def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
         built: Built, copy: Callable[..., Path], model: torch.nn.Module,
         capsys: pytest.CaptureFixture[str]) -> None:

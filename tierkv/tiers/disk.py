@@ -285,6 +285,46 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
 
 
 _LMDB_MAGIC = struct.pack("<I", 0xBEEFC0DE)
+_STORE_TABLES = {b"meta", b"blocks", b"heads", b"sessions", b"refs", b"atime"}
+
+
+def _holds_store_tables(data: str) -> bool:
+    """Whether the LMDB file ``data`` lists tierkv's tables and no others: the main table's root
+    page, a leaf, as either meta page names it (read from the file, not through LMDB). What tells
+    a tierkv store from another program's LMDB environment: the lock file does not (any tierkv
+    command run on a directory creates it)."""
+    with open(data, "rb") as f:
+        def page_at(offset: int, size: int) -> bytes:
+            f.seek(offset)
+            return f.read(size)
+
+        first = page_at(0, 4096)
+        if len(first) < 256 or first[16:20] != _LMDB_MAGIC:
+            return False
+        psize = struct.unpack_from("<I", first, 16 + 24)[0]  # the free table's md_pad: the page size
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            return False
+        for at in (0, psize):
+            meta = page_at(at, psize)
+            if len(meta) < 16 + 24 + 96 or meta[16:20] != _LMDB_MAGIC:
+                continue
+            root = struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0]  # the main table's md_root
+            page = page_at(root * psize, psize)
+            if len(page) != psize or root < 2 or struct.unpack_from("<Q", page, 0)[0] != root or \
+                    not struct.unpack_from("<H", page, 10)[0] & 0x02:  # P_LEAF
+                continue
+            lower = struct.unpack_from("<H", page, 12)[0]
+            names = set()
+            try:
+                for i in range(max(0, (lower - 16) // 2)):
+                    node = struct.unpack_from("<H", page, 16 + 2 * i)[0]
+                    size = struct.unpack_from("<H", page, node + 6)[0]
+                    names.add(page[node + 8:node + 8 + size])
+            except struct.error:
+                continue
+            if {b"meta", b"blocks", b"sessions", b"refs", b"atime"} <= names <= _STORE_TABLES:
+                return True
+    return False
 
 
 def remove_store(path: str | os.PathLike[str]) -> None:
@@ -307,6 +347,10 @@ def remove_store(path: str | os.PathLike[str]) -> None:
         start = f.read(64 << 10)
     if not any(start[page + 16:page + 20] == _LMDB_MAGIC for page in range(0, len(start), 4096)):
         raise ValueError(f"{data!r} is not an LMDB file; not removed")
+    if not _holds_store_tables(data):
+        raise ValueError(f"{data!r} does not list a tierkv store's tables (another program's LMDB environment, "
+                         "or its table of tables is damaged too); not removed: delete the directory yourself if "
+                         "it is a tierkv store")
     lock = DiskTier._lock_directory(path)
     try:
         os.unlink(data)
