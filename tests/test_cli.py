@@ -451,6 +451,17 @@ def test_clear_all_never_removes_another_program_s_damaged_lmdb_environment(
     assert file_digest(path) == digest and {"data.mdb", "lock.mdb"} <= set(os.listdir(path))
 
 
+def test_clear_all_removes_a_store_whose_first_meta_page_is_damaged(
+        built: Built, copy: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # The store's tables are found through the other meta page (each names the main table's root).
+    path = copy()
+    with open(path / "data.mdb", "r+b") as f:
+        f.write(bytes(4096))
+    assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK
+    assert "removed the store's files" in capsys.readouterr().out
+    assert sorted(os.listdir(path)) == ["tierkv.lock"]
+
+
 def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
         built: Built, copy: Callable[..., Path], model: torch.nn.Module,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -298,16 +298,16 @@ def _holds_store_tables(data: str) -> bool:
             f.seek(offset)
             return f.read(size)
 
-        first = page_at(0, 4096)
-        if len(first) < 256 or first[16:20] != _LMDB_MAGIC:
-            return False
-        psize = struct.unpack_from("<I", first, 16 + 24)[0]  # the free table's md_pad: the page size
-        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
-            return False
-        for at in (0, psize):
-            meta = page_at(at, psize)
+        # The two meta pages: the first, and the second one page on (either may be the damaged one).
+        metas = []
+        for at in (0, 4096, 8192, 16384, 32768, 65536):
+            meta = page_at(at, 256)
             if len(meta) < 16 + 24 + 96 or meta[16:20] != _LMDB_MAGIC:
                 continue
+            psize = struct.unpack_from("<I", meta, 16 + 24)[0]  # the free table's md_pad: the page size
+            if psize >= 4096 and psize <= 1 << 16 and not psize & (psize - 1) and at in (0, psize):
+                metas.append((psize, meta))
+        for psize, meta in metas:
             root = struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0]  # the main table's md_root
             page = page_at(root * psize, psize)
             if len(page) != psize or root < 2 or struct.unpack_from("<Q", page, 0)[0] != root or \
