@@ -462,6 +462,28 @@ def test_clear_all_removes_a_store_whose_first_meta_page_is_damaged(
     assert sorted(os.listdir(path)) == ["tierkv.lock"]
 
 
+def test_a_repair_killed_before_its_swap_leaves_the_store_and_its_leftover_goes_at_the_next_open(
+        built: Built, copy: Callable[..., Path], model: torch.nn.Module) -> None:
+    # Killed (os._exit, as kill -9) where the rebuilt file is complete and not yet in place: the
+    # store is as it was, and its next open removes the leftover. Before: repair.tmp, as large as
+    # the records copied, stayed in the store's directory until the next `check --repair`.
+    path = copy()
+    damage_table(path, b"refs")
+    digest = file_digest(path)
+    script = ("import os, sys; from tierkv import cli; os.replace = lambda *a: os._exit(9); "
+              "sys.exit(cli.main(['check', sys.argv[1], '--repair']))")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 9, proc.stderr
+    assert file_digest(path) == digest and (path / "repair.tmp" / "data.mdb").stat().st_size > 0
+    from tierkv.tiers.disk import DiskTier
+    DiskTier(path, 1 << 40, B).close()
+    assert not (path / "repair.tmp").exists()
+    assert cli.main(["check", str(path), "--repair"]) == cli.EXIT_OK  # the same repair again, to its end
+    restored, stats = reopened(path, model, built)
+    assert stats["disk"]["blocks"] == BLOCKS - 1 and sum(FULL.values()) - sum(restored.values()) <= 8 * 4
+
+
 def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
         built: Built, copy: Callable[..., Path], model: torch.nn.Module,
         capsys: pytest.CaptureFixture[str]) -> None:

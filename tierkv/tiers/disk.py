@@ -728,6 +728,12 @@ class DiskTier:
             raise type(exc)(exc.errno, f"{exc.strerror}: a tierkv store needs a directory this process can create "
                                        f"and write; pass another path, or copy the store to a writable one",
                             self.path) from None
+        # A rebuild cut short (``rebuild``: killed before its new file took this one's place) left
+        # its new file, as large as the records it had copied: not part of the store, removed
+        # under the lock (a rebuild holds it throughout).
+        made = os.path.join(self.path, _REPAIR_DIR)
+        if os.path.isdir(made) and not os.path.islink(made):
+            shutil.rmtree(made, ignore_errors=True)
         self._pid = os.getpid()
         # Held by every read transaction, a remap and close: none unmaps the map under a reader.
         self._resize_lock = threading.Lock()
