@@ -414,7 +414,7 @@ def test_clear_of_a_damaged_store_says_what_to_do_and_clear_all_always_clears(
     assert cli.main(["clear", str(path), "--tenant", "acme"]) == cli.EXIT_USAGE
     assert file_digest(path) == digest  # refused before anything was written
     assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK
-    assert "removed the store's files" in capsys.readouterr().out
+    assert f"removed the store's files (data.mdb, lock.mdb in {path};" in capsys.readouterr().out
     assert sorted(os.listdir(path)) == ["tierkv.lock"]
     restored, stats = reopened(path, model, built)  # a new store
     assert stats["disk"]["blocks"] == 0 and set(restored.values()) == {0}

@@ -462,14 +462,15 @@ def _remove_damaged(path: str, damage: str) -> int:
     from .tiers.disk import StoreInUse, remove_store
 
     try:
-        remove_store(path)
+        removed = remove_store(path)
     except StoreInUse as exc:
         raise CliError(EXIT_IN_USE, str(exc)) from None
     except ValueError as exc:
         raise CliError(EXIT_USAGE, f"{damage}; and {exc}") from None
     except OSError as exc:
         raise CliError(EXIT_IO, f"{damage}; removing its files failed: {exc}") from None
-    print(f"removed the store's files ({damage}, too damaged to clear entry by entry); a TieredStore opened at "
+    print(f"removed the store's files ({', '.join(removed)} in {os.path.abspath(path)}; {damage}, too damaged to "
+          f"clear entry by entry); a TieredStore opened at "
           f"{os.path.abspath(path)} starts a new store")
     return EXIT_OK
 

@@ -327,13 +327,13 @@ def _holds_store_tables(data: str) -> bool:
     return False
 
 
-def remove_store(path: str | os.PathLike[str]) -> None:
+def remove_store(path: str | os.PathLike[str]) -> list[str]:
     """Delete a store's files, for a store too damaged to clear through LMDB. Only a directory
     that holds a store's files and nothing else (``data.mdb`` a plain file beginning with an
     LMDB meta page, in either of its two copies; tierkv's lock file), and only under the
     directory's lock: raises
     ``StoreInUse`` where another process holds it, ``ValueError`` for anything else. The lock
-    file stays (a process waiting on it keeps the same one)."""
+    file stays (a process waiting on it keeps the same one). Returns the names removed."""
     path = os.path.abspath(os.fspath(path))
     entries = set(os.listdir(path))
     data = os.path.join(path, "data.mdb")
@@ -352,6 +352,7 @@ def remove_store(path: str | os.PathLike[str]) -> None:
                          "or its table of tables is damaged too); not removed: delete the directory yourself if "
                          "it is a tierkv store")
     lock = DiskTier._lock_directory(path)
+    removed = ["data.mdb"]
     try:
         os.unlink(data)
         for name in ("lock.mdb", _REPAIR_DIR):
@@ -360,6 +361,9 @@ def remove_store(path: str | os.PathLike[str]) -> None:
                 shutil.rmtree(target, ignore_errors=True)
             elif os.path.lexists(target):
                 os.unlink(target)
+            else:
+                continue
+            removed.append(name)
         directory = os.open(path, os.O_RDONLY)
         try:
             os.fsync(directory)
@@ -369,6 +373,7 @@ def remove_store(path: str | os.PathLike[str]) -> None:
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_UN)
             os.close(lock)
+    return removed
 
 
 def footprint(record_bytes: int, page_size: int, head_bytes: int = 0) -> int:
