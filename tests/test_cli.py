@@ -451,12 +451,15 @@ def test_clear_all_never_removes_another_program_s_damaged_lmdb_environment(
     assert file_digest(path) == digest and {"data.mdb", "lock.mdb"} <= set(os.listdir(path))
 
 
-def test_clear_all_removes_a_store_whose_first_meta_page_is_damaged(
-        built: Built, copy: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
-    # The store's tables are found through the other meta page (each names the main table's root).
+@pytest.mark.parametrize("metas", [1, 2])
+def test_clear_all_removes_a_store_whose_meta_pages_are_damaged(
+        built: Built, copy: Callable[..., Path], capsys: pytest.CaptureFixture[str], metas: int) -> None:
+    # The store's tables are found through the other meta page (each names the main table's
+    # root); with both damaged, by the page that lists them. Before: with both, clear --all (the
+    # remedy check gave) refused the file as "not an LMDB file".
     path = copy()
     with open(path / "data.mdb", "r+b") as f:
-        f.write(bytes(4096))
+        f.write(bytes(metas * 4096))
     assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK
     assert "removed the store's files" in capsys.readouterr().out
     assert sorted(os.listdir(path)) == ["tierkv.lock"]

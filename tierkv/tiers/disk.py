@@ -307,12 +307,11 @@ def _holds_store_tables(data: str) -> bool:
             psize = struct.unpack_from("<I", meta, 16 + 24)[0]  # the free table's md_pad: the page size
             if psize >= 4096 and psize <= 1 << 16 and not psize & (psize - 1) and at in (0, psize):
                 metas.append((psize, meta))
-        for psize, meta in metas:
-            root = struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0]  # the main table's md_root
-            page = page_at(root * psize, psize)
-            if len(page) != psize or root < 2 or struct.unpack_from("<Q", page, 0)[0] != root or \
+        def lists_tables(pgno: int, psize: int) -> bool:
+            page = page_at(pgno * psize, psize)
+            if len(page) != psize or pgno < 2 or struct.unpack_from("<Q", page, 0)[0] != pgno or \
                     not struct.unpack_from("<H", page, 10)[0] & 0x02:  # P_LEAF
-                continue
+                return False
             lower = struct.unpack_from("<H", page, 12)[0]
             names = set()
             try:
@@ -321,32 +320,48 @@ def _holds_store_tables(data: str) -> bool:
                     size = struct.unpack_from("<H", page, node + 6)[0]
                     names.add(page[node + 8:node + 8 + size])
             except struct.error:
-                continue
-            if {b"meta", b"blocks", b"sessions", b"refs", b"atime"} <= names <= _STORE_TABLES:
+                return False
+            return {b"meta", b"blocks", b"sessions", b"refs", b"atime"} <= names <= _STORE_TABLES
+
+        for psize, meta in metas:
+            if lists_tables(struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0], psize):  # the main table's root
                 return True
+        if metas:
+            return False
+        # Both meta pages damaged: a page listing the tables is looked for, page by page (the
+        # records' overflow pages skipped, as their first page counts them).
+        psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        pages, pgno = os.fstat(f.fileno()).st_size // psize, 2
+        while pgno < pages:
+            head = page_at(pgno * psize, 16)
+            if len(head) < 16:
+                break
+            if struct.unpack_from("<Q", head, 0)[0] == pgno and struct.unpack_from("<H", head, 10)[0] & 0x04:
+                pgno += max(1, struct.unpack_from("<I", head, 12)[0])  # P_OVERFLOW: its pages' count
+                continue
+            if lists_tables(pgno, psize):
+                return True
+            pgno += 1
     return False
 
 
 def remove_store(path: str | os.PathLike[str]) -> list[str]:
     """Delete a store's files, for a store too damaged to clear through LMDB. Only a directory
-    that holds a store's files and nothing else (``data.mdb`` a plain file beginning with an
-    LMDB meta page, in either of its two copies; tierkv's lock file), and only under the
-    directory's lock: raises
+    that holds a store's files and nothing else (``data.mdb`` a plain LMDB file whose table of
+    tables lists tierkv's tables and no others, ``_holds_store_tables``; tierkv's lock file), and
+    only under the directory's lock: raises
     ``StoreInUse`` where another process holds it, ``ValueError`` for anything else. The lock
     file stays (a process waiting on it keeps the same one). Returns the names removed."""
     path = os.path.abspath(os.fspath(path))
     entries = set(os.listdir(path))
     data = os.path.join(path, "data.mdb")
-    # The lock file: tierkv opened it (another program's LMDB environment has none).
+    # The lock file: tierkv opened it (any tierkv command does, on any directory with a data.mdb:
+    # no evidence of a store alone).
     if not {"data.mdb", _LOCK_FILE} <= entries or not entries <= {"data.mdb", "lock.mdb", _LOCK_FILE, _REPAIR_DIR}:
         raise ValueError(f"{path!r} holds files a tierkv store does not ({', '.join(sorted(entries))}); "
                          "not removed: delete them yourself if they are yours to delete")
     if os.path.islink(data) or not os.path.isfile(data):
         raise ValueError(f"{data!r} is not a plain file; not removed")
-    with open(data, "rb") as f:
-        start = f.read(64 << 10)
-    if not any(start[page + 16:page + 20] == _LMDB_MAGIC for page in range(0, len(start), 4096)):
-        raise ValueError(f"{data!r} is not an LMDB file; not removed")
     if not _holds_store_tables(data):
         raise ValueError(f"{data!r} does not list a tierkv store's tables (another program's LMDB environment, "
                          "or its table of tables is damaged too); not removed: delete the directory yourself if "
