@@ -487,6 +487,20 @@ def test_a_repair_killed_before_its_swap_leaves_the_store_and_its_leftover_goes_
     assert stats["disk"]["blocks"] == BLOCKS - 1 and sum(FULL.values()) - sum(restored.values()) <= 8 * 4
 
 
+@pytest.mark.parametrize("problem", ["refs: bad page 5 (keys out of order)", "DB main/refs: walked 0, record says 1",
+                                     "main/theirs DB: page 3 stores mp_pgno 4", "a problem of another kind"])
+def test_a_verifier_problem_of_another_wording_is_never_read_as_safe(
+        built: Built, monkeypatch: pytest.MonkeyPatch, problem: str) -> None:
+    # Before: another py-lmdb's wording that held a phrase of damage LMDB's reads survive ("keys
+    # out of order", "record says"), whatever its table, was taken for such damage: the store
+    # was opened and read through LMDB, where the damage may abort the process.
+    verify = pytest.importorskip("lmdb.verify")
+    from tierkv.tiers.disk import file_damage
+    monkeypatch.setattr(verify, "verify", lambda *_args, **_kwargs: [problem])
+    found = file_damage(built.path)
+    assert found.tables == {"file": problem} and found.unsafe == {"file"}
+
+
 def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
         built: Built, copy: Callable[..., Path], model: torch.nn.Module,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -266,7 +266,9 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
         # Pages of a subtree the walk could not follow read as leaked: the damage is that subtree.
         problems = [p for p in problems if "neither reachable nor in the freeDB" not in p] or problems
     for problem in problems:
+        problem = str(problem)
         words = problem.split()
+        known = True  # a problem of a form this reads: its phrase can tell damage LMDB's reads survive
         if "beyond EOF" in problem or "truncated" in problem:
             table = "file"  # a file cut short: LMDB's own check of its meta pages says by how much
         elif "freeDB" in problem:  # its own pages, or pages it and the tables do not account for alike
@@ -275,11 +277,15 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
             table = words[0].rsplit("/", 1)[-1]  # a named table's: "main/refs DB: ..."
         elif "(via " in problem:
             table = problem.split("(via ", 1)[1].split()[0].rsplit("/", 1)[-1]
-        else:
+        elif problem.startswith("meta page "):
             table = "file"
-        table = table if table in _TABLES or table == "free" else "file"
+        else:
+            table, known = "file", False
+        if table not in _TABLES and table != "free":
+            table, known = "file", False
         found.tables.setdefault(table, problem)
-        if table != "free" and not any(phrase in problem for phrase in _READ_SAFE):
+        # A problem of another form (another py-lmdb's wording) is never taken for a safe one.
+        if table != "free" and not (known and any(phrase in problem for phrase in _READ_SAFE)):
             found.unsafe.add(table)
     return found
 
