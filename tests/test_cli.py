@@ -501,6 +501,26 @@ def test_a_verifier_problem_of_another_wording_is_never_read_as_safe(
     assert found.tables == {"file": problem} and found.unsafe == {"file"}
 
 
+def test_a_rebuild_writes_its_new_file_without_a_hole(built: Built, copy: Callable[..., Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: written through a map (writemap), the new file was its map's size at once, a hole
+    # its pages filled as LMDB wrote them: on a filesystem that filled meanwhile, SIGBUS.
+    path = copy()
+    damage_table(path, b"refs")
+    sizes = []
+    replace = os.replace
+
+    def swap(src, dst):
+        st = os.stat(src)
+        sizes.append((st.st_size, st.st_blocks * 512))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", swap)
+    assert cli.main(["check", str(path), "--repair"]) == cli.EXIT_OK
+    [(size, allocated)] = sizes
+    assert size <= allocated, (size, allocated)
+
+
 def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
         built: Built, copy: Callable[..., Path], model: torch.nn.Module,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -1450,7 +1450,7 @@ def test_every_page_of_the_map_is_allocated_in_the_file_as_it_grows(tmp_path, mo
 
 @needs_fallocate
 def test_the_file_a_rebuild_makes_is_allocated_before_lmdb_writes_through_it(tmp_path):
-    # A rebuild writes a new file through a map of its own: a hole there was a SIGBUS on a disk
+    # A rebuild writes a new file: written through a map, a hole there was a SIGBUS on a disk
     # another program filled after the rebuild's free-space check.
     path = tmp_path / "kv"
     disk = DiskTier(path, 1 << 30, B)

@@ -1430,22 +1430,16 @@ class DiskTier:
                 doomed |= lost
             keys = sorted(key for key in tenants if key not in doomed)
             os.makedirs(made)
-            map_size = self.env.info()["map_size"]
             try:
-                # The new file's pages are allocated before LMDB writes through them, as the
-                # store's own are (``_allocate``): the free-space check above is a forecast, and
-                # another program filling the disk after it made the rebuild's writes a SIGBUS.
-                # LMDB writes a new file's meta pages with pwrite (an ENOSPC, not a fault), and
-                # takes a file that is not empty for a store: the data file is allocated after.
+                # Not writemap: LMDB would size the new file to the map at once (a hole) and write
+                # its pages through the map, which on a filesystem filled meanwhile (by another
+                # program) kills the process with SIGBUS; written with write(2), that is ENOSPC,
+                # and the store stays as it was. The lock file, which LMDB writes through a map
+                # whatever the flag, is allocated first, as the store's own is.
                 self._allocate_file(os.path.join(made, "lock.mdb"), _LOCK_BYTES)
-                new = lmdb.open(made, map_size=map_size, max_dbs=8, writemap=True, subdir=True, readahead=False)
+                new = lmdb.open(made, map_size=self.env.info()["map_size"], max_dbs=8, writemap=False, subdir=True,
+                                readahead=False)
             except BaseException:
-                shutil.rmtree(made, ignore_errors=True)
-                raise
-            try:
-                self._allocate_file(os.path.join(made, "data.mdb"), map_size)
-            except BaseException:
-                new.close()
                 shutil.rmtree(made, ignore_errors=True)
                 raise
             try:
