@@ -765,8 +765,8 @@ class TieredStore:
 
     def _in_place(self, meta: BlockMeta) -> bool:
         """Whether a block read from disk goes straight into the restore's buffer: on a CPU device
-        tier (a GPU takes its copies from the pinned pool's buffers), where neither memory tier can take
-        the block, so no tier keeps a copy of it (``_promote``). One copy out of the memory map,
+        tier (a GPU takes its copies from the pinned pool's buffers), where neither memory tier can
+        take the block, so no tier keeps a copy of it (``_promote``). One copy out of the memory map,
         not two: none into a host buffer, and the first forward writes its new tokens into the
         buffer's room for them instead of concatenating the layer afresh (``TieredLayer.update``)."""
         return self.device.type == "cpu" and self._host.pool is None and meta.nbytes > self._device.budget \
