@@ -10,6 +10,9 @@ forward feeds (fewer tokens, several rows, a crop first).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -40,6 +43,15 @@ def stored_conversation(model, path, ids) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def returning(model, tmp_path, seed: int, new: int) -> Iterator[tuple[TieredStore, torch.Tensor]]:
+    """A turn of 3 blocks and 3 tokens stored through a disk-only store, that store reopened on it,
+    and the next turn's ids (the conversation and ``new`` user tokens)."""
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, seed))
+    with disk_only(tmp_path / "kv") as store:
+        yield store, torch.cat([out, random_ids(new, seed + 1)], dim=1)
+
+
 def restore_of(cache: TieredCache):
     restore = cache.layers[0]._pending
     assert restore is not None and all(layer._pending is restore for layer in cache.layers)
@@ -55,12 +67,10 @@ def shares_buffer(cache: TieredCache, buffer: torch.Tensor) -> bool:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_into_it(tiny_model, tmp_path, arch):
     model = tiny_model(arch)
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 10))
-    nxt = torch.cat([out, random_ids(3, 11)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 10, 3) as (store, nxt):
         cache = store.open(model, nxt)
         r = cache.restored_tokens
-        assert r == out.shape[1] - 1 and cache.restored_from["disk"] == r
+        assert r == nxt.shape[1] - 4 and cache.restored_from["disk"] == r
         restore = restore_of(cache)
         assert restore.buffer is not None and restore.buffer.shape[3] == nxt.shape[1]
         assert all(job is IN_PLACE for job, _ in restore.blocks)
@@ -104,9 +114,7 @@ def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the
 
 def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_used(tiny_model, tmp_path):
     model = tiny_model("llama")
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 30))
-    nxt = torch.cat([out, random_ids(2, 31)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 30, 2) as (store, nxt):
         cache = store.open(model, nxt)
         second = cache._restored_keys[1]
         del cache
@@ -124,9 +132,7 @@ def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_
 def test_a_first_forward_other_than_the_new_tokens_in_one_row_assembles_the_layer_as_before(tiny_model, tmp_path,
                                                                                           first):
     model = tiny_model("llama")
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 40))
-    nxt = torch.cat([out, random_ids(5, 41)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 40, 5) as (store, nxt):
         cache = store.open(model, nxt)
         r = cache.restored_tokens
         assert restore_of(cache).buffer is not None
@@ -158,9 +164,7 @@ def test_a_first_forward_with_grad_enabled_assembles_the_layer_as_before(tiny_mo
     # autograd: the next forward's concatenation raised ("Output 0 of Split is a view and its base
     # or another view of its base has been modified inplace"), and so did a backward.
     model = tiny_model("llama")
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 50))
-    nxt = torch.cat([out, random_ids(3, 51)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 50, 3) as (store, nxt):
         cache = store.open(model, nxt)
         r = cache.restored_tokens
         assert restore_of(cache).buffer is not None
@@ -188,9 +192,7 @@ def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_bu
     from tierkv.transfer import Job
 
     model = tiny_model("llama")
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 60))
-    nxt = torch.cat([out, random_ids(2, 61)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 60, 2) as (store, nxt):
         cache = store.open(model, nxt)
         first, second = cache._restored_keys[:2]
         del cache
@@ -223,9 +225,7 @@ def test_a_restore_opened_under_inference_mode_generates_in_or_out_of_it(tiny_mo
     # update to inference tensor outside InferenceMode is not allowed"); the restore into block
     # tensors of their own, only read, never did.
     model = tiny_model("llama")
-    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 70))
-    nxt = torch.cat([out, random_ids(3, 71)], dim=1)
-    with disk_only(tmp_path / "kv") as store:
+    with returning(model, tmp_path, 70, 3) as (store, nxt):
         with torch.inference_mode():
             cache = store.open(model, nxt)
         assert restore_of(cache).buffer is not None
