@@ -972,6 +972,91 @@ def test_the_fingerprint_covers_the_device_kind_and_gpu_model(monkeypatch):
     assert b"NVIDIA H200" in tags["cuda:0"] and b"sm_90" in tags["cuda:0"]
 
 
+def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
+    """ATen's dispatch level, the CPU's vendor, model and vector features, and the settings that
+    override them: not the other flags (mitigations come and go with microcode)."""
+    import tierkv.cache as cache_module
+
+    x86 = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+           "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse sse2 ssse3 fma avx avx2 avx512f smep{extra}\n"
+           "\nprocessor\t: 1\nflags\t\t: fpu\n")
+    base = cache_module._cpu_identity(x86.format(extra=""))
+    assert base == ["vendor_id:GenuineIntel", "cpu family:6", "model:143",
+                    "features:avx avx2 avx512f fma sse sse2 ssse3"]
+    assert cache_module._cpu_identity(x86.format(extra=" md_clear flush_l1d")) == base
+    assert cache_module._cpu_identity(x86.format(extra=" amx_tile avx512_bf16")) != base
+    assert cache_module._cpu_identity(x86.replace("model\t\t: 143", "model\t\t: 85").format(extra="")) != base
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
+    assert cache_module._cpu_identity(arm) == ["cpu implementer:0x41", "cpu part:0xd4f",
+                                               "features:asimd bf16 i8mm sve"]
+    assert cache_module._cpu_identity(None)  # no /proc/cpuinfo: what platform says
+
+    def tag(capability: str, **env: str) -> bytes:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        for name in cache_module._KERNEL_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cache_module._cpu_tag.cache_clear()
+        try:
+            return cache_module._kernels_tag(torch.device("cpu"))
+        finally:
+            cache_module._cpu_tag.cache_clear()
+
+    tags = [tag("AVX512"), tag("AVX2"), tag("AVX512", MKL_ENABLE_INSTRUCTIONS="AVX2"),
+            tag("AVX512", ONEDNN_MAX_CPU_ISA="AVX2")]
+    assert len(set(tags)) == len(tags)
+    assert tag("AVX512") == tags[0]
+
+
+_CAPABILITY_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from conftest import make_model, random_ids
+from tierkv import TieredStore
+model = make_model("gpt2")
+model.load_state_dict(torch.load(sys.argv[3]))  # random init draws other weights under other vector code
+ids = random_ids(4 * 8 + 3, seed=21)
+with TieredStore(sys.argv[1], device="cpu", block_size=8) as store:
+    cache = store.open(model, ids)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    plain = model.generate(ids, max_new_tokens=3, do_sample=False)
+    print("RESULT", cache.restored_tokens, torch.equal(out, plain), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                    reason="this CPU has no vector code above ATen's DEFAULT to compare with")
+def test_a_store_read_under_other_vector_code_restores_nothing(tmp_path):
+    """KV written with ATen's AVX2/AVX512 kernels is not restored by a process that runs its
+    DEFAULT ones (``ATEN_CPU_CAPABILITY``, as on a machine without those units): its keys differ
+    from the second layer on. A process like the writer restores it (the control). GPT-2: no RoPE
+    frequencies, whose digest (their values computed by those kernels) would tell them apart anyway."""
+    import subprocess
+    import sys
+
+    model = make_model("gpt2")
+    ids = random_ids(4 * B + 3, seed=21)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids[:, :-4])
+        cache.commit(model.generate(ids[:, :-4], past_key_values=cache, max_new_tokens=1, do_sample=False))
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    results = {}
+    for capability in ("default", None):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        proc = subprocess.run([sys.executable, "-c", _CAPABILITY_CHILD, str(tmp_path / "kv"), tests,
+                               str(tmp_path / "weights.pt")],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+        results[capability] = line.split()[1:]
+    assert results["default"][0] == "0" and results["default"][1:] == ["True", "DEFAULT"]
+    assert results[None][0] == str(4 * B - 1) and results[None][1] == "True"
+
+
 # -- 7. budgets --------------------------------------------------------------------------------------
 def _many_conversations(store: TieredStore, model: torch.nn.Module, seed: int) -> list[tuple[int, int]]:
     """30 turns over 10 sessions of random lengths; budgets checked after every open and commit.

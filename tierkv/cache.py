@@ -72,6 +72,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -355,17 +356,68 @@ def _kernels_tag(device: torch.device) -> bytes:
     transformers release may change a model's code: KV computed by any of them differs from what
     this one computes, in the last bits or more, so it must not be restored here (a store carried
     across a ``pip install -U``, from the CPU to a GPU or between GPU models restores nothing rather
-    than near-misses). Not covered: the CPU's instruction set (a store copied to a machine with
-    other vector units) and SDPA's backends on CUDA; matmul precision (TF32) is, in
+    than near-misses). On a CPU, which vector code torch and MKL run (``_cpu_tag``): a store
+    copied to a machine with other vector units, or read under another ``ATEN_CPU_CAPABILITY``,
+    restores nothing. Not covered: SDPA's backends on CUDA; matmul precision (TF32) is, in
     ``_matmul_precision``."""
     import transformers  # the module, for its version; this module already imports transformers
 
     parts = [f"torch:{torch.__version__}", f"transformers:{transformers.__version__}", f"device:{device.type}"]
+    if device.type == "cpu":
+        parts.append(_cpu_tag())
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
         parts.append(f"gpu:{torch.cuda.get_device_name(index)}:sm_{major}{minor}")
     return "|".join(parts).encode()
+
+
+# The CPU features that pick vector kernels: ATen's and oneDNN's by instruction set, MKL's also by
+# vendor and model. Not the rest of the flags line, which a microcode or kernel update changes
+# (mitigations) while the kernels stay the same.
+_VECTOR_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|sme(?!p)|i8mm)")
+# Settings that make torch, MKL or oneDNN run other vector code than the CPU allows.
+_KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA",
+               "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+
+
+def _cpu_identity(cpuinfo: str | None) -> list[str]:
+    """The CPU's vendor, family and model and its vector features, from ``/proc/cpuinfo``'s first
+    processor (x86: ``vendor_id``, ``cpu family``, ``model``, ``flags``; Arm: ``CPU implementer``,
+    ``CPU part``, ``Features``); elsewhere what ``platform`` says."""
+    import platform
+
+    if not cpuinfo:
+        return [f"machine:{platform.machine()}", f"processor:{platform.processor()}"]
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        name, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(name.strip().lower(), value.strip())
+    found = [f"{name}:{fields[name]}" for name in ("vendor_id", "cpu family", "model", "cpu implementer",
+                                                    "cpu part", "cpu architecture") if name in fields]
+    flags = (fields.get("flags") or fields.get("features") or "").split()
+    found.append("features:" + " ".join(sorted(f for f in flags if _VECTOR_FLAG.match(f))))
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_tag() -> str:
+    """Which vector code computes a CPU model's KV: ATen's dispatch level (``AVX512``, ``AVX2``),
+    the CPU (``_cpu_identity``: MKL picks its matmul kernels by vendor and features) and the
+    settings that override them (``_KERNEL_ENV``). KV computed with another differs in the last
+    bits from the second layer on (ATen's AVX2 kernels against its AVX512 ones, MKL's
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2``: 7e-7 to 1e-6 in a 4-layer Llama's keys), so a store copied to
+    another machine must not restore it. Read once per process: torch and MKL read their settings
+    when they start."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpuinfo: str | None = f.read()
+    except OSError:
+        cpuinfo = None
+    parts = [f"aten:{torch.backends.cpu.get_cpu_capability()}", *_cpu_identity(cpuinfo)]
+    parts += [f"{name}={os.environ[name]}" for name in _KERNEL_ENV if os.environ.get(name)]
+    return "cpu[" + ";".join(parts) + "]"
 
 
 def _matmul_precision(device: torch.device, dtype: torch.dtype) -> str | None:
