@@ -8,6 +8,7 @@ counts, bytes, and eviction orders, checked through small ``verify_*`` helpers (
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -674,6 +675,51 @@ def test_another_attention_implementation_never_reuses_blocks(tmp_path):
         assert_switch_after_open_refused(store, sdpa, nxt, lambda: sdpa.set_attn_implementation("eager"),
                                          lambda: sdpa.set_attn_implementation("sdpa"),
                                          "attention implementation changed since store.open")
+
+
+def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
+    # torch.nn.attention.sdpa_kernel(SDPBackend.MATH) around a generate, as benchmarks and
+    # debugging do: the CPU's math kernel rounds unlike its flash one, from the second layer on.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = make_model("llama", seed=3)
+    ids = random_ids(40, 3)
+    with torch.no_grad():
+        kv = {}
+        for name in ("default", "math"):
+            kv[name] = DynamicCache()
+            with sdpa_kernel(SDPBackend.MATH) if name == "math" else contextlib.nullcontext():
+                model(ids, past_key_values=kv[name])
+    assert not torch.equal(kv["default"].layers[1].keys, kv["math"].layers[1].keys)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, model, ids, new=2)
+        nxt = cat(out, random_ids(3, 4))
+        with sdpa_kernel(SDPBackend.MATH):
+            assert describe_model(model).sdpa == "off:flash+mem_efficient+cudnn"
+            turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under the math kernel
+            assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 1
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
+            assert "order:" in describe_model(model).sdpa
+            assert store.open(model, nxt).restored_tokens == 0
+        assert describe_model(model).sdpa is None
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == out.shape[1] - 1
+        # Opened outside, generated inside: refused at the first forward.
+        with sdpa_kernel(SDPBackend.MATH), pytest.raises(ValueError, match=r"SDPA kernels changed since "
+                                                                             r"store.open \(from 'all' to 'off:flash"):
+            model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        # And the other way round.
+        with sdpa_kernel(SDPBackend.MATH):
+            cache = store.open(model, nxt)
+        with pytest.raises(ValueError, match="SDPA kernels changed since store.open"):
+            model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        # An eager model ignores them.
+        eager = make_model("llama", seed=3)
+        eager.set_attn_implementation("eager")
+        with sdpa_kernel(SDPBackend.MATH):
+            assert describe_model(eager).sdpa is None
+            cache = store.open(eager, nxt)
+        assert torch.equal(generate(eager, nxt, 2, cache), generate(eager, nxt, 2))
 
 
 def test_another_matmul_precision_never_reuses_blocks(tmp_path):

@@ -133,6 +133,7 @@ class ModelInfo:
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
     experts: str | None = None  # the MoE experts' implementation then (_experts_of); None without experts
     precision: str | None = None  # _matmul_precision then: None at torch's defaults
+    sdpa: str | None = None  # _sdpa_backends then, for a model attending through SDPA: None at the defaults
     vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
     # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
     # where generate() passes them counted from 0 (see _check_inputs).
@@ -565,6 +566,32 @@ def _attention_of(model: Any) -> str | None:
     return attention if isinstance(attention, str) else None
 
 
+# torch's own order of SDPA's kernels (flash, memory-efficient, math, cuDNN, overrideable), which
+# ``sdpa_kernel(..., set_priority=True)`` replaces.
+_SDPA_ORDER = [1, 2, 0, 3, 4]
+
+
+def _sdpa_backends() -> str | None:
+    """Which of torch's SDPA kernels a forward may run where that is not torch's default: some
+    turned off (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_flash_sdp``), their
+    order changed, or the math kernel's fp16/bf16 reductions allowed. Read at every open and every
+    forward; None at the defaults, so that fingerprints taken before this was read stay valid.
+    Another kernel rounds otherwise: the CPU's math kernel instead of its flash one put a 4-layer
+    Llama's keys 1e-6 apart from the second layer on."""
+    backends = torch.backends.cuda
+    parts = [name for name, enabled in (("flash", backends.flash_sdp_enabled), ("mem_efficient",
+                                        backends.mem_efficient_sdp_enabled), ("math", backends.math_sdp_enabled),
+                                        ("cudnn", backends.cudnn_sdp_enabled)) if not enabled()]
+    parts = [f"off:{'+'.join(parts)}"] if parts else []
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is not None and list(order()) != _SDPA_ORDER:
+        parts.append(f"order:{list(order())}")
+    reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
+    if reduced is not None and reduced():
+        parts.append("math-reduced")
+    return ",".join(parts) or None
+
+
 def _experts_configs(model: torch.nn.Module) -> tuple[Any, ...]:
     """The configs whose ``_experts_implementation`` the model's MoE experts dispatch on:
     transformers' ``use_experts_implementation`` marks each such module (``_is_expert_parallel``)
@@ -947,6 +974,10 @@ def describe_model(model: Any) -> ModelInfo:
     experts = _experts_of(static.experts_configs)
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
+    # Which kernels torch's SDPA may pick, where not all of them (sdpa_kernel, enable_flash_sdp).
+    sdpa = _sdpa_backends() if attention in (None, "sdpa") else None
+    if sdpa is not None:
+        h.update(f"sdpa:{sdpa}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
     precision = _matmul_precision(first.device, first.dtype)
     if precision is not None:
@@ -961,7 +992,7 @@ def describe_model(model: Any) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention, experts=experts, precision=precision, vocab=static.vocab,
+                     attention=attention, experts=experts, precision=precision, sdpa=sdpa, vocab=static.vocab,
                      positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
 
 
@@ -1432,6 +1463,12 @@ class TieredCache(Cache):
                              f"{self.model_info.attention!r} to {_attention_of(opened)!r}): its KV differs in the last "
                              "bits, and this TieredCache holds the other's. Set it first, then open the cache: "
                              "cache = store.open(model, input_ids)")
+        if self.model_info.attention in (None, "sdpa") and _sdpa_backends() != self.model_info.sdpa:
+            raise ValueError(f"torch's SDPA kernels changed since store.open (from {self.model_info.sdpa or 'all'!r} "
+                             f"to {_sdpa_backends() or 'all'!r}: torch.nn.attention.sdpa_kernel, "
+                             "torch.backends.cuda.enable_flash_sdp): another kernel's KV differs in the last bits, and "
+                             "this TieredCache holds the other's. Open the cache under the same settings, inside the "
+                             "same `with sdpa_kernel(...)` as the generate: cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
         if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
