@@ -698,6 +698,11 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
             assert describe_model(model).sdpa == "off:flash+mem_efficient+cudnn"
             turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under the math kernel
             assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 1
+            cache = store.open(model, nxt)
+            later = generate(model, nxt, 2, cache)
+        assert cache.commit(later) == later.shape[1] - 1  # after the with block: its forwards ran inside
+        with sdpa_kernel(SDPBackend.MATH):
+            assert store.open(model, later).restored_tokens == later.shape[1] - 1
         with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
             assert "order:" in describe_model(model).sdpa
             assert store.open(model, nxt).restored_tokens == 0

@@ -912,7 +912,7 @@ def _is_checked_prepare(defined: Any) -> bool:
     return getattr(defined, "__func__", defined) in _checked_prepares  # False for what weakref cannot hold
 
 
-def describe_model(model: Any) -> ModelInfo:
+def describe_model(model: Any, sdpa: Any = _MISSING) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
     The weight sample is read on every call (``weights.py``: one gather per element size on CPU) with the
@@ -920,7 +920,10 @@ def describe_model(model: Any) -> ModelInfo:
     in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
     changes a sampled value. The config digest and validation are computed once per model object,
-    and again when a field the digest covers was edited on the live config.
+    and again when a field the digest covers was edited on the live config. ``sdpa``, where
+    given, stands for the SDPA settings read now (``_sdpa_backends``): ``commit`` takes the
+    fingerprint of the settings the turn's forwards were checked under, after the ``with
+    sdpa_kernel(...)`` block they ran in.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(_not_a_model(model))
@@ -975,7 +978,10 @@ def describe_model(model: Any) -> ModelInfo:
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
     # Which kernels torch's SDPA may pick, where not all of them (sdpa_kernel, enable_flash_sdp).
-    sdpa = _sdpa_backends() if attention in (None, "sdpa") else None
+    if attention not in (None, "sdpa"):
+        sdpa = None
+    elif sdpa is _MISSING:
+        sdpa = _sdpa_backends()
     if sdpa is not None:
         h.update(f"sdpa:{sdpa}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
@@ -1463,7 +1469,9 @@ class TieredCache(Cache):
                              f"{self.model_info.attention!r} to {_attention_of(opened)!r}): its KV differs in the last "
                              "bits, and this TieredCache holds the other's. Set it first, then open the cache: "
                              "cache = store.open(model, input_ids)")
-        if self.model_info.attention in (None, "sdpa") and _sdpa_backends() != self.model_info.sdpa:
+        # At every forward, where the KV is computed; not at commit, which computes nothing and
+        # may come after the `with sdpa_kernel(...)` block the turn ran in.
+        if not weights and self.model_info.attention in (None, "sdpa") and _sdpa_backends() != self.model_info.sdpa:
             raise ValueError(f"torch's SDPA kernels changed since store.open (from {self.model_info.sdpa or 'all'!r} "
                              f"to {_sdpa_backends() or 'all'!r}: torch.nn.attention.sdpa_kernel, "
                              "torch.backends.cuda.enable_flash_sdp): another kernel's KV differs in the last bits, and "
@@ -1512,7 +1520,7 @@ class TieredCache(Cache):
                              "not all computed at the precision it would be kept for, so nothing is kept. Set it "
                              "first, then open the cache: cache = store.open(model, input_ids)")
         # After the checks above, whose errors say which of the fingerprint's parts changed.
-        if weights and describe_model(opened).fingerprint != self.model_info.fingerprint:
+        if weights and describe_model(opened, sdpa=self.model_info.sdpa).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
