@@ -695,7 +695,7 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         _, out = turn(store, model, ids, new=2)
         nxt = cat(out, random_ids(3, 4))
         with sdpa_kernel(SDPBackend.MATH):
-            assert describe_model(model).sdpa == "off:flash+mem_efficient+cudnn"
+            assert describe_model(model).switches == "sdpa-off:flash+mem_efficient+cudnn"
             turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under the math kernel
             assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 1
             cache = store.open(model, nxt)
@@ -704,27 +704,53 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         with sdpa_kernel(SDPBackend.MATH):
             assert store.open(model, later).restored_tokens == later.shape[1] - 1
         with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
-            assert "order:" in describe_model(model).sdpa
+            assert "sdpa-order:" in describe_model(model).switches
             assert store.open(model, nxt).restored_tokens == 0
-        assert describe_model(model).sdpa is None
+        assert describe_model(model).switches is None
         cache = store.open(model, nxt)
         assert cache.restored_tokens == out.shape[1] - 1
         # Opened outside, generated inside: refused at the first forward.
-        with sdpa_kernel(SDPBackend.MATH), pytest.raises(ValueError, match=r"SDPA kernels changed since "
-                                                                             r"store.open \(from 'all' to 'off:flash"):
+        with sdpa_kernel(SDPBackend.MATH), pytest.raises(ValueError, match=r"kernel switches changed since store."
+                                                                             r"open \(from 'the defaults' to "
+                                                                             r"'sdpa-off:flash"):
             model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
         # And the other way round.
         with sdpa_kernel(SDPBackend.MATH):
             cache = store.open(model, nxt)
-        with pytest.raises(ValueError, match="SDPA kernels changed since store.open"):
+        with pytest.raises(ValueError, match="kernel switches changed since store.open"):
             model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
         # An eager model ignores them.
         eager = make_model("llama", seed=3)
         eager.set_attn_implementation("eager")
         with sdpa_kernel(SDPBackend.MATH):
-            assert describe_model(eager).sdpa is None
+            assert describe_model(eager).switches is None
             cache = store.open(eager, nxt)
         assert torch.equal(generate(eager, nxt, 2, cache), generate(eager, nxt, 2))
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_onednn_switched_off_never_reuses_blocks(tmp_path):
+    # bf16 matmuls on a CPU without oneDNN (torch.backends.mkldnn.flags(enabled=False)) round
+    # otherwise: keys 1e-2 apart.
+    model = make_model("llama", seed=3).to(torch.bfloat16)
+    ids = random_ids(40, 3)
+    with torch.no_grad():
+        kv = {}
+        for name in ("default", "off"):
+            kv[name] = DynamicCache()
+            with torch.backends.mkldnn.flags(enabled=name == "default"):
+                model(ids, past_key_values=kv[name])
+    assert not torch.equal(kv["default"].layers[1].keys, kv["off"].layers[1].keys)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, model, ids, new=2)
+        nxt = cat(out, random_ids(3, 4))
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert describe_model(model).switches == "onednn:off"
+            turn(store, model, nxt, new=2, expect=0)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == out.shape[1] - 1
+        with torch.backends.mkldnn.flags(enabled=False), pytest.raises(ValueError, match="'onednn:off'"):
+            model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
 
 
 def test_another_matmul_precision_never_reuses_blocks(tmp_path):

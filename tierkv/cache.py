@@ -133,7 +133,7 @@ class ModelInfo:
     attention: str | None = None  # config._attn_implementation when the fingerprint was taken
     experts: str | None = None  # the MoE experts' implementation then (_experts_of); None without experts
     precision: str | None = None  # _matmul_precision then: None at torch's defaults
-    sdpa: str | None = None  # _sdpa_backends then, for a model attending through SDPA: None at the defaults
+    switches: str | None = None  # _kernel_switches then: None at torch's defaults
     vocab: int | None = None  # rows of the input embedding: ids from this on have no embedding
     # RoBERTa's family: a forward given no position_ids counts positions from the pad id + 1,
     # where generate() passes them counted from 0 (see _check_inputs).
@@ -571,24 +571,32 @@ def _attention_of(model: Any) -> str | None:
 _SDPA_ORDER = [1, 2, 0, 3, 4]
 
 
-def _sdpa_backends() -> str | None:
-    """Which of torch's SDPA kernels a forward may run where that is not torch's default: some
-    turned off (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_flash_sdp``), their
-    order changed, or the math kernel's fp16/bf16 reductions allowed. Read at every open and every
-    forward; None at the defaults, so that fingerprints taken before this was read stay valid.
-    Another kernel rounds otherwise: the CPU's math kernel instead of its flash one put a 4-layer
-    Llama's keys 1e-6 apart from the second layer on."""
-    backends = torch.backends.cuda
-    parts = [name for name, enabled in (("flash", backends.flash_sdp_enabled), ("mem_efficient",
-                                        backends.mem_efficient_sdp_enabled), ("math", backends.math_sdp_enabled),
-                                        ("cudnn", backends.cudnn_sdp_enabled)) if not enabled()]
-    parts = [f"off:{'+'.join(parts)}"] if parts else []
-    order = getattr(torch._C, "_get_sdp_priority_order", None)
-    if order is not None and list(order()) != _SDPA_ORDER:
-        parts.append(f"order:{list(order())}")
-    reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
-    if reduced is not None and reduced():
-        parts.append("math-reduced")
+def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
+    """The switches, besides matmul precision (``_matmul_precision``), under which torch computes a
+    model's KV with other kernels than by default, where any is set: for a model attending
+    through SDPA, which of its kernels a forward may run (some turned off by
+    ``torch.nn.attention.sdpa_kernel`` or ``torch.backends.cuda.enable_flash_sdp``, their order
+    changed, the math kernel's fp16/bf16 reductions allowed); on a CPU, oneDNN turned off
+    (``torch.backends.mkldnn.flags(enabled=False)``). Read at every open and every forward; None
+    at the defaults, so that fingerprints taken before this was read stay valid. Another kernel
+    rounds otherwise: the CPU's math SDPA kernel instead of its flash one put a 4-layer Llama's
+    keys 1e-6 apart from the second layer on, bf16 matmuls without oneDNN 1e-2."""
+    parts = []
+    if attention in (None, "sdpa"):
+        backends = torch.backends.cuda
+        off = [name for name, enabled in (("flash", backends.flash_sdp_enabled), ("mem_efficient",
+                                          backends.mem_efficient_sdp_enabled), ("math", backends.math_sdp_enabled),
+                                          ("cudnn", backends.cudnn_sdp_enabled)) if not enabled()]
+        if off:
+            parts.append(f"sdpa-off:{'+'.join(off)}")
+        order = getattr(torch._C, "_get_sdp_priority_order", None)
+        if order is not None and list(order()) != _SDPA_ORDER:
+            parts.append(f"sdpa-order:{list(order())}")
+        reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
+        if reduced is not None and reduced():
+            parts.append("sdpa-math-reduced")
+    if device.type == "cpu" and not torch.backends.mkldnn.enabled:
+        parts.append("onednn:off")
     return ",".join(parts) or None
 
 
@@ -912,7 +920,7 @@ def _is_checked_prepare(defined: Any) -> bool:
     return getattr(defined, "__func__", defined) in _checked_prepares  # False for what weakref cannot hold
 
 
-def describe_model(model: Any, sdpa: Any = _MISSING) -> ModelInfo:
+def describe_model(model: Any, switches: Any = _MISSING) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
     The weight sample is read on every call (``weights.py``: one gather per element size on CPU) with the
@@ -920,9 +928,9 @@ def describe_model(model: Any, sdpa: Any = _MISSING) -> ModelInfo:
     in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
     changes a sampled value. The config digest and validation are computed once per model object,
-    and again when a field the digest covers was edited on the live config. ``sdpa``, where
-    given, stands for the SDPA settings read now (``_sdpa_backends``): ``commit`` takes the
-    fingerprint of the settings the turn's forwards were checked under, after the ``with
+    and again when a field the digest covers was edited on the live config. ``switches``, where
+    given, stands for the kernel switches read now (``_kernel_switches``): ``commit`` takes the
+    fingerprint of those the turn's forwards were checked under, after the ``with
     sdpa_kernel(...)`` block they ran in.
     """
     if not isinstance(model, torch.nn.Module):
@@ -977,13 +985,11 @@ def describe_model(model: Any, sdpa: Any = _MISSING) -> ModelInfo:
     experts = _experts_of(static.experts_configs)
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
-    # Which kernels torch's SDPA may pick, where not all of them (sdpa_kernel, enable_flash_sdp).
-    if attention not in (None, "sdpa"):
-        sdpa = None
-    elif sdpa is _MISSING:
-        sdpa = _sdpa_backends()
-    if sdpa is not None:
-        h.update(f"sdpa:{sdpa}".encode())
+    # Kernels switched off or reordered (sdpa_kernel, enable_flash_sdp, oneDNN off).
+    if switches is _MISSING:
+        switches = _kernel_switches(first.device, attention)
+    if switches is not None:
+        h.update(f"switches:{switches}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
     precision = _matmul_precision(first.device, first.dtype)
     if precision is not None:
@@ -998,7 +1004,7 @@ def describe_model(model: Any, sdpa: Any = _MISSING) -> ModelInfo:
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
-                     attention=attention, experts=experts, precision=precision, sdpa=sdpa, vocab=static.vocab,
+                     attention=attention, experts=experts, precision=precision, switches=switches, vocab=static.vocab,
                      positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
 
 
@@ -1471,12 +1477,14 @@ class TieredCache(Cache):
                              "cache = store.open(model, input_ids)")
         # At every forward, where the KV is computed; not at commit, which computes nothing and
         # may come after the `with sdpa_kernel(...)` block the turn ran in.
-        if not weights and self.model_info.attention in (None, "sdpa") and _sdpa_backends() != self.model_info.sdpa:
-            raise ValueError(f"torch's SDPA kernels changed since store.open (from {self.model_info.sdpa or 'all'!r} "
-                             f"to {_sdpa_backends() or 'all'!r}: torch.nn.attention.sdpa_kernel, "
-                             "torch.backends.cuda.enable_flash_sdp): another kernel's KV differs in the last bits, and "
-                             "this TieredCache holds the other's. Open the cache under the same settings, inside the "
-                             "same `with sdpa_kernel(...)` as the generate: cache = store.open(model, input_ids)")
+        switches = None if weights else _kernel_switches(self.model_info.device, self.model_info.attention)
+        if not weights and switches != self.model_info.switches:
+            raise ValueError(f"torch's kernel switches changed since store.open (from "
+                             f"{self.model_info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}: "
+                             "torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_flash_sdp, "
+                             "torch.backends.mkldnn.flags): other kernels' KV differs in the last bits, and this "
+                             "TieredCache holds the other's. Open the cache under the same settings, inside the same "
+                             "`with ...:` block as the generate: cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
         if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
@@ -1520,7 +1528,7 @@ class TieredCache(Cache):
                              "not all computed at the precision it would be kept for, so nothing is kept. Set it "
                              "first, then open the cache: cache = store.open(model, input_ids)")
         # After the checks above, whose errors say which of the fingerprint's parts changed.
-        if weights and describe_model(opened, sdpa=self.model_info.sdpa).fingerprint != self.model_info.fingerprint:
+        if weights and describe_model(opened, switches=self.model_info.switches).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
