@@ -772,13 +772,20 @@ def test_another_matmul_precision_never_reuses_blocks(tmp_path):
             torch.set_float32_matmul_precision("medium")
             assert describe_model(model).precision == "fp32:bf16"
             assert store.open(model, nxt).restored_tokens == out.shape[1] - 1
-            # Switched during a turn: its KV is kept under neither.
+            # Switched between open and a forward: refused there, before the restored KV meets it.
             cache = store.open(model, nxt)
             torch.set_float32_matmul_precision("highest")
-            later = model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
             with pytest.raises(ValueError, match=r"matmul precision changed since store.open \(from 'fp32:bf16' to "
                                                  r"'the default'"):
-                cache.commit(later)
+                model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+            # Switched after the turn's forwards: they all ran at the opened precision, kept under it.
+            torch.set_float32_matmul_precision("medium")
+            cache = store.open(model, nxt)
+            later = model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+            torch.set_float32_matmul_precision("highest")
+            assert cache.commit(later) == later.shape[1] - 1
+            torch.set_float32_matmul_precision("medium")
+            assert store.open(model, later).restored_tokens == later.shape[1] - 1
     finally:
         torch.set_float32_matmul_precision(saved)
 

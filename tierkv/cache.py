@@ -920,7 +920,7 @@ def _is_checked_prepare(defined: Any) -> bool:
     return getattr(defined, "__func__", defined) in _checked_prepares  # False for what weakref cannot hold
 
 
-def describe_model(model: Any, switches: Any = _MISSING) -> ModelInfo:
+def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
     """Validate ``model`` for tierkv and return its fingerprint and shape facts.
 
     The weight sample is read on every call (``weights.py``: one gather per element size on CPU) with the
@@ -928,10 +928,11 @@ def describe_model(model: Any, switches: Any = _MISSING) -> ModelInfo:
     in-place writes (``load_state_dict``, training steps, writes under ``no_grad``) change the
     fingerprint at once. A write through ``p.data`` bumps no counter: it is seen only where it
     changes a sampled value. The config digest and validation are computed once per model object,
-    and again when a field the digest covers was edited on the live config. ``switches``, where
-    given, stands for the kernel switches read now (``_kernel_switches``): ``commit`` takes the
-    fingerprint of those the turn's forwards were checked under, after the ``with
-    sdpa_kernel(...)`` block they ran in.
+    and again when a field the digest covers was edited on the live config. With ``as_opened``,
+    its matmul precision and kernel switches stand for those read now: ``commit`` takes the
+    fingerprint of the settings every forward of the turn was checked under
+    (``check_computed_as_opened``), which may since have been set back (the end of a ``with
+    sdpa_kernel(...)`` block).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(_not_a_model(model))
@@ -986,12 +987,11 @@ def describe_model(model: Any, switches: Any = _MISSING) -> ModelInfo:
     if experts not in (None, "grouped_mm"):
         h.update(f"experts:{experts}".encode())
     # Kernels switched off or reordered (sdpa_kernel, enable_flash_sdp, oneDNN off).
-    if switches is _MISSING:
-        switches = _kernel_switches(first.device, attention)
+    switches = _kernel_switches(first.device, attention) if as_opened is None else as_opened.switches
     if switches is not None:
         h.update(f"switches:{switches}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
-    precision = _matmul_precision(first.device, first.dtype)
+    precision = _matmul_precision(first.device, first.dtype) if as_opened is None else as_opened.precision
     if precision is not None:
         h.update(f"precision:{precision}".encode())
     # RoPE's frequencies (weights.is_frequency_buffer), derived from the config but not saved with
@@ -1466,7 +1466,9 @@ class TieredCache(Cache):
         another and kept under the opened one's fingerprint, would be wrong. Run by the hook (see
         ``_check_forward``) and by ``commit``, which (``weights``) also takes the whole fingerprint
         again: weights loaded, cast or moved during the turn (a weight sync) computed KV that the
-        opened fingerprint does not describe. A change undone before ``commit`` is not seen."""
+        opened fingerprint does not describe. A change undone before ``commit`` is not seen. By the
+        hook alone, as every forward computes KV under them: torch's matmul precision and kernel
+        switches, which ``commit`` takes as they were at ``open``."""
         opened = self._model() if self._model is not None else None
         if opened is None:
             return
@@ -1477,6 +1479,13 @@ class TieredCache(Cache):
                              "cache = store.open(model, input_ids)")
         # At every forward, where the KV is computed; not at commit, which computes nothing and
         # may come after the `with sdpa_kernel(...)` block the turn ran in.
+        precision = None if weights else _matmul_precision(self.model_info.device, self.model_info.dtype)
+        if not weights and precision != self.model_info.precision:
+            raise ValueError(f"torch's matmul precision changed since store.open (from "
+                             f"{self.model_info.precision or 'the default'!r} to {precision or 'the default'!r}: "
+                             "torch.set_float32_matmul_precision, allow_tf32): KV at the other precision differs, "
+                             "and this TieredCache holds KV computed at the one it was opened at. Set it first, "
+                             "then open the cache: cache = store.open(model, input_ids)")
         switches = None if weights else _kernel_switches(self.model_info.device, self.model_info.attention)
         if not weights and switches != self.model_info.switches:
             raise ValueError(f"torch's kernel switches changed since store.open (from "
@@ -1520,15 +1529,8 @@ class TieredCache(Cache):
                                  "a new scale, or adapter_names= given to generate): this TieredCache holds KV for the "
                                  "adapters active then. Switch adapters first, then open the cache: "
                                  "cache = store.open(model, input_ids)")
-        if weights and _matmul_precision(self.model_info.device, self.model_info.dtype) != self.model_info.precision:
-            raise ValueError(f"torch's matmul precision changed since store.open (from "
-                             f"{self.model_info.precision or 'the default'!r} to "
-                             f"{_matmul_precision(self.model_info.device, self.model_info.dtype) or 'the default'!r}: "
-                             "torch.set_float32_matmul_precision, allow_tf32): the KV this TieredCache holds was "
-                             "not all computed at the precision it would be kept for, so nothing is kept. Set it "
-                             "first, then open the cache: cache = store.open(model, input_ids)")
         # After the checks above, whose errors say which of the fingerprint's parts changed.
-        if weights and describe_model(opened, switches=self.model_info.switches).fingerprint != self.model_info.fingerprint:
+        if weights and describe_model(opened, as_opened=self.model_info).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
