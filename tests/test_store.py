@@ -753,6 +753,17 @@ def test_onednn_switched_off_never_reuses_blocks(tmp_path):
             model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
 
 
+def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
+    # Read on CUDA models only; monkeypatched, as no GPU runs the suite.
+    from tierkv.cache import _kernel_switches
+
+    blas = torch.backends.cuda.preferred_blas_library()
+    assert blas.name == "Cublas" and _kernel_switches(torch.device("cuda"), "sdpa") is None
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda: type(blas).Cublaslt)
+    assert _kernel_switches(torch.device("cuda"), "sdpa") == "blas:Cublaslt"
+    assert _kernel_switches(torch.device("cpu"), "sdpa") is None
+
+
 def test_another_matmul_precision_never_reuses_blocks(tmp_path):
     # torch.set_float32_matmul_precision("medium") runs float32 matmuls through bf16 on a CPU
     # with oneDNN's bf16 kernels (TF32 on CUDA at "high"): fp32 logits 2e-3 apart, against 1e-7.

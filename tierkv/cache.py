@@ -577,7 +577,8 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
     through SDPA, which of its kernels a forward may run (some turned off by
     ``torch.nn.attention.sdpa_kernel`` or ``torch.backends.cuda.enable_flash_sdp``, their order
     changed, the math kernel's fp16/bf16 reductions allowed); on a CPU, oneDNN turned off
-    (``torch.backends.mkldnn.flags(enabled=False)``). Read at every open and every forward; None
+    (``torch.backends.mkldnn.flags(enabled=False)``); on CUDA, cuBLASLt preferred to cuBLAS
+    (``torch.backends.cuda.preferred_blas_library``). Read at every open and every forward; None
     at the defaults, so that fingerprints taken before this was read stay valid. Another kernel
     rounds otherwise: the CPU's math SDPA kernel instead of its flash one put a 4-layer Llama's
     keys 1e-6 apart from the second layer on, bf16 matmuls without oneDNN 1e-2."""
@@ -597,6 +598,10 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
             parts.append("sdpa-math-reduced")
     if device.type == "cpu" and not torch.backends.mkldnn.enabled:
         parts.append("onednn:off")
+    elif device.type == "cuda":
+        blas = torch.backends.cuda.preferred_blas_library()  # TORCH_BLAS_PREFER_CUBLASLT=1, or set in code
+        if getattr(blas, "name", str(blas)) != "Cublas":
+            parts.append(f"blas:{getattr(blas, 'name', blas)}")
     return ",".join(parts) or None
 
 
