@@ -30,6 +30,7 @@ import torch
 import tierkv
 from conftest import damage_table, make_model, random_ids
 from tierkv import TieredStore, cli
+from tierkv.tiers import disk
 from tierkv.codec import FORMAT_VERSION, decode_header
 
 B = 8
@@ -338,6 +339,57 @@ def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy:
     assert clean.code == 0 and json.loads(clean.out)["stale_heads"] == [], clean
     restored, stats = reopened(path, model, built)
     assert stats["corrupt"] == 0 and restored == FULL  # no block was lost to its head
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head and record zeroed", "record zeroed under its head"])
+def test_check_names_a_delete_a_crash_cut_short_which_the_store_finishes(
+        built: Built, copy: Callable[..., Path], model: torch.nn.Module, head: bool,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A delete zeroes a block's head, then its record (magic first), before its transaction
+    # commits: a crash in between leaves zeroes under live rows. Before: reported as "not a tierkv
+    # block record (bad magic)", as if something had written garbage there.
+    path = copy()
+    first = CONVERSATIONS[(None, "dave")][0, :B].numpy().astype("<i8").tobytes()
+    key, value = next((k, v) for k, v in records(path).items()
+                      if (decode_header(v).tenant, bytes(decode_header(v).token_ids)) == (None, first))  # dave's first
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        heads = env.open_db(b"heads", txn=txn)
+        if head:
+            txn.put(key, bytes(len(txn.get(key, db=heads))), db=heads)
+        txn.put(key, bytes(len(value)), db=env.open_db(b"blocks", txn=txn))
+    env.close()
+    assert cli.main(["check", str(path), "--json"]) == cli.EXIT_BAD_RECORDS
+    assert json.loads(capsys.readouterr().out)["bad"] == [{"key": key.hex(), "reason": disk.DELETE_CUT_SHORT}]
+    assert cli.main(["check", str(path)]) == cli.EXIT_BAD_RECORDS
+    out = capsys.readouterr().out
+    assert "a delete that a crash cut short" in out and "bad magic" not in out, out
+    # What the reason says: the store finishes the delete (at its open, or at the block's read).
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        ids = built.outputs[(None, "dave")]
+        assert store.open(model, ids, session="dave").restored_tokens == 0 and store.stats()["corrupt"] == 0
+    assert cli.main(["check", str(path), "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["records"] == BLOCKS - 1  # its record went, the others stay
+
+
+def test_a_verifier_that_falls_over_is_a_refusal_that_names_it_not_a_traceback(
+        copy: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # lmdb.verify raises VerifyError where it cannot begin; anything else it raises (on a shape
+    # of damage it does not expect) was a traceback out of every store command.
+    offline = pytest.importorskip("lmdb.verify")
+    path = copy()
+
+    def falls_over(*args: object, **kwargs: object) -> list[str]:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(offline, "verify", falls_over)
+    for command in (["check", str(path)], ["stats", str(path)], ["clear", str(path), "--tenant", "acme"]):
+        assert cli.main(command) == cli.EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert "offline verifier failed on the file (IndexError: list index out of range)" in err, err
+        assert f"tierkv clear {path} --all" in err and "Traceback" not in err, err
+    assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK  # the remedy given works
+    assert sorted(os.listdir(path)) == ["tierkv.lock"]
 
 
 def test_a_repair_that_meets_damaged_lmdb_pages_says_to_delete_the_store(

@@ -227,6 +227,9 @@ if hasattr(os, "register_at_fork"):
 
 #: What ``file_damage`` names damage outside any table: where LMDB cannot be trusted to open the file.
 UNOPENABLE = ("main", "file")
+#: ``verify``'s reason for a record (or its head) zeroed by a delete that a crash cut short.
+DELETE_CUT_SHORT = ("zeroed by a delete that a crash cut short, not damage: the store finishes the delete when it "
+                    "next opens or reads the block; `check --repair` drops it now")
 
 
 @dataclass(slots=True)
@@ -260,6 +263,16 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
         problems = offline.verify(os.fspath(path), subdir=True)
     except offline.VerifyError as exc:
         found.tables["file"] = str(exc)
+        found.unsafe.add("file")
+        return found
+    except OSError:
+        raise  # the file cannot be read: the caller says so
+    except Exception as exc:  # noqa: BLE001 - the verifier's own failure (an IndexError, a struct.error...)
+        # It is written not to fall over on any file: one that makes it fall over is damaged in a
+        # way it does not expect (or it has a bug). Either way its walk says nothing of where
+        # LMDB's reads are safe, so the file is not to be opened.
+        found.tables["file"] = (f"py-lmdb {lmdb.__version__}'s offline verifier failed on the file "
+                                f"({type(exc).__name__}: {exc}): damage it does not expect, or a fault of its own")
         found.unsafe.add("file")
         return found
     if len(problems) > 1:
@@ -1286,11 +1299,13 @@ class DiskTier:
                     # other values (the header of the pages it points at says how many).
                     result.damaged.setdefault("blocks", "a row that points at pages not its record's")
                     raise CorruptRecord("its row points at pages that are not its record")
-                _under(key, decode(value)[0])
                 head = txn.get(key, db=heads) if heads is not None else None
-                if head is not None and _is_zeroed(head):
-                    # A forget that a crash cut short: it must be finished, never undone.
-                    raise CorruptRecord("its head was zeroed by a delete that did not finish")
+                if _is_zeroed(value) or (head is not None and _is_zeroed(head)):
+                    # What ``_scrub`` leaves (head first, then the record, from its start) when a
+                    # crash cuts its transaction short: not damage, and a delete to finish, never
+                    # to undo. Decoded, it read as "bad magic".
+                    raise CorruptRecord(DELETE_CUT_SHORT)
+                _under(key, decode(value)[0])
                 if head is not None and not self._heads_record(head, value):
                     result.stale[key] = (index_entry.head_of(value), self._offset(value))
             except CorruptRecord as exc:
