@@ -503,6 +503,37 @@ def test_clear_all_never_removes_another_program_s_damaged_lmdb_environment(
     assert file_digest(path) == digest and {"data.mdb", "lock.mdb"} <= set(os.listdir(path))
 
 
+def test_store_commands_refuse_another_program_s_lmdb_environment_writing_nothing_there(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: each command locked the directory first, leaving tierkv.lock (its pid) among the
+    # other program's files, then refused it as "not a tierkv store".
+    path = tmp_path / "theirs"
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"mydata", txn=txn))
+    env.close()
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    for command in (["stats", str(path)], ["check", str(path), "--repair"], ["clear", str(path), "--all"]):
+        assert cli.main(command) == cli.EXIT_USAGE, command
+        assert "holds an LMDB environment that is not a tierkv store" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_by_the_store_commands(
+        copy: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = copy()
+    victim = tmp_path / "victim"
+    victim.write_text("not tierkv's")
+    (path / "tierkv.lock").unlink()
+    (path / "tierkv.lock").symlink_to(victim)
+    digest = file_digest(path)
+    for command in (["stats", str(path)], ["check", str(path), "--repair"], ["clear", str(path), "--all"]):
+        assert cli.main(command) == cli.EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert f"{str(path / 'tierkv.lock')!r} is a symbolic link" in err and "remove the link" in err, err
+    assert victim.read_text() == "not tierkv's" and file_digest(path) == digest
+
+
 @pytest.mark.parametrize("metas", [1, 2])
 def test_clear_all_removes_a_store_whose_meta_pages_are_damaged(
         built: Built, copy: Callable[..., Path], capsys: pytest.CaptureFixture[str], metas: int) -> None:

@@ -1385,12 +1385,49 @@ def test_plain_lmdb_env_raises(tmp_path: pathlib.Path) -> None:
 
 
 def test_plain_lmdb_env_is_left_untouched(tmp_path: pathlib.Path) -> None:
-    # Refusing someone else's environment must not first create tierkv's sub-databases in it.
+    # Refusing someone else's environment must not first create tierkv's sub-databases in it, nor
+    # any file: before, tierkv.lock (with this pid) was left there and LMDB's lock.mdb grown.
     path = os.path.join(tmp_path, "other")
     _plain_env(path, {b"hello": b"world"})
-    with pytest.raises(ValueError):
+    before = {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)}
+    with pytest.raises(ValueError, match="not a tierkv store"):
         DiskTier(path, budget=1, block_size=BLOCK)
+    assert {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)} == before
     assert _plain_items(path) == {b"hello": b"world"}
+
+
+def test_a_store_without_its_lock_file_opens_and_gets_one(tmp_path: pathlib.Path) -> None:
+    # A store copied without tierkv.lock: the lock file is made only where data.mdb lists tierkv's
+    # tables, and this one does.
+    path = tmp_path / "store"
+    tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    assert tier.apply([put_op(1)]) == [None]
+    tier.close()
+    (path / "tierkv.lock").unlink()
+    tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    try:
+        assert (path / "tierkv.lock").read_text() == str(os.getpid())
+        assert len(tier.scan().headers) == 1
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("target", ["a file", "nothing"])
+def test_a_lock_file_that_is_a_symbolic_link_is_refused(tmp_path: pathlib.Path, target: str) -> None:
+    # The lock file is truncated and the pid written into it: through a link, into any file the
+    # link names (one this process can write, planted in a shared directory).
+    path = tmp_path / "store"
+    DiskTier(path, budget=1 << 20, block_size=BLOCK).close()
+    victim = tmp_path / "victim"
+    if target == "a file":
+        victim.write_text("not tierkv's")
+    (path / "tierkv.lock").unlink()
+    (path / "tierkv.lock").symlink_to(victim)
+    with pytest.raises(ValueError, match=r"tierkv\.lock' is a symbolic link .*remove the link"):
+        DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    assert victim.read_text() == "not tierkv's" if target == "a file" else not victim.exists()
+    (path / "tierkv.lock").unlink()
+    DiskTier(path, budget=1 << 20, block_size=BLOCK).close()  # the remedy given
 
 
 def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(tmp_path: pathlib.Path) -> None:

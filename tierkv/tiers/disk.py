@@ -310,8 +310,8 @@ _STORE_TABLES = {b"meta", b"blocks", b"heads", b"sessions", b"refs", b"atime"}
 def _holds_store_tables(data: str) -> bool:
     """Whether the LMDB file ``data`` lists tierkv's tables and no others: the main table's root
     page, a leaf, as either meta page names it (read from the file, not through LMDB). What tells
-    a tierkv store from another program's LMDB environment: the lock file does not (any tierkv
-    command run on a directory creates it)."""
+    a tierkv store from another program's LMDB environment: the lock file does not (anyone can
+    make one, and tierkv does in a store copied without it)."""
     with open(data, "rb") as f:
         def page_at(offset: int, size: int) -> bytes:
             f.seek(offset)
@@ -327,8 +327,10 @@ def _holds_store_tables(data: str) -> bool:
             if psize >= 4096 and psize <= 1 << 16 and not psize & (psize - 1) and at in (0, psize):
                 metas.append((psize, meta))
         def lists_tables(pgno: int, psize: int) -> bool:
+            if not 2 <= pgno < os.fstat(f.fileno()).st_size // psize:  # a table without a root: P_INVALID (~0)
+                return False
             page = page_at(pgno * psize, psize)
-            if len(page) != psize or pgno < 2 or struct.unpack_from("<Q", page, 0)[0] != pgno or \
+            if len(page) != psize or struct.unpack_from("<Q", page, 0)[0] != pgno or \
                     not struct.unpack_from("<H", page, 10)[0] & 0x02:  # P_LEAF
                 return False
             lower = struct.unpack_from("<H", page, 12)[0]
@@ -374,8 +376,8 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
     path = os.path.abspath(os.fspath(path))
     entries = set(os.listdir(path))
     data = os.path.join(path, "data.mdb")
-    # The lock file: tierkv opened it (any tierkv command does, on any directory with a data.mdb:
-    # no evidence of a store alone).
+    # The lock file: tierkv opened it (evidence of nothing alone: anyone can make one, and tierkv
+    # makes it in a store copied without it).
     if not {"data.mdb", _LOCK_FILE} <= entries or not entries <= {"data.mdb", "lock.mdb", _LOCK_FILE, _REPAIR_DIR}:
         raise ValueError(f"{path!r} holds files a tierkv store does not ({', '.join(sorted(entries))}); "
                          "not removed: delete them yourself if they are yours to delete")
@@ -858,10 +860,35 @@ class DiskTier:
     @staticmethod
     def _lock_directory(path: str) -> int | None:
         """One process at a time per store: the index lives in the process, so a second writer would
-        evict and forget behind the first one's back. Refused at open, with the holder's pid."""
+        evict and forget behind the first one's back. Refused at open, with the holder's pid.
+
+        The lock file (``tierkv.lock``, holding the holder's pid) is made only where a store is or
+        will be: a directory without a ``data.mdb`` (or with an empty one), or one whose ``data.mdb``
+        lists tierkv's tables (``_holds_store_tables``; a store of an earlier build copied without
+        its lock file). Another program's LMDB environment raises ``ValueError`` with nothing
+        written there. A lock file that is a symbolic link raises ``ValueError`` too: it is
+        truncated and written, and through a link that would be any file the link names."""
         if fcntl is None:  # not POSIX: no advisory locks to take
             return None
-        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.path.join(path, _LOCK_FILE)
+        data = os.path.join(path, "data.mdb")
+        # A store makes its lock file before LMDB makes data.mdb, so only another program's
+        # directory, or a store copied without it, has a data.mdb and no lock file. Checked here,
+        # before anything is written: the refusal used to come after the lock (and, in a store's
+        # open, after LMDB's lock.mdb there was grown to tierkv's reader table), leaving
+        # tierkv.lock, with this pid, among the other program's files.
+        if not os.path.lexists(lock) and os.path.isfile(data) and os.path.getsize(data) > 0 \
+                and not _holds_store_tables(data):
+            raise ValueError(f"{path!r} holds an LMDB environment that is not a tierkv store (its data.mdb does not "
+                             "list a tierkv store's tables); pass a new or empty directory")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if os.path.islink(lock):  # ELOOP on Linux, EMLINK on FreeBSD: asked of the file, not the errno
+                raise ValueError(f"{lock!r} is a symbolic link ({os.readlink(lock)!r}); a store's lock file must be a "
+                                 "plain file, since tierkv writes its pid there: remove the link (tierkv makes the "
+                                 "file again)") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
