@@ -539,6 +539,25 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": "1"}}, 400, "logit_bias",
      "invalid_type"),
     ({"messages": [{"role": "user", "content": "x" * 100_000}]}, 413, None, "request_too_large"),
+    # Fields of a message the chat template has no place for, and stream_options without a stream:
+    # they were dropped without a word.
+    ({"messages": [{"role": "user", "content": "hi", "name": "alice"}]}, 400, "messages[0].name",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "and?"}]}, 400, "messages[1].tool_calls", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                        "function_call": {"name": "f", "arguments": "{}"}}]},
+     400, "messages[1].function_call", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                        "refusal": "I cannot help with that."}]},
+     400, "messages[1].refusal", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_1"}}]},
+     400, "messages[1].audio", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": False, "stream_options": {}}, 400,
+     "stream_options", "invalid_value"),
 ])
 def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, param: str | None,
                                         code: str | None) -> None:
@@ -559,8 +578,16 @@ def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: S
     neutral = dict(frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=False, top_logprobs=0,
                    tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False,
                    verbosity="medium", n=1, parallel_tool_calls=False, metadata={"a": "b"}, service_tier="auto",
-                   prediction={"type": "content", "content": "x"}, audio=None, functions=None, function_call="auto")
+                   prediction={"type": "content", "content": "x"}, audio=None, functions=None, function_call="auto",
+                   stream_options=None)
     assert text(server.chat(messages, key="k-neutral", **neutral)) == plain
+    # A message's: what a client sends back of OpenAI's replies (refusal: null...), an empty name.
+    history = [*messages, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More?"}]
+    plain = text(server.chat(history, key="k-neutral"))
+    neutral_history = [{**history[0], "name": ""}, {**history[1], "name": None},
+                       {**history[2], "refusal": None, "tool_calls": [], "function_call": None, "audio": None},
+                       history[3]]
+    assert text(server.chat(neutral_history, key="k-neutral")) == plain
 
 
 def openai_penalised_greedy(model: torch.nn.Module, tokenizer: Any, messages: list[dict[str, Any]], n: int,

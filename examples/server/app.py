@@ -252,6 +252,7 @@ def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Sett
     logit_bias = read_logit_bias(req.logit_bias, engine.tokenizer.vocab_size)
     messages: list[tuple[str, str]] = []
     for i, message in enumerate(req.messages):
+        refuse_unsupported_message(i, message)
         text = message.text()
         if text is None:
             if message.role != "assistant":
@@ -319,6 +320,37 @@ def refuse_unsupported(req: schemas.ChatCompletionRequest) -> None:
     if req.web_search_options is not None:
         raise refuse("web_search_options", "this server cannot search the web; send the request without "
                      "web_search_options")
+    if req.stream_options is not None and not req.stream:
+        # As OpenAI refuses it: its include_usage asks for a usage chunk, and without a stream there is none.
+        raise refuse("stream_options", "stream_options is only allowed with \"stream\": true; send stream: true, "
+                     "or omit stream_options (a reply that is not streamed always holds its usage)",
+                     code="invalid_value")
+
+
+def refuse_unsupported_message(i: int, message: schemas.Message) -> None:
+    """The 400 for a field OpenAI defines on ``messages[i]`` that this server's chat template has no
+    place for (``tokenizer``: role and text only), unless it holds its neutral value: left out of
+    the prompt, it would change what the model reads without telling the client."""
+    def refuse(field: str, why: str) -> ApiError:
+        return ApiError(400, f"messages[{i}].{field}: {why}", param=f"messages[{i}].{field}",
+                        code="unsupported_parameter")
+
+    if message.name:  # "" names no one: nothing is lost without it
+        raise refuse("name", "this server's chat template has no place for a participant's name; omit name, "
+                     "and write the name into the content instead (\"Alice: ...\")")
+    if message.tool_calls:
+        raise refuse("tool_calls", "this server calls no tools, and its chat template cannot show a tool call; "
+                     "send the conversation without tool calls and their tool messages (or describe them in the "
+                     "content)")
+    if message.function_call is not None:
+        raise refuse("function_call", "this server calls no functions, and its chat template cannot show a "
+                     "function call; send the conversation without it (or describe it in the content)")
+    if message.refusal is not None:
+        raise refuse("refusal", "this server's chat template has no place for a refusal; send its text as the "
+                     "message's content instead")
+    if message.audio is not None:
+        raise refuse("audio", "this server replies in text only and keeps no audio replies; send the message "
+                     "without audio, with its transcript as content")
 
 
 def read_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

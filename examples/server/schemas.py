@@ -4,8 +4,10 @@ Requests are validated strictly (``"5"`` is not an integer, ``true`` is not a nu
 does. Every field of OpenAI's chat-completions request is read: the ones that shape the reply are
 honoured (``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` included), or, where this
 server cannot honour them (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text...),
-refused by name with a 400 unless they hold their neutral value; the ones that do not change the
-reply (``metadata``, ``parallel_tool_calls``, ``prediction``, ``service_tier``) are accepted.
+refused by name with a 400 unless they hold their neutral value, as are the fields of a message
+the chat template has no place for (``name``, an assistant's ``tool_calls``...) and ``stream_options``
+without ``stream``; the ones that do not change the reply (``metadata``, ``parallel_tool_calls``,
+``prediction``, ``service_tier``) are accepted.
 Fields OpenAI does not define are ignored.
 
 Usage reports what tierkv did for the turn::
@@ -36,7 +38,12 @@ class Message(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    # Refused unless neutral (see app.refuse_unsupported_message): the chat template has no place for them.
     name: str | None = None
+    tool_calls: list[Any] | None = None         # an assistant's
+    function_call: dict[str, Any] | None = None  # an assistant's; the deprecated form of tool_calls
+    refusal: str | None = None                  # an assistant's
+    audio: dict[str, Any] | None = None         # an assistant's: a reference to an earlier audio reply
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
