@@ -799,6 +799,38 @@ def test_the_app_for_uvicorn_is_made_from_the_environment_on_first_use(monkeypat
         vars(module).pop("app", None)
 
 
+def test_the_app_for_uvicorn_warns_that_tierkv_host_and_port_are_not_its_to_read(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # uvicorn listens where its own --host and --port say: TIERKV_PORT=9000 was served on 8000
+    # without a word. (Nor can the app check uvicorn's address before its startup: see __getattr__.)
+    from uvicorn.importer import import_from_string
+
+    import examples.server.app as module
+
+    monkeypatch.delattr(module, "app", raising=False)
+    monkeypatch.setenv("TIERKV_STORE", "none")
+    for env in ("TIERKV_HOST", "TIERKV_PORT"):
+        monkeypatch.delenv(env, raising=False)
+    try:
+        for env, expected in ((None, None), ("TIERKV_PORT", "TIERKV_PORT set, but only `python -m examples.server` "
+                                                            "reads it"),
+                              ("TIERKV_HOST", "TIERKV_HOST and TIERKV_PORT set, but only `python -m examples.server` "
+                                              "reads them")):
+            if env is not None:
+                monkeypatch.setenv(env, "9000" if env == "TIERKV_PORT" else "127.0.0.1")
+            vars(module).pop("app", None)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="examples.server"):
+                import_from_string("examples.server.app:app")
+            warned = [r.getMessage() for r in caplog.records if r.name == "examples.server"]
+            if expected is None:
+                assert warned == []
+            else:
+                assert len(warned) == 1 and warned[0].startswith(expected) and "uvicorn: --host, --port" in warned[0]
+    finally:
+        vars(module).pop("app", None)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 import unicodedata
 import uuid
@@ -495,8 +496,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def __getattr__(name: str) -> Any:
-    """``app``, for ``uvicorn examples.server.app:app``: configured by ``TIERKV_*`` variables, made once."""
+    """``app``, for ``uvicorn examples.server.app:app``: configured by ``TIERKV_*`` variables, made once.
+
+    Where it listens is the server's to say (uvicorn's ``--host``/``--port``, or ``UVICORN_HOST``/
+    ``UVICORN_PORT``): ``TIERKV_HOST`` and ``TIERKV_PORT`` are read by ``python -m examples.server``
+    alone, so a warning says so when they are set. Nor can the app check that address before its
+    startup: uvicorn binds it only after the lifespan's startup has run (the store opened, the tiny
+    model built: 0.08 s, against the seconds uvicorn's import of this module takes, torch's), and
+    tells the app nothing of it (the lifespan's scope holds no address). ``python -m
+    examples.server`` checks it first (``settings.check_listen``)."""
     if name == "app":
+        ignored = [env for env in ("TIERKV_HOST", "TIERKV_PORT") if env in os.environ]
+        if ignored:
+            logger.warning("%s set, but only `python -m examples.server` reads %s: a server importing "
+                           "examples.server.app:app listens where its own flags say (uvicorn: --host, --port)",
+                           " and ".join(ignored), "them" if len(ignored) > 1 else "it")
         app = globals()["app"] = create_app()  # later lookups find it without calling here
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
