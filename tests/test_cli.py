@@ -719,3 +719,22 @@ def test_missing_path_non_store_incompatible_and_in_use_are_refused(copy: Callab
     verify_refused(results[3], 3, f"pid {os.getpid()}")
     assert not missing.exists() and list(empty.iterdir()) == []  # nothing created where nothing was
     assert len(records(held)) == BLOCKS
+
+
+@pytest.mark.parametrize("code", ["EROFS", "EACCES"])
+def test_a_store_the_command_cannot_write_names_the_way_out(tmp_path, monkeypatch, capsys, code):
+    """A store on a read-only mount (a snapshot) or in another user's directory: every command
+    takes the store's lock files there, even `stats`; the refusal says so and what to do."""
+    import errno
+
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=8):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path / "tierkv.lock"))
+
+    monkeypatch.setattr(disk.DiskTier, "_lock_directory", staticmethod(refuse))
+    assert cli.main(["stats", str(path)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "tierkv.lock" in err and "copy it to a writable place" in err

@@ -35,6 +35,7 @@ Exit codes (also in ``tierkv --help``): see ``EXIT_CODES``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -133,7 +134,15 @@ def _refusals() -> Iterator[None]:
         yield
     except StoreInUse as exc:
         raise CliError(EXIT_IN_USE, str(exc)) from None
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            # Every command takes the store's lock and LMDB's reader table, both files in the
+            # store's directory, even to read it.
+            raise CliError(EXIT_USAGE, f"{exc}: tierkv commands write the store's lock files, even to read "
+                                       "it; run as a user who can write the directory, or copy it to a writable "
+                                       "place (cp -r) and run the command there") from None
+        raise CliError(EXIT_USAGE, str(exc)) from None
+    except ValueError as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
     except lmdb.Error as exc:
         raise CliError(EXIT_USAGE, f"cannot open the store: {exc}") from None
