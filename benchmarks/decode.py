@@ -4,7 +4,10 @@
    on a model whose KV is large against its compute (many KV heads, few small layers).
 2. Decode step latency p50/p99 while the store spills 100 MiB to LMDB in the background, against
    the same decode with no spill. Decoding goes on until the spill has landed; only the steps
-   that ended with block writes still queued count as during the spill.
+   that ended with block writes still queued count as during the spill. Every step of both
+   decodes runs at the same context (the cache is cut back to it after each step): a step's
+   time grows with the context (each one copies the whole cache), and a spill that outlasts
+   the quiet decode's steps would otherwise be charged for its longer context.
 
     python -m benchmarks.decode
     python -m benchmarks.decode --context 512 --steps 16 --spill-mb 20    # a quick look
@@ -43,11 +46,24 @@ def kv_heavy_model(device: torch.device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
+def context_of(cache) -> int | None:
+    """The tokens ``cache`` holds, which every step of the spill figures decodes at (None: no cache)."""
+    return None if cache is None else cache.get_seq_length()
+
+
+def cut_back(cache, context: int | None) -> None:
+    """Untimed, after a step: the cache back to ``context`` tokens, so that the next step decodes at
+    the same context as every other (a step's time grows with the context it attends to and copies)."""
+    if context is not None and cache.get_seq_length() > context:
+        cache.crop(context - cache.get_seq_length())  # negative: transformers 5.25 refuses a length
+
+
 @torch.no_grad()
 def decode_steps(model: torch.nn.Module, cache, first: torch.Tensor, steps: int) -> list[float]:
-    """Greedy single-token forwards; seconds per step."""
+    """Greedy single-token forwards, each at the context the cache held at the start; seconds per step."""
     token = first
     times = []
+    context = context_of(cache)
     sync(first.device)
     for _ in range(steps):
         start = time.perf_counter()
@@ -55,18 +71,21 @@ def decode_steps(model: torch.nn.Module, cache, first: torch.Tensor, steps: int)
         token = logits[:, -1:].argmax(-1)
         sync(first.device)
         times.append(time.perf_counter() - start)
+        cut_back(cache, context)
     return times
 
 
 @torch.no_grad()
 def steps_while_spilling(model: torch.nn.Module, cache, first: torch.Tensor, store: TieredStore,
                          limit: int) -> tuple[list[float], int, float]:
-    """Greedy single-token forwards until ``store`` has no block write queued (asked between
-    steps, untimed), at most ``limit``: the seconds of the steps that ended with writes still
-    queued, how many steps that took, and the seconds from the first step to the spill's end
-    as seen between steps (inf if it outlasted ``limit``)."""
+    """Greedy single-token forwards, each at the context the cache held at the start, until
+    ``store`` has no block write queued (asked between steps, untimed), at most ``limit``: the
+    seconds of the steps that ended with writes still queued, how many steps that took, and the
+    seconds from the first step to the spill's end as seen between steps (inf if it outlasted
+    ``limit``)."""
     token = first
     times = []
+    context = context_of(cache)
     sync(first.device)
     began = time.perf_counter()
     for step in range(limit):
@@ -75,6 +94,7 @@ def steps_while_spilling(model: torch.nn.Module, cache, first: torch.Tensor, sto
         token = logits[:, -1:].argmax(-1)
         sync(first.device)
         seconds = time.perf_counter() - start
+        cut_back(cache, context)
         if store.stats()["pending_writes"] == 0:
             return times, step + 1, time.perf_counter() - began
         times.append(seconds)
@@ -202,6 +222,7 @@ def main() -> None:
         store.close()
     shutil.rmtree(path, ignore_errors=True)  # scratch: the spilled stores
     print(f"| spill size per round | {spill_bytes / 2**20:.0f} MiB ({spill_tokens} tokens) |")
+    print(f"| every decode step of the spill figures, with and without the spill, at context | {args.context} tokens |")
     if busy:
         print(f"| decode p50 during spill / no spill | {percentile(busy, 0.5) / percentile(quiet, 0.5):.3f} |")
         print(f"| decode p99 during spill / no spill | {percentile(busy, 0.99) / percentile(quiet, 0.99):.3f} |")

@@ -81,6 +81,44 @@ def test_decode_steps_count_as_during_the_spill_only_while_writes_are_queued() -
     assert (len(times), taken, landed) == (5, 5, float("inf"))
 
 
+class _GrowingCache:
+    """Stands in for a DynamicCache: each forward appends its tokens; ``crop`` cuts back."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        assert n < 0  # as transformers 5.25's: tokens to remove
+        self.length += n
+
+
+class _RecordingForward:
+    """A model whose forwards note the context each one decoded at."""
+
+    def __init__(self) -> None:
+        self.contexts: list[int] = []
+
+    def __call__(self, token, past_key_values=None):
+        self.contexts.append(past_key_values.get_seq_length())
+        past_key_values.length += token.shape[1]
+        return SimpleNamespace(logits=torch.zeros(1, 1, 4))
+
+
+def test_decode_spill_figures_compare_steps_at_one_context() -> None:
+    """A step's time grows with its context: a spill that outlasts the quiet decode's steps must not
+    be timed at longer contexts than the quiet steps it is compared with."""
+    from benchmarks.decode import decode_steps, steps_while_spilling
+
+    quiet, busy = _RecordingForward(), _RecordingForward()
+    decode_steps(quiet, _GrowingCache(100), torch.tensor([[1]]), 4)
+    times, taken, _ = steps_while_spilling(busy, _GrowingCache(100), torch.tensor([[1]]), _Pending(50), limit=9)
+    assert (len(times), taken) == (9, 9)
+    assert quiet.contexts == [100] * 4 and busy.contexts == [100] * 9
+
+
 class _EchoForward:
     def __init__(self) -> None:
         self.calls = 0
