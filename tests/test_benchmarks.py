@@ -456,6 +456,24 @@ def test_a_store_counts_its_writers_waits_for_a_cpu(tiny_model, tmp_path: Path) 
     assert 0 < waited < wall, (waited, wall)
 
 
+def test_disk_read_seconds_count_only_opens_that_read_from_disk(tiny_model, tmp_path: Path) -> None:
+    """The chat trace's GB/s from disk divides the bytes read by this time: opens served from memory
+    (most of a trace's) must not add theirs."""
+    model = tiny_model()
+    ids = random_ids(64, seed=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=16) as store:
+        cache = store.open(model, ids)
+        cache.commit(model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False))
+        for _ in range(20):
+            assert store.open(model, ids).restored_from["device"] == 63
+        stats = store.stats()
+    assert stats["moved_bytes"]["disk_to_host"] == 0 and stats["move_seconds"]["disk_to_host"] == 0.0
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=16) as store:  # a restart: from disk
+        assert store.open(model, ids).restored_from["disk"] == 63
+        stats = store.stats()
+    assert stats["moved_bytes"]["disk_to_host"] > 0 and stats["move_seconds"]["disk_to_host"] > 0
+
+
 def test_gb_per_s_only_where_bytes_moved_and_time_was_taken() -> None:
     from tierkv.bench import achieved_gb_per_s
 

@@ -354,10 +354,10 @@ def disk_write_seconds(stats: dict) -> float:
 
 
 def achieved_gb_per_s(moved: dict[str, int], seconds: dict[str, float]) -> dict[str, float | None]:
-    """GB/s per direction, None where it would mean nothing: no bytes moved (a store without a disk
-    tier still times its opens' empty disk reads), or no time taken or recorded (the store times its
-    disk paths, and its CUDA copies by their events; a CPU device tier's moves to and from the host
-    are hand-overs that copy nothing)."""
+    """GB/s per direction, None where it would mean nothing: no bytes moved, or no time taken or
+    recorded (the store times its disk paths, reads only in the opens that read from disk, and its
+    CUDA copies by their events; a CPU device tier's moves to and from the host are hand-overs that
+    copy nothing)."""
     return {d: moved[d] / seconds[d] / 1e9 if moved.get(d, 0) > 0 and seconds.get(d, 0) > 0 else None
             for d in DIRECTIONS if d in moved}
 

@@ -662,7 +662,8 @@ class TieredStore:
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
                 with self._locked_unless_interrupted():
                     self._check_open()
-                    self._read_seconds += read_seconds
+                    if reads:  # the disk's time only where this open read from it (the chat trace's GB/s)
+                        self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
                                                model, buffer)
                     cache._forgets_seen = forgets_seen
@@ -2003,7 +2004,7 @@ class TieredStore:
                 # disk errors; retried at every flush() and at close().
                 "owed_deletes": self._owed_keys(),
                 "moved_bytes": dict(self._moved),
-                # Wall time of the disk paths (writer transactions, reads in open); memory-tier
+                # Wall time of the disk paths (writer transactions, the reads of opens that read from disk); memory-tier
                 # copies are asynchronous jobs and are not timed here.
                 "move_seconds": {"host_to_disk": self._write_seconds,
                                  "disk_to_host": self._read_seconds},
