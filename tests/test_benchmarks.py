@@ -193,14 +193,14 @@ def prompt_lengths(args: dict) -> list[int]:
 def check_trace_report(report: dict, device_budget: int, host_budget: int) -> None:
     """What every chat-trace report must hold, against figures computed here from its own args."""
     policies = report["policies"]
-    assert set(policies) == {"recompute", "unbounded", "tierkv", "tierkv-no-disk", "offloaded"}
+    assert set(policies) == {"recompute", "resident", "unbounded", "tierkv", "tierkv-no-disk", "offloaded"}
     prompt_tokens = sum(prompt_lengths(report["args"]))
     for name, row in policies.items():
         if "skipped" in row:
             continue
         assert row["exact"] and 0 <= row["logit_error"] <= 1e-3, name
         assert row["ttft_p50_ms"] <= row["ttft_p95_ms"] <= row["ttft_p99_ms"], name
-        if name != "recompute":
+        if name not in ("recompute", "resident"):  # the policies without a store
             # Every prompt token of every turn is either restored from a tier or recomputed.
             assert sum(row["hit_tokens"].values()) + row["miss_tokens"] == prompt_tokens, name
     tiered, no_disk = policies["tierkv"], policies["tierkv-no-disk"]
@@ -224,11 +224,13 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
     kv_per_token = report["kv_bytes_per_token"]
     assert tiered["moved_bytes"]["disk_to_host"] % kv_per_token == 0
     assert tiered["moved_bytes"]["disk_to_host"] <= tiered["hit_tokens"]["disk"] * kv_per_token
-    for name in ("unbounded", "tierkv", "tierkv-no-disk"):
+    assert "hit_tokens" not in policies["resident"]  # no store: nothing it could count
+    for name in ("resident", "unbounded", "tierkv", "tierkv-no-disk"):
         row = policies[name]
         assert len(row["ttft_ms"]) == len(prompt_lengths(report["args"]))
         assert row["ttft_p50_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 50)))
-        assert 0 < row["commit_p50_ms"] <= row["commit_p99_ms"]
+        if name != "resident":
+            assert 0 < row["commit_p50_ms"] <= row["commit_p99_ms"]
 
 
 def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:
@@ -325,7 +327,8 @@ def test_chat_trace_in_several_rounds_with_budgets_given_as_flags(tmp_path: Path
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["policies"] == json.loads(json.dumps(summary["policies"]))
     check_trace_report(report, 4096, int(0.20 * report["working_set_bytes"]))
-    assert "ttft per turn tierkv / unbounded, median" in summary["ratios"]
+    assert {"ttft per turn tierkv / unbounded, median", "ttft per turn tierkv / resident, median",
+            "ttft_p50 unbounded / resident", "ttft_p50 tierkv / resident"} <= set(summary["ratios"])
     md = (tmp_path / "results.md").read_text()
     assert "policies taking turns in rounds of 3 turns" in md and "device 4KiB, host 20%" in md
 
