@@ -231,6 +231,10 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
         assert row["ttft_p50_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 50)))
         if name != "resident":
             assert 0 < row["commit_p50_ms"] <= row["commit_p99_ms"]
+            # The hits plot's data, in the JSON: cumulative per turn, ending at the row's totals.
+            after = row["hit_tokens_after_each_turn"]
+            assert len(after) == len(row["ttft_ms"]) and after[-1] == row["hit_tokens"]
+            assert all(a[t] <= b[t] for a, b in zip(after, after[1:]) for t in ("device", "host", "disk"))
 
 
 def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: Path) -> None:

@@ -392,6 +392,8 @@ def summarise(run_: dict) -> dict:
             row["commit_p50_ms"] = percentile(r.commit_seconds, 50) * 1e3
             row["commit_p99_ms"] = percentile(r.commit_seconds, 99) * 1e3
             row["peak_bytes"] = r.peak
+            # The hits plot's data: the store's hit tokens per tier, cumulative, after each turn's commit.
+            row["hit_tokens_after_each_turn"] = r.hits_over_time
             row["budgets"] = r.budgets
         rows[name] = row
     p50 = {name: rows[name].get("ttft_p50_ms") for name in rows}
@@ -446,13 +448,15 @@ def markdown(run_: dict, summary: dict) -> str:
                      f"({row['logit_error']:.1e}) |")
     cpu = run_["device"] == "cpu"
     lines += ["", f"TTFT percentiles interpolate linearly between the nearest of each policy's {run_['turns']} turns "
-              "(numpy's default).",
+              "(numpy's default). Decode tok/s: the median over turns of a turn's reply tokens after the first over "
+              "the time from its first token to generate's return.",
               "[1] " + ("On a CPU device tier the moves between device and host are hand-overs that copy nothing "
                         "(no GB/s). " if cpu else "") + "KV bytes, without the records' headers and padding.",
               "[2] To disk: bytes over the writer's time in its transactions less its waits for a CPU (it runs at a "
               "lower priority than the turns; the JSON's to_disk_wall_gb_per_s counts them). From disk: records "
               "written earlier in this run, mostly read from the page cache.",
-              "[3] Blocks at rest in each tier, after each commit; the cache of the turn in progress is not counted.",
+              "[3] Blocks at rest in each tier, after each commit; the cache of the turn in progress is not counted. "
+              "On disk, the records' footprints in the file (their headers and padding too), as its budget counts them.",
               "[4] The same tokens as recompute on every turn, and each turn's first logits within "
               f"{LOGIT_TOLERANCE:g} of a standard deviation of recompute's; in brackets the largest difference seen.",
               "", "| ratio | value |", "|---|---|"]
