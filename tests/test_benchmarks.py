@@ -337,6 +337,18 @@ def test_chat_trace_in_several_rounds_with_budgets_given_as_flags(tmp_path: Path
     assert "policies taking turns in rounds of 3 turns" in md and "device 4KiB, host 20%" in md
 
 
+@pytest.mark.parametrize("flags", [[], ["--system-tokens", "30", "--block-size", "16"], ["--system-tokens", "0"]],
+                         ids=["prompt-in-whole-blocks", "prompt-ending-inside-a-block", "no-prompt"])
+def test_chat_trace_working_set_is_what_an_unbounded_store_holds(flags: list[str], tmp_path: Path) -> None:
+    """(c)'s budgets are percentages of the working set: it must be the KV the store needs to hold
+    everything, which the unbounded device tier, evicting nothing, holds at the end. A system prompt
+    ending inside a block is kept in each conversation's copy of that block."""
+    from tierkv.bench import parse_args, run
+
+    result = run(parse_args([*TOY_TRACE, *flags, "--out", str(tmp_path)]))
+    assert result["results"]["unbounded"].peak["device"] == result["working_set_bytes"]
+
+
 def test_chat_trace_disk_budget_flag_reaches_the_store(tmp_path: Path) -> None:
     import json
 

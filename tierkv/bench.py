@@ -105,17 +105,24 @@ def make_trace(args: argparse.Namespace, vocab: int) -> tuple[np.ndarray, list[T
     return system, turns
 
 
-def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_per_token: int) -> int:
-    """KV bytes of everything the trace ever holds: the shared system prompt once, plus each
-    conversation (a session between resets) at its longest."""
+def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_per_token: int,
+                      block_size: int) -> int:
+    """KV bytes of everything the trace ever holds, as a store that evicts nothing holds it: the
+    system prompt's whole blocks once, shared; each conversation (a session between resets) at its
+    longest, with its own copy of the block the system prompt ends inside (that block holds the
+    conversation's first tokens too), less its last token, whose KV no turn computes (the reply's
+    last token is never fed)."""
     current = {s: 0 for s in range(sessions)}
-    finished = 0
+    conversations = []
     for t in turns:
-        if t.reset:
-            finished += current[t.session]
+        if t.reset and current[t.session]:
+            conversations.append(current[t.session])
             current[t.session] = 0
         current[t.session] += len(t.user_tokens) + t.reply_tokens
-    return (system_tokens + finished + sum(current.values())) * kv_per_token
+    conversations += [n for n in current.values() if n]
+    shared = system_tokens // block_size * block_size
+    own = system_tokens - shared
+    return (shared + sum(own + n - 1 for n in conversations)) * kv_per_token
 
 
 @dataclass
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_config(config).to(device).eval()
     kv_per_token = 2 * args.layers * config.num_key_value_heads * (args.hidden // config.num_attention_heads) * 4
     system, turns = make_trace(args, config.vocab_size)
-    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token)
+    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token, args.block_size)
     try:
         from tqdm import tqdm
         progress = tqdm(total=len(turns) * 6, desc="chat trace", unit="turn")
