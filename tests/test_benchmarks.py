@@ -389,6 +389,10 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     given = parse_args(["--quick", "--sessions", "32", "--context", "4096"])
     assert (given.sessions, given.context, given.turns) == (32, 4096, QUICK["turns"])
     assert parse_args([]).sessions == 16  # without --quick, the full trace's defaults
+    # The rotation gives every policy every place in a round equally often only over a multiple of
+    # their number of rounds: five on a CPU (recompute, resident, unbounded, tierkv, tierkv-no-disk).
+    for args in (quick, parse_args([])):
+        assert -(-args.turns // args.round_turns) % 5 == 0, (args.turns, args.round_turns)
 
 
 @pytest.mark.parametrize("flags, message", [
