@@ -399,3 +399,34 @@ def test_a_model_feeding_more_layers_than_its_config_declares_is_refused(tmp_pat
         assert len(cache.layers) == 1
         with pytest.raises(ValueError, match="KV for layer 1, but its config declares 1 layers.*DynamicCache"):
             greedy(model, random_ids(PROMPT, seed=8), past_key_values=cache)
+
+
+# -- 7. a model that keeps some of its weights in float32 -----------------------------------------
+def test_a_model_keeping_weights_in_float32_is_exact_in_bf16(tmp_path: Path) -> None:
+    """Loaded in bf16, Ergo keeps its embeddings and norms in float32 (``_keep_in_fp32_modules_strict``),
+    and computes its KV in bf16: commit refused it as autocast's, its first parameter being float32
+    (found by helper-51's sweep). Exact through disk and a reopened store."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "ergo" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Ergo (5.25 on)")
+    config = AutoConfig.for_model("ergo", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, first_dense_intermediate_size=128, moe_intermediate_size=32,
+                                  shared_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                  layer_types=["full_attention"] * 2, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    dtypes = [p.dtype for p in model.parameters()]
+    assert dtypes[0] == torch.float32 and dtypes.count(torch.bfloat16) > len(dtypes) // 3  # the mix in question
+    ids = random_ids(PROMPT, seed=9)
+    expected_restored = 0
+    for turn in range(3):
+        with new_store(tmp_path, "disk") as store:  # closed and reopened each turn: restored from the file
+            cache = store.open(model, ids, session="mixed")
+            assert_opened(cache, "disk", expected_restored)
+            out = greedy(model, ids, past_key_values=cache)
+            assert_tokens_equal(out, greedy(model, ids), f"ergo bf16 turn {turn}")
+            assert cache.commit(out) == out.shape[1] - 1
+        expected_restored = out.shape[1] - 1
+        ids = torch.cat([out, user_tokens(turn, seed=900)], dim=1)

@@ -141,6 +141,9 @@ class ModelInfo:
     # Which sampled parameters the fingerprint read (its WeightSample's id) and their version
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
+    # The dtype its layers compute KV in (_kv_dtype): dtype's, the first parameter's, unless the
+    # model keeps some weights in another (transformers' _keep_in_fp32_modules).
+    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(slots=True)
@@ -174,6 +177,7 @@ class _Static:
     # The classes of the model and of the transformers models inside it whose
     # prepare_inputs_for_generation describe_model keeps checked (_install_checked_prepare).
     prepare_classes: tuple[type, ...] = ()
+    kv_dtype: torch.dtype | None = None  # see _kv_dtype
 
     def config_current(self, model: Any) -> bool:
         """Whether the fields the config digest covers are as they were when it was taken (a
@@ -549,7 +553,26 @@ def _static_facts(model: Any) -> _Static:
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()),
                    text_config=text_config, config_seen=_snapshot(_covered(text_config)),
                    config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model),
-                   experts_configs=_experts_configs(model), prepare_classes=prepare_classes)
+                   experts_configs=_experts_configs(model), prepare_classes=prepare_classes,
+                   kv_dtype=_kv_dtype(model))
+
+
+def _kv_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype the model's layers compute KV in: that of most of the weights of its modules
+    that have a ``layer_idx`` (attention modules, decoder layers). Not always the first
+    parameter's: a model loaded in bf16 keeps the modules its class lists in
+    ``_keep_in_fp32_modules`` in float32 (Ergo's embeddings and norms, first of its parameters),
+    and computes its KV in bf16. None when no module has a layer_idx (the first parameter's then)."""
+    sizes: dict[torch.dtype, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if not hasattr(module, "layer_idx"):
+            continue
+        for p in module.parameters():
+            if id(p) not in seen and p.is_floating_point():
+                seen.add(id(p))
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else None
 
 
 def _vocab(model: Any) -> int | None:
@@ -1010,7 +1033,8 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
                      attention=attention, experts=experts, precision=precision, switches=switches, vocab=static.vocab,
-                     positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
+                     positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters),
+                     kv_dtype=static.kv_dtype or first.dtype)
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -1442,7 +1466,7 @@ class TieredCache(Cache):
             # Under autocast keys and values come out in different dtypes (RoPE promotes the keys),
             # neither the model's: KV restored into it, or kept from it, would not equal recomputation.
             raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
-                             f"{self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
+                             f"{self.model_info.kv_dtype or self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
                              "(model.to(torch.bfloat16)) and run it without autocast")
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))

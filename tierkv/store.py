@@ -998,12 +998,13 @@ class TieredStore:
         if n < len(seq) - 1 and not crossed and not unfinished:
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
-        others = cache.kv_dtypes() - {cache.model_info.dtype}
+        kv_dtype = cache.model_info.kv_dtype or cache.model_info.dtype
+        others = cache.kv_dtypes() - {kv_dtype}
         if others:
             # Blocks are keyed by the model's dtype: KV of another dtype (autocast) would be served
             # to the model without it, and the restore would not equal recomputation.
             raise ValueError(f"the cache holds KV in {' and '.join(sorted(map(str, others)))} but the model's weights are "
-                             f"{cache.model_info.dtype} (autocast?); run generate() without autocast, or cast the "
+                             f"{kv_dtype} (autocast?); run generate() without autocast, or cast the "
                              "model to the dtype it computes in (model.to(torch.bfloat16))")
         if cache.batch_rows() > 1 or cache._rows_diverged:
             # Beams and extra return sequences share only the prompt's KV; generated rows are
