@@ -1696,6 +1696,11 @@ def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model
             "gemma3n_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, layer_types=["full_attention"] * 4,
             num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, **heads),
+        # Layers without attention, 'dummy' in transformers' caches as KV-sharing layers are:
+        # refused as sharing KV (num_kv_shared_layers=None), which Nemotron-H does not (helper-51).
+        r"has \['mlp'\] layers.*no attention and hold no KV": AutoConfig.for_model(
+            "nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+            layer_types=["full_attention", "mlp"], **heads),
     }
     ids = random_ids(21)
     with TieredStore(None, device="cpu", block_size=B) as store:

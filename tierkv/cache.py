@@ -499,12 +499,21 @@ def _static_facts(model: Any) -> _Static:
     if not layer_types:
         raise ValueError(f"{type(model).__name__} has no decoder layers (num_hidden_layers=0): it has no KV to "
                          "store; build it with at least one layer")
+    # transformers' caches give "dummy" layers to layers that hold no KV: those reading another
+    # layer's (KV sharing) and layers without attention (layer_types "mlp", "moe":
+    # Nemotron-H's), which are named here as the config names them.
+    declared = getattr(text_config, "layer_types", None)
+    if isinstance(declared, (list, tuple)) and len(declared) == len(layer_types):
+        layer_types = [d if t == "dummy" and d in ("mlp", "moe") else t for t, d in zip(layer_types, declared)]
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         # With layer_types in the config, those name the layers' kinds whatever sliding_window says.
         hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
                 "sliding_window=None)" if "sliding_attention" in other and
                 getattr(text_config, "layer_types", None) is None else "")
+        if {"mlp", "moe"} & set(other):
+            hint += (" ('mlp' and 'moe' layers have no attention and hold no KV, so the cache's layers are not "
+                     "the model's; tierkv supports models whose every layer holds its own KV)")
         if "dummy" in other:
             shared = getattr(text_config, "num_kv_shared_layers", None)
             raise ValueError(f"{type(model).__name__} shares KV between layers (num_kv_shared_layers={shared}: its "
