@@ -1719,6 +1719,17 @@ def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model
         out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
         assert cache.commit(out) == out.shape[1] - 1
+        # MusicGen's decoders (not built by AutoModelForCausalLM from their config): generate()
+        # rewrites the ids into a delay pattern over the codebooks; with one codebook, a row of ids
+        # passed open and was refused at the first forward as not the conversation's (helper-51).
+        from transformers import MusicgenMelodyForCausalLM
+        from transformers.models.musicgen_melody.configuration_musicgen_melody import MusicgenMelodyDecoderConfig
+        torch.manual_seed(0)
+        model = MusicgenMelodyForCausalLM(MusicgenMelodyDecoderConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+            num_codebooks=1, pad_token_id=1, bos_token_id=1)).eval()
+        with pytest.raises(ValueError, match="generates audio codebooks: its generate.. rewrites the ids"):
+            store.open(model, ids)
 
 
 def test_a_model_whose_layers_hold_kv_of_other_shapes_is_refused_at_its_first_forward():

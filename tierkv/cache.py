@@ -286,6 +286,13 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         raise ValueError(f"{name} runs its recurrent layers {loops} times, each loop over cache layers it adds "
                          "(copies of the recurrent layers' own) past num_hidden_layers: tierkv cannot restore "
                          "those. Use it without tierkv")
+    if callable(getattr(model, "build_delay_pattern_mask", None)):
+        # MusicGen's decoders: generate() rewrites the ids it is given into a delay pattern over
+        # the codebooks (found by helper-51's sweep: refused at the first forward as ids that are
+        # not the conversation's, a message about what the caller fed).
+        raise ValueError(f"{name} generates audio codebooks: its generate() rewrites the ids it is given (a "
+                         "delay pattern over num_codebooks rows), so the KV it computes is not that of the "
+                         "conversation's ids. tierkv supports text decoders; use it without tierkv")
     if "langs" in inputs:
         raise ValueError(f"{name} adds language embeddings (langs, which generate() fills in from the config) to "
                          "the ids' KV, which tierkv keys on token ids alone. Use it without tierkv")
