@@ -430,3 +430,12 @@ def test_a_model_keeping_weights_in_float32_is_exact_in_bf16(tmp_path: Path) -> 
             assert cache.commit(out) == out.shape[1] - 1
         expected_restored = out.shape[1] - 1
         ids = torch.cat([out, user_tokens(turn, seed=900)], dim=1)
+    # Its KV comes from bf16 matmuls: float32's matmul precision is not its fingerprint's.
+    from tierkv.cache import describe_model
+
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert describe_model(model).precision is None
+    finally:
+        torch.set_float32_matmul_precision(saved)

@@ -1035,7 +1035,9 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
     if switches is not None:
         h.update(f"switches:{switches}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
-    precision = _matmul_precision(first.device, first.dtype) if as_opened is None else as_opened.precision
+    # The layers' dtype: a model keeping its embeddings in float32 computes its KV in bf16 matmuls.
+    precision = _matmul_precision(first.device, static.kv_dtype or first.dtype) if as_opened is None \
+        else as_opened.precision
     if precision is not None:
         h.update(f"precision:{precision}".encode())
     # RoPE's frequencies (weights.is_frequency_buffer), derived from the config but not saved with
@@ -1524,7 +1526,8 @@ class TieredCache(Cache):
                              "cache = store.open(model, input_ids)")
         # At every forward, where the KV is computed; not at commit, which computes nothing and
         # may come after the `with sdpa_kernel(...)` block the turn ran in.
-        precision = None if weights else _matmul_precision(self.model_info.device, self.model_info.dtype)
+        precision = None if weights else _matmul_precision(self.model_info.device,
+                                                           self.model_info.kv_dtype or self.model_info.dtype)
         if not weights and precision != self.model_info.precision:
             raise ValueError(f"torch's matmul precision changed since store.open (from "
                              f"{self.model_info.precision or 'the default'!r} to {precision or 'the default'!r}: "
