@@ -180,6 +180,43 @@ def test_a_first_forward_with_grad_enabled_assembles_the_layer_as_before(tiny_mo
         logits.sum().backward()
 
 
+def test_a_forward_with_grad_whose_keys_need_none_leaves_the_buffer_alone_for_backward(tmp_path):
+    # A model whose first layer's query needs grad while its keys and values do not (an adapter
+    # on q_proj alone), with as many KV heads as query heads (attention saves the keys it is
+    # given, not a copy repeated per head). Before: layer 0 took the fast path, its attention
+    # saved views of the shared buffer for backward, and layer 1, whose keys need grad, copied
+    # the block from the host tier into that buffer: backward raised ("modified by an inplace
+    # operation") where a DynamicCache's did not.
+    from conftest import make_model
+
+    model = make_model("llama", seed=5, num_key_value_heads=4)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("model.layers.0.self_attn.q_proj."))
+    ids = random_ids(2 * B + 1, 80)  # + 4 generated: 2 full blocks and a tail of 4 are kept
+    config = model.config
+    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        assert cache.commit(out) == 2 * B + 4
+        store.flush()
+        nxt = torch.cat([out, random_ids(3, 81)], dim=1)
+        cache = store.open(model, nxt)
+        assert [job is IN_PLACE for job, _ in restore_of(cache).blocks] == [True, True, False]
+        r = cache.restored_tokens
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :r], past_key_values=plain)
+        expected = model(nxt[:, r:], past_key_values=plain).logits
+        expected.sum().backward()
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        grad, q_proj.grad = q_proj.grad, None
+        logits = model(nxt[:, r:], past_key_values=cache).logits
+        assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
+        logits.sum().backward()
+        assert torch.allclose(q_proj.grad, grad, atol=1e-5, rtol=0)
+
+
 def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_buffer(tiny_model, tmp_path):
     # The buffer is made by the first block read into it, from that record's header, before its
     # checksum is known. Before: when that record failed, the buffer it shaped (here with heads

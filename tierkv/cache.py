@@ -48,8 +48,8 @@ and holds no policy:
   are the two contiguous halves of that one tensor. A restore that ``open`` read from disk into
   one buffer of its own (on CPU, blocks no memory tier keeps: ``restore_slots``) is assembled in
   that buffer instead: the first ``update`` that brings exactly the conversation's remaining
-  tokens in one row writes them into the room left for them, and any other first access copies
-  the prefix out as before.
+  tokens in one row, with autograd off (``generate`` runs under ``no_grad``), writes them into
+  the room left for them, and any other first access copies the prefix out as before.
   ``commit(sequences)`` hands the KV back to the store.
 
 Generation details handled here:
@@ -1256,8 +1256,11 @@ class TieredLayer(DynamicLayer):
             # Not with autograd recording: every layer's keys and values are views of one buffer,
             # and each layer's write into it is an in-place change of their base that autograd
             # holds against the others (the next step's concatenation of a split's view raises).
+            # Whether the keys need grad is not enough: a query that does (an adapter on q_proj
+            # alone) has attention save the layer's views, and a later layer's copy of a block
+            # from memory into the buffer then fails backward.
             if buffer is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == buffer.dtype \
-                    and not (key_states.requires_grad or value_states.requires_grad) \
+                    and not torch.is_grad_enabled() \
                     and restore.tokens + key_states.shape[-2] == buffer.shape[3] \
                     and key_states.shape == value_states.shape == (1, buffer.shape[2], key_states.shape[2], buffer.shape[4]):
                 # The first forward after a restore read from disk, with the conversation's new
