@@ -52,6 +52,23 @@ def returning(model, tmp_path, seed: int, new: int) -> Iterator[tuple[TieredStor
         yield store, torch.cat([out, random_ids(new, seed + 1)], dim=1)
 
 
+@contextlib.contextmanager
+def host_tail(model, tmp_path, seed: int) -> Iterator[tuple[TieredStore, torch.Tensor]]:
+    """A disk-only store whose host tier holds a turn's tail of 4 tokens and no full block, after
+    one turn of 2 full blocks and that tail, flushed (read back from disk, not from the writes'
+    own buffers): the next restore mixes disk blocks read into its buffer with the tail from
+    memory. Yields the store and the next turn's ids."""
+    ids = random_ids(2 * B + 1, seed)  # + 4 generated
+    config = model.config
+    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        assert cache.commit(out) == 2 * B + 4
+        store.flush()
+        yield store, torch.cat([out, random_ids(3, seed + 1)], dim=1)
+
+
 def restore_of(cache: TieredCache):
     restore = cache.layers[0]._pending
     assert restore is not None and all(layer._pending is restore for layer in cache.layers)
@@ -92,17 +109,8 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
 
 def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the_buffer(tiny_model, tmp_path):
     model = tiny_model("llama")
-    ids = random_ids(2 * B + 1, 20)  # + 4 generated: 2 full blocks and a tail of 4 are kept
-    config = model.config
-    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
-    with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
-        cache = store.open(model, ids)
-        out = generate(model, ids, cache)
-        assert cache.commit(out) == 2 * B + 4
-        store.flush()  # written: read from disk, not from the writes' own buffers
-        stats = store.stats()
-        assert stats["host"]["blocks"] == 1  # the tail fits the host tier, full blocks do not
-        nxt = torch.cat([out, random_ids(3, 21)], dim=1)
+    with host_tail(model, tmp_path, 20) as (store, nxt):
+        assert store.stats()["host"]["blocks"] == 1  # the tail fits the host tier, full blocks do not
         cache = store.open(model, nxt)
         assert cache.restored_from == {"device": 0, "host": 4, "disk": 2 * B}
         restore = restore_of(cache)
@@ -192,15 +200,7 @@ def test_a_forward_with_grad_whose_keys_need_none_leaves_the_buffer_alone_for_ba
     model = make_model("llama", seed=5, num_key_value_heads=4)
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("model.layers.0.self_attn.q_proj."))
-    ids = random_ids(2 * B + 1, 80)  # + 4 generated: 2 full blocks and a tail of 4 are kept
-    config = model.config
-    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
-    with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
-        cache = store.open(model, ids)
-        out = generate(model, ids, cache)
-        assert cache.commit(out) == 2 * B + 4
-        store.flush()
-        nxt = torch.cat([out, random_ids(3, 81)], dim=1)
+    with host_tail(model, tmp_path, 80) as (store, nxt):
         cache = store.open(model, nxt)
         assert [job is IN_PLACE for job, _ in restore_of(cache).blocks] == [True, True, False]
         r = cache.restored_tokens
