@@ -764,6 +764,38 @@ def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
     assert _kernel_switches(torch.device("cpu"), "sdpa") is None
 
 
+def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatch):
+    # torch sets SDPA's kernel order on CUDA once per process, at its first SDPA call: cuDNN first
+    # on sm90 and sm100. On an H200 (torch 2.11) a cache opened before the process's first forward
+    # read [1, 2, 0, 3, 4], the prefill made it [3, 1, 2, 0, 4], and the first decode step raised
+    # "kernel switches changed since store.open". Monkeypatched, as no GPU runs the suite.
+    import tierkv.cache as cache_module
+
+    order = [1, 2, 0, 3, 4]
+
+    def first_sdpa(*tensors):  # sdp_utils.cpp's priority_order(), the first time it runs
+        order[:] = [3, 1, 2, 0, 4]
+        return 1
+
+    empty = torch.empty
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: list(order))
+    monkeypatch.setattr(torch, "_fused_sdp_choice", first_sdpa)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "empty", lambda *shape, device=None, **kw: empty(*shape, **kw))
+    monkeypatch.setattr(cache_module, "_sdpa_order_settled", False)
+    cuda = torch.device("cuda")
+    at_open = cache_module._kernel_switches(cuda, "sdpa")
+    torch._fused_sdp_choice()  # the prefill's SDPA
+    assert cache_module._kernel_switches(cuda, "sdpa") == at_open == "sdpa-order:[3, 1, 2, 0, 4]"
+    # Torch sets no order while every kernel is off (a forward fails then): settled at a later read.
+    order[:] = [1, 2, 0, 3, 4]
+    monkeypatch.setattr(cache_module, "_sdpa_order_settled", False)
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel([]):
+        assert cache_module._kernel_switches(cuda, "sdpa") == "sdpa-off:flash+mem_efficient+math+cudnn"
+    assert cache_module._kernel_switches(cuda, "sdpa") == "sdpa-order:[3, 1, 2, 0, 4]"
+
+
 def test_another_matmul_precision_never_reuses_blocks(tmp_path):
     # torch.set_float32_matmul_precision("medium") runs float32 matmuls through bf16 on a CPU
     # with oneDNN's bf16 kernels (TF32 on CUDA at "high"): fp32 logits 2e-3 apart, against 1e-7.

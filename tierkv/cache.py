@@ -77,6 +77,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -606,8 +607,34 @@ def _attention_of(model: Any) -> str | None:
 
 
 # torch's own order of SDPA's kernels (flash, memory-efficient, math, cuDNN, overrideable), which
-# ``sdpa_kernel(..., set_priority=True)`` replaces.
+# ``sdpa_kernel(..., set_priority=True)`` replaces. On CUDA, torch reorders them itself at its first
+# SDPA call in the process (cuDNN first on sm90 and sm100, the order read after that then: see
+# _settle_sdpa_order).
 _SDPA_ORDER = [1, 2, 0, 3, 4]
+_sdpa_order_settled = False
+
+
+def _settle_sdpa_order(device: torch.device) -> None:
+    """Have torch set SDPA's kernel order on CUDA as it does at its first SDPA call: once per
+    process, a priority order still unset (``priority_order_init_`` in sdp_utils.cpp) is replaced
+    there by cuDNN's first on Hopper and Blackwell (torch 2.11 on an H200: [1, 2, 0, 3, 4] at open,
+    [3, 1, 2, 0, 4] after the prefill), so a cache opened before the process's first forward found
+    other kernel switches at its first decode step and raised. ``torch._fused_sdp_choice`` on
+    empty tensors runs that setting without running a kernel."""
+    global _sdpa_order_settled
+    backends = torch.backends.cuda
+    if _sdpa_order_settled or device.type != "cuda" or not (backends.flash_sdp_enabled() or backends.math_sdp_enabled()
+                                                            or backends.mem_efficient_sdp_enabled()
+                                                            or backends.cudnn_sdp_enabled()):
+        return  # with every kernel off torch sets no order (and a forward fails): settled at a later read
+    _sdpa_order_settled = True
+    try:
+        with torch.cuda.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = torch.empty((1, 1, 1, 64), dtype=torch.float16, device=device)
+            torch._fused_sdp_choice(q, q, q)
+    except Exception:  # all kernels off (sdpa_kernel), or a torch without it: the order as it is
+        pass
 
 
 def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
@@ -630,8 +657,10 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
         if off:
             parts.append(f"sdpa-off:{'+'.join(off)}")
         order = getattr(torch._C, "_get_sdp_priority_order", None)
-        if order is not None and list(order()) != _SDPA_ORDER:
-            parts.append(f"sdpa-order:{list(order())}")
+        if order is not None:
+            _settle_sdpa_order(device)
+            if list(order()) != _SDPA_ORDER:
+                parts.append(f"sdpa-order:{list(order())}")
         reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
         if reduced is not None and reduced():
             parts.append("sdpa-math-reduced")
