@@ -695,7 +695,7 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         _, out = turn(store, model, ids, new=2)
         nxt = cat(out, random_ids(3, 4))
         with sdpa_kernel(SDPBackend.MATH):
-            assert describe_model(model).switches == "sdpa-off:flash+mem_efficient+cudnn"
+            assert describe_model(model).switches == "sdpa-off:flash"  # a CPU has no memory-efficient or cuDNN kernel
             turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under the math kernel
             assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 1
             cache = store.open(model, nxt)
@@ -703,8 +703,8 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         assert cache.commit(later) == later.shape[1] - 1  # after the with block: its forwards ran inside
         with sdpa_kernel(SDPBackend.MATH):
             assert store.open(model, later).restored_tokens == later.shape[1] - 1
-        with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
-            assert "sdpa-order:" in describe_model(model).switches
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # math off: the flash kernel, where it runs
+            assert describe_model(model).switches == "sdpa-off:math"
             assert store.open(model, nxt).restored_tokens == 0
         assert describe_model(model).switches is None
         cache = store.open(model, nxt)
@@ -726,6 +726,38 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
             assert describe_model(eager).switches is None
             cache = store.open(eager, nxt)
         assert torch.equal(generate(eager, nxt, 2, cache), generate(eager, nxt, 2))
+
+
+def test_sdpa_switches_a_cpu_ignores_change_nothing(tmp_path):
+    # A CPU runs SDPA's flash kernel, else its math one, whatever the priority order says, and has
+    # no memory-efficient or cuDNN kernel: code written for CUDA that turns cuDNN off
+    # (sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH])) or reorders the kernels computes
+    # the default's KV, bit for bit. It was refused at a forward of a cache opened outside the
+    # block, and restored nothing inside it.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = make_model("llama", seed=3).to(torch.bfloat16)
+    ids = random_ids(40, 3)
+    settings = {"default": contextlib.nullcontext,
+                "no cudnn": lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                 SDPBackend.MATH]),
+                "math first": lambda: sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True)}
+    with torch.no_grad():
+        kv = {}
+        for name, setting in settings.items():
+            kv[name] = DynamicCache()
+            with setting():
+                model(ids, past_key_values=kv[name])
+    assert all(torch.equal(kv["default"].layers[1].keys, kv[name].layers[1].keys) for name in settings)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+        _, out = turn(store, model, ids, new=2)
+        nxt = cat(out, random_ids(3, 4))
+        for name, setting in settings.items():
+            cache = store.open(model, nxt)
+            assert cache.restored_tokens == out.shape[1] - 1
+            with setting():
+                assert describe_model(model).switches == cache.model_info.switches
+                assert torch.equal(generate(model, nxt, 2, cache), generate(model, nxt, 2)), name
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")

@@ -647,24 +647,30 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
     (``torch.backends.cuda.preferred_blas_library``). Read at every open and every forward; None
     at the defaults, so that fingerprints taken before this was read stay valid. Another kernel
     rounds otherwise: the CPU's math SDPA kernel instead of its flash one put a 4-layer Llama's
-    keys 1e-6 apart from the second layer on, bf16 matmuls without oneDNN 1e-2."""
+    keys 1e-6 apart from the second layer on, bf16 matmuls without oneDNN 1e-2.
+
+    A CPU runs SDPA's flash kernel or its math one, in that order whatever the priority order
+    says: the memory-efficient and cuDNN switches and the order change nothing there and are not
+    read (``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH])``, as code written for CUDA
+    does, was refused at a forward of a cache opened outside it, and restored nothing inside)."""
     parts = []
+    cpu = device.type == "cpu"
     if attention in (None, "sdpa"):
         backends = torch.backends.cuda
-        off = [name for name, enabled in (("flash", backends.flash_sdp_enabled), ("mem_efficient",
-                                          backends.mem_efficient_sdp_enabled), ("math", backends.math_sdp_enabled),
-                                          ("cudnn", backends.cudnn_sdp_enabled)) if not enabled()]
+        switches = (("flash", backends.flash_sdp_enabled), ("mem_efficient", backends.mem_efficient_sdp_enabled),
+                    ("math", backends.math_sdp_enabled), ("cudnn", backends.cudnn_sdp_enabled))
+        off = [name for name, enabled in switches if not (cpu and name in ("mem_efficient", "cudnn")) and not enabled()]
         if off:
             parts.append(f"sdpa-off:{'+'.join(off)}")
         order = getattr(torch._C, "_get_sdp_priority_order", None)
-        if order is not None:
+        if order is not None and not cpu:
             _settle_sdpa_order(device)
             if list(order()) != _SDPA_ORDER:
                 parts.append(f"sdpa-order:{list(order())}")
         reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
         if reduced is not None and reduced():
             parts.append("sdpa-math-reduced")
-    if device.type == "cpu" and not torch.backends.mkldnn.enabled:
+    if cpu and not torch.backends.mkldnn.enabled:
         parts.append("onednn:off")
     elif device.type == "cuda":
         blas = torch.backends.cuda.preferred_blas_library()  # TORCH_BLAS_PREFER_CUBLASLT=1, or set in code
