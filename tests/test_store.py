@@ -695,7 +695,8 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         _, out = turn(store, model, ids, new=2)
         nxt = cat(out, random_ids(3, 4))
         with sdpa_kernel(SDPBackend.MATH):
-            assert describe_model(model).switches == "sdpa-off:flash"  # a CPU has no memory-efficient or cuDNN kernel
+            # A CPU has no memory-efficient or cuDNN kernel.
+            assert describe_model(model).switches == f"sdpa-off:flash,threads:{torch.get_num_threads()}"
             turn(store, model, nxt, new=2, expect=0)  # checked against no cache, under the math kernel
             assert store.open(model, nxt).restored_tokens == nxt.shape[1] - 1
             cache = store.open(model, nxt)
@@ -704,14 +705,14 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         with sdpa_kernel(SDPBackend.MATH):
             assert store.open(model, later).restored_tokens == later.shape[1] - 1
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # math off: the flash kernel, where it runs
-            assert describe_model(model).switches == "sdpa-off:math"
+            assert describe_model(model).switches == f"sdpa-off:math,threads:{torch.get_num_threads()}"
             assert store.open(model, nxt).restored_tokens == 0
-        assert describe_model(model).switches is None
+        assert describe_model(model).switches == f"threads:{torch.get_num_threads()}"
         cache = store.open(model, nxt)
         assert cache.restored_tokens == out.shape[1] - 1
         # Opened outside, generated inside: refused at the first forward.
         with sdpa_kernel(SDPBackend.MATH), pytest.raises(ValueError, match=r"kernel switches changed since store."
-                                                                             r"open \(from 'the defaults' to "
+                                                                             r"open \(from 'threads:\d+' to "
                                                                              r"'sdpa-off:flash"):
             model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
         # And the other way round.
@@ -723,7 +724,7 @@ def test_other_sdpa_kernels_never_reuse_blocks(tmp_path):
         eager = make_model("llama", seed=3)
         eager.set_attn_implementation("eager")
         with sdpa_kernel(SDPBackend.MATH):
-            assert describe_model(eager).switches is None
+            assert describe_model(eager).switches == f"threads:{torch.get_num_threads()}"
             cache = store.open(eager, nxt)
         assert torch.equal(generate(eager, nxt, 2, cache), generate(eager, nxt, 2))
 
@@ -777,12 +778,66 @@ def test_onednn_switched_off_never_reuses_blocks(tmp_path):
         _, out = turn(store, model, ids, new=2)
         nxt = cat(out, random_ids(3, 4))
         with torch.backends.mkldnn.flags(enabled=False):
-            assert describe_model(model).switches == "onednn:off"
+            assert describe_model(model).switches == f"threads:{torch.get_num_threads()},onednn:off"
             turn(store, model, nxt, new=2, expect=0)
         cache = store.open(model, nxt)
         assert cache.restored_tokens == out.shape[1] - 1
-        with torch.backends.mkldnn.flags(enabled=False), pytest.raises(ValueError, match="'onednn:off'"):
+        with torch.backends.mkldnn.flags(enabled=False), pytest.raises(ValueError, match="to 'threads:[0-9]+,onednn:off'"):
             model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def test_other_cpu_thread_counts_never_reuse_blocks(tmp_path):
+    # oneDNN and MKL split a matmul's reduction between the intra-op threads: a bf16 Llama (hidden
+    # 512, 300 tokens) on 2 threads puts its keys 1e-2 from those on 1, float32 matmuls of 4096 by
+    # 4096 1e-4. A store written by a process on 8 threads was restored by one on 4 (another VM
+    # size of the same CPU, OMP_NUM_THREADS, torch.set_num_threads), its KV not what 4 threads
+    # compute.
+    model = make_model("llama", seed=3, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                       num_key_value_heads=4).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            kv = {}
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                kv[n] = DynamicCache()
+                model(random_ids(300, 3), past_key_values=kv[n])
+        # (Measured here: which shapes split differs between machines.)
+        print("1 against 2 threads:", (kv[1].layers[1].keys.float() - kv[2].layers[1].keys.float()).abs().max().item())
+        ids = random_ids(40, 3)
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+            torch.set_num_threads(2)
+            _, out = turn(store, model, ids, new=2)
+            nxt = cat(out, random_ids(3, 4))
+            torch.set_num_threads(1)
+            assert describe_model(model).switches == "threads:1"
+            assert store.open(model, nxt).restored_tokens == 0
+            torch.set_num_threads(2)
+            cache = store.open(model, nxt)
+            assert cache.restored_tokens == out.shape[1] - 1
+            torch.set_num_threads(1)  # between open and the forwards: refused at the first
+            with pytest.raises(ValueError, match=r"from 'threads:2' to 'threads:1'.*torch.set_num_threads"):
+                model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+            # A forward in another thread runs on that thread's count, and is read there.
+            torch.set_num_threads(2)
+            cache = store.open(model, nxt)
+            result: list[object] = []
+
+            def other_thread() -> None:
+                torch.set_num_threads(1)
+                try:
+                    model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+                except ValueError as exc:
+                    result.append(exc)
+
+            worker = threading.Thread(target=other_thread)
+            worker.start()
+            worker.join()
+            assert "'threads:1'" in str(result[0]) and torch.get_num_threads() == 2
+            cache = store.open(model, nxt)
+            assert torch.equal(generate(model, nxt, 2, cache), generate(model, nxt, 2))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
@@ -793,7 +848,7 @@ def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
     assert blas.name == "Cublas" and _kernel_switches(torch.device("cuda"), "sdpa") is None
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda: type(blas).Cublaslt)
     assert _kernel_switches(torch.device("cuda"), "sdpa") == "blas:Cublaslt"
-    assert _kernel_switches(torch.device("cpu"), "sdpa") is None
+    assert _kernel_switches(torch.device("cpu"), "sdpa") == f"threads:{torch.get_num_threads()}"
 
 
 def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatch):

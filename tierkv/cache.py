@@ -642,12 +642,15 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
     model's KV with other kernels than by default, where any is set: for a model attending
     through SDPA, which of its kernels a forward may run (some turned off by
     ``torch.nn.attention.sdpa_kernel`` or ``torch.backends.cuda.enable_flash_sdp``, their order
-    changed, the math kernel's fp16/bf16 reductions allowed); on a CPU, oneDNN turned off
+    changed, the math kernel's fp16/bf16 reductions allowed); on a CPU, the intra-op threads of
+    the thread that reads it (``torch.set_num_threads``, ``OMP_NUM_THREADS``: oneDNN and MKL split
+    a matmul's reduction between them) and oneDNN turned off
     (``torch.backends.mkldnn.flags(enabled=False)``); on CUDA, cuBLASLt preferred to cuBLAS
-    (``torch.backends.cuda.preferred_blas_library``). Read at every open and every forward; None
-    at the defaults, so that fingerprints taken before this was read stay valid. Another kernel
-    rounds otherwise: the CPU's math SDPA kernel instead of its flash one put a 4-layer Llama's
-    keys 1e-6 apart from the second layer on, bf16 matmuls without oneDNN 1e-2.
+    (``torch.backends.cuda.preferred_blas_library``). Read at every open and every forward (in
+    the forward's thread); on CUDA None at the defaults. Another kernel rounds otherwise: the
+    CPU's math SDPA kernel instead of its flash one put a 4-layer Llama's keys 1e-6 apart from
+    the second layer on, bf16 matmuls without oneDNN 1e-2; a bf16 Llama (hidden 512) on 2
+    threads puts its keys 1e-2 from those on 1, float32 matmuls of 4096 by 4096 1e-4.
 
     A CPU runs SDPA's flash kernel or its math one, in that order whatever the priority order
     says: the memory-efficient and cuDNN switches and the order change nothing there and are not
@@ -670,8 +673,10 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
         reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
         if reduced is not None and reduced():
             parts.append("sdpa-math-reduced")
-    if cpu and not torch.backends.mkldnn.enabled:
-        parts.append("onednn:off")
+    if cpu:
+        parts.append(f"threads:{torch.get_num_threads()}")
+        if not torch.backends.mkldnn.enabled:
+            parts.append("onednn:off")
     elif device.type == "cuda":
         blas = torch.backends.cuda.preferred_blas_library()  # TORCH_BLAS_PREFER_CUBLASLT=1, or set in code
         if getattr(blas, "name", str(blas)) != "Cublas":
@@ -1577,7 +1582,8 @@ class TieredCache(Cache):
             raise ValueError(f"torch's kernel switches changed since store.open (from "
                              f"{self.model_info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}: "
                              "torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_flash_sdp, "
-                             "torch.backends.mkldnn.flags): other kernels' KV differs in the last bits, and this "
+                             "torch.backends.mkldnn.flags, torch.set_num_threads, or a forward in a thread with "
+                             "other threads): other kernels' KV differs in the last bits, and this "
                              "TieredCache holds the other's. Open the cache under the same settings, inside the same "
                              "`with ...:` block as the generate: cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
