@@ -840,7 +840,7 @@ def test_other_cpu_thread_counts_never_reuse_blocks(tmp_path):
         torch.set_num_threads(threads)
 
 
-def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
+def test_kernel_switches_on_cuda_name_the_blas_library_and_the_flash_kernel(monkeypatch):
     # Read on CUDA models only; monkeypatched, as no GPU runs the suite.
     from tierkv.cache import _kernel_switches
 
@@ -848,6 +848,13 @@ def test_kernel_switches_on_cuda_name_the_blas_library(monkeypatch):
     assert blas.name == "Cublas" and _kernel_switches(torch.device("cuda"), "sdpa") is None
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda: type(blas).Cublaslt)
     assert _kernel_switches(torch.device("cuda"), "sdpa") == "blas:Cublaslt"
+    assert _kernel_switches(torch.device("cpu"), "sdpa") == f"threads:{torch.get_num_threads()}"
+    # Another flash kernel activated (torch.nn.attention.activate_flash_attention_impl("FA3")).
+    from torch.nn import attention
+
+    monkeypatch.setattr(attention, "current_flash_attention_impl", lambda: "FA3")
+    assert _kernel_switches(torch.device("cuda"), "sdpa") == "sdpa-flash:FA3,blas:Cublaslt"
+    assert _kernel_switches(torch.device("cuda"), "eager") == "blas:Cublaslt"
     assert _kernel_switches(torch.device("cpu"), "sdpa") == f"threads:{torch.get_num_threads()}"
 
 

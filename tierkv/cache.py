@@ -642,7 +642,8 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
     model's KV with other kernels than by default, where any is set: for a model attending
     through SDPA, which of its kernels a forward may run (some turned off by
     ``torch.nn.attention.sdpa_kernel`` or ``torch.backends.cuda.enable_flash_sdp``, their order
-    changed, the math kernel's fp16/bf16 reductions allowed); on a CPU, the intra-op threads of
+    changed, the math kernel's fp16/bf16 reductions allowed, on CUDA another flash kernel
+    activated: ``activate_flash_attention_impl("FA3")``); on a CPU, the intra-op threads of
     the thread that reads it (``torch.set_num_threads``, ``OMP_NUM_THREADS``: oneDNN and MKL split
     a matmul's reduction between them) and oneDNN turned off
     (``torch.backends.mkldnn.flags(enabled=False)``); on CUDA, cuBLASLt preferred to cuBLAS
@@ -673,6 +674,12 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
         reduced = getattr(backends, "fp16_bf16_reduction_math_sdp_allowed", None)
         if reduced is not None and reduced():
             parts.append("sdpa-math-reduced")
+        # Another implementation of the flash kernel on CUDA (FA3, FA4: activated through
+        # torch.nn.attention.activate_flash_attention_impl, which imports that module first).
+        attention_module = sys.modules.get("torch.nn.attention")
+        impl = getattr(attention_module, "current_flash_attention_impl", None)
+        if impl is not None and not cpu and impl() is not None:
+            parts.append(f"sdpa-flash:{impl()}")
     if cpu:
         parts.append(f"threads:{torch.get_num_threads()}")
         if not torch.backends.mkldnn.enabled:
