@@ -1214,7 +1214,7 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
 
     def tag(capability: str, **env: str) -> bytes:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-        for name in cache_module._KERNEL_ENV:
+        for name in (*cache_module._KERNEL_ENV, "ATEN_CPU_CAPABILITY"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -1228,6 +1228,9 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
             tag("AVX512", ONEDNN_MAX_CPU_ISA="AVX2")]
     assert len(set(tags)) == len(tags)
     assert tag("AVX512") == tags[0]
+    # ATEN_CPU_CAPABILITY by its effect alone: set to the level the CPU runs anyway, the same tag.
+    assert tag("AVX512", ATEN_CPU_CAPABILITY="avx512") == tags[0]
+    assert tag("AVX2", ATEN_CPU_CAPABILITY="avx2") == tags[1]
 
 
 _CAPABILITY_CHILD = """
@@ -1264,7 +1267,10 @@ def test_a_store_read_under_other_vector_code_restores_nothing(tmp_path):
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     tests = os.path.dirname(os.path.abspath(__file__))
     results = {}
-    for capability in ("default", None):
+    # And one under ATEN_CPU_CAPABILITY set to the level it runs anyway: the same kernels, restored
+    # (a fleet pinned to avx2 restored nothing of its AVX2 machines' own KV written unpinned).
+    own = torch.backends.cpu.get_cpu_capability().lower()
+    for capability in ("default", None, *([own] if own in ("avx2", "avx512") else [])):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
         if capability is not None:
             env["ATEN_CPU_CAPABILITY"] = capability
@@ -1276,6 +1282,7 @@ def test_a_store_read_under_other_vector_code_restores_nothing(tmp_path):
         results[capability] = line.split()[1:]
     assert results["default"][0] == "0" and results["default"][1:] == ["True", "DEFAULT"]
     assert results[None][0] == str(4 * B - 1) and results[None][1] == "True"
+    assert results.get(own, results[None])[0] == str(4 * B - 1)
 
 
 # -- 7. budgets --------------------------------------------------------------------------------------

@@ -370,9 +370,10 @@ def _kernels_tag(device: torch.device) -> bytes:
     this one computes, in the last bits or more, so it must not be restored here (a store carried
     across a ``pip install -U``, from the CPU to a GPU or between GPU models restores nothing rather
     than near-misses). On a CPU, which vector code torch and MKL run (``_cpu_tag``): a store
-    copied to a machine with other vector units, or read under another ``ATEN_CPU_CAPABILITY``,
-    restores nothing. Not covered: SDPA's backends on CUDA; matmul precision (TF32) is, in
-    ``_matmul_precision``."""
+    copied to a machine with other vector units, or read under an ``ATEN_CPU_CAPABILITY`` that
+    lowers ATen's level, restores nothing. What a process may switch while it runs is read at
+    every open and forward instead: SDPA's kernels, oneDNN, a CPU's threads (``_kernel_switches``)
+    and matmul precision (``_matmul_precision``)."""
     import transformers  # the module, for its version; this module already imports transformers
 
     parts = [f"torch:{torch.__version__}", f"transformers:{transformers.__version__}", f"device:{device.type}"]
@@ -389,9 +390,12 @@ def _kernels_tag(device: torch.device) -> bytes:
 # vendor and model. Not the rest of the flags line, which a microcode or kernel update changes
 # (mitigations) while the kernels stay the same.
 _VECTOR_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|sme(?!p)|i8mm)")
-# Settings that make torch, MKL or oneDNN run other vector code than the CPU allows.
-_KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA",
-               "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+# Settings that make MKL or oneDNN run other vector code than the CPU allows. Not torch's
+# ATEN_CPU_CAPABILITY, whose effect the tag reads (aten: the dispatch level it leaves): set to the
+# level the CPU runs anyway (avx512 on an AVX512 machine, a fleet pinned to avx2 on an AVX2 one),
+# or to a value torch ignores, it changed the tag while every kernel stayed the same.
+_KERNEL_ENV = ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+               "ONEDNN_DEFAULT_FPMATH_MODE")
 
 
 def _cpu_identity(cpuinfo: str | None) -> list[str]:
