@@ -940,6 +940,19 @@ def assert_switch_after_open_refused(store, model, ids, switch, back, message):
         cache.commit(later)
 
 
+def test_matmul_precision_on_a_cpu_names_fp16_reductions_in_fp16(monkeypatch):
+    # torch._C._set_cpu_allow_fp16_reduced_precision_reduction(True), which a CPU with fp16
+    # arithmetic (AVX512-FP16) honours, reduces fp16 matmuls in fp16. Monkeypatched: this CPU
+    # refuses to set it.
+    from tierkv.cache import _matmul_precision
+
+    cpu = torch.device("cpu")
+    assert _matmul_precision(cpu, torch.float16) is None
+    monkeypatch.setattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: True)
+    assert _matmul_precision(cpu, torch.float16) == "fp16-reduction:on"
+    assert _matmul_precision(cpu, torch.bfloat16) is None
+
+
 def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
     # batched_mm and eager route tokens through the experts in other orders and round differently:
     # from the second layer on the KV differs in the last bits. Whether a shape's sums round apart

@@ -442,7 +442,8 @@ def _matmul_precision(device: torch.device, dtype: torch.dtype) -> str | None:
     default, read at every open: float32 matmuls through TF32 or bf16
     (``torch.set_float32_matmul_precision("high")`` or ``("medium")``,
     ``torch.backends.cuda.matmul.allow_tf32``, oneDNN's ``fp32_precision`` on a CPU), and on CUDA
-    fp16 and bf16 matmuls without reduced-precision reductions, or fp16 ones accumulating in fp16.
+    fp16 and bf16 matmuls without reduced-precision reductions, or fp16 ones accumulating in fp16,
+    and on a CPU fp16 matmuls with them.
     KV computed under one differs from what the other computes (fp32 logits 2e-3 apart on a CPU
     at "medium", against 1e-7): a store written by a process that set it and read by one that did
     not (or the reverse) served the other's KV. None at torch's defaults, so that fingerprints
@@ -463,6 +464,12 @@ def _matmul_precision(device: torch.device, dtype: torch.dtype) -> str | None:
                 parts.append("fp16-reduction:off")
             if getattr(backends.cuda.matmul, "allow_fp16_accumulation", False):
                 parts.append("fp16-accumulation")
+        elif dtype == torch.float16 and device.type == "cpu":
+            # fp16 matmuls reducing in fp16 on a CPU with fp16 arithmetic (AVX512-FP16, Arm's
+            # fp16): torch._C._set_cpu_allow_fp16_reduced_precision_reduction(True); off by default.
+            reduced = getattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", None)
+            if reduced is not None and reduced():
+                parts.append("fp16-reduction:on")
         elif dtype == torch.bfloat16 and device.type == "cuda":
             if not backends.cuda.matmul.allow_bf16_reduced_precision_reduction:
                 parts.append("bf16-reduction:off")
