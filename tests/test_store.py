@@ -816,7 +816,8 @@ def test_other_cpu_thread_counts_never_reuse_blocks(tmp_path):
             cache = store.open(model, nxt)
             assert cache.restored_tokens == out.shape[1] - 1
             torch.set_num_threads(1)  # between open and the forwards: refused at the first
-            with pytest.raises(ValueError, match=r"from 'threads:2' to 'threads:1'.*torch.set_num_threads"):
+            with pytest.raises(ValueError, match=r"from 'threads:2' to 'threads:1'; differing: threads:1, "
+                                                 r"threads:2: .*torch.set_num_threads"):
                 model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False)
             # A forward in another thread runs on that thread's count, and is read there.
             torch.set_num_threads(2)

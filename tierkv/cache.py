@@ -1597,11 +1597,14 @@ class TieredCache(Cache):
                              "then open the cache: cache = store.open(model, input_ids)")
         switches = None if weights else _kernel_switches(self.model_info.device, self.model_info.attention)
         if not weights and switches != self.model_info.switches:
+            was, now = (set((read or "").split(",")) - {""} for read in (self.model_info.switches, switches))
             raise ValueError(f"torch's kernel switches changed since store.open (from "
-                             f"{self.model_info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}: "
+                             f"{self.model_info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}; "
+                             f"differing: {', '.join(sorted(was ^ now))}: "
                              "torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_flash_sdp, "
-                             "torch.backends.mkldnn.flags, torch.set_num_threads, or a forward in a thread with "
-                             "other threads): other kernels' KV differs in the last bits, and this "
+                             "torch.backends.mkldnn.flags, torch.set_num_threads, or a forward run in another "
+                             "thread than the open, on its own thread count): other kernels' KV differs in the "
+                             "last bits, and this "
                              "TieredCache holds the other's. Open the cache under the same settings, inside the same "
                              "`with ...:` block as the generate: cache = store.open(model, input_ids)")
         static = _static_cache.get(opened)
