@@ -1219,9 +1219,12 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
     assert base == ["vendor_id:GenuineIntel", "cpu family:6", "model:143",
                     "features:avx avx2 avx512f fma sse sse2 ssse3"]
     assert cache_module._cpu_identity(x86.format(extra=" md_clear flush_l1d")) == base
+    # AMD's Secure Memory Encryption (x86's "sme"), on or off in the BIOS: the same vector units.
+    assert cache_module._cpu_identity(x86.format(extra=" sme sev sev_es sme_coherent")) == base
     assert cache_module._cpu_identity(x86.format(extra=" amx_tile avx512_bf16")) != base
     assert cache_module._cpu_identity(x86.replace("model\t\t: 143", "model\t\t: 85").format(extra="")) != base
     arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
+    assert "sme" in cache_module._cpu_identity(arm.replace("i8mm", "i8mm sme"))[-1]  # Arm's matrix extension
     assert cache_module._cpu_identity(arm) == ["cpu implementer:0x41", "cpu part:0xd4f",
                                                "features:asimd bf16 i8mm sve"]
     assert cache_module._cpu_identity(None)  # no /proc/cpuinfo: what platform says

@@ -388,8 +388,11 @@ def _kernels_tag(device: torch.device) -> bytes:
 
 # The CPU features that pick vector kernels: ATen's and oneDNN's by instruction set, MKL's also by
 # vendor and model. Not the rest of the flags line, which a microcode or kernel update changes
-# (mitigations) while the kernels stay the same.
-_VECTOR_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|sme(?!p)|i8mm)")
+# (mitigations) while the kernels stay the same. Arm's SME (its matrix extension) by Arm's Features
+# line alone: x86's flags name AMD's Secure Memory Encryption "sme", which the BIOS turns on or off
+# (and a kernel clears when it is off) under the same vector units.
+_VECTOR_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|i8mm)")
+_ARM_VECTOR_FLAG = re.compile(r"(asimd|sve|sme|i8mm|bf16|fp16|avx|amx|fma|f16c|sse|ssse|vnni)")
 # Settings that make MKL or oneDNN run other vector code than the CPU allows. Not torch's
 # ATEN_CPU_CAPABILITY, whose effect the tag reads (aten: the dispatch level it leaves): set to the
 # level the CPU runs anyway (avx512 on an AVX512 machine, a fleet pinned to avx2 on an AVX2 one),
@@ -413,8 +416,9 @@ def _cpu_identity(cpuinfo: str | None) -> list[str]:
             fields.setdefault(name.strip().lower(), value.strip())
     found = [f"{name}:{fields[name]}" for name in ("vendor_id", "cpu family", "model", "cpu implementer",
                                                     "cpu part", "cpu architecture") if name in fields]
+    vector = _VECTOR_FLAG if "flags" in fields else _ARM_VECTOR_FLAG  # x86's flags, Arm's Features
     flags = (fields.get("flags") or fields.get("features") or "").split()
-    found.append("features:" + " ".join(sorted(f for f in flags if _VECTOR_FLAG.match(f))))
+    found.append("features:" + " ".join(sorted(f for f in flags if vector.match(f))))
     return found
 
 
