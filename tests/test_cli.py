@@ -418,6 +418,10 @@ def test_check_finds_a_damaged_table_and_repair_rebuilds_a_store_that_forgets(
     # store sound, and `clear --session` exited 4 (a "disk error") on every run.
     path = copy()
     damage_table(path, table.encode())
+    # Whether the longer key still fits its page depends on where the node lies in it (the keys,
+    # which the fingerprint changes, place it): where it overruns the page, LMDB's reads there are
+    # not safe, and the rebuild reads none of that table.
+    unreadable = table in disk.file_damage(path).unsafe
     assert cli.main(["check", str(path), "--json"]) == cli.EXIT_BAD_RECORDS
     report = json.loads(capsys.readouterr().out)
     assert list(report["damaged"]) == [table] and report["bad"] == [] and report["rebuilt"] is None
@@ -430,8 +434,9 @@ def test_check_finds_a_damaged_table_and_repair_rebuilds_a_store_that_forgets(
     # their references (a session only references its own tenant's blocks); stamps and heads
     # are only an index.
     lost = 1 if table == "refs" else 0
+    stamps = 0 if table == "atime" and unreadable else BLOCKS - 1 if table in ("atime", "refs") else BLOCKS
     assert rebuilt == {"records": BLOCKS - lost, "dropped": lost, "unreferenced": lost, "sessions": 4,
-                       "sessions_dropped": 0, "stamps": BLOCKS - 1 if table in ("atime", "refs") else BLOCKS}
+                       "sessions_dropped": 0, "stamps": stamps}
     assert cli.main(["check", str(path), "--json"]) == cli.EXIT_OK
     after = json.loads(capsys.readouterr().out)
     assert (after["damaged"], after["bad"], after["stale_heads"], after["records"]) == ({}, [], [], BLOCKS - lost)
