@@ -82,20 +82,27 @@ class Server:
         return [p if p == "[DONE]" else json.loads(p) for p in (line[len("data: "):] for line in lines)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    settings = Settings(store=str(tmp_path_factory.mktemp("server") / "kv"), **SMALL)
-    app = create_app(settings)
+def start_uvicorn(app: Any, name: str, **config: Any) -> tuple[Any, threading.Thread, socket.socket, str]:
+    """Serve ``app`` on a port of its own in a daemon thread, once uvicorn says it started: the
+    server, its thread, its socket (bound here and handed to uvicorn: no race for the port) and
+    its URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # bound here, handed to uvicorn: no race for the port
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return uv, thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    settings = Settings(store=str(tmp_path_factory.mktemp("server") / "kv"), **SMALL)
+    app = create_app(settings)
+    uv, thread, sock, url = start_uvicorn(app, "test-uvicorn")
     try:
         yield Server(url, settings, app.state.server, app)
     finally:
@@ -922,16 +929,7 @@ def test_requests_the_graceful_shutdown_cancels_get_a_503_without_a_traceback() 
     # running, and logged the CancelledError the app let out with a traceback, then sent a bare
     # 500 ("Internal Server Error") or cut a stream short (helper-44).
     app = create_app(Settings(store=None, **SMALL))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=0.5))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="test-uvicorn-shutdown", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
+    uv, thread, sock, url = start_uvicorn(app, "test-uvicorn-shutdown", timeout_graceful_shutdown=0.5)
     gate = threading.Event()
     app.state.server.engine.submit(gate.wait)  # the running turn: both requests stay queued
     body = {"messages": conversation("cancelled"), "temperature": 0, "max_tokens": 8}

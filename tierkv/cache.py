@@ -121,6 +121,9 @@ class ModelInfo:
     num_layers: int
     device: torch.device
     dtype: torch.dtype
+    # The dtype its layers compute KV in (_kv_dtype): the first parameter's (dtype), unless the
+    # model keeps some weights in another (transformers' _keep_in_fp32_modules).
+    kv_dtype: torch.dtype
     # RoPE whose frequencies depend on the length of the forward pass ("dynamic" NTK, "longrope"):
     # the longest sequence whose every forward uses the base frequencies. KV is restored and kept
     # only within it; None when the frequencies are fixed.
@@ -142,9 +145,6 @@ class ModelInfo:
     # Which sampled parameters the fingerprint read (its WeightSample's id) and their version
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
-    # The dtype its layers compute KV in (_kv_dtype): dtype's, the first parameter's, unless the
-    # model keeps some weights in another (transformers' _keep_in_fp32_modules).
-    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(slots=True)
@@ -391,8 +391,9 @@ def _kernels_tag(device: torch.device) -> bytes:
 # (mitigations) while the kernels stay the same. Arm's SME (its matrix extension) by Arm's Features
 # line alone: x86's flags name AMD's Secure Memory Encryption "sme", which the BIOS turns on or off
 # (and a kernel clears when it is off) under the same vector units.
-_VECTOR_FLAG = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|i8mm)")
-_ARM_VECTOR_FLAG = re.compile(r"(asimd|sve|sme|i8mm|bf16|fp16|avx|amx|fma|f16c|sse|ssse|vnni)")
+_VECTOR_FLAGS = "avx|amx|fma|f16c|sse|ssse|vnni|bf16|fp16|asimd|sve|i8mm"
+_VECTOR_FLAG = re.compile(f"({_VECTOR_FLAGS})")
+_ARM_VECTOR_FLAG = re.compile(f"({_VECTOR_FLAGS}|sme)")
 # Settings that make MKL or oneDNN run other vector code than the CPU allows. Not torch's
 # ATEN_CPU_CAPABILITY, whose effect the tag reads (aten: the dispatch level it leaves): set to the
 # level the CPU runs anyway (avx512 on an AVX512 machine, a fleet pinned to avx2 on an AVX2 one),
@@ -692,9 +693,10 @@ def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
         # Another implementation of the flash kernel on CUDA (FA3, FA4: activated through
         # torch.nn.attention.activate_flash_attention_impl, which imports that module first).
         attention_module = sys.modules.get("torch.nn.attention")
-        impl = getattr(attention_module, "current_flash_attention_impl", None)
-        if impl is not None and not cpu and impl() is not None:
-            parts.append(f"sdpa-flash:{impl()}")
+        current = getattr(attention_module, "current_flash_attention_impl", None)
+        impl = current() if current is not None and not cpu else None
+        if impl is not None:
+            parts.append(f"sdpa-flash:{impl}")
     if cpu:
         parts.append(f"threads:{torch.get_num_threads()}")
         if not torch.backends.mkldnn.enabled:
@@ -1098,8 +1100,8 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
         h.update(f"switches:{switches}".encode())
     # And the precision torch computes its matmuls at, where it is not the default (TF32, bf16).
     # The layers' dtype: a model keeping its embeddings in float32 computes its KV in bf16 matmuls.
-    precision = _matmul_precision(first.device, static.kv_dtype or first.dtype) if as_opened is None \
-        else as_opened.precision
+    kv_dtype = static.kv_dtype or first.dtype
+    precision = _matmul_precision(first.device, kv_dtype) if as_opened is None else as_opened.precision
     if precision is not None:
         h.update(f"precision:{precision}".encode())
     # RoPE's frequencies (weights.is_frequency_buffer), derived from the config but not saved with
@@ -1111,10 +1113,10 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
     return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
+                     kv_dtype=kv_dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
                      attention=attention, experts=experts, precision=precision, switches=switches, vocab=static.vocab,
-                     positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters),
-                     kv_dtype=static.kv_dtype or first.dtype)
+                     positions_from_pad=static.positions_from_pad, weights_state=(id(static.sample), counters))
 
 
 def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
@@ -1549,7 +1551,7 @@ class TieredCache(Cache):
             # Under autocast keys and values come out in different dtypes (RoPE promotes the keys),
             # neither the model's: KV restored into it, or kept from it, would not equal recomputation.
             raise ValueError(f"a TieredCache cannot run under torch.autocast: its blocks hold the model's own "
-                             f"{self.model_info.kv_dtype or self.model_info.dtype} KV. Cast the model to the dtype it should compute in "
+                             f"{self.model_info.kv_dtype} KV. Cast the model to the dtype it should compute in "
                              "(model.to(torch.bfloat16)) and run it without autocast")
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
@@ -1591,26 +1593,8 @@ class TieredCache(Cache):
                              "cache = store.open(model, input_ids)")
         # At every forward, where the KV is computed; not at commit, which computes nothing and
         # may come after the `with sdpa_kernel(...)` block the turn ran in.
-        precision = None if weights else _matmul_precision(self.model_info.device,
-                                                           self.model_info.kv_dtype or self.model_info.dtype)
-        if not weights and precision != self.model_info.precision:
-            raise ValueError(f"torch's matmul precision changed since store.open (from "
-                             f"{self.model_info.precision or 'the default'!r} to {precision or 'the default'!r}: "
-                             "torch.set_float32_matmul_precision, allow_tf32): KV at the other precision differs, "
-                             "and this TieredCache holds KV computed at the one it was opened at. Set it first, "
-                             "then open the cache: cache = store.open(model, input_ids)")
-        switches = None if weights else _kernel_switches(self.model_info.device, self.model_info.attention)
-        if not weights and switches != self.model_info.switches:
-            was, now = (set((read or "").split(",")) - {""} for read in (self.model_info.switches, switches))
-            raise ValueError(f"torch's kernel switches changed since store.open (from "
-                             f"{self.model_info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}; "
-                             f"differing: {', '.join(sorted(was ^ now))}: "
-                             "torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_flash_sdp, "
-                             "torch.backends.mkldnn.flags, torch.set_num_threads, or a forward run in another "
-                             "thread than the open, on its own thread count): other kernels' KV differs in the "
-                             "last bits, and this "
-                             "TieredCache holds the other's. Open the cache under the same settings, inside the same "
-                             "`with ...:` block as the generate: cache = store.open(model, input_ids)")
+        if not weights:
+            self._check_kernels()
         static = _static_cache.get(opened)
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
         if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
@@ -1652,6 +1636,29 @@ class TieredCache(Cache):
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
                              "the next turn's cache after: cache = store.open(model, input_ids)")
+
+    def _check_kernels(self) -> None:
+        """torch's matmul precision and kernel switches are those the cache was opened under."""
+        info = self.model_info
+        precision = _matmul_precision(info.device, info.kv_dtype)
+        if precision != info.precision:
+            raise ValueError(f"torch's matmul precision changed since store.open (from "
+                             f"{info.precision or 'the default'!r} to {precision or 'the default'!r}: "
+                             "torch.set_float32_matmul_precision, allow_tf32): KV at the other precision differs, "
+                             "and this TieredCache holds KV computed at the one it was opened at. Set it first, "
+                             "then open the cache: cache = store.open(model, input_ids)")
+        switches = _kernel_switches(info.device, info.attention)
+        if switches != info.switches:
+            was, now = (set((read or "").split(",")) - {""} for read in (info.switches, switches))
+            raise ValueError(f"torch's kernel switches changed since store.open (from "
+                             f"{info.switches or 'the defaults'!r} to {switches or 'the defaults'!r}; "
+                             f"differing: {', '.join(sorted(was ^ now))}: "
+                             "torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_flash_sdp, "
+                             "torch.backends.mkldnn.flags, torch.set_num_threads, or a forward run in another "
+                             "thread than the open, on its own thread count): other kernels' KV differs in the "
+                             "last bits, and this TieredCache holds the other's. Open the cache under the same "
+                             "settings, inside the same `with ...:` block as the generate: "
+                             "cache = store.open(model, input_ids)")
 
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():

@@ -998,7 +998,7 @@ class TieredStore:
         if n < len(seq) - 1 and not crossed and not unfinished:
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
-        kv_dtype = cache.model_info.kv_dtype or cache.model_info.dtype
+        kv_dtype = cache.model_info.kv_dtype
         others = cache.kv_dtypes() - {kv_dtype}
         if others:
             # Blocks are keyed by the model's dtype: KV of another dtype (autocast) would be served
