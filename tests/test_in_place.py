@@ -255,6 +255,42 @@ def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_bu
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
+def test_a_header_whose_token_count_disagrees_with_the_index_never_sizes_the_buffer(tiny_model, tmp_path, monkeypatch):
+    # The first block read sizes the buffer, from its header, before its checksum is known. A
+    # header claiming 1 token of 8 times the heads (its record's length still agreeing, its
+    # checksum recomputed) asked for a buffer 8 times the conversation's KV; a 1 MiB block in a
+    # 100k-token conversation asked for 100 GiB: an allocation error out of open(), not a miss.
+    from dataclasses import replace
+
+    import tierkv.store as store_module
+    from tierkv.codec import decode_header, encode
+
+    model = tiny_model("llama")
+    with returning(model, tmp_path, 90, 2) as (store, nxt):
+        cache = store.open(model, nxt)
+        first = cache._restored_keys[0]
+        del cache
+        disk = store._disk
+        with disk.env.begin(write=True) as txn:
+            record = bytes(txn.get(first, db=disk._blocks))
+            header = decode_header(record)
+            layers, two, heads, tokens, dim = header.shape
+            payload = record[len(record) - 8 - header.payload_nbytes:len(record) - 8]
+            txn.put(first, encode(replace(header, shape=(layers, two, heads * tokens, 1, dim)), payload),
+                    db=disk._blocks)
+        sized = []
+        slots = store_module.restore_slots
+
+        def spy(buffer, length, at, n, header):
+            sized.append(header.shape)
+            return slots(buffer, length, at, n, header)
+
+        monkeypatch.setattr(store_module, "restore_slots", spy)
+        cache = store.open(model, nxt)
+        assert sized == [] and cache.restored_tokens == 0 and store.stats()["corrupt"] == 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
 @pytest.mark.parametrize("generate_in", ["inference_mode", "no_grad"])
 def test_a_restore_opened_under_inference_mode_generates_in_or_out_of_it(tiny_model, tmp_path, generate_in):
     # Before: the buffer made under torch.inference_mode was an inference tensor, and the first

@@ -728,6 +728,7 @@ class TieredStore:
             made: list[Any] = []  # the block's host tensor and its pool lease
 
             def into(header: RecordHeader) -> Any:
+                self._check_header(header, meta, fingerprint)  # before its shape sizes an allocation
                 tensor, lease = self._host.alloc(header.shape, torch_dtype(header.dtype))
                 if lease is not None:
                     # Held by this open until its copies to the device are registered; the open
@@ -740,9 +741,8 @@ class TieredStore:
             fresh = not buffer  # a buffer this read makes is shaped by a header not verified yet
             try:
                 in_place = self._in_place(meta)
-                header = self._disk.read_into(meta.key, functools.partial(restore_slots, buffer, length, at, n)
-                                              if in_place else into)
-                self._check_header(header, meta, fingerprint)
+                header = self._disk.read_into(meta.key, functools.partial(self._slots, buffer, meta, fingerprint,
+                                                                          length, at, n) if in_place else into)
                 if in_place:
                     reads[i] = IN_PLACE
                     continue
@@ -763,6 +763,16 @@ class TieredStore:
                 reads[i] = exc
                 break
         return reads, time.perf_counter() - start, buffer[0] if buffer else None
+
+    def _slots(self, buffer: list[Any], meta: BlockMeta, fingerprint: bytes, length: int, at: int, n: int,
+               header: RecordHeader) -> np.ndarray:
+        """``restore_slots`` for a header that agrees with the block's index entry: the first
+        block read sizes the buffer from its header, whose checksum is known only after the copy,
+        and a header damaged in agreement with the record's length (fewer tokens, more heads)
+        asked for a buffer ``length`` times the record's size (100 GiB for a 1 MiB block in a
+        100k-token conversation: an allocation error out of ``open``, not a miss)."""
+        self._check_header(header, meta, fingerprint)
+        return restore_slots(buffer, length, at, n, header)
 
     def _in_place(self, meta: BlockMeta) -> bool:
         """Whether a block read from disk goes straight into the restore's buffer: on a CPU device
@@ -904,8 +914,9 @@ class TieredStore:
         if header.fingerprint != fingerprint:
             raise CorruptRecord("record belongs to another model fingerprint")
         if header.tenant != meta.tenant or header.token_ids != meta.token_ids.astype("<i8").tobytes() or \
-                header.parent != meta.parent or header.payload_nbytes != meta.nbytes:
-            raise CorruptRecord("record's tenant, token ids, parent or size differ from its index entry")
+                header.parent != meta.parent or header.payload_nbytes != meta.nbytes or \
+                len(header.shape) != 5 or header.shape[3] != meta.n_tokens:
+            raise CorruptRecord("record's tenant, token ids, parent, size or token count differ from its index entry")
 
     def _promote(self, meta: BlockMeta, device_job: Job[Any], host_job: Job[Any]) -> None:
         """Rest a hit block on the device if it fits there, else in the host tier. Never waits:
