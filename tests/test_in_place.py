@@ -291,6 +291,34 @@ def test_a_header_whose_token_count_disagrees_with_the_index_never_sizes_the_buf
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
+def test_a_record_gone_under_its_index_entry_is_dropped_counted_and_stored_again(tiny_model, tmp_path):
+    # A reopened store indexes a record, not a head without one (``DiskTier.scan``). Before: a
+    # record gone while the store ran (damage, another program) stayed indexed as on disk; each
+    # open read it, missed from there on, and no commit stored it again (the store "had" it), so
+    # every turn of that conversation recomputed it until a restart.
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 95))
+    nxt = torch.cat([out, random_ids(2, 96)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        second = store.open(model, nxt)._restored_keys[1]
+        disk = store._disk
+        with disk.env.begin(write=True) as txn:
+            assert txn.delete(second, db=disk._blocks)
+        blocks = store.stats()["disk"]["blocks"]
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == B and store.stats()["corrupt"] == 1
+        assert store.stats()["disk"]["blocks"] == blocks - 1
+        got = generate(model, nxt, cache)
+        assert torch.equal(got, generate(model, nxt))
+        cache.commit(got)
+        store.flush()
+        cache = store.open(model, got)
+        assert cache.restored_tokens == got.shape[1] - 1 and store.stats()["corrupt"] == 1
+        assert torch.equal(generate(model, got, cache), generate(model, got))
+        stats = store.stats()  # the delete of a record already gone is no disk fault
+        assert (stats["disk_errors"], stats["disk_failed"], stats["owed_deletes"]) == (0, False, 0)
+
+
 @pytest.mark.parametrize("generate_in", ["inference_mode", "no_grad"])
 def test_a_restore_opened_under_inference_mode_generates_in_or_out_of_it(tiny_model, tmp_path, generate_in):
     # Before: the buffer made under torch.inference_mode was an inference tensor, and the first

@@ -799,12 +799,18 @@ class TieredStore:
                         # A delete a crash cut short left the record zeroed under a surviving head.
                         logger.debug("tierkv: finished a delete that a crash cut short (%s)", meta.key.hex())
                         self._drop(meta)
-                    elif isinstance(result, CorruptRecord):
+                    elif isinstance(result, CorruptRecord) or (
+                            isinstance(result, KeyError) and self._index.blocks.get(meta.key) is meta
+                            and meta.disk is DiskState.DURABLE):
+                        # A KeyError here: a record gone under its head (damage; evictions and
+                        # forgets take the block off disk in the index first). Left indexed, each
+                        # open read it again, and no commit stored it again.
                         self._corrupt += 1
                         # Once per store, then counted: a damaged disk must not flood the log.
                         log = logger.warning if self._corrupt == 1 else logger.debug
                         log("tierkv: dropped an unreadable block from disk (%s); it will be recomputed. "
-                            "stats()['corrupt'] counts further ones", result)
+                            "stats()['corrupt'] counts further ones",
+                            "its record is missing" if isinstance(result, KeyError) else result)
                         if self._index.blocks.get(meta.key) is meta:
                             self._drop(meta)
                     elif isinstance(result, (lmdb.Error, OSError)):
