@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import lmdb
 import pytest
 import torch
 import uvicorn
@@ -744,6 +745,26 @@ def test_a_store_made_with_another_block_size_is_refused_before_the_server_start
     assert exc.value.code == 2
     assert "was created with block_size=16; pass --block-size 16" in capsys.readouterr().err
     assert parse_args(["--store", str(tmp_path / "kv")], {"TIERKV_BLOCK_SIZE": "16"}).block_size == 16
+
+
+def test_another_program_s_lmdb_environment_is_refused_before_the_server_starts_writing_nothing_there(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The block-size check read the directory through a read-only LMDB environment, which made
+    # lock.mdb there (or wrote its reader table into the one there) before refusing it.
+    from examples.server.settings import parse_args
+
+    theirs = tmp_path / "theirs"
+    env = lmdb.open(str(theirs), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"mydata", txn=txn))
+    env.close()
+    (theirs / "lock.mdb").unlink()  # copied without it: the check made one
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--store", str(theirs)], {})
+    assert exc.value.code == 2
+    assert "holds an LMDB environment that is not a tierkv store" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
 
 
 def test_a_store_in_use_stops_the_startup_with_one_line_and_no_traceback(tmp_path: Path) -> None:

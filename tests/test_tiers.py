@@ -1396,6 +1396,22 @@ def test_plain_lmdb_env_is_left_untouched(tmp_path: pathlib.Path) -> None:
     assert _plain_items(path) == {b"hello": b"world"}
 
 
+@pytest.mark.parametrize("with_lmdb_lock", [True, False], ids=["with lock.mdb", "copied without lock.mdb"])
+def test_stored_meta_refuses_a_plain_lmdb_env_writing_nothing_there(tmp_path: pathlib.Path,
+                                                                      with_lmdb_lock: bool) -> None:
+    # Before: lock.mdb was allocated (made, where missing) and LMDB's read-only environment wrote
+    # its reader table there before the missing meta record refused the directory; the server's
+    # and the demo's block-size checks call this on whatever directory they are given.
+    path = os.path.join(tmp_path, "other")
+    _plain_env(path, {b"hello": b"world"})
+    if not with_lmdb_lock:
+        os.unlink(os.path.join(path, "lock.mdb"))
+    before = {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)}
+    with pytest.raises(ValueError, match="not a tierkv store"):
+        DiskTier.stored_meta(path)
+    assert {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)} == before
+
+
 def test_a_store_without_its_lock_file_opens_and_gets_one(tmp_path: pathlib.Path) -> None:
     # A store copied without tierkv.lock: the lock file is made only where data.mdb lists tierkv's
     # tables, and this one does.

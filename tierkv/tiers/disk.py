@@ -509,6 +509,18 @@ def slack(budget: int) -> int:
     return max(4 << 20, budget // 8)
 
 
+def _refuse_foreign(path: str) -> None:
+    """``ValueError`` for another program's LMDB environment at ``path``, reading its files alone.
+    A store makes its lock file before LMDB makes data.mdb, so only another program's directory,
+    or a store copied without its lock file, has a data.mdb and no ``tierkv.lock``: there,
+    data.mdb must list tierkv's tables (``_holds_store_tables``)."""
+    data = os.path.join(path, "data.mdb")
+    if not os.path.lexists(os.path.join(path, _LOCK_FILE)) and os.path.isfile(data) and os.path.getsize(data) > 0 \
+            and not _holds_store_tables(data):
+        raise ValueError(f"{path!r} holds an LMDB environment that is not a tierkv store (its data.mdb does not "
+                         "list a tierkv store's tables); pass a new or empty directory")
+
+
 def _allocate_lock_file_of(path: str) -> None:
     """Before a read-only LMDB environment opens the store at ``path`` (``stored_meta``): its lock
     file's blocks, which LMDB writes through a shared map even read-only (its header, a reader
@@ -871,16 +883,10 @@ class DiskTier:
         if fcntl is None:  # not POSIX: no advisory locks to take
             return None
         lock = os.path.join(path, _LOCK_FILE)
-        data = os.path.join(path, "data.mdb")
-        # A store makes its lock file before LMDB makes data.mdb, so only another program's
-        # directory, or a store copied without it, has a data.mdb and no lock file. Checked here,
-        # before anything is written: the refusal used to come after the lock (and, in a store's
+        # Before anything is written: the refusal used to come after the lock (and, in a store's
         # open, after LMDB's lock.mdb there was grown to tierkv's reader table), leaving
         # tierkv.lock, with this pid, among the other program's files.
-        if not os.path.lexists(lock) and os.path.isfile(data) and os.path.getsize(data) > 0 \
-                and not _holds_store_tables(data):
-            raise ValueError(f"{path!r} holds an LMDB environment that is not a tierkv store (its data.mdb does not "
-                             "list a tierkv store's tables); pass a new or empty directory")
+        _refuse_foreign(path)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
@@ -1117,7 +1123,8 @@ class DiskTier:
     def stored_meta(path: str | os.PathLike[str]) -> dict[str, int]:
         """``{"format", "hash", "block_size"}`` of the existing store at ``path``, for tools that open
         a store without knowing its block size. Raises ``ValueError`` if ``path`` holds no tierkv
-        store. Reads in a read-only environment and takes no lock (the holder may be writing):
+        store, having written nothing in another program's LMDB environment (``_refuse_foreign``).
+        Reads in a read-only environment and takes no lock (the holder may be writing):
         call it before opening a ``DiskTier`` on ``path``, never while one is open in this process,
         as LMDB must not have one environment open twice in a process."""
         path = os.fspath(path)
@@ -1127,6 +1134,10 @@ class DiskTier:
         if os.path.getsize(os.path.join(path, "data.mdb")) == 0:
             raise ValueError(f"{not_a_store} (its data.mdb is empty: a TieredStore opened there starts a new "
                              "store)")
+        # Before LMDB's read-only environment, which makes lock.mdb where it is missing and writes
+        # its reader table there: the server's block-size check left that among another
+        # program's files, as did `tierkv demo --store`.
+        _refuse_foreign(path)
         _allocate_lock_file_of(path)
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
