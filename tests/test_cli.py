@@ -539,6 +539,19 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_by_the_store_commands(
     assert victim.read_text() == "not tierkv's" and file_digest(path) == digest
 
 
+def test_a_store_hard_linked_to_another_directory_is_refused_by_the_store_commands(
+        copy: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: `clear --all` of a `cp -al` copy zeroed the original's records, its data.mdb being the same file.
+    path = copy()
+    linked = Path(shutil.copytree(path, tmp_path / "linked", copy_function=os.link))  # what `cp -al` makes
+    digest = file_digest(path)
+    for command in (["stats", str(linked)], ["check", str(linked), "--repair"], ["clear", str(linked), "--all"]):
+        assert cli.main(command) == cli.EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert "data.mdb' has 2 hard links" in err and "`cp -a` instead" in err, err
+    assert file_digest(path) == digest and sorted(os.listdir(linked)) == sorted(os.listdir(path))
+
+
 @pytest.mark.parametrize("metas", [1, 2])
 def test_clear_all_removes_a_store_whose_meta_pages_are_damaged(
         built: Built, copy: Callable[..., Path], capsys: pytest.CaptureFixture[str], metas: int) -> None:

@@ -11,6 +11,7 @@ import mmap
 import os
 import pathlib
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -1444,6 +1445,40 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused(tmp_path: pathlib.Path, 
     assert victim.read_text() == "not tierkv's" if target == "a file" else not victim.exists()
     (path / "tierkv.lock").unlink()
     DiskTier(path, budget=1 << 20, block_size=BLOCK).close()  # the remedy given
+
+
+@pytest.mark.parametrize("linked", ["every file", "the lock file alone"])
+def test_a_store_whose_files_are_hard_linked_to_another_directory_is_refused(tmp_path: pathlib.Path,
+                                                                              linked: str) -> None:
+    # `cp -al` (every file linked) made a "copy" that changed with the original, both written in
+    # place, and whose lock was the original's: the process holding either store locked the other
+    # out. A lock file alone linked to another store's (its data.mdb replaced by a rebuild, say)
+    # locked two separate stores as one.
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    tier = DiskTier(original, budget=1 << 20, block_size=BLOCK)
+    assert tier.apply([put_op(1)]) == [None]
+    tier.close()
+    if linked == "every file":
+        shutil.copytree(original, copy, copy_function=os.link)  # what `cp -al` makes
+    else:
+        DiskTier(copy, budget=1 << 20, block_size=BLOCK).close()
+        (copy / "tierkv.lock").unlink()
+        os.link(original / "tierkv.lock", copy / "tierkv.lock")
+    files = {p: p.read_bytes() for p in [*original.iterdir(), *copy.iterdir()]}
+    for path in (original, copy):
+        with pytest.raises(ValueError, match=r"(mdb|lock)' has 2 hard links: .*delete the linked copy .*`cp -a`"):
+            DiskTier(path, budget=1 << 20, block_size=BLOCK)
+        with pytest.raises(ValueError, match="has 2 hard links"):
+            DiskTier.stored_meta(path)
+    assert {p: p.read_bytes() for p in [*original.iterdir(), *copy.iterdir()]} == files
+    shutil.rmtree(copy)  # the remedy given
+    shutil.copytree(original, copy)
+    for path in (original, copy):
+        tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+        try:
+            assert len(tier.scan().headers) == 1
+        finally:
+            tier.close()
 
 
 def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(tmp_path: pathlib.Path) -> None:

@@ -69,6 +69,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import struct
 import threading
 import weakref
@@ -521,6 +522,28 @@ def _refuse_foreign(path: str) -> None:
                          "list a tierkv store's tables); pass a new or empty directory")
 
 
+def _refuse_shared(path: str) -> None:
+    """``ValueError`` where a file of the store at ``path`` has another name (a hard link), read
+    before anything is written there. ``cp -al`` (a snapshot tool's copy) links every file: LMDB
+    and tierkv write data.mdb in place, so the "copy" changed with the original, and, the lock
+    file being one inode, the process holding either store locked the other out (flock conflicts
+    between open files of one inode), naming a pid that held another directory. Where only some
+    files are linked (a rebuild replaced one copy's data.mdb), two data files shared one
+    ``lock.mdb`` (LMDB's reader table and transaction id) or one ``tierkv.lock``."""
+    for name in ("data.mdb", "lock.mdb", _LOCK_FILE):
+        file = os.path.join(path, name)
+        try:
+            st = os.lstat(file)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            raise ValueError(f"{file!r} has {st.st_nlink} hard links: this store shares its files with another "
+                             "directory (one of them a copy made with `cp -al` or `ln`), and tierkv writes them in "
+                             "place, so each would change with the other and the two would share one lock; delete "
+                             "the linked copy (`rm -r`: the other directory keeps its files), and copy a store with "
+                             "`cp -a` instead")
+
+
 def _allocate_lock_file_of(path: str) -> None:
     """Before a read-only LMDB environment opens the store at ``path`` (``stored_meta``): its lock
     file's blocks, which LMDB writes through a shared map even read-only (its header, a reader
@@ -879,7 +902,8 @@ class DiskTier:
         lists tierkv's tables (``_holds_store_tables``; a store of an earlier build copied without
         its lock file). Another program's LMDB environment raises ``ValueError`` with nothing
         written there. A lock file that is a symbolic link raises ``ValueError`` too: it is
-        truncated and written, and through a link that would be any file the link names."""
+        truncated and written, and through a link that would be any file the link names. So does
+        a store whose files have other names (``_refuse_shared``: a copy made with ``cp -al``)."""
         if fcntl is None:  # not POSIX: no advisory locks to take
             return None
         lock = os.path.join(path, _LOCK_FILE)
@@ -887,6 +911,7 @@ class DiskTier:
         # open, after LMDB's lock.mdb there was grown to tierkv's reader table), leaving
         # tierkv.lock, with this pid, among the other program's files.
         _refuse_foreign(path)
+        _refuse_shared(path)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
@@ -1138,6 +1163,7 @@ class DiskTier:
         # its reader table there: the server's block-size check left that among another
         # program's files, as did `tierkv demo --store`.
         _refuse_foreign(path)
+        _refuse_shared(path)
         _allocate_lock_file_of(path)
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
