@@ -539,6 +539,26 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_by_the_store_commands(
     assert victim.read_text() == "not tierkv's" and file_digest(path) == digest
 
 
+def test_a_data_file_that_is_a_symbolic_link_is_refused_by_the_store_commands(
+        copy: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A store kept on another disk by linking its data.mdb there. Before: `check --repair` of
+    # its damaged table put the rebuilt file in the link's place, on this disk, and left the
+    # old file on the other; `clear --all` refused it without a remedy.
+    path = copy()
+    damage_table(path, b"refs")
+    elsewhere = tmp_path / "other-disk" / "kv.mdb"
+    elsewhere.parent.mkdir()
+    os.replace(path / "data.mdb", elsewhere)
+    (path / "data.mdb").symlink_to(elsewhere)
+    digest = hashlib.sha256(elsewhere.read_bytes()).hexdigest()
+    for command in (["stats", str(path)], ["check", str(path), "--repair"], ["clear", str(path), "--all"]):
+        assert cli.main(command) == cli.EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert f"{str(path / 'data.mdb')!r} is a symbolic link" in err and f"`mv {elsewhere} {path / 'data.mdb'}`" \
+            in err, err
+    assert (path / "data.mdb").is_symlink() and hashlib.sha256(elsewhere.read_bytes()).hexdigest() == digest
+
+
 def test_a_store_hard_linked_to_another_directory_is_refused_by_the_store_commands(
         copy: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Before: `clear --all` of a `cp -al` copy zeroed the original's records, its data.mdb being the same file.

@@ -1481,6 +1481,43 @@ def test_a_store_whose_files_are_hard_linked_to_another_directory_is_refused(tmp
             tier.close()
 
 
+@pytest.mark.parametrize("target", ["a file", "nothing"])
+@pytest.mark.parametrize("name", ["data.mdb", "lock.mdb"])
+def test_lmdb_s_files_that_are_symbolic_links_are_refused(tmp_path: pathlib.Path, name: str, target: str) -> None:
+    # LMDB follows them, and so did tierkv's own opens: lock.mdb's target was extended to tierkv's
+    # reader table and rewritten by LMDB; a missing target (either file's) was made outside the
+    # directory. data.mdb's target is the store's own file moved to another disk, as a user keeping
+    # it there would.
+    path = tmp_path / "store"
+    tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    assert tier.apply([put_op(1)]) == [None]
+    tier.close()
+    elsewhere = tmp_path / "elsewhere"
+    if name == "data.mdb" and target == "a file":
+        os.replace(path / name, elsewhere)
+    else:
+        (path / name).unlink()
+        if target == "a file":
+            elsewhere.write_text("not tierkv's")
+    (path / name).symlink_to(elsewhere)
+    held = elsewhere.read_bytes() if target == "a file" else None
+    files = {p.name: p.read_bytes() for p in path.iterdir() if not p.is_symlink()}
+    for opening in (lambda: DiskTier(path, budget=1 << 20, block_size=BLOCK), lambda: DiskTier.stored_meta(path)):
+        with pytest.raises(ValueError, match=rf"{name}' is a symbolic link .*(Remove|remove|Replace) the link"):
+            opening()
+        assert (elsewhere.read_bytes() if elsewhere.exists() else None) == held
+        assert {p.name: p.read_bytes() for p in path.iterdir() if not p.is_symlink()} == files
+    if name == "data.mdb" and target == "a file":
+        os.replace(elsewhere, path / name)  # the remedy given: `mv TARGET LINK`
+    else:
+        (path / name).unlink()
+    tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    try:
+        assert len(tier.scan().headers) == (0 if name == "data.mdb" and target == "nothing" else 1)
+    finally:
+        tier.close()
+
+
 def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(tmp_path: pathlib.Path) -> None:
     path = os.path.join(tmp_path, "other")
     _plain_env(path, {b"meta": b"some application's own value"})

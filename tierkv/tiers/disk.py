@@ -382,8 +382,10 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
     if not {"data.mdb", _LOCK_FILE} <= entries or not entries <= {"data.mdb", "lock.mdb", _LOCK_FILE, _REPAIR_DIR}:
         raise ValueError(f"{path!r} holds files a tierkv store does not ({', '.join(sorted(entries))}); "
                          "not removed: delete them yourself if they are yours to delete")
-    if os.path.islink(data) or not os.path.isfile(data):
-        raise ValueError(f"{data!r} is not a plain file; not removed")
+    _refuse_links(path)
+    if not os.path.isfile(data):
+        raise ValueError(f"{data!r} is not a plain file; not removed: delete the directory yourself if it is a "
+                         "tierkv store")
     if not _holds_store_tables(data):
         raise ValueError(f"{data!r} does not list a tierkv store's tables (another program's LMDB environment, "
                          "or its table of tables is damaged too); not removed: delete the directory yourself if "
@@ -522,6 +524,36 @@ def _refuse_foreign(path: str) -> None:
                          "list a tierkv store's tables); pass a new or empty directory")
 
 
+def _link_refusal(file: str) -> ValueError:
+    target = os.readlink(file)
+    if os.path.basename(file) == "lock.mdb":
+        return ValueError(f"{file!r} is a symbolic link ({target!r}); LMDB's lock file must be a plain file in the "
+                          "store's directory, since LMDB sizes and rewrites it when it opens the store (and tierkv "
+                          "allocates it first): through a link, any file the link names. Remove the link (LMDB "
+                          "makes the file again)")
+    why = (f"{file!r} is a symbolic link ({target!r}); a store's data file must lie in its directory: a repair "
+           "(`tierkv check --repair`) would put its new file in the link's place and leave the target behind, "
+           "`tierkv clear --all` would not delete the target of a damaged store, and another store linking to the "
+           "same file would write it under a lock of its own")
+    if not os.path.exists(file):
+        return ValueError(f"{why}. Its target does not exist (LMDB would make it there): remove the link")
+    return ValueError(f"{why}. Replace the link with the file (`mv {os.path.join(os.path.dirname(file), target)} "
+                      f"{file}`), or, to keep the store on another disk, move its whole directory there and pass "
+                      "that path")
+
+
+def _refuse_links(path: str) -> None:
+    """``ValueError`` where LMDB's files at ``path`` are symbolic links, before anything is written
+    there: LMDB follows them (making a missing target), and so did tierkv's own writes, which
+    open the files themselves (the lock file's allocation, which extended the target; data.mdb's
+    zeroing and sizing). tierkv's own opens take ``O_NOFOLLOW`` as well, for a link made after
+    this check."""
+    for name in ("data.mdb", "lock.mdb"):
+        file = os.path.join(path, name)
+        if os.path.islink(file):
+            raise _link_refusal(file)
+
+
 def _refuse_shared(path: str) -> None:
     """``ValueError`` where a file of the store at ``path`` has another name (a hard link), read
     before anything is written there. ``cp -al`` (a snapshot tool's copy) links every file: LMDB
@@ -554,7 +586,7 @@ def _allocate_lock_file_of(path: str) -> None:
     if not hasattr(os, "posix_fallocate"):
         return
     try:
-        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError:
         return  # a read-only directory, say: LMDB decides, as before
     try:
@@ -844,7 +876,14 @@ class DiskTier:
         self.min_record_bytes = self.page_size // 2
         self._map_start = self._find_map()
         # The same file as LMDB's, for zeroing deleted records in it without reading them.
-        self._data_fd: int | None = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        try:
+            self._data_fd: int | None = os.open(data, os.O_RDWR | os.O_NOFOLLOW)
+        except BaseException:
+            self.env.close()
+            self._unlock()
+            if os.path.islink(data):
+                raise _link_refusal(data) from None
+            raise
         try:
             self._allocate_map(fresh)
         except BaseException:
@@ -902,14 +941,16 @@ class DiskTier:
         lists tierkv's tables (``_holds_store_tables``; a store of an earlier build copied without
         its lock file). Another program's LMDB environment raises ``ValueError`` with nothing
         written there. A lock file that is a symbolic link raises ``ValueError`` too: it is
-        truncated and written, and through a link that would be any file the link names. So does
-        a store whose files have other names (``_refuse_shared``: a copy made with ``cp -al``)."""
+        truncated and written, and through a link that would be any file the link names. So do
+        LMDB's files as links (``_refuse_links``) and a store whose files have other names
+        (``_refuse_shared``: a copy made with ``cp -al``)."""
         if fcntl is None:  # not POSIX: no advisory locks to take
             return None
         lock = os.path.join(path, _LOCK_FILE)
         # Before anything is written: the refusal used to come after the lock (and, in a store's
         # open, after LMDB's lock.mdb there was grown to tierkv's reader table), leaving
         # tierkv.lock, with this pid, among the other program's files.
+        _refuse_links(path)
         _refuse_foreign(path)
         _refuse_shared(path)
         try:
@@ -955,7 +996,13 @@ class DiskTier:
         that size, with fewer reader slots (a reader past them gets ``ReadersFullError``)."""
         if not self._allocating:
             return _MAX_READERS
-        fd = os.open(os.path.join(self.path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        lock = os.path.join(self.path, "lock.mdb")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if os.path.islink(lock):
+                raise _link_refusal(lock) from None
+            raise
         try:
             for size, readers in ((max(os.fstat(fd).st_size, _LOCK_BYTES), _MAX_READERS), (vm.PAGE, _FEW_READERS)):
                 try:
@@ -1154,6 +1201,7 @@ class DiskTier:
         as LMDB must not have one environment open twice in a process."""
         path = os.fspath(path)
         not_a_store = f"{path!r} is not a tierkv store"
+        _refuse_links(path)
         if not os.path.isfile(os.path.join(path, "data.mdb")):
             raise ValueError(f"{not_a_store} (no data.mdb)")
         if os.path.getsize(os.path.join(path, "data.mdb")) == 0:
