@@ -1518,6 +1518,32 @@ def test_lmdb_s_files_that_are_symbolic_links_are_refused(tmp_path: pathlib.Path
         tier.close()
 
 
+@pytest.mark.parametrize("name", ["data.mdb", "lock.mdb"])
+def test_a_link_made_after_the_check_is_not_written_through_by_tierkv(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    # The check reads the directory before LMDB opens it; a link made in between is refused by
+    # tierkv's own opens of the file (O_NOFOLLOW), and the store is released for the next open.
+    path = tmp_path / "store"
+    DiskTier(path, budget=1 << 20, block_size=BLOCK).close()
+    elsewhere = tmp_path / "elsewhere"
+    if name == "data.mdb":
+        os.replace(path / name, elsewhere)
+    else:
+        (path / name).unlink()
+        elsewhere.write_text("not tierkv's")
+    (path / name).symlink_to(elsewhere)
+    held = elsewhere.read_bytes()
+    monkeypatch.setattr(disk_module, "_refuse_links", lambda path: None)
+    with pytest.raises(ValueError, match=rf"{name}' is a symbolic link"):
+        DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    assert elsewhere.read_bytes() == held
+    monkeypatch.undo()
+    (path / name).unlink()
+    if name == "data.mdb":
+        os.replace(elsewhere, path / name)
+    DiskTier(path, budget=1 << 20, block_size=BLOCK).close()  # neither the lock nor LMDB's environment kept
+
+
 def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(tmp_path: pathlib.Path) -> None:
     path = os.path.join(tmp_path, "other")
     _plain_env(path, {b"meta": b"some application's own value"})
