@@ -1413,6 +1413,52 @@ def test_stored_meta_refuses_a_plain_lmdb_env_writing_nothing_there(tmp_path: pa
     assert {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)} == before
 
 
+@pytest.mark.parametrize("keys", [1, 3000], ids=["its main table a leaf", "a branch"])
+@pytest.mark.parametrize("writemap", [False, True])
+def test_a_plain_lmdb_env_where_an_earlier_build_left_tierkv_lock_is_left_untouched(
+        tmp_path: pathlib.Path, keys: int, writemap: bool) -> None:
+    # Earlier builds locked a directory before refusing it, so such environments hold a tierkv.lock.
+    # An open there took it for a store's: it grew lock.mdb, wrote its pid, and cut a writemap
+    # environment's file (sized to its map) to tierkv's map, then refused the missing meta table.
+    path = os.path.join(tmp_path, "other")
+    env = lmdb.open(path, map_size=64 << 20, writemap=writemap)
+    with env.begin(write=True) as txn:
+        for i in range(keys):
+            txn.put(b"k%06d" % i, b"v")
+    env.close()
+    pathlib.Path(path, "tierkv.lock").write_text("12345")
+    before = {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)}
+    for opening in (lambda: DiskTier(path, budget=1 << 20, block_size=BLOCK), lambda: DiskTier.stored_meta(path)):
+        with pytest.raises(ValueError, match="holds an LMDB environment that is not a tierkv store"):
+            opening()
+        assert {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)} == before
+
+
+def test_an_open_of_a_store_whose_meta_pages_are_both_damaged_reads_few_of_its_pages(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The foreign check looked for a page listing the store's tables page by page (all but the
+    # records' later pages), at every open, where the lock file there already let it open: here,
+    # with no page left listing them, to the file's end (5000 reads of a 20 MiB store).
+    path = tmp_path / "store"
+    tier = DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    assert tier.apply([big_op(n) for n in range(1, 41)]) == [None] * 40
+    tier.close()
+    psize = os.sysconf("SC_PAGE_SIZE")
+    with open(path / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * psize))
+        for at in range(2 * psize, os.path.getsize(path / "data.mdb"), psize):
+            f.seek(at)
+            if b"sessions" in f.read(psize):  # the main table's leaf, and its earlier copies
+                f.seek(at)
+                f.write(bytes(psize))
+    reads = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append(offset) or pread(fd, n, offset))
+    with pytest.raises(disk_module.DamagedStore):
+        DiskTier(path, budget=1 << 30, block_size=BLOCK)
+    assert 0 < len(reads) <= 6, len(reads)  # where the meta pages may lie
+
+
 def test_a_store_without_its_lock_file_opens_and_gets_one(tmp_path: pathlib.Path) -> None:
     # A store copied without tierkv.lock: the lock file is made only where data.mdb lists tierkv's
     # tables, and this one does.

@@ -308,32 +308,44 @@ _LMDB_MAGIC = struct.pack("<I", 0xBEEFC0DE)
 _STORE_TABLES = {b"meta", b"blocks", b"heads", b"sessions", b"refs", b"atime"}
 
 
-def _holds_store_tables(data: str) -> bool:
+def _holds_store_tables(data: str, scan: bool = True) -> bool | None:
     """Whether the LMDB file ``data`` lists tierkv's tables and no others: the main table's root
     page, a leaf, as either meta page names it (read from the file, not through LMDB). What tells
     a tierkv store from another program's LMDB environment: the lock file does not (anyone can
-    make one, and tierkv does in a store copied without it)."""
-    with open(data, "rb") as f:
+    make one, tierkv does in a store copied without it, and earlier builds did in other
+    programs' environments). False where a root read soundly shows another program's: a leaf
+    listing a name tierkv never makes, or a branch (more names than a page holds; tierkv's are
+    six); None (falsy too) where no root reads soundly. Where both meta pages are damaged the
+    file is read page by page for a leaf listing tierkv's tables (``scan``; True or None)."""
+    with open(data, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            # Every open reads this: the kernel's readahead after the first page brought records
+            # into the page cache (a few hundred KiB of a cold store, up to the device's readahead).
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+
         def page_at(offset: int, size: int) -> bytes:
-            f.seek(offset)
-            return f.read(size)
+            return os.pread(f.fileno(), size, offset)
 
         # The two meta pages: the first, and the second one page on (either may be the damaged one).
-        metas = []
+        metas: list[tuple[int, bytes]] = []
         for at in (0, 4096, 8192, 16384, 32768, 65536):
+            if metas and at != metas[0][0]:
+                continue  # the first meta page's page size places the second
             meta = page_at(at, 256)
             if len(meta) < 16 + 24 + 96 or meta[16:20] != _LMDB_MAGIC:
                 continue
             psize = struct.unpack_from("<I", meta, 16 + 24)[0]  # the free table's md_pad: the page size
             if psize >= 4096 and psize <= 1 << 16 and not psize & (psize - 1) and at in (0, psize):
                 metas.append((psize, meta))
-        def lists_tables(pgno: int, psize: int) -> bool:
+        def lists_tables(pgno: int, psize: int) -> bool | None:
             if not 2 <= pgno < os.fstat(f.fileno()).st_size // psize:  # a table without a root: P_INVALID (~0)
-                return False
+                return None
             page = page_at(pgno * psize, psize)
-            if len(page) != psize or struct.unpack_from("<Q", page, 0)[0] != pgno or \
-                    not struct.unpack_from("<H", page, 10)[0] & 0x02:  # P_LEAF
-                return False
+            if len(page) != psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
+                return None
+            flags = struct.unpack_from("<H", page, 10)[0]
+            if not flags & 0x02:  # P_LEAF
+                return False if flags & 0x0f == 0x01 else None  # P_BRANCH (not P_OVERFLOW or P_META)
             lower = struct.unpack_from("<H", page, 12)[0]
             names = set()
             try:
@@ -342,16 +354,24 @@ def _holds_store_tables(data: str) -> bool:
                     size = struct.unpack_from("<H", page, node + 6)[0]
                     names.add(page[node + 8:node + 8 + size])
             except struct.error:
+                return None
+            if not names <= _STORE_TABLES:
                 return False
-            return {b"meta", b"blocks", b"sessions", b"refs", b"atime"} <= names <= _STORE_TABLES
+            # Fewer: a store whose creation was cut short, or damaged; not another program's either.
+            return True if {b"meta", b"blocks", b"sessions", b"refs", b"atime"} <= names else None
 
-        for psize, meta in metas:
-            if lists_tables(struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0], psize):  # the main table's root
-                return True
+        found = [lists_tables(struct.unpack_from("<Q", meta, 16 + 24 + 48 + 40)[0], psize)  # the main table's root
+                 for psize, meta in metas]
+        if True in found:
+            return True
         if metas:
-            return False
+            return False if False in found else None
+        if not scan:
+            return None
         # Both meta pages damaged: a page listing the tables is looked for, page by page (the
         # records' overflow pages skipped, as their first page counts them).
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         pages, pgno = os.fstat(f.fileno()).st_size // psize, 2
         while pgno < pages:
@@ -364,7 +384,7 @@ def _holds_store_tables(data: str) -> bool:
             if lists_tables(pgno, psize):
                 return True
             pgno += 1
-    return False
+    return None
 
 
 def remove_store(path: str | os.PathLike[str]) -> list[str]:
@@ -516,10 +536,19 @@ def _refuse_foreign(path: str) -> None:
     """``ValueError`` for another program's LMDB environment at ``path``, reading its files alone.
     A store makes its lock file before LMDB makes data.mdb, so only another program's directory,
     or a store copied without its lock file, has a data.mdb and no ``tierkv.lock``: there,
-    data.mdb must list tierkv's tables (``_holds_store_tables``)."""
+    data.mdb must list tierkv's tables (``_holds_store_tables``). With one, it must not list
+    another program's: earlier builds left ``tierkv.lock`` in environments they then refused,
+    and an open there cut the other program's file to tierkv's map and grew its lock.mdb
+    before the missing meta table refused it; a store whose tables cannot be read stays a
+    damaged store."""
     data = os.path.join(path, "data.mdb")
-    if not os.path.lexists(os.path.join(path, _LOCK_FILE)) and os.path.isfile(data) and os.path.getsize(data) > 0 \
-            and not _holds_store_tables(data):
+    if not (os.path.isfile(data) and os.path.getsize(data) > 0):
+        return
+    # With a lock file, only a sound root refuses: a scan of a file whose meta pages are both
+    # damaged (page by page, at every open) could only find the store's tables or nothing.
+    locked = os.path.lexists(os.path.join(path, _LOCK_FILE))
+    listed = _holds_store_tables(data, scan=not locked)
+    if listed is False or (not listed and not locked):
         raise ValueError(f"{path!r} holds an LMDB environment that is not a tierkv store (its data.mdb does not "
                          "list a tierkv store's tables); pass a new or empty directory")
 
