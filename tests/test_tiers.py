@@ -1434,6 +1434,15 @@ def test_a_plain_lmdb_env_where_an_earlier_build_left_tierkv_lock_is_left_untouc
         assert {name: pathlib.Path(path, name).read_bytes() for name in os.listdir(path)} == before
 
 
+def test_the_foreign_check_of_a_cold_store_caches_only_the_pages_it_reads(tmp_path: pathlib.Path) -> None:
+    # It runs at every open. Read through a buffered file, with the kernel's readahead, it brought
+    # 20 to 80 pages of records after the meta pages into the page cache (a 20 MiB store, this VM).
+    data = cold_store(tmp_path / "store", range(1, 41))
+    disk_module._refuse_foreign(str(tmp_path / "store"))
+    # The two meta pages and the main table's root, and a page the kernel may read with the first.
+    assert sum(resident_pages(data)) <= 4
+
+
 def test_an_open_of_a_store_whose_meta_pages_are_both_damaged_reads_few_of_its_pages(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The foreign check looked for a page listing the store's tables page by page (all but the
