@@ -1343,6 +1343,64 @@ def test_commits_wait_for_a_disk_that_falls_behind_rather_than_queue_without_bou
         assert cache.restored_from["disk"] == out.shape[1] - 1
 
 
+def test_commits_wait_for_a_writer_behind_on_references_and_stamps_as_on_blocks(model, stores, tmp_path, caplog):
+    # Before: only block writes counted against the bound. Turns that wrote no block (the same
+    # conversation in other sessions) queued a PutRefs, a DropRefs and a Touch each without ever
+    # waiting: about 950 piled up behind a writer starved of CPU.
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    ids = random_ids(31, 905)
+    out = converse(store, model, ids, "a")
+    store.flush()
+    release = threading.Event()
+    apply = store._writer._apply
+    applied: list[object] = []
+
+    def slow(items):  # the disk, stalled until the test lets it go
+        assert release.wait(60)
+        applied.extend(items)
+        return apply(items)
+
+    store._writer._apply = slow
+    done = threading.Event()
+
+    def turns() -> None:
+        for session in ("c", "d", "e"):
+            converse(store, model, ids, session)
+        done.set()
+
+    worker = threading.Thread(target=turns)
+    try:
+        converse(store, model, ids, "b")
+        per_turn = store._writer.queued()
+        assert per_turn > 0 and store._writer.backlog() == 0  # no block written: no byte counted
+        store._backlog_ops = per_turn + per_turn // 2  # one turn's writes queue; a second one's wait
+        with caplog.at_level(logging.WARNING, logger="tierkv"):
+            worker.start()
+            assert not done.wait(1.0)  # "c"'s commit waits for the disk ...
+            assert store._writer.queued() == 2 * per_turn  # ... with its own writes queued, nothing dropped
+    finally:
+        release.set()
+    if worker.ident is not None:
+        worker.join(60)
+    assert done.is_set() and store._writer.queued() <= store._backlog_ops
+    assert store.stats()["commit_wait_seconds"] >= 0.9
+    assert [r.levelname for r in caplog.records if "behind the commits" in r.getMessage()] == ["WARNING"]
+    store.flush()
+    assert store._writer.queued() == 0
+    # Every turn's writes landed, in order, b's to e's: its references, the previous holder's row (a
+    # session whose blocks another now holds goes), its stamps.
+    assert [type(op).__name__ for op in applied] == ["PutRefs", "DropRefs", "Touch"] * 4
+    sessions = set(store._index.sessions)
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == sessions == {_session_id(None, "e")}
+    cache = reopened.open(model, torch.cat([out, random_ids(2, 906)], 1), session="e")
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+    reopened.forget(session="e")  # found by its references on disk: its blocks all go
+    assert not reopened._index.blocks
+
+
 def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, tmp_path):
     # Before: every session made after the disk failed owed the delete of its row when it went
     # (forgotten, or its blocks evicted), though none of its references ever reached the disk:

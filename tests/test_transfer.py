@@ -748,3 +748,27 @@ def test_the_writers_backlog_counts_submitted_bytes_until_applied_or_failed() ->
     assert [j.done() for j in jobs] == [True] * 3  # failed items count as settled too
     writer.close()
     assert writer.wait_below(0, timeout=0)
+
+
+def test_the_writers_queue_counts_items_of_no_size_until_applied_or_failed() -> None:
+    # Deletes, references and stamps weigh no bytes: a bound on bytes alone never saw them queue.
+    gate = threading.Event()
+
+    def apply(items: Sequence[int]) -> list[BaseException | None]:
+        assert gate.wait(10)
+        return [None if item % 2 else ValueError("odd one out") for item in items]
+
+    writer: BackgroundWriter[int] = BackgroundWriter(apply, name="queued", size_of=lambda item: 0)
+    jobs = [writer.submit(n) for n in range(5)]
+    writer.nudge()  # a marker is no item
+    assert writer.queued() == 5 and writer.backlog() == 0 and writer.settled_items() == 0
+    assert writer.wait_below(0, timeout=0)  # bytes alone: under
+    assert not writer.wait_below(0, timeout=0.2, items=4)  # the writer is stalled
+    waiter = threading.Thread(target=writer.wait_below, args=(0,), kwargs={"items": 0})
+    waiter.start()
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and writer.queued() == 0
+    assert writer.settled_items() == 5 and [j.done() for j in jobs] == [True] * 5  # failed ones too
+    writer.close()
+    assert writer.wait_below(0, timeout=0, items=0)

@@ -138,6 +138,12 @@ LINGER_BYTES = 16 << 20
 #: and on CUDA the pinned buffers past the pool, without bound. Waiting keeps write-through's
 #: promise (every committed block reaches the disk); the disk's pace is then the commits' pace.
 WRITE_BACKLOG_BYTES = 1 << 30
+#: Queued disk writes of any kind (blocks, references, deletes, stamps) past which a commit waits
+#: as it does past WRITE_BACKLOG_BYTES. References, deletes and stamps weigh no bytes: turns that
+#: wrote no block (a shared prompt, a returning session) queued a PutRefs, DropRefs and Touch each,
+#: none of them counted, and about 950 piled up behind a writer starved of CPU. 16 of the writer's
+#: 64-item transactions: a disk keeping up drains them in a fraction of a second.
+WRITE_BACKLOG_OPS = 1024
 #: How long a commit waits for a writer that settles nothing before it stops waiting.
 WRITE_STALL_S = 10.0
 
@@ -360,6 +366,7 @@ class TieredStore:
         self._write_seconds = 0.0  # the writer thread's time in transactions
         self._write_cpu_wait = 0.0  # the part of it the writer waited for a CPU (Linux)
         self._backlog_limit = WRITE_BACKLOG_BYTES
+        self._backlog_ops = WRITE_BACKLOG_OPS
         self._commit_wait = 0.0  # seconds commits waited for the disk writer's backlog
         self._warned_backlog = False
         self._events = EventLog()
@@ -958,24 +965,24 @@ class TieredStore:
         started = time.perf_counter()
         tokens = self._commit_turn(cache, sequences)
         writer = self._writer
-        if writer is not None and writer.backlog() > self._backlog_limit:
+        if writer is not None and (writer.backlog() > self._backlog_limit or writer.queued() > self._backlog_ops):
             if not self._warned_backlog:
                 self._warned_backlog = True
-                logger.warning("tierkv: the disk writer of %s is %s behind the commits; commits wait for it "
-                               "(stats()['commit_wait_seconds'] counts how long): the disk is slower than the "
-                               "KV this store is given to keep", self._disk.path if self._disk else None,
-                               format_bytes(writer.backlog()))
+                logger.warning("tierkv: the disk writer of %s is %d writes (%s of blocks) behind the commits; "
+                               "commits wait for it (stats()['commit_wait_seconds'] counts how long): the disk "
+                               "is slower than the KV this store is given to keep",
+                               self._disk.path if self._disk else None, writer.queued(), format_bytes(writer.backlog()))
             waited = time.perf_counter()
-            settled = writer.settled_bytes()
-            while not writer.wait_below(self._backlog_limit, timeout=WRITE_STALL_S):
-                if self._closed or writer.closed or writer.settled_bytes() == settled:
-                    # No byte landed for WRITE_STALL_S (a hung disk), or the store is closing: the
+            settled = writer.settled_items()
+            while not writer.wait_below(self._backlog_limit, timeout=WRITE_STALL_S, items=self._backlog_ops):
+                if self._closed or writer.closed or writer.settled_items() == settled:
+                    # No write landed for WRITE_STALL_S (a hung disk), or the store is closing: the
                     # commit goes on, as before the bound; a thread waiting here for ever kept the
                     # process from exiting (non-daemon threads are joined before atexit).
                     logger.warning("tierkv: the disk writer of %s made no progress in %s s; this commit "
                                    "stops waiting for it", self._disk.path if self._disk else None, WRITE_STALL_S)
                     break
-                settled = writer.settled_bytes()
+                settled = writer.settled_items()
             self._commit_wait += time.perf_counter() - waited
         if self._events.active:
             self._events.emit(CommitEvent(time.perf_counter() - started, tokens))
@@ -2031,7 +2038,8 @@ class TieredStore:
                 "write_cpu_wait_seconds": self._write_cpu_wait,
                 "pending_writes": len(self._pending_writes),
                 # Time commits waited for the disk writer to come back under WRITE_BACKLOG_BYTES of
-                # queued block writes: how far the disk falls behind the turns.
+                # queued block writes and WRITE_BACKLOG_OPS queued writes: how far the disk falls
+                # behind the turns.
                 "commit_wait_seconds": self._commit_wait,
                 # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and
                 # allocations that found no run and fell back to a fresh buffer.

@@ -425,7 +425,10 @@ class BackgroundWriter(Generic[T]):
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
         self._backlog = 0
         self._settled_bytes = 0  # ever settled: progress, for a waiter to tell a stalled writer
-        self._sizes: dict[int, int] = {}  # id(job) -> its item's size, until it is settled
+        self._settled_items = 0
+        # id(job) -> its item's size, until it is settled; items of no size too: a byte bound
+        # alone let references, deletes and stamps pile up without end behind a slow disk.
+        self._sizes: dict[int, int] = {}
         self._drained = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -439,10 +442,9 @@ class BackgroundWriter(Generic[T]):
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed")
-            if size:
-                with self._drained:
-                    self._backlog += size
-                    self._sizes[id(job)] = size
+            with self._drained:
+                self._backlog += size
+                self._sizes[id(job)] = size
             self._queue.put((item, job))
         return job
 
@@ -450,25 +452,39 @@ class BackgroundWriter(Generic[T]):
         """Bytes (``size_of``) of the items submitted and not yet applied (or failed)."""
         return self._backlog
 
-    def wait_below(self, limit: int, timeout: float | None = None) -> bool:
-        """Block until the backlog is at most ``limit`` bytes (or the thread is gone); whether
-        it is. Called from the writer's own thread it does not wait."""
+    def queued(self) -> int:
+        """Items submitted and not yet applied (or failed), of any size."""
+        return len(self._sizes)
+
+    def wait_below(self, limit: int, timeout: float | None = None, items: int | None = None) -> bool:
+        """Block until the backlog is at most ``limit`` bytes, and at most ``items`` items are
+        queued (None: any number), or the thread is gone; whether they are. Called from the
+        writer's own thread it does not wait."""
+        def under() -> bool:
+            return self._backlog <= limit and (items is None or len(self._sizes) <= items)
+
         if self.on_thread():
-            return self._backlog <= limit
+            return under()
         with self._drained:
-            return self._drained.wait_for(lambda: self._backlog <= limit or not self._thread.is_alive()
+            return self._drained.wait_for(lambda: under() or not self._thread.is_alive()
                                           or self._abandon.is_set(), timeout)
 
     def settled_bytes(self) -> int:
         """Bytes of items ever applied or failed."""
         return self._settled_bytes
 
+    def settled_items(self) -> int:
+        """Items ever applied or failed."""
+        return self._settled_items
+
     def _settled(self, batch: Sequence[tuple[T, Job[None]]]) -> None:
         with self._drained:
-            size = sum(self._sizes.pop(id(job), 0) for _, job in batch)
-            if size:
+            settled = [self._sizes.pop(id(job)) for _, job in batch if id(job) in self._sizes]
+            if settled:
+                size = sum(settled)
                 self._backlog -= size
                 self._settled_bytes += size
+                self._settled_items += len(settled)
                 self._drained.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
