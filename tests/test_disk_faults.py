@@ -1444,6 +1444,49 @@ def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, t
     assert cache.restored_tokens == 2 * B  # the shared prompt: first's own blocks are gone
 
 
+def test_a_failed_disk_owes_no_reference_delete_of_tails_it_never_held(model, stores, tmp_path):
+    # Before: a session on disk that went on talking after the failure let go of each turn's partial
+    # tail with a DropRefs, though no reference to a tail made since ever reached the disk: owed,
+    # the list grew by one a turn of every such session, and every flush queued all of it again.
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    names = ["s0", "s1", "s2"]
+    outs = {name: converse(store, model, random_ids(21, 970 + i), name) for i, name in enumerate(names)}
+    store.flush()
+    full = {name: {key for key in store._index.sessions[_session_id(None, name)].keys
+                   if store._index.blocks[key].n_tokens == B} for name in names}
+    apply = store._disk.apply
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    store._disk.apply = failing
+    # Its writes fail: from the flush on, the store knows the disk failed and queues no block.
+    outs["s0"] = converse(store, model, torch.cat([outs["s0"], random_ids(3, 979)], 1), "s0")
+    store.flush()
+    assert store.stats()["disk_failed"]
+    sizes = []
+    for turn in range(30):
+        name = names[turn % 3]
+        outs[name] = converse(store, model, torch.cat([outs[name], random_ids(3, 980 + turn)], 1), name)
+        if turn % 10 == 9:
+            store.flush()
+            sizes.append((len(store._owed), store.stats()["owed_deletes"]))
+    # Owed: each session's tail on disk that its first turn since replaced (a DeleteBlocks) and its
+    # reference (a DropRefs); and the reference to s0's tail of the turn that failed, whose write
+    # (and reference) was queued.
+    assert sizes == [(7, 7)] * 3, sizes
+    store._disk.apply = apply  # the disk is back: what was owed lands
+    store.flush()
+    assert not store._owed
+    store.close()
+    reopened = make_store(stores, path)
+    for name in names:
+        # The tail its first turn since replaced is gone; its full blocks stay.
+        assert reopened._index.sessions[_session_id(None, name)].keys == full[name] and len(full[name]) == 2
+    assert len(reopened._index.blocks) == 6
+
+
 def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, stores, tmp_path, caplog, monkeypatch):
     # A hung disk past the backlog's bound: the commit waited for ever, and a request thread
     # waiting there kept the process from exiting (non-daemon threads are joined before atexit).

@@ -47,6 +47,9 @@ class BlockMeta:
     resident: Tier | None = None
     disk: DiskState = DiskState.NONE
     sessions: set[bytes] = field(default_factory=set)
+    # Its disk state was PENDING or DURABLE once: only then were references to it ever queued, so
+    # only then can the disk hold one to delete.
+    ever_on_disk: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -120,6 +123,7 @@ class Index:
         on_disk_before = meta.disk is not DiskState.NONE
         on_disk_after = state is not DiskState.NONE
         meta.disk = state
+        meta.ever_on_disk = meta.ever_on_disk or on_disk_after
         if on_disk_before and not on_disk_after:
             del self.lru[Tier.DISK][meta.key]
             self.bytes[Tier.DISK] -= meta.record_bytes

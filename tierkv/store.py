@@ -1751,8 +1751,11 @@ class TieredStore:
             self._index.unref(sid, tail)
             if not tail.sessions:
                 self._drop(tail, superseded=owner)
-        if tails and self._writer is not None:
-            keys = [tail.key for tail in tails]
+        # A tail never queued for the disk (every turn's, after a disk failure) has no reference
+        # there: owed at each failure, its DropRefs grew the owed list by one a turn of every
+        # session on disk, each retried at every flush.
+        keys = [tail.key for tail in tails if tail.ever_on_disk]
+        if keys and self._writer is not None:
             self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True, owner=owner))
 
     def _discard_restore(self, cache: TieredCache) -> None:
