@@ -146,6 +146,13 @@ WRITE_BACKLOG_BYTES = 1 << 30
 WRITE_BACKLOG_OPS = 1024
 #: How long a commit waits for a writer that settles nothing before it stops waiting.
 WRITE_STALL_S = 10.0
+#: Owed deletes (and references) a flush queues again while the disk has failed: one of the
+#: writer's transactions' worth. Queued whole at every flush, a long list cost a failed transaction
+#: per 64 of them (50,000 owed: 782 transactions, 2.5 to 3.9 s a flush on a disk that fails at
+#: once; a disk slow to fail takes its I/O timeout for each), and commits then waited behind them
+#: (WRITE_BACKLOG_OPS). When one of them lands the rest go in the same flush, so a flush after the
+#: disk came back still lands everything owed; those that fail again go to the back of the list.
+OWED_RETRY_PROBE = 64
 
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
@@ -244,6 +251,17 @@ class _WriterLink:
             assert self._disk is not None
             return self._disk.apply(ops)
         return store._apply_writes(ops)
+
+
+def _landed(job: Job[None]) -> bool:
+    """The job is done, without an error."""
+    if not job.done():
+        return False
+    try:
+        job.wait()
+    except Exception:  # noqa: BLE001 - any failure: not landed
+        return False
+    return True
 
 
 def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) -> DiskTier:
@@ -438,7 +456,8 @@ class TieredStore:
         with self._lock, defer_interrupts():
             self._check_open()
             self._write_stamps()
-            self._retry_deletes()
+            probing = self._disk_failed
+            probes = self._retry_deletes(OWED_RETRY_PROBE if probing else None)
             self._retry_writes()
             writes = list(self._pending_writes)
             copies = [job for tier in (self._device, self._host) for job in tier.jobs()]
@@ -453,6 +472,8 @@ class TieredStore:
             queued = self._deletes_queued
             self._reap(keys=writes)
             self._reap_deletes()
+            if probing and self._owed and any(_landed(job) for job in probes):
+                self._retry_deletes()  # the disk takes writes again: the rest lands by this flush too
             again = self._deletes_queued != queued
         if again:
             # Writes of this call that found the map at its cap evicted blocks from disk for the
@@ -1625,40 +1646,54 @@ class TieredStore:
         for (holder, tenant), keys in held.items():
             self._owed.append(PutRefs(holder, tenant, keys))
 
-    def _retry_deletes(self) -> None:
+    def _retry_deletes(self, limit: int | None = None) -> list[Job[None]]:
         """Queue the owed deletes again, less what was stored again since: a block written again
         (same key, so the same KV) stays, a block whose new write is still queued stays owed until
-        that write is settled, and references and sessions that are live again stay."""
+        that write is settled, and references and sessions that are live again stay. With a
+        ``limit`` (``OWED_RETRY_PROBE``), only the first ``limit`` owed ops, or the next ``limit``
+        while those queue nothing; the others stay owed, ahead of those that fail again. Returns
+        the queued writes' jobs."""
         with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
             self._reap()
             owed, self._owed = self._owed, []
-            # One PutRefs per session: a session that stays while others go is owed its references
-            # once for each DropRefs that failed with it among its holders (_owe_holders).
-            merged: dict[bytes, list[bytes]] = {}
-            for op in owed:
-                if isinstance(op, PutRefs):
-                    merged.setdefault(op.sid, []).extend(op.keys)
-            for op in owed:
-                if isinstance(op, PutRefs):
-                    keys = self._owed_refs(PutRefs(op.sid, op.tenant, list(dict.fromkeys(merged.pop(op.sid, [])))))
-                    if keys:
-                        self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys))
-                elif isinstance(op, DeleteBlocks):
-                    state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
-                             for k in op.keys}
-                    later = [k for k in op.keys if state[k] is DiskState.PENDING]
-                    if later:
-                        self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
-                    now = [k for k in op.keys if state[k] is DiskState.NONE]
-                    refs = [r for r in op.refs
-                            if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
-                    if now:
-                        self._submit(DeleteBlocks(now, refs))
-                else:
-                    keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
-                    drop_session = op.drop_session and op.sid not in self._index.sessions
-                    if keys or drop_session:
-                        self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys)))
+            jobs: list[Job[None]] = []
+            while owed and not jobs:
+                chunk, owed = (owed, []) if limit is None else (owed[:limit], owed[limit:])
+                jobs += self._queue_owed(chunk)
+            self._owed[:0] = owed
+            return jobs
+
+    def _queue_owed(self, owed: list[DeleteBlocks | DropRefs | PutRefs]) -> list[Job[None]]:
+        """``_retry_deletes``' work for ``owed``; the jobs of what it queued."""
+        jobs: list[Job[None] | None] = []
+        # One PutRefs per session: a session that stays while others go is owed its references
+        # once for each DropRefs that failed with it among its holders (_owe_holders).
+        merged: dict[bytes, list[bytes]] = {}
+        for op in owed:
+            if isinstance(op, PutRefs):
+                merged.setdefault(op.sid, []).extend(op.keys)
+        for op in owed:
+            if isinstance(op, PutRefs):
+                keys = self._owed_refs(PutRefs(op.sid, op.tenant, list(dict.fromkeys(merged.pop(op.sid, [])))))
+                if keys:
+                    jobs.append(self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)))
+            elif isinstance(op, DeleteBlocks):
+                state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
+                         for k in op.keys}
+                later = [k for k in op.keys if state[k] is DiskState.PENDING]
+                if later:
+                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
+                now = [k for k in op.keys if state[k] is DiskState.NONE]
+                refs = [r for r in op.refs
+                        if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
+                if now:
+                    jobs.append(self._submit(DeleteBlocks(now, refs)))
+            else:
+                keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
+                drop_session = op.drop_session and op.sid not in self._index.sessions
+                if keys or drop_session:
+                    jobs.append(self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys))))
+        return [job for job in jobs if job is not None]
 
     def _owed_refs(self, op: PutRefs) -> list[bytes]:
         """The references of an owed ``PutRefs`` still to write: held, to blocks still on disk."""
@@ -2029,7 +2064,7 @@ class TieredStore:
                 "disk_damaged": self._disk_damaged,
                 "disk_full": self._disk_full,
                 # Deleted entries (blocks, references, sessions) not yet removed from disk because of
-                # disk errors; retried at every flush() and at close().
+                # disk errors; retried at flush() (OWED_RETRY_PROBE first) and at close().
                 "owed_deletes": self._owed_keys(),
                 "moved_bytes": dict(self._moved),
                 # Wall time of the disk paths (writer transactions, the reads of opens that read from disk); memory-tier
