@@ -451,6 +451,10 @@ class TieredStore:
     def flush(self) -> None:
         """Block until every move and disk write queued before this call is done and durable.
 
+        A delete or session reference that a disk error fails does not raise: it stays owed
+        (``stats()['owed_deletes']``), tried again at later flushes (while the disk has failed,
+        ``OWED_RETRY_PROBE`` of them first, and the rest once one lands) and at ``close``.
+
         If the disk tier's final sync fails, raises ``DiskSyncFailed`` (an ``OSError``) after
         counting it in ``stats()['disk_errors']`` and marking the disk failed, as ``close`` does."""
         with self._lock, defer_interrupts():
@@ -1976,9 +1980,11 @@ class TieredStore:
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
-        per tenant they have. The deletes are queued and written at once; ``flush()`` returns when
-        they are on disk (until then a crash can leave the forgotten KV in the file). A turn of the
-        session (or tenant) opened before this call keeps nothing at its ``commit``.
+        per tenant they have. The deletes are queued, and written without waiting for more writes
+        (but after those queued before them); ``flush()`` returns when they are on disk (until then
+        a crash can leave the forgotten KV in the file), or when a disk error failed them: those
+        stay owed (``stats()["owed_deletes"]``), retried at later flushes and at ``close``. A turn
+        of the session (or tenant) opened before this call keeps nothing at its ``commit``.
         """
         self._check_open()
         if session is None and tenant is _UNSET:
