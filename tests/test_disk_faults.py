@@ -1444,6 +1444,45 @@ def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, t
     assert cache.restored_tokens == 2 * B  # the shared prompt: first's own blocks are gone
 
 
+def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(model, stores, tmp_path):
+    # Before: a failed PutRefs, and each session that went while another kept its blocks, owed
+    # one more PutRefs, also of sessions forgotten since; only a flush merged them: without one the
+    # list grew by two a session that came and went (400 after 200).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
+    system = random_ids(2 * B, 950)  # two blocks every session shares
+    converse(store, model, torch.cat([system, random_ids(5, 951)], 1), "first")
+    store.flush()
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    apply = store._disk.apply
+    store._disk.apply = failing
+    keeper = converse(store, model, torch.cat([system, random_ids(4, 952)], 1), "keeper")
+    store.flush()  # the failure is known: every write from here on fails
+    sizes = []
+    for turn in range(30):
+        converse(store, model, torch.cat([system, random_ids(3 + turn % 7, 1060 + turn)], 1), f"user{turn}")
+        store.forget(session=f"user{turn}")
+        if turn % 10 == 9:
+            sizes.append(len(store._owed))
+            puts = [op.sid for op in store._owed if isinstance(op, PutRefs)]
+            assert len(puts) == len(set(puts)) and _session_id(None, "keeper") in puts, puts
+    assert sizes == sizes[:1] * 3, sizes  # no flush between: not one more per session that came and went
+    store.forget(session="first")  # the keeper alone holds the prompt now
+    store._disk.apply = apply  # the disk is back: what was owed lands
+    store.flush()
+    assert not store._owed
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
+    # The prompt's blocks, found by the keeper's references, written once the disk was back.
+    assert reopened.open(model, torch.cat([keeper, random_ids(2, 998)], 1), session="keeper").restored_tokens == 2 * B
+    reopened.forget(session="keeper")
+    assert not reopened._index.blocks  # no block was left that no session's forget found
+
+
 def test_a_failed_disk_owes_no_reference_delete_of_tails_it_never_held(model, stores, tmp_path):
     # Before: a session on disk that went on talking after the failure let go of each turn's partial
     # tail with a DropRefs, though no reference to a tail made since ever reached the disk: owed,

@@ -1632,6 +1632,9 @@ class TieredStore:
                     # retried at every flush. Owed: the references it was to write for others.
                     self._owe_holders(op)
                     continue
+                if isinstance(op, PutRefs):
+                    self._owe_refs(op.sid, op.tenant, op.keys)
+                    continue
                 self._owed.append(op)
             else:
                 # Writes land in the order they were queued, and are reaped in that order.
@@ -1648,7 +1651,23 @@ class TieredStore:
         for holder, tenant, key in op.holders:
             held.setdefault((holder, tenant), []).append(key)
         for (holder, tenant), keys in held.items():
-            self._owed.append(PutRefs(holder, tenant, keys))
+            self._owe_refs(holder, tenant, keys)
+
+    def _owe_refs(self, sid: bytes, tenant: str | None, keys: list[bytes]) -> None:
+        """Owe the session's references to ``keys`` in the one ``PutRefs`` it owes (a retry writes
+        those still held, ``_owed_refs``); nothing for a session gone since, whose retry would
+        write none (a commit of it again references its blocks anew). Appended, a failed disk
+        owed one more for each commit of a session to blocks on disk and for each session that
+        went while another kept its blocks: the list grew with every session that came and went
+        between flushes (2 a session: 400 after 200 without a flush), and a flush merged only
+        those it retried (``OWED_RETRY_PROBE``)."""
+        if sid not in self._index.sessions and sid not in self._committing:
+            return
+        for i, op in enumerate(self._owed):
+            if isinstance(op, PutRefs) and op.sid == sid:
+                self._owed[i] = PutRefs(sid, tenant, list(dict.fromkeys([*op.keys, *keys])))
+                return
+        self._owed.append(PutRefs(sid, tenant, keys))
 
     def _retry_deletes(self, limit: int | None = None) -> list[Job[None]]:
         """Queue the owed deletes again, less what was stored again since: a block written again
