@@ -1426,7 +1426,11 @@ def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, t
         if turn % 10 == 9:
             store.flush()
             sizes.append(len(store._owed))
-    assert sizes == sizes[:1] * 4, sizes  # not one more per session that came and went
+    # Not one more per session that came and went (ten between flushes): at most a DeleteBlocks and
+    # the keeper's and first's PutRefs, owed or not as the writer's failures and the forgets
+    # interleave (a forget before its session's failed PutRefs was reaped queues a DropRefs
+    # naming the sessions still holding the prompt, which owe their references when it fails).
+    assert max(sizes) <= 3, sizes
     assert not [op for op in store._owed if isinstance(op, DropRefs)]
     assert _session_id(None, "keeper") in {op.sid for op in store._owed if isinstance(op, PutRefs)}
     store.forget(session="first")  # its row is on disk: its delete is owed until it lands
