@@ -1431,6 +1431,36 @@ def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
         assert store.stats()["discarded"] == 33
 
 
+@pytest.mark.parametrize("computed", [False, True])
+def test_reset_drops_the_kv_where_transformers_would_zero_it(monkeypatch: pytest.MonkeyPatch, computed: bool) -> None:
+    """Before 5.18 transformers reset a ``DynamicLayer`` through its base class, which zeroes the
+    tensors in place and keeps their length: a reset cache then held its tokens as zeros (a layer
+    still waiting for its blocks raised instead, as assisted decoding's reset of a restored cache
+    did on 5.17). Here that base class's reset stands in for 5.17's."""
+    from transformers.cache_utils import DynamicLayer
+
+    if "reset" in vars(DynamicLayer):  # 5.18 on: its own, which drops them
+        monkeypatch.delattr(DynamicLayer, "reset")
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="a")
+        first = greedy(model, ids, past_key_values=cache)
+        restored = cache.commit(first)
+        turn = torch.cat([first, random_ids(3, seed=9)], 1)
+        cache = store.open(model, turn, session="a")
+        assert cache.restored_tokens == restored > 0
+        if computed:  # the layers hold tensors of their own, not blocks still to arrive
+            with torch.no_grad():
+                model(input_ids=turn[:, restored:], past_key_values=cache)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        assert all(layer.held_tokens() == 0 for layer in cache.layers)
+        out = greedy(model, turn, past_key_values=cache)
+        assert torch.equal(out, greedy(model, turn))
+        assert cache.commit(out) == out.shape[1] - 1
+
+
 @pytest.mark.parametrize("chunk", [None, 4])
 @pytest.mark.parametrize("row", [2, 0])
 def test_a_cache_cut_to_one_of_its_samples_serves_only_the_ids_it_can_check(row: int, chunk: int | None) -> None:

@@ -1379,6 +1379,11 @@ class TieredLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._pending = None
+        # Dropped here, not left to DynamicLayer: before transformers 5.18 it zeroed the tensors
+        # in place and kept their length, so a reset cache (and assisted decoding, which resets a
+        # restored one) attended over zeros, or raised on a layer still waiting for its blocks.
+        self._keys = self._values = None
+        self.is_initialized = False
         super().reset()
 
 
