@@ -954,6 +954,30 @@ def test_matmul_precision_on_a_cpu_names_fp16_reductions_in_fp16(monkeypatch):
     assert _matmul_precision(cpu, torch.bfloat16) is None
 
 
+def test_matmul_precision_on_a_cpu_without_onednns_own_setting(monkeypatch, tmp_path):
+    # torch before 2.9 has no torch.backends.mkldnn.matmul (its fp32_precision): every open of
+    # a float32 model on a CPU raised AttributeError there. The process's precision is read instead.
+    from tierkv.cache import _matmul_precision
+
+    monkeypatch.delattr(type(torch.backends.mkldnn), "matmul")
+    cpu = torch.device("cpu")
+    model = make_model("llama", seed=3)
+    ids = random_ids(20, 3)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
+            _, out = turn(store, model, ids, new=2)
+            turn(store, model, cat(out, random_ids(3, 4)), new=2, expect=out.shape[1] - 1)
+        torch.set_float32_matmul_precision("medium")
+        assert _matmul_precision(cpu, torch.float32) == "fp32:bf16"
+        torch.set_float32_matmul_precision("high")
+        assert _matmul_precision(cpu, torch.float32) == "fp32:tf32"
+        torch.set_float32_matmul_precision("highest")
+        assert _matmul_precision(cpu, torch.float32) is None
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 def test_another_moe_experts_implementation_never_reuses_blocks(tmp_path):
     # batched_mm and eager route tokens through the experts in other orders and round differently:
     # from the second layer on the KV differs in the last bits. Whether a shape's sums round apart

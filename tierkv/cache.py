@@ -457,8 +457,9 @@ def _matmul_precision(device: torch.device, dtype: torch.dtype) -> str | None:
     backends = torch.backends
     try:
         if dtype == torch.float32 and device.type in ("cpu", "cuda"):
-            matmul = backends.cuda.matmul if device.type == "cuda" else backends.mkldnn.matmul
-            precision = getattr(matmul, "fp32_precision", None)  # the per-backend API (torch 2.9 on)
+            # The per-backend API (torch 2.9 on): before it torch.backends.mkldnn has no matmul.
+            matmul = backends.cuda.matmul if device.type == "cuda" else getattr(backends.mkldnn, "matmul", None)
+            precision = getattr(matmul, "fp32_precision", None)
             if precision is None:
                 precision = ("tf32" if backends.cuda.matmul.allow_tf32 else "ieee") if device.type == "cuda" else \
                     {"high": "tf32", "medium": "bf16"}.get(torch.get_float32_matmul_precision(), "ieee")
