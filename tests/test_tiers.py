@@ -1516,22 +1516,31 @@ def test_a_store_whose_files_are_hard_linked_to_another_directory_is_refused(tmp
     if linked == "every file":
         shutil.copytree(original, copy, copy_function=os.link)  # what `cp -al` makes
     else:
-        DiskTier(copy, budget=1 << 20, block_size=BLOCK).close()
+        tier = DiskTier(copy, budget=1 << 20, block_size=BLOCK)
+        assert tier.apply([put_op(2)]) == [None]  # a store of its own
+        tier.close()
         (copy / "tierkv.lock").unlink()
         os.link(original / "tierkv.lock", copy / "tierkv.lock")
     files = {p: p.read_bytes() for p in [*original.iterdir(), *copy.iterdir()]}
+    # A lock file alone linked: two separate stores, whose remedy must not be `rm -r` of either
+    # (it named the `cp -al` copy's, which deleted a store of its own).
+    remedy = r"data.mdb' has 2 hard links: .*delete the linked copy .*`cp -a`" if linked == "every file" else \
+        r"tierkv.lock' has 2 hard links: this store's data.mdb is its own.* remove this one's \(`rm .*tierkv.lock`"
     for path in (original, copy):
-        with pytest.raises(ValueError, match=r"(mdb|lock)' has 2 hard links: .*delete the linked copy .*`cp -a`"):
+        with pytest.raises(ValueError, match=remedy):
             DiskTier(path, budget=1 << 20, block_size=BLOCK)
-        with pytest.raises(ValueError, match="has 2 hard links"):
+        with pytest.raises(ValueError, match=remedy):
             DiskTier.stored_meta(path)
     assert {p: p.read_bytes() for p in [*original.iterdir(), *copy.iterdir()]} == files
-    shutil.rmtree(copy)  # the remedy given
-    shutil.copytree(original, copy)
-    for path in (original, copy):
+    if linked == "every file":
+        shutil.rmtree(copy)  # the remedy given
+        shutil.copytree(original, copy)
+    else:
+        (copy / "tierkv.lock").unlink()  # the remedy given: the copy keeps its own store
+    for path, key in ((original, 1), (copy, 1 if linked == "every file" else 2)):
         tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
         try:
-            assert len(tier.scan().headers) == 1
+            assert [header.key for header, _ in tier.scan().headers] == [put_op(key).header.key]
         finally:
             tier.close()
 

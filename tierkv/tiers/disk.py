@@ -597,12 +597,21 @@ def _refuse_shared(path: str) -> None:
             st = os.lstat(file)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        if not (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+            continue
+        if name == "data.mdb":
             raise ValueError(f"{file!r} has {st.st_nlink} hard links: this store shares its files with another "
                              "directory (one of them a copy made with `cp -al` or `ln`), and tierkv writes them in "
                              "place, so each would change with the other and the two would share one lock; delete "
                              "the linked copy (`rm -r`: the other directory keeps its files), and copy a store with "
                              "`cp -a` instead")
+        # Its data.mdb is its own: the two are separate stores (a rebuild replaced one's data.mdb,
+        # or a tool that links files of equal bytes, such as two tierkv.locks holding one pid, linked
+        # them). `rm -r` of either, the remedy for a `cp -al` copy, would lose a store.
+        raise ValueError(f"{file!r} has {st.st_nlink} hard links: this store's data.mdb is its own, but this lock "
+                         "file is another directory's too, so the two stores would share one lock; with neither "
+                         f"store open, remove this one's (`rm {file}`: it is made again at the next open; the other "
+                         "directory keeps its own), not the directory")
 
 
 def _allocate_lock_file_of(path: str) -> None:
