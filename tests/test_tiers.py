@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import mmap
 import os
 import pathlib
@@ -1441,6 +1442,42 @@ def test_the_foreign_check_of_a_cold_store_caches_only_the_pages_it_reads(tmp_pa
     disk_module._refuse_foreign(str(tmp_path / "store"))
     # The two meta pages and the main table's root, and a page the kernel may read with the first.
     assert sum(resident_pages(data)) <= 4
+
+
+@pytest.mark.parametrize("meta_pages", ["sound", "both damaged"])
+def test_a_kernel_that_refuses_the_foreign_check_s_read_advice_still_opens_the_store(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, meta_pages: str) -> None:
+    # The check, at every open, asks the kernel for random (or, scanning, sequential) reads of
+    # data.mdb: a hint, but one that raised (ENOSYS, EINVAL) refused every store there, before its
+    # lock, as an OSError out of the constructor, stored_meta and remove_store.
+    path = tmp_path / "store"
+    tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+    assert tier.apply([put_op(1)]) == [None]
+    tier.close()
+    asked = []
+
+    advise = os.posix_fadvise
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        asked.append(advice)
+        if meta_pages == "sound" or advice == os.POSIX_FADV_SEQUENTIAL:  # the scan's own, alone
+            raise OSError(errno.ENOSYS, "Function not implemented")
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    if meta_pages == "sound":
+        assert DiskTier.stored_meta(path)["block_size"] == BLOCK
+        tier = DiskTier(path, budget=1 << 20, block_size=BLOCK)
+        try:
+            assert [header.key for header, _ in tier.scan().headers] == [put_op(1).header.key]
+        finally:
+            tier.close()
+    else:
+        with open(path / "data.mdb", "r+b") as f:
+            f.write(bytes(2 * os.sysconf("SC_PAGE_SIZE")))
+        assert disk_module._holds_store_tables(str(path / "data.mdb")) is True  # the page-by-page scan
+        assert os.POSIX_FADV_SEQUENTIAL in asked
+    assert asked
 
 
 def test_an_open_of_a_store_whose_meta_pages_are_both_damaged_reads_few_of_its_pages(

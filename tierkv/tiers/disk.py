@@ -308,6 +308,17 @@ _LMDB_MAGIC = struct.pack("<I", 0xBEEFC0DE)
 _STORE_TABLES = {b"meta", b"blocks", b"heads", b"sessions", b"refs", b"atime"}
 
 
+def _advise(fd: int, advice: str) -> None:
+    """``posix_fadvise`` of the whole file, where there is one: a hint, as ``vm.madvise`` is, so a
+    kernel or filesystem that refuses it (ENOSYS under some emulations) must not refuse the store,
+    which every open now reads through ``_holds_store_tables``."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, getattr(os, advice))
+        except OSError:
+            pass
+
+
 def _holds_store_tables(data: str, scan: bool = True) -> bool | None:
     """Whether the LMDB file ``data`` lists tierkv's tables and no others: the main table's root
     page, a leaf, as either meta page names it (read from the file, not through LMDB). What tells
@@ -318,10 +329,9 @@ def _holds_store_tables(data: str, scan: bool = True) -> bool | None:
     six); None (falsy too) where no root reads soundly. Where both meta pages are damaged the
     file is read page by page for a leaf listing tierkv's tables (``scan``; True or None)."""
     with open(data, "rb", buffering=0) as f:
-        if hasattr(os, "posix_fadvise"):
-            # Every open reads this: the kernel's readahead after the first page brought records
-            # into the page cache (a few hundred KiB of a cold store, up to the device's readahead).
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        # Every open reads this: the kernel's readahead after the first page brought records
+        # into the page cache (a few hundred KiB of a cold store, up to the device's readahead).
+        _advise(f.fileno(), "POSIX_FADV_RANDOM")
 
         def page_at(offset: int, size: int) -> bytes:
             return os.pread(f.fileno(), size, offset)
@@ -370,8 +380,7 @@ def _holds_store_tables(data: str, scan: bool = True) -> bool | None:
             return None
         # Both meta pages damaged: a page listing the tables is looked for, page by page (the
         # records' overflow pages skipped, as their first page counts them).
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _advise(f.fileno(), "POSIX_FADV_SEQUENTIAL")
         psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         pages, pgno = os.fstat(f.fileno()).st_size // psize, 2
         while pgno < pages:
