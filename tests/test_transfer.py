@@ -764,7 +764,8 @@ def test_the_writers_queue_counts_items_of_no_size_until_applied_or_failed() -> 
     assert writer.queued() == 5 and writer.backlog() == 0 and writer.settled_items() == 0
     assert writer.wait_below(0, timeout=0)  # bytes alone: under
     assert not writer.wait_below(0, timeout=0.2, items=4)  # the writer is stalled
-    waiter = threading.Thread(target=writer.wait_below, args=(0,), kwargs={"items": 0})
+    # A daemon: a wait_below that never returns fails the test below, not hangs pytest's exit.
+    waiter = threading.Thread(target=writer.wait_below, args=(0,), kwargs={"items": 0}, daemon=True)
     waiter.start()
     gate.set()
     waiter.join(10)
