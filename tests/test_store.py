@@ -1758,6 +1758,37 @@ def test_a_store_path_may_be_bytes_or_start_at_home(tmp_path, monkeypatch):
         pass
 
 
+def test_a_store_path_through_a_linked_directory_and_up_is_the_directory_the_kernel_names(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    # current -> releases/v2: current/../kv is releases/kv to the kernel (and to os.path.exists);
+    # os.path.abspath made it tmp_path/kv, a new store there restoring nothing, and remove_store
+    # (tierkv clear --all) deleted that directory's store rather than the one named.
+    from tierkv.tiers.disk import remove_store
+    model = tiny_model()
+    (tmp_path / "releases" / "v2").mkdir(parents=True)
+    (tmp_path / "current").symlink_to(os.path.join("releases", "v2"))
+    ids = random_ids(4 * B + 3, seed=5)
+    with TieredStore(tmp_path / "releases" / "kv", device="cpu", device_budget=0, host_budget=0,
+                     block_size=B) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, 3, cache)
+        cache.commit(out)
+    monkeypatch.chdir(tmp_path / "current")
+    for path in (os.path.join(tmp_path, "current", "..", "kv"), os.path.join("..", "kv"), "../kv/"):
+        with TieredStore(path, device="cpu", device_budget=0, host_budget=0, block_size=B) as store:
+            cache = verify_open(store, model, out, expect=out.shape[1] - 1, expect_from={
+                "device": 0, "host": 0, "disk": out.shape[1] - 1})
+            assert torch.equal(generate(model, out, 4, cache), generate(model, out, 4))
+    assert not (tmp_path / "kv").exists()
+    (tmp_path / "kv").mkdir()  # another store where abspath looked
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids)
+        cache.commit(generate(model, ids, 3, cache))
+    assert "data.mdb" in remove_store(os.path.join(tmp_path, "current", "..", "kv"))
+    assert not (tmp_path / "releases" / "kv" / "data.mdb").exists()
+    assert (tmp_path / "kv" / "data.mdb").is_file()
+
+
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
     (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
     (lambda: random_ids(6).float(), TypeError, "convert them with .long()"),
