@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from . import __version__
-from .units import format_bytes
+from .units import absolute_path, format_bytes
 
 if TYPE_CHECKING:
     from .codec import RecordHeader
@@ -72,13 +72,6 @@ exit codes:
 """
 # A budget no store reaches: a smaller one would make the store evict blocks as it opens.
 _NO_LIMIT = 2**62
-
-
-def absolute(path: str) -> str:
-    """``path`` absolute as the kernel resolves it (``tiers.disk.absolute``, not imported here:
-    it imports torch): ``os.path.abspath`` drops ``link/..`` where the kernel goes to the
-    parent of the link's target."""
-    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
 class CliError(Exception):
@@ -119,7 +112,7 @@ def _file_damage(path: str) -> FileDamage:
     if not os.path.isfile(data) or os.path.getsize(data) == 0:
         return FileDamage()  # not a store: stored_meta says so
     with _refusals():
-        lock = DiskTier._lock_directory(absolute(path))
+        lock = DiskTier._lock_directory(absolute_path(path))
     try:
         return file_damage(path)
     except OSError as exc:
@@ -226,7 +219,7 @@ def summarise(path: str, meta: dict[str, int], scan: ScanResult,
         row(tenant)["sessions"] += 1
     ordered = sorted(tenants.values(), key=lambda t: (t["tenant"] is not None, t["tenant"] or ""))
     return {
-        "path": absolute(path),
+        "path": absolute_path(path),
         "format": meta["format"],
         "hash": meta["hash"],
         "block_size": meta["block_size"],
@@ -270,7 +263,7 @@ def _refuse_unopenable(path: str, found: FileDamage) -> None:
         _stored_meta(path)  # reads LMDB's meta pages alone
     unopenable = [name for name in UNOPENABLE if name in found.unsafe]
     if unopenable:
-        raise CliError(EXIT_USAGE, f"the tierkv store at {absolute(path)!r} is damaged where LMDB opens it "
+        raise CliError(EXIT_USAGE, f"the tierkv store at {absolute_path(path)!r} is damaged where LMDB opens it "
                                    f"({'; '.join(found.tables[name] for name in unopenable)}): it cannot be read "
                                    f"or rebuilt; `tierkv clear {path} --all` deletes it (its blocks are only a cache)")
 
@@ -280,7 +273,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     _refuse_unopenable(args.path, found)
     if found.unsafe:  # LMDB's reads there may abort the process
         tables = ", ".join(f"{name} ({found.tables[name]})" for name in sorted(found.unsafe))
-        raise CliError(EXIT_USAGE, f"the tierkv store at {absolute(args.path)!r} is damaged in its LMDB "
+        raise CliError(EXIT_USAGE, f"the tierkv store at {absolute_path(args.path)!r} is damaged in its LMDB "
                                    f"structure: {tables}; run `tierkv check {args.path}` for what can be done")
     tier, meta = _open_tier(args.path)
     try:
@@ -430,7 +423,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             dropped = repair(tier, scan, [key for key, _ in bad], checked.stale)
     finally:
         tier.close()
-    report = {"path": absolute(args.path), "records": checked.records, "bytes": checked.record_bytes,
+    report = {"path": absolute_path(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
               "stale_heads": [key.hex() for key in checked.stale],
               "damaged": dict(checked.damaged),
@@ -452,22 +445,22 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
     found = _file_damage(path)
     if found.tables:
         tables = ", ".join(f"{name} ({why})" for name, why in found.tables.items())
-        return (f"the tierkv store at {absolute(path)!r} is damaged in its LMDB structure: {tables}",
+        return (f"the tierkv store at {absolute_path(path)!r} is damaged in its LMDB structure: {tables}",
                 not any(name in UNOPENABLE for name in found.unsafe), set())
     with _refusals():
         try:
             tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])
         except DamagedStore as exc:
-            return f"the tierkv store at {absolute(path)!r} is damaged ({exc.reason})", False, set()
+            return f"the tierkv store at {absolute_path(path)!r} is damaged ({exc.reason})", False, set()
     try:
         damaged = tier.damaged_tables()
         if damaged:
             tables = ", ".join(f"{name} ({why})" for name, why in damaged.items())
-            return f"the tierkv store at {absolute(path)!r} is damaged in its LMDB B-tree: {tables}", True, set()
+            return f"the tierkv store at {absolute_path(path)!r} is damaged in its LMDB B-tree: {tables}", True, set()
         try:
             scan = tier.scan()
         except DamagedStore as exc:
-            return f"the tierkv store at {absolute(path)!r} is damaged ({exc.reason})", True, set()
+            return f"the tierkv store at {absolute_path(path)!r} is damaged ({exc.reason})", True, set()
     finally:
         tier.close()
     return None, False, {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}
@@ -485,9 +478,9 @@ def _remove_damaged(path: str, damage: str) -> int:
         raise CliError(EXIT_USAGE, f"{damage}; and {exc}") from None
     except OSError as exc:
         raise CliError(EXIT_IO, f"{damage}; removing its files failed: {exc}") from None
-    print(f"removed the store's files ({', '.join(removed)} in {absolute(path)}; {damage}, too damaged to "
+    print(f"removed the store's files ({', '.join(removed)} in {absolute_path(path)}; {damage}, too damaged to "
           f"clear entry by entry); a TieredStore opened at "
-          f"{absolute(path)} starts a new store")
+          f"{absolute_path(path)} starts a new store")
     return EXIT_OK
 
 
@@ -527,7 +520,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
             store.flush()
         except OSError as exc:
             # The deletes may not have reached the disk: the documented disk-error exit, not a traceback.
-            raise CliError(EXIT_IO, f"a disk error stopped clear of {absolute(path)}: {exc}; the removed "
+            raise CliError(EXIT_IO, f"a disk error stopped clear of {absolute_path(path)}: {exc}; the removed "
                                     f"entries may still be on disk; run the same command again") from exc
         stats = store.stats()
         left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
@@ -535,14 +528,14 @@ def cmd_clear(args: argparse.Namespace) -> int:
         store.close()
     if owed and stats["disk_damaged"]:
         # Damage the walk of the tables did not show (LMDB's free list, say): its writes failed.
-        damage = f"the tierkv store at {absolute(path)!r} is damaged where LMDB writes"
+        damage = f"the tierkv store at {absolute_path(path)!r} is damaged where LMDB writes"
         if args.all:
             return _remove_damaged(path, damage)
         raise _refuse_damaged(path, damage, True)
     if owed:
-        raise CliError(EXIT_IO, f"disk errors kept {owed} deletes from reaching {absolute(path)}: the "
+        raise CliError(EXIT_IO, f"disk errors kept {owed} deletes from reaching {absolute_path(path)}: the "
                                 f"removed entries may still be on disk; run the same command again")
-    print(f"removed {removed} blocks ({what}); {left} blocks left in {absolute(path)}")
+    print(f"removed {removed} blocks ({what}); {left} blocks left in {absolute_path(path)}")
     return EXIT_OK
 
 

@@ -1,7 +1,8 @@
 """Quantities given by users: byte counts (``2GiB``, ``"512MiB"``, ``1.5e9``) and whole numbers.
 
 ``parse_bytes(value, name)`` reads a byte count; ``whole_number(value, name)`` an int argument
-(numpy's integers too, never a bool); ``seconds_or_none(value, name)`` a timeout. KiB/MiB/GiB/TiB are powers of 1024,
+(numpy's integers too, never a bool); ``seconds_or_none(value, name)`` a timeout; ``absolute_path(path)``
+a directory path as the kernel resolves it. KiB/MiB/GiB/TiB are powers of 1024,
 KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions of a unit are allowed and
 rounded down to whole bytes; a string without a unit and with a fraction ("1.5": a unit left off) is refused. Anything else raises with the accepted forms in the message.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from decimal import Decimal
 
@@ -106,3 +108,13 @@ def format_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def absolute_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute as the kernel resolves it: joined to the working directory, its
+    ``..`` left for the kernel. ``os.path.abspath`` drops a ``..`` with the name before it, and
+    where that name is a symbolic link to a directory (``current/../kvstore``) the kernel goes
+    to the parent of the link's target: the store opened, created or deleted was another
+    directory than the one the user named (and than ``os.path.exists`` checked)."""
+    path = os.fspath(path)
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)

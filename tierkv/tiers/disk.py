@@ -90,6 +90,7 @@ import torch
 from ..codec import FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..transfer import Job
+from ..units import absolute_path
 from . import heads as index_entry
 from . import vm
 from .heads import OFFSET_UNKNOWN
@@ -396,16 +397,6 @@ def _holds_store_tables(data: str, scan: bool = True) -> bool | None:
     return None
 
 
-def absolute(path: str | os.PathLike[str]) -> str:
-    """``path`` made absolute as the kernel resolves it: joined to the working directory, its
-    ``..`` left for the kernel. ``os.path.abspath`` drops a ``..`` with the name before it, and
-    where that name is a symbolic link to a directory (``current/../kvstore``) the kernel goes
-    to the parent of the link's target: the store opened, created or deleted was another
-    directory than the one the user named (and than ``os.path.exists`` checked)."""
-    path = os.fspath(path)
-    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-
-
 def remove_store(path: str | os.PathLike[str]) -> list[str]:
     """Delete a store's files, for a store too damaged to clear through LMDB. Only a directory
     that holds a store's files and nothing else (``data.mdb`` a plain LMDB file whose table of
@@ -413,7 +404,7 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
     only under the directory's lock: raises
     ``StoreInUse`` where another process holds it, ``ValueError`` for anything else. The lock
     file stays (a process waiting on it keeps the same one). Returns the names removed."""
-    path = absolute(path)
+    path = absolute_path(path)
     entries = set(os.listdir(path))
     data = os.path.join(path, "data.mdb")
     # The lock file: tierkv opened it (evidence of nothing alone: anyone can make one, and tierkv
@@ -1207,7 +1198,7 @@ class DiskTier:
                              "pass a directory's path")
         # Absolute: the map is found again after each remap by its file's path (/proc/self/maps),
         # which a relative one no longer named once the process changed its working directory.
-        return absolute(os.path.expanduser(resolved))
+        return absolute_path(os.path.expanduser(resolved))
 
     @staticmethod
     def _check_path(path: str) -> None:
