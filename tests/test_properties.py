@@ -242,7 +242,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         key = durable[pick % len(durable)]
         disk = self.store._disk
-        with disk.env.begin(write=True) as txn:
+        with disk.env.begin(write=True, buffers=True) as txn:  # buffers: views of the map, not copies
             record = txn.get(key, db=disk._blocks)
             if record is None:
                 return
@@ -273,6 +273,7 @@ class StoreMachine(RuleBasedStateMachine):
             if len(damaged) == len(record):
                 # In place, through the writable map: a put would move the record to other pages.
                 ctypes.memmove(address, bytes(damaged), len(damaged))
+                assert bytes(txn.get(key, db=disk._blocks)) == bytes(damaged)
 
     @rule(reopen=st.booleans())
     def persist(self, reopen: bool) -> None:
