@@ -424,8 +424,7 @@ class BackgroundWriter(Generic[T]):
         self._stopping = False  # the writer took close's signal from the queue
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
         self._backlog = 0
-        self._settled_bytes = 0  # ever settled: progress, for a waiter to tell a stalled writer
-        self._settled_items = 0
+        self._settled_items = 0  # ever settled: progress, for a waiter to tell a stalled writer
         # id(job) -> its item's size, until it is settled; items of no size too: a byte bound
         # alone let references, deletes and stamps pile up without end behind a slow disk.
         self._sizes: dict[int, int] = {}
@@ -469,10 +468,6 @@ class BackgroundWriter(Generic[T]):
             return self._drained.wait_for(lambda: under() or not self._thread.is_alive()
                                           or self._abandon.is_set(), timeout)
 
-    def settled_bytes(self) -> int:
-        """Bytes of items ever applied or failed."""
-        return self._settled_bytes
-
     def settled_items(self) -> int:
         """Items ever applied or failed."""
         return self._settled_items
@@ -481,9 +476,7 @@ class BackgroundWriter(Generic[T]):
         with self._drained:
             settled = [self._sizes.pop(id(job)) for _, job in batch if id(job) in self._sizes]
             if settled:
-                size = sum(settled)
-                self._backlog -= size
-                self._settled_bytes += size
+                self._backlog -= sum(settled)
                 self._settled_items += len(settled)
                 self._drained.notify_all()
 
