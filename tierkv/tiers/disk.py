@@ -89,6 +89,7 @@ import torch
 
 from ..codec import FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into, encode_array
 from ..hashing import HASH_VERSION, KEY_BYTES
+from ..locks import SharedLock
 from ..transfer import Job
 from ..units import absolute_path
 from . import heads as index_entry
@@ -891,8 +892,9 @@ class DiskTier:
         if os.path.isdir(made) and not os.path.islink(made):
             shutil.rmtree(made, ignore_errors=True)
         self._pid = os.getpid()
-        # Held by every read transaction, a remap and close: none unmaps the map under a reader.
-        self._resize_lock = threading.Lock()
+        # Shared by read transactions (reads of one open run in several threads), exclusive for a
+        # remap and close: none unmaps the map under a reader.
+        self._resize_lock = SharedLock()
         self._closed = False
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.map_cap = budget + slack(budget)
@@ -1300,7 +1302,7 @@ class DiskTier:
         """``verify``'s walk of the tables alone (``CheckResult.damaged``), without the records."""
         damaged = {}
         for name in _TABLES:
-            with self._resize_lock, self._read_txn() as txn:
+            with self._resize_lock.shared(), self._read_txn() as txn:
                 why = self._table_damage(txn, name)
             if why is not None:
                 damaged[name] = why
@@ -1322,7 +1324,7 @@ class DiskTier:
 
     def record_count(self) -> int:
         """Rows in ``blocks`` as its B-tree counts them (for a progress bar: damage may skew it)."""
-        with self._resize_lock, self._read_txn() as txn:
+        with self._resize_lock.shared(), self._read_txn() as txn:
             return int(txn.stat(self._blocks)["entries"])
 
     def file_bytes(self) -> int:
@@ -1355,7 +1357,7 @@ class DiskTier:
 
     def _scan(self) -> ScanResult:
         result = ScanResult()
-        with self._resize_lock, self._read_txn() as txn:
+        with self._resize_lock.shared(), self._read_txn() as txn:
             heads: dict[bytes, memoryview] = {}
             if self._heads is not None:
                 heads = {_sized(bytes(key), KEY_BYTES, "heads"): value for key, value in txn.cursor(db=self._heads)}
@@ -1435,13 +1437,13 @@ class DiskTier:
         for name in _TABLES:
             if name in result.damaged:
                 continue  # ``unsafe``: ``file_damage`` found it damaged where LMDB's reads may abort
-            with self._resize_lock, self._read_txn() as txn:
+            with self._resize_lock.shared(), self._read_txn() as txn:
                 why = self._table_damage(txn, name)
             if why is not None:
                 result.damaged[name] = why
         if unsafe and "blocks" in unsafe:
             return result
-        with self._resize_lock, self._read_txn() as txn:
+        with self._resize_lock.shared(), self._read_txn() as txn:
             try:
                 self._verify_records(txn, result, on_record)
             except _DAMAGE as exc:
@@ -1708,7 +1710,7 @@ class DiskTier:
         """Start reading these blocks' records from disk, all at once, without waiting: a hint (a
         block not found, or whose place is unknown, is skipped). ``load`` then finds the pages
         read, or on their way."""
-        with self._resize_lock:
+        with self._resize_lock.shared():
             start = self._map_start
             if start is None or self._closed:
                 return
@@ -1735,7 +1737,7 @@ class DiskTier:
         Raises ``KeyError`` if it is absent and ``CorruptRecord`` if it fails any check. Call
         ``prefetch`` first when the page cache may not hold the record (one synchronous read per
         page otherwise)."""
-        with self._resize_lock, self._read_txn() as txn:
+        with self._resize_lock.shared(), self._read_txn() as txn:
             buf = txn.get(key, db=self._blocks)
             if buf is None:
                 raise KeyError(key)
