@@ -26,6 +26,17 @@ def _stores_on_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:
         from tierkv.transfer import resolve_device
         monkeypatch.setattr(tierkv.store, "resolve_device", lambda device: resolve_device("cpu" if device is None else device))
 
+@pytest.fixture(autouse=True)
+def _disk_reads_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restore of two disk records or more is read by helper threads beside the calling
+    one, as a large one is (``PARALLEL_READ_BYTES``): the tests' records are far smaller, and the
+    whole suite then runs that path, with at least one helper even on one CPU. Tests of the
+    one-thread path set them back."""
+    import tierkv.store
+    monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 0)
+    monkeypatch.setattr(tierkv.store, "helper_threads", lambda: 2)
+
+
 # Per architecture, the config fields that make a 2-layer model with small heads.
 _SHAPES: dict[str, dict[str, object]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

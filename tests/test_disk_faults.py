@@ -833,7 +833,7 @@ def test_a_failed_read_gives_its_pool_buffer_back(model, stores, tmp_path):
     nxt = torch.cat([out, random_ids(2, 781)], dim=1)
     with pytest.raises(RuntimeError, match="out of memory"):
         store.open(model, nxt)
-    assert calls == 3
+    assert calls >= 3  # reads beside the failing one, in helper threads, may have allocated too
     pool.alloc = alloc
     engine.land()
     store.flush()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tierkv
-from tierkv.interrupts import defer_interrupts
+from tierkv.interrupts import defer_interrupts, interrupt_pending, pending_check
 from tierkv.tiers.disk import DeleteBlocks, DropRefs
 from test_properties import MODEL, StoreMachine
 
@@ -421,6 +421,27 @@ def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
         machine.next_turn(conv=conv, extra=[9], new_tokens=2)
     finally:
         machine.teardown()
+
+
+def test_a_ctrl_c_held_off_is_seen_by_the_helper_threads_of_its_section_only_through_pending_check() -> None:
+    """An open's helper threads read for the main thread's section: ``interrupt_pending`` is
+    false there by design (a Ctrl-C is the main thread's), so they ask ``pending_check``'s."""
+    def in_a_thread(fn):
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(fn()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert not pending_check()()  # outside every section
+    with pytest.raises(KeyboardInterrupt):
+        with defer_interrupts():
+            check = pending_check()
+            before = in_a_thread(check)
+            signal.raise_signal(signal.SIGINT)
+            after, elsewhere = in_a_thread(check), in_a_thread(interrupt_pending)
+            other_threads_own = in_a_thread(pending_check)()  # a thread's own check: no section of its own
+    assert (before, after, elsewhere, other_threads_own) == (False, True, False, False)
 
 
 def test_ctrl_c_while_another_thread_holds_the_store_after_an_opens_reads_is_raised_at_once() -> None:

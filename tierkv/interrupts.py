@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 from types import FrameType, TracebackType
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -74,6 +75,24 @@ def interrupt_pending() -> bool:
     """A Ctrl-C came during the main thread's section in progress: a long wait in it may stop
     short. Always False in other threads."""
     return _State.pending is not None and _in_section()
+
+
+def pending_check() -> Callable[[], bool]:
+    """For work done in other threads on behalf of this thread's section (an open's disk reads
+    in helper threads): a function, callable from any thread, that is true once a Ctrl-C is held
+    off in that section, so that the work stops short as this thread's own would. Always false
+    where ``interrupt_pending`` would be (outside a section, or outside the main thread)."""
+    if not _in_section():
+        return _never
+    return _held_off
+
+
+def _never() -> bool:
+    return False
+
+
+def _held_off() -> bool:
+    return _State.pending is not None and _State.depth > 0
 
 
 def raise_pending() -> None:

@@ -75,7 +75,8 @@ from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
 from .index import BlockMeta, DiskState, Index, Tier
-from .interrupts import defer_interrupts, interrupt_pending, raise_pending
+from .interrupts import defer_interrupts, pending_check, raise_pending
+from .readers import ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
                          FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
@@ -153,6 +154,10 @@ WRITE_STALL_S = 10.0
 #: (WRITE_BACKLOG_OPS). When one of them lands the rest go in the same flush, so a flush after the
 #: disk came back still lands everything owed; those that fail again go to the back of the list.
 OWED_RETRY_PROBE = 64
+#: Bytes of records one open reads from disk from which they are read side by side, in helper
+#: threads as well as the calling one (``readers.ReadPool``): below it a thread's wake-up costs
+#: about what it saves.
+PARALLEL_READ_BYTES = 2 << 20
 
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
@@ -320,6 +325,7 @@ class TieredStore:
         self._engine = CopyEngine(self.device, host_alloc=self._host.alloc if cuda else None)
         self._disk: DiskTier | None = None
         self._writer: BackgroundWriter[DiskOp] | None = None
+        self._readers = ReadPool(helper_threads())
         if path is not None:
             self._disk = _open_disk_tier(path, budgets["disk_budget"], block_size)
             self._link = _WriterLink(self)
@@ -642,6 +648,7 @@ class TieredStore:
                 logger.error("tierkv: a read of %s did not end within %s s; its LMDB map is left to the process's "
                              "exit", self._disk.path, grace)
                 return
+        self._readers.close()
         self._device.clear()
         self._host.clear()
         self._unwritten.clear()
@@ -743,20 +750,30 @@ class TieredStore:
                           ) -> tuple[dict[int, Any], float, Any]:
         """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
         miss; stops at the first miss, since a restore is a prefix. With them, the restore's
-        buffer (see ``_in_place``), or None."""
+        buffer (see ``_in_place``), or None. Several records are read side by side
+        (``readers.ReadPool``)."""
         reads: dict[int, Any] = {}
         start = time.perf_counter()
-        if self._disk is not None:
-            # Every record this open reads is asked of the disk at once, not page by page.
-            self._disk.prefetch([meta.key for (meta, _), where in zip(plan, found) if where is None])
+        todo = [i for i, where in enumerate(found) if where is None]
+        if self._disk is None or not todo:
+            return reads, time.perf_counter() - start, None
+        # Every record this open reads is asked of the disk at once, not page by page.
+        self._disk.prefetch([plan[i][0].key for i in todo])
         buffer: list[Any] = []  # made by the first block read into it (a tensor: restore_slots)
-        offset = 0
-        for i, ((meta, n), where) in enumerate(zip(plan, found)):
-            at, offset = offset, offset + n
-            if where is not None:
-                continue
-            if self._disk is None or interrupt_pending():
-                break  # after a Ctrl-C, a shorter restore: the open ends (and raises) soon
+        at = list(itertools.accumulate((n for _, n in plan), initial=0))
+        in_place = [self._in_place(plan[i][0]) for i in todo]
+        # The other reads write into the buffer the first one makes: they wait for it. Mixed
+        # destinations (never met: only a tail is smaller than the others) are read one at a time.
+        ready = threading.Event() if in_place[0] else None
+        parallel = all(p == in_place[0] for p in in_place) and \
+            sum(plan[i][0].nbytes for i in todo) >= PARALLEL_READ_BYTES
+        disk = self._disk
+        interrupted = pending_check()  # this thread's Ctrl-C, asked by the helpers too
+
+        def read(i: int) -> bool:
+            meta, n = plan[i]
+            if interrupted():
+                return False  # after a Ctrl-C, a shorter restore: the open ends (and raises) soon
             made: list[Any] = []  # the block's host tensor and its pool lease
 
             def into(header: RecordHeader) -> Any:
@@ -770,30 +787,43 @@ class TieredStore:
                 made[:] = tensor, lease
                 return block_bytes(tensor)
 
-            fresh = not buffer  # a buffer this read makes is shaped by a header not verified yet
+            def slots(header: RecordHeader) -> np.ndarray:
+                slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header)
+                if ready is not None:
+                    ready.set()  # the buffer exists: the other reads may go on beside this one
+                return slots
+
+            place = self._in_place(meta)
             try:
-                in_place = self._in_place(meta)
-                header = self._disk.read_into(meta.key, functools.partial(self._slots, buffer, meta, fingerprint,
-                                                                          length, at, n) if in_place else into)
-                if in_place:
-                    reads[i] = IN_PLACE
-                    continue
-                job = Job.completed(made[0])
-                job.lease = made[1]
-                reads[i] = job
-            except (CorruptRecord, KeyError) as exc:
+                disk.read_into(meta.key, slots if place else into)
+            except (CorruptRecord, KeyError, lmdb.Error, OSError) as exc:
                 reads[i] = exc
-                if fresh:
-                    buffer.clear()  # a corrupt header's shape and dtype: the blocks before it go as before
-                break
-            except (lmdb.Error, OSError) as exc:
-                if fresh:
-                    buffer.clear()
-                if self._closed:
+                return False
+            if place:
+                reads[i] = IN_PLACE
+                return True
+            job = Job.completed(made[0])
+            job.lease = made[1]
+            reads[i] = job
+            return True
+
+        if parallel:
+            self._readers.run(todo, read, ready)
+        else:
+            for i in todo:
+                if not read(i):
+                    break
+        # Only the reads before the first miss are of use (others may have run beside it).
+        for n, i in enumerate(todo):
+            if not isinstance(reads.get(i), Job):
+                for later in todo[n + 1:]:
+                    reads.pop(later, None)
+                if isinstance(reads.get(i), (lmdb.Error, OSError)) and self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
-                                     "TieredStore(path, ...) to use it again") from exc
-                reads[i] = exc
+                                     "TieredStore(path, ...) to use it again") from reads[i]
                 break
+        if not any(result is IN_PLACE for result in reads.values()):
+            buffer.clear()  # shaped by a header that failed its checks, or by none
         return reads, time.perf_counter() - start, buffer[0] if buffer else None
 
     def _slots(self, buffer: list[Any], meta: BlockMeta, fingerprint: bytes, length: int, at: int, n: int,

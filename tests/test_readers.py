@@ -1,0 +1,354 @@
+"""Disk reads side by side: the disk tier's shared lock, ``readers.ReadPool``, and restores whose
+records several threads read (``TieredStore._read_disk_blocks``): exact against plain
+``generate``, cut short at the first miss as one thread's reads were, Ctrl-C included."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+import torch
+
+import tierkv.store as store_module
+from conftest import ARCHITECTURES, random_ids
+from tierkv import TieredStore
+from tierkv.cache import IN_PLACE
+from tierkv.locks import SharedLock
+from tierkv.readers import ReadPool, helper_threads
+from tierkv.tiers import vm
+from tierkv.tiers.disk import DiskTier
+
+B = 4
+
+
+# -- SharedLock ------------------------------------------------------------------------------------
+def test_readers_share_the_lock_and_an_exclusive_holder_waits_for_them():
+    lock = SharedLock()
+    both = threading.Barrier(2, timeout=5)
+
+    def reader():
+        with lock.shared():
+            both.wait()  # breaks (BrokenBarrierError) unless both readers are inside at once
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not both.broken
+    with lock.shared():
+        assert not lock.acquire(timeout=0.05)  # a reader inside
+        assert not lock.acquire(blocking=False)
+    assert lock.acquire(timeout=1)
+    assert lock.locked()
+    lock.release()
+    with pytest.raises(RuntimeError, match="not held"):
+        lock.release()
+
+
+def test_an_exclusive_holder_waiting_holds_back_later_readers_and_lets_them_go_when_it_gives_up():
+    lock = SharedLock()
+    inside, order = threading.Event(), []
+    release_first = threading.Event()
+
+    def first_reader():
+        with lock.shared():
+            inside.set()
+            release_first.wait(5)
+        order.append("first out")
+
+    def writer():
+        with lock:
+            order.append("writer")
+
+    def late_reader():
+        with lock.shared():
+            order.append("late reader")
+
+    t1 = threading.Thread(target=first_reader)
+    t1.start()
+    inside.wait(5)
+    t2 = threading.Thread(target=writer)
+    t2.start()
+    while not lock._waiting:
+        time.sleep(0.001)
+    t3 = threading.Thread(target=late_reader)
+    t3.start()
+    time.sleep(0.05)
+    assert order == []  # the late reader waits behind the waiting writer
+    release_first.set()
+    for t in (t1, t2, t3):
+        t.join(5)
+    assert order == ["first out", "writer", "late reader"]
+
+    # A wait for exclusive holding that times out lets the readers it held back in.
+    with lock.shared():
+        got = []
+        t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.2)))
+        t.start()
+        while not lock._waiting:
+            time.sleep(0.001)
+        late = threading.Thread(target=late_reader)
+        late.start()
+        t.join(5)
+        late.join(5)
+        assert got == [False] and order[-1] == "late reader" and not late.is_alive()
+
+
+# -- ReadPool --------------------------------------------------------------------------------------
+def test_a_read_pool_reads_side_by_side_and_starts_none_past_the_first_miss():
+    pool = ReadPool(2)
+    try:
+        side_by_side = threading.Barrier(3, timeout=5)
+        threads: dict[int, str] = {}
+
+        def read(i):
+            threads[i] = threading.current_thread().name
+            if i in (1, 2, 3):
+                side_by_side.wait()  # three readers at once, or BrokenBarrierError
+            return True
+
+        pool.run(list(range(6)), read)
+        assert sorted(threads) == list(range(6)) and threads[0] == threading.current_thread().name
+        assert any(name.startswith("tierkv-disk-read") for name in threads.values())
+
+        started = []
+
+        def missing_at_2(i):
+            started.append(i)
+            time.sleep(0.01 if i == 2 else 0.05)
+            return i != 2
+
+        pool.run(list(range(40)), missing_at_2)
+        # Reads in flight beside the miss may end; none starts once it is known.
+        assert 2 in started and max(started) <= 2 + pool.threads
+
+        def raising(i):
+            if i == 5:
+                raise MemoryError("read 5")
+            return i != 3
+
+        pool.run(list(range(8)), raising)  # an error past the first miss is not raised
+
+        def raising_first_miss(i):
+            if i == 3:
+                raise MemoryError("read 3")
+            return True
+
+        with pytest.raises(MemoryError, match="read 3"):
+            pool.run(list(range(8)), raising_first_miss)
+    finally:
+        pool.close()
+
+
+def test_a_read_pool_helper_waits_for_the_first_read_to_make_what_it_writes_into():
+    pool = ReadPool(1)
+    ready = threading.Event()
+    made: list[str] = []
+    seen = []
+
+    def read(i):
+        if i == 0:
+            time.sleep(0.05)  # a helper that did not wait would read meanwhile
+            made.append("buffer")
+            ready.set()
+            time.sleep(0.05)
+            return True
+        seen.append(bool(made))
+        return True
+
+    try:
+        pool.run([0, 1, 2], read, ready)
+    finally:
+        pool.close()
+    assert seen == [True, True]
+
+
+def test_a_closed_pool_reads_in_the_calling_thread():
+    pool = ReadPool(2)
+    pool.close()
+    names = []
+    pool.run([0, 1, 2], lambda i: names.append(threading.current_thread().name) or True)
+    assert names == [threading.current_thread().name] * 3
+    assert helper_threads(0) == 0 and helper_threads() >= 0
+
+
+# -- restores read side by side ---------------------------------------------------------------------
+@pytest.fixture
+def side_by_side(monkeypatch):
+    """Every restore of two records or more read side by side, by two helpers and the caller."""
+    monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
+    monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
+
+
+def disk_only(path) -> TieredStore:
+    return TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+
+
+def generate(model, ids, cache=None):
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    return model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, **kwargs)
+
+
+def stored(model, path, ids) -> torch.Tensor:
+    with disk_only(path) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, cache)
+        cache.commit(out)
+    return out
+
+
+def reads_by_thread(monkeypatch) -> dict[bytes, str]:
+    seen: dict[bytes, str] = {}
+    real = DiskTier.read_into
+
+    def read_into(self, key, into):
+        seen[key] = threading.current_thread().name
+        time.sleep(0.01)  # slow enough for a helper to wake before the calling thread read them all
+        return real(self, key, into)
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_restore_read_by_several_threads_is_exact(tiny_model, tmp_path, arch, side_by_side, monkeypatch):
+    model = tiny_model(arch)
+    out = stored(model, tmp_path / "kv", random_ids(10 * B + 1, 3))
+    nxt = torch.cat([out, random_ids(2, 4)], dim=1)
+    seen = reads_by_thread(monkeypatch)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        assert cache.restored_from["disk"] == cache.restored_tokens == 10 * B + 3
+        assert all(job is IN_PLACE for job, _ in cache.layers[0]._pending.blocks)
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+    assert len(seen) == 11 and any(name.startswith("tierkv-disk-read") for name in seen.values())
+
+
+def test_two_opens_in_two_threads_read_the_disk_at_once(tiny_model, tmp_path, monkeypatch):
+    """The disk tier's reads share its lock: each open's first read waits inside ``read_into``
+    for the other's (with the lock exclusive, as before, the second never got in)."""
+    monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)  # each open reads in its own thread
+    model = tiny_model("llama")
+    convs = [stored(model, tmp_path / "kv", random_ids(3 * B + 1, seed)) for seed in (5, 6)]
+    both = threading.Barrier(2, timeout=5)
+    real = DiskTier.read_into
+    first: set[str] = set()
+
+    def read_into(self, key, into):
+        def destination(header):
+            name = threading.current_thread().name
+            if name not in first:
+                first.add(name)
+                both.wait()
+            return into(header)
+        return real(self, key, destination)
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    results = {}
+    with disk_only(tmp_path / "kv") as store:
+        def turn(n):
+            results[n] = store.open(model, convs[n]).restored_tokens
+
+        threads = [threading.Thread(target=turn, args=(n,), name=f"turn-{n}") for n in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert not both.broken and results == {0: 4 * B - 1, 1: 4 * B - 1}
+
+
+def damage_in_place(store: TieredStore, key: bytes) -> None:
+    """One payload byte of a record flipped where it lies (``put`` would move the record)."""
+    disk = store._disk
+    with disk.env.begin(write=True, buffers=True) as txn:
+        record = txn.get(key, db=disk._blocks)
+        at = vm.address(memoryview(record)) + len(record) - 9
+        ctypes.memmove(at, bytes([record[-9] ^ 0x10]), 1)
+        assert txn.get(key, db=disk._blocks)[-9] == record[-9]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("miss", ["corrupt", "gone"])
+def test_a_miss_in_the_middle_cuts_the_restore_there_whoever_read_past_it(tiny_model, tmp_path, monkeypatch,
+                                                                        parallel, miss):
+    if parallel:
+        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
+        monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
+    else:
+        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(10 * B + 1, 7))
+    nxt = torch.cat([out, random_ids(2, 8)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        keys = store.open(model, nxt)._restored_keys
+        assert len(keys) == 11
+        if miss == "corrupt":
+            damage_in_place(store, keys[5])
+        else:
+            # Evicted while this open reads: off disk in the index first, as an eviction does (a
+            # plain miss, not damage).
+            real = DiskTier.read_into
+
+            def gone(self, key, into):
+                if key == keys[5]:
+                    store._index.blocks.pop(key)
+                    raise KeyError(key)
+                return real(self, key, into)
+
+            monkeypatch.setattr(DiskTier, "read_into", gone)
+        seen = reads_by_thread(monkeypatch)
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == 5 * B and cache._restored_keys == keys[:5]
+        assert store.stats()["corrupt"] == (1 if miss == "corrupt" else 0)
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+        if parallel:
+            assert any(name.startswith("tierkv-disk-read") for name in seen.values())
+        else:
+            assert set(seen.values()) == {threading.current_thread().name} and len(seen) == 6
+
+
+def test_a_damaged_first_record_makes_no_buffer_and_the_helpers_read_nothing_into_one(
+        tiny_model, tmp_path, monkeypatch, side_by_side):
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(8 * B + 1, 9))
+    nxt = torch.cat([out, random_ids(2, 10)], dim=1)
+    with disk_only(tmp_path / "kv") as store:
+        keys = store.open(model, nxt)._restored_keys
+        damage_in_place(store, keys[0])
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 1
+        assert cache.layers[0]._pending is None
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_a_store_closed_during_reads_side_by_side_says_so(tiny_model, tmp_path, monkeypatch, side_by_side):
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(6 * B + 1, 11))
+    nxt = torch.cat([out, random_ids(2, 12)], dim=1)
+    store = disk_only(tmp_path / "kv")
+    real = DiskTier.read_into
+    closing = threading.Event()
+
+    calling_reads = []
+
+    def read_into(self, key, into):
+        if not threading.current_thread().name.startswith("tierkv-disk-read"):
+            calling_reads.append(key)
+            if len(calling_reads) > 1:
+                assert closing.wait(5)  # after its first (the buffer's), once a helper took a record
+        elif not closing.is_set():
+            closing.set()
+            threading.Thread(target=store.close).start()
+            while not self._closed and not self._resize_lock._waiting:
+                time.sleep(0.001)
+        return real(self, key, into)
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    try:
+        with pytest.raises(ValueError, match="closed during open"):
+            store.open(model, nxt)
+    finally:
+        store.close()
