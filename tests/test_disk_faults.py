@@ -1487,6 +1487,109 @@ def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(mode
     assert not reopened._index.blocks  # no block was left that no session's forget found
 
 
+def _owed_index_in_step(store: TieredStore) -> dict[bytes, list[bytes]]:
+    """Assert the owed list's index of PutRefs by session is the list's own entries, one a
+    session, its key sets those entries' keys; returns sid -> keys owed."""
+    owed = store._owed
+    puts = [op for op in owed if isinstance(op, PutRefs)]
+    assert len({op.sid for op in puts}) == len(puts), [op.sid for op in puts]
+    assert set(owed._puts) == {op.sid for op in puts}
+    for op in puts:
+        entry, held = owed._puts[op.sid]
+        assert entry is op and held == set(op.keys) and len(held) == len(op.keys)
+    return {op.sid: list(op.keys) for op in puts}
+
+
+def test_the_owed_references_index_keeps_in_step_through_failures_retries_and_landing(model, stores, tmp_path,
+                                                                                      monkeypatch):
+    # A failed PutRefs found its session's owed entry by scanning the owed list under the store's
+    # lock (50,000 owed, 64 failures: 3.2 million checks a flush). Found by sid now: the index
+    # must follow the list as entries are owed, merged, taken for a retry, put back and landed.
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "OWED_RETRY_PROBE", 2)  # retries take part of the list
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
+    system = random_ids(2 * B, 1150)
+    converse(store, model, torch.cat([system, random_ids(5, 1151)], 1), "first")
+    store.flush()
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    apply = store._disk.apply
+    store._disk.apply = failing
+    keeper = converse(store, model, torch.cat([system, random_ids(4, 1152)], 1), "keeper")
+    owed_puts = []
+    for turn in range(12):
+        converse(store, model, torch.cat([system, random_ids(3 + turn % 5, 1160 + turn)], 1), f"user{turn}")
+        owed_puts.append(_owed_index_in_step(store))
+        store.forget(session=f"user{turn}")
+        owed_puts.append(_owed_index_in_step(store))
+        if turn % 3 == 2:
+            store.flush()  # a probe of two: the rest put back ahead of what fails again
+            owed_puts.append(_owed_index_in_step(store))
+    keeper_sid = _session_id(None, "keeper")
+    assert any(keeper_sid in puts for puts in owed_puts)  # the keeper's references were owed, merged
+    store.forget(session="first")
+    _owed_index_in_step(store)
+    store._disk.apply = apply  # the disk is back: what was owed lands
+    store.flush()
+    assert not store._owed and not store._owed._puts
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == {keeper_sid}
+    assert reopened.open(model, torch.cat([keeper, random_ids(2, 1198)], 1), session="keeper").restored_tokens == 2 * B
+
+
+class _CountingList(list):
+    """A list that counts reads of its items (iteration, indexing, search)."""
+
+    reads = 0
+
+    def __iter__(self):
+        type(self).reads += 1
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        type(self).reads += 1
+        return super().__getitem__(i)
+
+    def index(self, *args):
+        type(self).reads += 1
+        return super().index(*args)
+
+
+def test_owing_a_sessions_references_reads_none_of_the_owed_list(monkeypatch):
+    # 50,000 owed deletes and 64 failed PutRefs a flush: each failure scanned the list for its
+    # session's entry, 3.2 million checks under the store's lock (~2 ms a failed write).
+    from tierkv.owed import OwedOps
+
+    owed = OwedOps()
+    owed._ops = _CountingList(DeleteBlocks([i.to_bytes(16, "little")], []) for i in range(50_000))
+    monkeypatch.setattr(_CountingList, "reads", 0)
+    sids = [bytes([s]) * 16 for s in range(64)]
+    for round_ in range(3):
+        for s, sid in enumerate(sids):
+            owed.owe_refs(sid, None, [bytes([s, round_]) * 8, bytes([s, 0]) * 8])
+    assert _CountingList.reads == 0
+    assert len(owed) == 50_000 + 64  # one entry a session, in the order first owed
+    puts = list(owed)[50_000:]
+    assert [op.sid for op in puts] == sids
+    assert puts[5].keys == [bytes([5, 0]) * 8, bytes([5, 1]) * 8, bytes([5, 2]) * 8]
+    # A retry took the list, tried its head, and a session owed references again meanwhile: the
+    # untried rest goes back in front, and the session keeps one entry, the earlier, holding both.
+    ops = owed.take()
+    assert not owed and not owed._puts
+    tried, rest = ops[:2], ops[2:]
+    owed.append(tried[0])  # failed again; tried[1] landed
+    owed.owe_refs(sids[7], None, [b"n" * 16])
+    owed.put_back(rest)
+    assert len(owed) == len(ops) - 1 and list(owed)[-1] is tried[0]
+    assert owed.put_for(sids[7]).keys[-1] == b"n" * 16 and owed.put_for(sids[7]) is list(owed)[49_998 + 7]
+    assert {sid: owed.put_for(sid) for sid in sids} == {op.sid: op for op in owed if isinstance(op, PutRefs)}
+
+
 def test_a_failed_disk_owes_no_reference_delete_of_tails_it_never_held(model, stores, tmp_path):
     # Before: a session on disk that went on talking after the failure let go of each turn's partial
     # tail with a DropRefs, though no reference to a tail made since ever reached the disk: owed,

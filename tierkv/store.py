@@ -76,6 +76,7 @@ from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, pending_check, raise_pending
+from .owed import OwedOps
 from .readers import ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
@@ -356,7 +357,7 @@ class TieredStore:
         self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
-        self._owed: list[DeleteBlocks | DropRefs | PutRefs] = []
+        self._owed = OwedOps()
         # Sessions whose row may be on disk (found there at open, or a PutRefs of theirs landed):
         # a failed DropRefs of any other has nothing on disk to delete (_reap_deletes).
         self._sessions_on_disk: set[bytes] = set()
@@ -1690,14 +1691,11 @@ class TieredStore:
         owed one more for each commit of a session to blocks on disk and for each session that
         went while another kept its blocks: the list grew with every session that came and went
         between flushes (2 a session: 400 after 200 without a flush), and a flush merged only
-        those it retried (``OWED_RETRY_PROBE``)."""
+        those it retried (``OWED_RETRY_PROBE``). Its entry is found by sid (``OwedOps``), not by
+        scanning the list."""
         if sid not in self._index.sessions and sid not in self._committing:
             return
-        for i, op in enumerate(self._owed):
-            if isinstance(op, PutRefs) and op.sid == sid:
-                self._owed[i] = PutRefs(sid, tenant, list(dict.fromkeys([*op.keys, *keys])))
-                return
-        self._owed.append(PutRefs(sid, tenant, keys))
+        self._owed.owe_refs(sid, tenant, keys)
 
     def _retry_deletes(self, limit: int | None = None) -> list[Job[None]]:
         """Queue the owed deletes again, less what was stored again since: a block written again
@@ -1708,26 +1706,20 @@ class TieredStore:
         the queued writes' jobs."""
         with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
             self._reap()
-            owed, self._owed = self._owed, []
+            owed = self._owed.take()
             jobs: list[Job[None]] = []
             while owed and not jobs:
                 chunk, owed = (owed, []) if limit is None else (owed[:limit], owed[limit:])
                 jobs += self._queue_owed(chunk)
-            self._owed[:0] = owed
+            self._owed.put_back(owed)
             return jobs
 
     def _queue_owed(self, owed: list[DeleteBlocks | DropRefs | PutRefs]) -> list[Job[None]]:
         """``_retry_deletes``' work for ``owed``; the jobs of what it queued."""
         jobs: list[Job[None] | None] = []
-        # One PutRefs per session: a session that stays while others go is owed its references
-        # once for each DropRefs that failed with it among its holders (_owe_holders).
-        merged: dict[bytes, list[bytes]] = {}
         for op in owed:
-            if isinstance(op, PutRefs):
-                merged.setdefault(op.sid, []).extend(op.keys)
-        for op in owed:
-            if isinstance(op, PutRefs):
-                keys = self._owed_refs(PutRefs(op.sid, op.tenant, list(dict.fromkeys(merged.pop(op.sid, [])))))
+            if isinstance(op, PutRefs):  # one a session (OwedOps), all it owes
+                keys = self._owed_refs(op)
                 if keys:
                     jobs.append(self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)))
             elif isinstance(op, DeleteBlocks):

@@ -1,0 +1,89 @@
+"""The writes a failed disk owes: deletes and session references, kept for the store to retry.
+
+Protocol (``TieredStore`` calls all of it under its lock):
+
+* ``append(op)`` owes a ``DeleteBlocks`` or ``DropRefs`` at the back; a ``PutRefs`` goes through
+  ``owe_refs``.
+* ``owe_refs(sid, tenant, keys)`` owes a session's references in the one ``PutRefs`` it owes,
+  where that entry already is, or at the back as a new one: one ``PutRefs`` a session.
+* ``take()`` hands the whole list over for a retry and leaves it empty; ``put_back(ops)`` puts
+  what a retry did not try back at the front, ahead of what was owed meanwhile (a session owing
+  references in both keeps one entry, the earlier).
+* Iteration, ``len`` and truth read the list in retry order.
+
+Why an index: a failed ``PutRefs`` looked for its session's entry by scanning the list, under the
+store's lock: 50,000 owed ops and 64 failed PutRefs a flush made 3.2 million checks (about 2 ms a
+failed write). ``_puts`` finds it in one look-up, and is rebuilt with the list (``put_back``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Union
+
+from .tiers.disk import DeleteBlocks, DropRefs, PutRefs
+
+OwedOp = Union[DeleteBlocks, DropRefs, PutRefs]
+
+
+class OwedOps:
+    """The owed ops in retry order, and each session's ``PutRefs`` among them by its sid."""
+
+    __slots__ = ("_ops", "_puts")
+
+    def __init__(self) -> None:
+        self._ops: list[OwedOp] = []
+        # sid -> (its PutRefs in _ops, that entry's keys as a set): a merge adds only new keys,
+        # without reading the keys already owed.
+        self._puts: dict[bytes, tuple[PutRefs, set[bytes]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __bool__(self) -> bool:
+        return bool(self._ops)
+
+    def __iter__(self) -> Iterator[OwedOp]:
+        return iter(self._ops)
+
+    def append(self, op: OwedOp) -> None:
+        """Owe ``op`` after everything owed so far (a ``PutRefs``: in its session's entry)."""
+        if isinstance(op, PutRefs):
+            self.owe_refs(op.sid, op.tenant, op.keys)
+        else:
+            self._ops.append(op)
+
+    def owe_refs(self, sid: bytes, tenant: str | None, keys: Iterable[bytes]) -> None:
+        """Owe ``sid``'s references to ``keys`` in its one ``PutRefs``, which keeps its place."""
+        entry = self._puts.get(sid)
+        if entry is None:
+            op = PutRefs(sid, tenant, list(dict.fromkeys(keys)))
+            self._ops.append(op)
+            self._puts[sid] = (op, set(op.keys))
+            return
+        op, held = entry
+        op.tenant = tenant
+        for key in keys:
+            if key not in held:
+                held.add(key)
+                op.keys.append(key)
+
+    def put_for(self, sid: bytes) -> PutRefs | None:
+        """The ``PutRefs`` that ``sid`` owes, or None."""
+        entry = self._puts.get(sid)
+        return entry[0] if entry is not None else None
+
+    def take(self) -> list[OwedOp]:
+        """Every owed op, in retry order; nothing is owed after it."""
+        ops, self._ops = self._ops, []
+        self._puts = {}
+        return ops
+
+    def put_back(self, ops: list[OwedOp]) -> None:
+        """Owe ``ops`` (the untried rest of a ``take``) ahead of what was owed since. Rebuilds the
+        index: once a retry, as long as the list, where the retry's slicing already is."""
+        if not ops:
+            return
+        later, self._ops, self._puts = self._ops, [], {}
+        for op in [*ops, *later]:
+            self.append(op)
