@@ -1401,6 +1401,59 @@ def test_commits_wait_for_a_writer_behind_on_references_and_stamps_as_on_blocks(
     assert not reopened._index.blocks
 
 
+def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, stores, tmp_path):
+    # Before: a forget queued a DeleteBlocks a block, so a session of thousands of blocks pushed
+    # the writer's backlog past WRITE_BACKLOG_OPS (1024), and the next commit waited for it.
+    import tierkv.store
+
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
+    stores.append(store)
+    secret = random_ids(1100, 1170)
+    converse(store, model, secret, "long")
+    keep = converse(store, model, random_ids(20, 1171), "keep")
+    store.flush()
+    keys = set(store._index.sessions[_session_id(None, "long")].keys)
+    kept = len(store._index.sessions[_session_id(None, "keep")].keys)
+    assert len(keys) > store._backlog_ops
+    with store._disk.env.begin() as txn:
+        # The last bytes of each record's KV (before its checksum): random floats.
+        kv = {key: bytes(txn.get(key, db=store._disk._blocks))[-72:-8] for key in keys}
+    release = threading.Event()
+    apply, batches = store._writer._apply, []
+
+    def held(items):  # the disk, stalled until the test lets it go
+        assert release.wait(60)
+        batches.append(list(items))
+        return apply(items)
+
+    store._writer._apply = held
+    chunk = tierkv.store.FORGET_DELETE_KEYS
+    try:
+        assert store.forget(session="long") == len(keys)
+        # Its deletes in ops of FORGET_DELETE_KEYS blocks, and its session's DropRefs (was len(keys) + 1).
+        assert store._writer.queued() == -(-len(keys) // chunk) + 1
+    finally:
+        release.set()
+    store.flush()
+    deletes = [op for batch in batches for op in batch if isinstance(op, DeleteBlocks)]
+    assert sorted(k for op in deletes for k in op.keys) == sorted(keys)
+    assert {len(op.keys) for op in deletes[:-1]} == {chunk}
+    # No transaction deletes many more blocks than when each went in its own op (64 a batch).
+    assert max(sum(len(op.keys) for op in batch if isinstance(op, DeleteBlocks)) for batch in batches) <= 2 * chunk
+    assert not keys & _records_live(store) and not keys & _records_live(store, b"heads")
+    assert not store.stats()["owed_deletes"]
+    store.close()
+    data = (path / "data.mdb").read_bytes()
+    assert not [key for key, tail in kv.items() if tail in data]  # zeroed, not only deleted
+    assert _rows(path) == {"blocks": kept, "sessions": 1, "refs": kept}
+    reopened = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
+    stores.append(reopened)
+    assert not keys & set(reopened._index.blocks) and len(reopened._index.blocks) == kept
+    assert reopened.open(model, torch.cat([secret, random_ids(2, 1172)], 1), session="long").restored_tokens == 0
+    assert reopened.open(model, torch.cat([keep, random_ids(2, 1173)], 1), session="keep").restored_tokens == kept
+
+
 def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, tmp_path):
     # Before: every session made after the disk failed owed the delete of its row when it went
     # (forgotten, or its blocks evicted), though none of its references ever reached the disk:
@@ -1658,7 +1711,7 @@ def test_a_failed_disk_is_probed_at_each_flush_and_what_is_owed_lands_when_it_is
         store.forget(session=name)
     store.flush()
     owed = len(store._owed)
-    assert owed == 4 * len(names)  # each forget's DeleteBlocks, one a block (three), and its DropRefs
+    assert owed == 2 * len(names)  # each forget's DeleteBlocks (one of its three blocks) and its DropRefs
 
     def name_of(op) -> tuple[str, bytes]:
         return type(op).__name__, op.sid if isinstance(op, DropRefs) else min(op.keys)

@@ -352,6 +352,21 @@ def test_max_batch_caps_items_per_batch(writers: list[BackgroundWriter]) -> None
     assert rec.batches == [["gate"], [1, 2], [3, 4], [5]]
 
 
+def test_max_batch_counts_each_item_as_count_of_says(writers: list[BackgroundWriter]) -> None:
+    # A forget's DeleteBlocks holds dozens of blocks: counted as one item each, 64 of them went
+    # in one transaction (64 times the deletes one took). An item is never split.
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, max_batch=4, count_of=lambda item: item[1] if isinstance(item, tuple) else 1)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    for item in [("a", 3), ("b", 1), ("c", 2), ("d", 9), ("e", 0), "f", "g", "h", "i"]:
+        writer.submit(item)
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    # 3 + 1 fill one; 2 then 9 passes it; 0 counts as one, as plain items do.
+    assert rec.batches == [["gate"], [("a", 3), ("b", 1)], [("c", 2), ("d", 9)], [("e", 0), "f", "g", "h"], ["i"]]
+
+
 def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[BackgroundWriter]) -> None:
     rec = Recorder()
     writer = start(writers, rec, linger=WAIT * 10)

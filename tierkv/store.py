@@ -81,7 +81,7 @@ from .readers import ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
                          FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
-                         Scrubbed, Touch, block_bytes, dtype_name, op_size, slack, torch_dtype)
+                         Scrubbed, Touch, block_bytes, dtype_name, op_count, op_size, slack, torch_dtype)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
                        resolve_device)
@@ -159,6 +159,11 @@ OWED_RETRY_PROBE = 64
 #: threads as well as the calling one (``readers.ReadPool``): below it a thread's wake-up costs
 #: about what it saves.
 PARALLEL_READ_BYTES = 2 << 20
+#: Blocks a forget deletes per queued ``DeleteBlocks``. One op a block, forgetting a long session
+#: (thousands of blocks) queued that many items, past WRITE_BACKLOG_OPS, and the next commit
+#: waited for the writer to work through them. The writer still puts no more than about a
+#: transaction's 64 items' worth of blocks in one transaction (``op_count``).
+FORGET_DELETE_KEYS = 64
 
 
 #: Forgets remembered for the turns in flight (``TieredStore._forgotten_since``).
@@ -334,7 +339,7 @@ class TieredStore:
             # deletes of the partial tails they replace (or a flushed tail would be lost): other
             # deletes and session references are small, and dropping them would bring forgotten
             # data back.
-            self._writer = BackgroundWriter(self._link, name="tierkv-disk-writer", size_of=op_size,
+            self._writer = BackgroundWriter(self._link, name="tierkv-disk-writer", size_of=op_size, count_of=op_count,
                                             abandonable=_abandonable, device=self.device,
                                             linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
                                             max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
@@ -358,6 +363,10 @@ class TieredStore:
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
         self._owed = OwedOps()
+        # A forget's block deletes, gathered into one op until it holds FORGET_DELETE_KEYS blocks
+        # or another write is queued (_gathering_deletes); None outside a forget.
+        self._gathered: DeleteBlocks | None = None
+        self._gathering = False
         # Sessions whose row may be on disk (found there at open, or a PutRefs of theirs landed):
         # a failed DropRefs of any other has nothing on disk to delete (_reap_deletes).
         self._sessions_on_disk: set[bytes] = set()
@@ -1464,8 +1473,37 @@ class TieredStore:
                 self._index.set_disk(meta, DiskState.NONE)
                 self._pending_writes.pop(meta.key, None)
                 self._pop_inflight(meta.key)
-        if keys and self._writer is not None:
-            self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded, footprint=footprint))
+        if not keys or self._writer is None:
+            return
+        if self._gathering and not evicted and superseded is None:
+            if self._gathered is None:
+                self._gathered = DeleteBlocks([], [])
+            self._gathered.keys += keys
+            self._gathered.refs += refs
+            self._gathered.footprint += footprint
+            if len(self._gathered.keys) >= FORGET_DELETE_KEYS:
+                self._submit_gathered()
+            return
+        self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded, footprint=footprint))
+
+    @contextlib.contextmanager
+    def _gathering_deletes(self) -> Iterator[None]:
+        """Within it (a forget), plain block deletes (not the budget's evictions, not superseded
+        tails) go in ``DeleteBlocks`` of up to ``FORGET_DELETE_KEYS`` blocks. Every other write is
+        queued after the deletes gathered before it (``_submit``), so the writes land in the
+        order they did one delete an op; what is gathered at the end is queued then, also when
+        an exception ends it (the blocks are out of the index: only this delete finds them)."""
+        self._gathering = True
+        try:
+            yield
+        finally:
+            self._gathering = False
+            self._submit_gathered()
+
+    def _submit_gathered(self) -> None:
+        op, self._gathered = self._gathered, None
+        if op is not None:
+            self._submit(op)
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1629,6 +1667,8 @@ class TieredStore:
         """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
         and references are still tried: they are what keeps forgotten KV from coming back after a
         restart (references to blocks already on disk; no new block is written then)."""
+        if self._gathered is not None and op is not self._gathered:
+            self._submit_gathered()  # the deletes gathered so far go first, as they were made
         must_land = isinstance(op, (DeleteBlocks, DropRefs, PutRefs))
         if self._writer is None or (self._disk_failed and not must_land):
             return None
@@ -1727,10 +1767,12 @@ class TieredStore:
                          for k in op.keys}
                 later = [k for k in op.keys if state[k] is DiskState.PENDING]
                 if later:
-                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in later]))
+                    wait = set(later)  # a forget's op holds dozens of blocks: sets, not list scans
+                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
                 now = [k for k in op.keys if state[k] is DiskState.NONE]
+                gone = set(now)
                 refs = [r for r in op.refs
-                        if r[KEY_BYTES:] in now and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
+                        if r[KEY_BYTES:] in gone and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
                 if now:
                     jobs.append(self._submit(DeleteBlocks(now, refs)))
             else:
@@ -2021,7 +2063,8 @@ class TieredStore:
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
-        per tenant they have. The deletes are queued, and written without waiting for more writes
+        per tenant they have. The deletes are queued (``FORGET_DELETE_KEYS`` blocks a write), and
+        written without waiting for more writes
         (but after those queued before them); ``flush()`` returns when they are on disk (until then
         a crash can leave the forgotten KV in the file), or when a disk error failed them: those
         stay owed (``stats()["owed_deletes"]``), retried at later flushes and at ``close``. A turn
@@ -2063,12 +2106,13 @@ class TieredStore:
                 (lambda sid, t: t == tenant) if session is None
                 else (lambda sid, t: sid == _session_id(t, session)) if tenant is _UNSET  # type: ignore[arg-type]
                 else (lambda sid, t: sid == _session_id(tenant, session)))  # type: ignore[arg-type]
-            for sid in sids:
-                removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
-            if session is None:
-                for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
-                    self._drop(meta)
-                    removed += 1
+            with self._gathering_deletes():
+                for sid in sids:
+                    removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
+                if session is None:
+                    for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
+                        self._drop(meta)
+                        removed += 1
             if self._writer is not None and (sids or removed):
                 # The deletes zero the forgotten KV in the file: not held back by the linger.
                 self._writer.nudge()

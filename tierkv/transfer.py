@@ -397,11 +397,16 @@ class BackgroundWriter(Generic[T]):
     buffers stay held meanwhile), when it is full, or when ``flush``, ``nudge`` or ``close`` was
     called: a light load's items (a turn's few blocks at a time) then go in one batch rather than
     one batch each.
+
+    A batch is full at ``max_batch`` items, each counting ``count_of(item)`` of them (at least
+    one; an item is never split, so the last one taken may pass the count), or at
+    ``max_batch_bytes`` of ``size_of``.
     """
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
                  max_batch: int = 64, max_batch_bytes: int = 64 << 20,
                  size_of: Callable[[T], int] = lambda item: 0,
+                 count_of: Callable[[T], int] = lambda item: 1,
                  abandonable: Callable[[T], bool] = lambda item: True,
                  device: torch.device | None = None, linger: float = 0.0,
                  linger_bytes: int | None = None) -> None:
@@ -413,6 +418,7 @@ class BackgroundWriter(Generic[T]):
         self._max_batch_bytes = max_batch_bytes
         self._linger_bytes = max_batch_bytes // 4 if linger_bytes is None else linger_bytes
         self._size_of = size_of
+        self._count_of = count_of
         self._abandonable = abandonable
         self._device = device
         self._queue: queue.Queue[tuple[T, Job[None]] | None] = queue.Queue()
@@ -578,10 +584,11 @@ class BackgroundWriter(Generic[T]):
                 return
             batch.append(entry)
             nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
+            count = self._count(entry[0])
             stop = False
             flushing = entry[0] is _MARKER or nbytes >= self._linger_bytes
             deadline = time.monotonic() + self._linger
-            while len(batch) < self._max_batch and nbytes < self._max_batch_bytes:
+            while count < self._max_batch and nbytes < self._max_batch_bytes:
                 wait = 0.0 if flushing else deadline - time.monotonic()
                 try:
                     nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
@@ -591,6 +598,7 @@ class BackgroundWriter(Generic[T]):
                     stop = self._stopping = True
                     break
                 batch.append(nxt)
+                count += self._count(nxt[0])
                 if nxt[0] is _MARKER:
                     flushing = True  # a flush or nudge: take what is queued now, linger no more
                 else:
@@ -604,6 +612,15 @@ class BackgroundWriter(Generic[T]):
             entry = nxt = None
             if stop:
                 return
+
+    def _count(self, item: T) -> int:
+        """How many of ``max_batch`` an item (or a flush's marker: one) takes."""
+        if item is _MARKER:
+            return 1
+        try:
+            return max(1, self._count_of(item))
+        except Exception:  # noqa: BLE001 - the item fails where it is applied, not here
+            return 1
 
     def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
         try:

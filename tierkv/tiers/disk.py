@@ -866,6 +866,16 @@ def op_size(op: DiskOp) -> int:
     return op.record_bytes if isinstance(op, PutBlock) else 0
 
 
+def op_count(op: DiskOp) -> int:
+    """How many of a write transaction's items (the writer's ``max_batch``) an op takes: a
+    ``DeleteBlocks`` one a block. A forget queues its deletes a few dozen blocks an op (the
+    store's ``FORGET_DELETE_KEYS``); counted as one item each, 64 of them went in one transaction,
+    64 times the records one took before, freeing (and zeroing) that many records' pages, with the
+    B-tree pages and free-list entries that takes, where a map at its cap keeps only
+    ``_DELETE_ROOM`` for deletes."""
+    return len(op.keys) if isinstance(op, DeleteBlocks) else 1
+
+
 class DiskTier:
     name = "disk"
 
