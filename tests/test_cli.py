@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
+import lmdb.verify
 import msgpack
 import pytest
 import torch
@@ -376,7 +377,7 @@ def test_a_verifier_that_falls_over_is_a_refusal_that_names_it_not_a_traceback(
         copy: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # lmdb.verify raises VerifyError where it cannot begin; anything else it raises (on a shape
     # of damage it does not expect) was a traceback out of every store command.
-    offline = pytest.importorskip("lmdb.verify")
+    offline = lmdb.verify
     path = copy()
 
     def falls_over(*args: object, **kwargs: object) -> list[str]:
@@ -491,7 +492,6 @@ def test_clear_all_never_removes_another_program_s_damaged_lmdb_environment(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Before: `tierkv clear --all` deleted it. tierkv.lock was taken for evidence of a store, and
     # the command had just created it itself (the lock of the damage check before the delete).
-    pytest.importorskip("lmdb.verify")
     path = tmp_path / "theirs"
     env = lmdb.open(str(path), max_dbs=2, map_size=1 << 24)
     db = env.open_db(b"mydata")
@@ -615,7 +615,7 @@ def test_a_verifier_problem_of_another_wording_is_never_read_as_safe(
     # Before: another py-lmdb's wording that held a phrase of damage LMDB's reads survive ("keys
     # out of order", "record says"), whatever its table, was taken for such damage: the store
     # was opened and read through LMDB, where the damage may abort the process.
-    verify = pytest.importorskip("lmdb.verify")
+    verify = lmdb.verify
     from tierkv.tiers.disk import file_damage
     monkeypatch.setattr(verify, "verify", lambda *_args, **_kwargs: [problem])
     found = file_damage(built.path)
@@ -649,7 +649,6 @@ def test_check_finds_a_page_that_names_another_and_repair_rebuilds_the_file(
     # next write frees that other page while in use. Before: check found the store sound. Found
     # by reading the file itself (py-lmdb's offline verifier), as is damage LMDB's own reads
     # abort the process on (a branch page without children, a damaged free list: fuzzing).
-    pytest.importorskip("lmdb.verify")
     path = copy()
     damage_table(path, b"refs", page_number=True)
     assert cli.main(["check", str(path), "--json"]) == cli.EXIT_BAD_RECORDS

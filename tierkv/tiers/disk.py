@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
+from lmdb import verify as offline
 import msgpack
 import numpy as np
 import torch
@@ -251,17 +252,13 @@ _READ_SAFE = ("stores mp_pgno", "record says", "keys out of order", "mp_txnid", 
 def file_damage(path: str | os.PathLike[str]) -> FileDamage:
     """LMDB's own structure of the store's file checked by reading it, not through LMDB (tables
     named as ``CheckResult.damaged`` names them; ``free`` for LMDB's free list, whose damage
-    only writes meet, ``file`` for its meta pages); none found where the file is sound, or
-    without py-lmdb's offline verifier (``lmdb.verify``, py-lmdb 3.0 on). Damage some of LMDB's
-    own reads and writes meet with an assertion that aborts the process (a branch page without
-    children, a free list that does not add up: found by fuzzing), which nothing in the process
-    can catch: this finds it first. The caller must hold the directory's lock (a writer's pages
+    only writes meet, ``file`` for its meta pages); none found where the file is sound. Read by
+    py-lmdb's offline verifier (``lmdb.verify``, py-lmdb 3.0 on, which tierkv requires). Damage
+    some of LMDB's own reads and writes meet with an assertion that aborts the process (a branch
+    page without children, a free list that does not add up: found by fuzzing), which nothing in
+    the process can catch: this finds it first. The caller must hold the directory's lock (a writer's pages
     read as damage)."""
     found = FileDamage()
-    try:
-        from lmdb import verify as offline
-    except ImportError:  # py-lmdb before 3.0
-        return found
     try:
         problems = offline.verify(os.fspath(path), subdir=True)
     except offline.VerifyError as exc:
