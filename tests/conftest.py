@@ -1,10 +1,14 @@
-"""Shared fixtures: tiny random decoder-only models of several architectures, built offline."""
+"""Shared fixtures: tiny random decoder-only models of several architectures, built offline; and
+helpers that damage a store's file as a disk would (``damage_in_place``, ``damage_table``)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
+import lmdb
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -134,6 +138,81 @@ def damage_table(path: object, table: bytes, page_number: bool = False) -> None:
         data[at] ^= 0x02
         f.seek(at)
         f.write(data[at:at + 1])
+
+
+def _file_offset(address: int, path: str) -> int:
+    """Where the mapped byte at ``address`` lies in the file ``path`` (this process's maps)."""
+    inode = os.stat(path).st_ino
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            if start <= address < end:
+                assert int(fields[4]) == inode, f"{address:#x} is not in a map of {path}: {line}"
+                return address - start + int(fields[2], 16)
+    raise AssertionError(f"{address:#x} is in no map of this process")
+
+
+def damage_in_place(env: lmdb.Environment, db: bytes | lmdb._Database, key: bytes,
+                    damage: Callable[[bytes], bytes]) -> bytes:
+    """Write ``damage(value)`` (as long as the value) over ``key``'s value in table ``db`` (a
+    name or a handle) where it lies in the file, as a disk's damage is; returns the damaged value,
+    read back through LMDB.
+
+    Why not ``txn.put`` of the altered bytes: LMDB writes a new value to other pages and frees
+    the old ones, so a store that has the record open keeps a place for it that is no longer the
+    record's (its zeroing of a deleted record trusts the places it wrote), and its head in
+    ``heads`` names the old place after a reopen too; the record was not damaged where it lay.
+    The state machine (tests/test_properties.py) showed that pattern can damage the file. Written
+    with ``pwrite`` at the file offset this process's map of the value has, so the environment
+    need not be opened with ``writemap`` (a store's is; one a test opens read-only is mapped
+    read-only) and a store open in this process sees it (it maps the file shared). In a write
+    transaction that writes nothing: no other writer runs meanwhile. Linux (``/proc/self/maps``)."""
+    with env.begin(write=True, buffers=True) as txn:  # buffers: views of the map, not copies
+        handle = env.open_db(db, txn=txn, create=False) if isinstance(db, bytes) else db
+        value = txn.get(key, db=handle)
+        assert value is not None, f"no value under {key.hex()}"
+        view = memoryview(value)
+        before = bytes(view)
+        damaged = bytes(damage(before))
+        assert len(damaged) == len(before), "damage in place keeps the value's length"
+        path = os.path.join(env.path(), "data.mdb")
+        at = _file_offset(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0], path)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            assert os.pwrite(fd, damaged, at) == len(damaged)
+        finally:
+            os.close(fd)
+    with env.begin() as txn:
+        handle = env.open_db(db, txn=txn, create=False) if isinstance(db, bytes) else db
+        assert bytes(txn.get(key, db=handle)) == damaged, "the damage did not land where LMDB reads the value"
+    return damaged
+
+
+def flipped(value: bytes, at: int, mask: int = 0x01) -> bytes:
+    """``value`` with the bits of ``mask`` flipped in its byte ``at``."""
+    damaged = bytearray(value)
+    damaged[at] ^= mask
+    return bytes(damaged)
+
+
+def reencoded(record: bytes, **changes: object) -> bytes:
+    """``record`` with its header's fields changed (``dataclasses.replace``) and its checksum
+    recomputed, as long as it was (its header's pad made to fit), for ``damage_in_place``."""
+    from dataclasses import replace
+
+    from tierkv.codec import decode_header, encode_array
+
+    header = decode_header(record)
+    payload = record[len(record) - 8 - header.payload_nbytes:len(record) - 8]
+    changed = replace(header, **changes)
+    # The pad's msgpack framing grows with it: the length asked for and the length made differ
+    # by a few bytes, so the one that makes the record's own length is looked for.
+    for asked in range(len(record), len(record) - 16, -1):
+        out = encode_array(changed, payload, min_bytes=asked).tobytes()
+        if len(out) == len(record):
+            return out
+    raise AssertionError(f"no pad makes the changed record {len(record)} bytes")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tierkv
-from conftest import damage_table, make_model, random_ids
+from conftest import damage_in_place, damage_table, flipped, make_model, random_ids
 from tierkv import TieredStore, cli
 from tierkv.tiers import disk
 from tierkv.codec import FORMAT_VERSION, decode_header
@@ -208,10 +208,10 @@ def first_head(path: Path) -> tuple[bytes, bytes]:
 
 
 def put_head(path: Path, key: bytes, value: bytes) -> None:
+    """Write ``value`` (as long as the head) over ``key``'s head where it lies, as a disk would."""
     env = lmdb.open(str(path), max_dbs=8)
     try:
-        with env.begin(write=True) as txn:
-            txn.put(key, value, db=env.open_db(b"heads", txn=txn))
+        damage_in_place(env, b"heads", key, lambda _: value)
     finally:
         env.close()
 
@@ -276,11 +276,9 @@ def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, 
     dave_0, dave_0_value = found[(None, ids["dave"][0:8].tobytes())]
     dave_1, _ = found[(None, ids["dave"][8:16].tobytes())]
     env = lmdb.open(str(path), max_dbs=8)
-    with env.begin(write=True) as txn:
-        flipped = bytearray(carol_value)
-        flipped[-9] ^= 0xFF  # the payload's last byte: the header still reads, only the checksum fails
-        txn.put(carol_2, bytes(flipped), db=env.open_db(b"blocks", txn=txn))
-        txn.put(dave_1, dave_0_value, db=env.open_db(b"blocks", txn=txn))  # a sound record, under another key
+    # The payload's last byte: the header still reads, only the checksum fails.
+    damage_in_place(env, b"blocks", carol_2, lambda record: flipped(record, -9, 0xFF))
+    damage_in_place(env, b"blocks", dave_1, lambda _: dave_0_value)  # a sound record, under another key
     with env.begin() as txn:
         stamped = {k for k, _ in txn.cursor(db=env.open_db(b"atime", txn=txn))}
     env.close()
@@ -354,11 +352,9 @@ def test_check_names_a_delete_a_crash_cut_short_which_the_store_finishes(
     key, value = next((k, v) for k, v in records(path).items()
                       if (decode_header(v).tenant, bytes(decode_header(v).token_ids)) == (None, first))  # dave's first
     env = lmdb.open(str(path), max_dbs=8)
-    with env.begin(write=True) as txn:
-        heads = env.open_db(b"heads", txn=txn)
-        if head:
-            txn.put(key, bytes(len(txn.get(key, db=heads))), db=heads)
-        txn.put(key, bytes(len(value)), db=env.open_db(b"blocks", txn=txn))
+    if head:
+        damage_in_place(env, b"heads", key, lambda head: bytes(len(head)))
+    damage_in_place(env, b"blocks", key, lambda record: bytes(len(record)))
     env.close()
     assert cli.main(["check", str(path), "--json"]) == cli.EXIT_BAD_RECORDS
     assert json.loads(capsys.readouterr().out)["bad"] == [{"key": key.hex(), "reason": disk.DELETE_CUT_SHORT}]

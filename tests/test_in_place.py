@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import ARCHITECTURES, random_ids
+from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids, reencoded
 from tierkv import TieredCache, TieredStore
 from tierkv.cache import IN_PLACE
 
@@ -127,10 +127,7 @@ def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_
         second = cache._restored_keys[1]
         del cache
         disk = store._disk
-        with disk.env.begin(write=True) as txn:
-            record = bytearray(txn.get(second, db=disk._blocks))
-            record[-20] ^= 0x01  # the payload's last bytes
-            txn.put(second, bytes(record), db=disk._blocks)
+        damage_in_place(disk.env, disk._blocks, second, lambda record: flipped(record, -20))  # the payload's last bytes
         cache = store.open(model, nxt)
         assert cache.restored_tokens == B and store.stats()["corrupt"] == 1
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
@@ -222,9 +219,7 @@ def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_bu
     # checksum is known. Before: when that record failed, the buffer it shaped (here with heads
     # and head_dim swapped) still took the blocks before it, which came from memory (a write in
     # flight, as a prefix committed again after its eviction from disk is), and generate() raised.
-    from dataclasses import replace
-
-    from tierkv.codec import decode_header, encode
+    from tierkv.codec import decode_header
     from tierkv.store import Tier
     from tierkv.transfer import Job
 
@@ -235,15 +230,13 @@ def test_a_corrupt_first_disk_block_after_blocks_in_memory_does_not_shape_the_bu
         del cache
         disk = store._disk
         _, block = disk.load(first, lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        with disk.env.begin(write=True) as txn:
-            record = bytes(txn.get(second, db=disk._blocks))
-            header = decode_header(record)
-            layers, two, heads, tokens, dim = header.shape
-            swapped = encode(replace(header, shape=(layers, two, dim, tokens, heads)),
-                             record[len(record) - 8 - header.payload_nbytes:len(record) - 8])
-            broken = bytearray(swapped)
-            broken[-20] ^= 0x01  # a payload byte: the checksum fails, after the buffer was made
-            txn.put(second, bytes(broken), db=disk._blocks)
+
+        def swapped(record: bytes) -> bytes:
+            layers, two, heads, tokens, dim = decode_header(record).shape
+            # A payload byte flipped too: the checksum fails, after the buffer was made.
+            return flipped(reencoded(record, shape=(layers, two, dim, tokens, heads)), -20)
+
+        damage_in_place(disk.env, disk._blocks, second, swapped)
         source = store._source
 
         def first_in_memory(meta):
@@ -260,10 +253,8 @@ def test_a_header_whose_token_count_disagrees_with_the_index_never_sizes_the_buf
     # header claiming 1 token of 8 times the heads (its record's length still agreeing, its
     # checksum recomputed) asked for a buffer 8 times the conversation's KV; a 1 MiB block in a
     # 100k-token conversation asked for 100 GiB: an allocation error out of open(), not a miss.
-    from dataclasses import replace
-
     import tierkv.store as store_module
-    from tierkv.codec import decode_header, encode
+    from tierkv.codec import decode_header
 
     model = tiny_model("llama")
     with returning(model, tmp_path, 90, 2) as (store, nxt):
@@ -271,13 +262,12 @@ def test_a_header_whose_token_count_disagrees_with_the_index_never_sizes_the_buf
         first = cache._restored_keys[0]
         del cache
         disk = store._disk
-        with disk.env.begin(write=True) as txn:
-            record = bytes(txn.get(first, db=disk._blocks))
-            header = decode_header(record)
-            layers, two, heads, tokens, dim = header.shape
-            payload = record[len(record) - 8 - header.payload_nbytes:len(record) - 8]
-            txn.put(first, encode(replace(header, shape=(layers, two, heads * tokens, 1, dim)), payload),
-                    db=disk._blocks)
+
+        def one_token(record: bytes) -> bytes:
+            layers, two, heads, tokens, dim = decode_header(record).shape
+            return reencoded(record, shape=(layers, two, heads * tokens, 1, dim))
+
+        damage_in_place(disk.env, disk._blocks, first, one_token)
         sized = []
         slots = store_module.restore_slots
 

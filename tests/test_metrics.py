@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierkv
-from conftest import random_ids
+from conftest import damage_in_place, flipped, random_ids
 from tierkv import TieredStore
 from tierkv.events import DIRECTIONS, CommitEvent, EventLog, MoveEvent, OpenEvent
 from tierkv.metrics import BYTES_BUCKETS, SECONDS_BUCKETS, StoreCollector, serve
@@ -82,13 +82,8 @@ def one(found: dict[str, dict[tuple, float]], name: str) -> float:
 
 def corrupt_records(store: TieredStore, keys: list[bytes]) -> None:
     """Flip a payload byte of each record (headers stay readable: found on first read, not by a scan)."""
-    env = store._disk.env
-    blocks = env.open_db(b"blocks")
-    with env.begin(write=True) as txn:
-        for key in keys:
-            record = bytearray(txn.get(key, db=blocks))
-            record[len(record) // 2] ^= 0xFF
-            txn.put(key, bytes(record), db=blocks)
+    for key in keys:
+        damage_in_place(store._disk.env, b"blocks", key, lambda record: flipped(record, len(record) // 2, 0xFF))
 
 
 def verify_scrape_equals_stats(found: dict, stats: dict) -> None:
@@ -430,12 +425,9 @@ def test_corrupt_records_found_at_reopen_log_one_warning_for_all(model, tmp_path
         cache, _ = turn(store, model, ids)
         firsts.append(first_block(store, cache.root, ids))
     store.flush()
-    env = store._disk.env
-    blocks, heads = env.open_db(b"blocks"), env.open_db(b"heads")
-    with env.begin(write=True) as txn:
-        for key in firsts:  # the scan itself rejects these: it reads the heads, then the records
-            txn.put(key, b"not a head", db=heads)
-            txn.put(key, b"not a record", db=blocks)
+    for key in firsts:  # the scan itself rejects these: it reads the heads, then the records
+        damage_in_place(store._disk.env, b"heads", key, lambda head: b"not a head" + head[10:])
+        damage_in_place(store._disk.env, b"blocks", key, lambda record: b"not a record" + record[12:])
     store.close()
     with caplog.at_level(logging.DEBUG, logger="tierkv"):
         store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)

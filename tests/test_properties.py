@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 from transformers import DynamicCache
 
-from conftest import VOCAB, make_model
+from conftest import VOCAB, damage_in_place, flipped, make_model, reencoded
 from tierkv import TieredCache, TieredStore
 from tierkv.index import DiskState, Tier
 from tierkv.pool import HostPool
@@ -230,11 +230,7 @@ class StoreMachine(RuleBasedStateMachine):
         zeroed as a delete a crash cut short leaves it, or a header claiming another token count with
         its checksum recomputed), or deleted behind the store's back: every later turn stays exact
         and the invariants hold."""
-        import ctypes
-        from dataclasses import replace
-
-        from tierkv.codec import CorruptRecord, decode_header, encode
-        from tierkv.tiers import vm
+        from tierkv.codec import CorruptRecord, decode_header
 
         self.store.flush()  # the writer idle: this write transaction is the only one
         durable = sorted(k for k, m in self.store._index.blocks.items() if m.disk is DiskState.DURABLE)
@@ -242,7 +238,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         key = durable[pick % len(durable)]
         disk = self.store._disk
-        with disk.env.begin(write=True, buffers=True) as txn:  # buffers: views of the map, not copies
+        with disk.env.begin(write=True) as txn:
             record = txn.get(key, db=disk._blocks)
             if record is None:
                 return
@@ -254,26 +250,22 @@ class StoreMachine(RuleBasedStateMachine):
                 disk._where.pop(key, None)
                 self.gone.add(key)
                 return
-            address, record = vm.address(memoryview(record)), bytes(record)
-            if kind == "flipped":
-                damaged = bytearray(record)
-                damaged[-9] ^= 0x10  # the payload's last byte
-            elif kind == "zeroed":
-                damaged = bytearray(len(record))
-            else:
-                try:
-                    header = decode_header(record)
-                except CorruptRecord:
-                    return  # damaged before
-                layers, two, heads, tokens, dim = header.shape
-                if tokens < 2:
-                    return
-                payload = record[len(record) - 8 - header.payload_nbytes:len(record) - 8]
-                damaged = bytearray(encode(replace(header, shape=(layers, two, heads * tokens, 1, dim)), payload))
-            if len(damaged) == len(record):
-                # In place, through the writable map: a put would move the record to other pages.
-                ctypes.memmove(address, bytes(damaged), len(damaged))
-                assert bytes(txn.get(key, db=disk._blocks)) == bytes(damaged)
+            record = bytes(record)
+        if kind == "flipped":
+            damage_in_place(disk.env, disk._blocks, key, lambda value: flipped(value, -9, 0x10))  # payload's last byte
+        elif kind == "zeroed":
+            damage_in_place(disk.env, disk._blocks, key, lambda value: bytes(len(value)))
+        else:
+            try:
+                layers, two, heads, tokens, dim = decode_header(record).shape
+            except CorruptRecord:
+                return  # damaged before
+            if tokens < 2:
+                return
+            # Its checksum recomputed and its pad made to fit: as long as the record, so written
+            # where it lies (an encode without the pad was shorter, and this damage was skipped).
+            damage_in_place(disk.env, disk._blocks, key,
+                            lambda value: reencoded(value, shape=(layers, two, heads * tokens, 1, dim)))
 
     @rule(reopen=st.booleans())
     def persist(self, reopen: bool) -> None:

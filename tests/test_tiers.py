@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 import tierkv.tiers.disk as disk_module
+from conftest import damage_in_place, flipped
 from benchmarks.micro import drop_cached
 from tierkv.codec import CorruptRecord, RecordHeader, encode, head_size, record_size
 from tierkv.hashing import token_bytes
@@ -359,10 +360,8 @@ def test_garbage_value_is_corrupt(disk: DiskTier) -> None:
 @pytest.mark.parametrize("where", ["header", "payload", "checksum"])
 def test_flipped_byte_in_stored_record_is_corrupt(disk: DiskTier, where: str) -> None:
     disk.apply([put_op(1)])
-    value = bytearray(raw_get(disk, b"blocks", key(1)))  # type: ignore[arg-type]
-    position = {"header": 20, "payload": len(value) - 100, "checksum": len(value) - 1}[where]
-    value[position] ^= 0x10
-    raw_put(disk, b"blocks", key(1), bytes(value))
+    damage_in_place(disk.env, disk._blocks, key(1), lambda value: flipped(
+        value, {"header": 20, "payload": len(value) - 100, "checksum": len(value) - 1}[where], 0x10))
     with pytest.raises(CorruptRecord):
         disk.load(key(1), empty)
 
@@ -739,9 +738,7 @@ def test_blocks_without_heads_are_read_once_and_given_heads(tmp_path: pathlib.Pa
 def test_a_damaged_head_falls_back_to_its_record(disk: DiskTier) -> None:
     op = put_op(1)
     disk.apply([op, put_op(2)])
-    head = bytearray(raw_get(disk, b"heads", key(1)))  # type: ignore[arg-type]
-    head[10] ^= 0xFF
-    raw_put(disk, b"heads", key(1), bytes(head))
+    damage_in_place(disk.env, disk._heads, key(1), lambda head: flipped(head, 10, 0xFF))
     scan = disk.scan()
     assert [h.key for h, _ in scan.headers] == [key(1), key(2)] and scan.headers[0] == (op.header, op.record_bytes)
     assert list(scan.unindexed) == [key(1)] and not scan.corrupt  # indexed from the record, to be re-headed
@@ -775,7 +772,9 @@ def test_heads_for_older_blocks_give_way_at_the_map_s_cap(tmp_path: pathlib.Path
 
 def test_a_head_that_names_another_block_is_not_trusted(disk: DiskTier) -> None:
     disk.apply([put_op(1), put_op(2)])
-    raw_put(disk, b"heads", key(2), raw_get(disk, b"heads", key(1)))  # type: ignore[arg-type]
+    other = raw_get(disk, b"heads", key(1))
+    assert other is not None
+    damage_in_place(disk.env, disk._heads, key(2), lambda _: other)
     scan = disk.scan()
     assert [h.key for h, _ in scan.headers] == [key(1), key(2)] and list(scan.unindexed) == [key(2)]
 
@@ -801,7 +800,7 @@ def test_put_heads_skips_blocks_deleted_meanwhile(disk: DiskTier) -> None:
 
 def test_a_zeroed_head_is_a_delete_cut_short(disk: DiskTier) -> None:
     disk.apply([put_op(1), put_op(2)])
-    raw_put(disk, b"heads", key(1), bytes(len(raw_get(disk, b"heads", key(1)))))  # type: ignore[arg-type]
+    damage_in_place(disk.env, disk._heads, key(1), lambda head: bytes(len(head)))
     scan = disk.scan()
     assert scan.scrubbed == [key(1)] and [h.key for h, _ in scan.headers] == [key(2)] and not scan.corrupt
 
@@ -1084,7 +1083,8 @@ os._exit(0)  # a crash before the next transaction
 def test_evicted_records_a_crash_left_unzeroed_are_zeroed_at_reopen(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "store"
     root = str(pathlib.Path(__file__).resolve().parents[1])
-    child = subprocess.run([sys.executable, "-c", _EVICT_AND_DIE.format(paths=[root], path=str(path))],
+    tests = str(pathlib.Path(__file__).resolve().parent)  # test_tiers imports conftest's helpers
+    child = subprocess.run([sys.executable, "-c", _EVICT_AND_DIE.format(paths=[root, tests], path=str(path))],
                            capture_output=True, text=True, timeout=120, cwd=root)
     assert child.returncode == 0, child.stderr
     where = tuple(int(x) for x in child.stdout.split())
