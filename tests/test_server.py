@@ -767,6 +767,42 @@ def test_another_program_s_lmdb_environment_is_refused_before_the_server_starts_
     assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
 
 
+@pytest.mark.parametrize(("link", "target", "message"), [
+    ("lock.mdb", "their.lock", "LMDB's lock file must be a plain file"),
+    ("data.mdb", "missing.mdb", "Its target does not exist"),
+    ("tierkv.lock", "their.pid", "a store's lock file must be a plain file"),
+])
+def test_a_new_store_directory_holding_a_link_is_refused_before_the_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], link: str, target: str,
+        message: str) -> None:
+    # Before: only a store with a data.mdb was read before the model loaded (its block size); a
+    # directory without one was taken for a new store, and the store's open refused the link at
+    # startup, after the model loaded.
+    from examples.server.__main__ import main
+
+    def loads_the_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(uvicorn, "run", loads_the_model)
+    store = tmp_path / "kv"
+    store.mkdir()
+    if target != "missing.mdb":
+        (tmp_path / target).write_bytes(b"another program's")
+    (store / link).symlink_to(tmp_path / target)
+
+    def files() -> dict[str, object]:  # what is there, links as their targets: the missing one not made
+        return {str(p): os.readlink(p) if p.is_symlink() else p.read_bytes()
+                for p in [*tmp_path.iterdir(), *store.iterdir()] if not p.is_dir() or p.is_symlink()}
+
+    before = files()
+    with pytest.raises(SystemExit) as exc:
+        main(["--store", str(store), "--port", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{store / link}' is a symbolic link" in err and message in err, err
+    assert files() == before
+
+
 def test_a_store_in_use_stops_the_startup_with_one_line_and_no_traceback(tmp_path: Path) -> None:
     settings = Settings(store=str(tmp_path / "kv"), **SMALL)  # checked before the store exists, as a server does
     holder = TieredStore(tmp_path / "kv", device="cpu", block_size=SMALL["block_size"])

@@ -86,13 +86,16 @@ class Settings:
         self._check_stored_block_size()
 
     def _check_stored_block_size(self) -> None:
-        """An existing store's block size must be this one: else the store refuses to open, after the model loaded.
-        Reads the store's meta record without its lock, so it must run before this process opens the store."""
+        """The store must open, as far as its directory tells, and an existing store's block size must be this
+        one: else the store refuses to open at startup, after the model loaded. Reads the store's meta record
+        without its lock, so it must run before this process opens the store."""
         from tierkv.tiers.disk import DiskTier
 
         if self.store is None:
             return
-        path = os.path.expanduser(self.store)  # as the store reads it
+        # A new directory too: a linked lock.mdb or tierkv.lock, or a data.mdb linked to a missing target
+        # (no data.mdb to read a block size from), were refused only at startup.
+        path = DiskTier.check_openable(self.store)  # as the store resolves it
         data = os.path.join(path, "data.mdb")
         if not (os.path.isfile(data) and os.path.getsize(data) > 0):
             return  # a new store, made at startup with this block size

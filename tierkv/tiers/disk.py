@@ -561,6 +561,11 @@ def _refuse_foreign(path: str) -> None:
                          "list a tierkv store's tables); pass a new or empty directory")
 
 
+def _lock_link_refusal(lock: str) -> ValueError:
+    return ValueError(f"{lock!r} is a symbolic link ({os.readlink(lock)!r}); a store's lock file must be a plain "
+                      "file, since tierkv writes its pid there: remove the link (tierkv makes the file again)")
+
+
 def _link_refusal(file: str) -> ValueError:
     target = os.readlink(file)
     if os.path.basename(file) == "lock.mdb":
@@ -1014,9 +1019,7 @@ class DiskTier:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
             if os.path.islink(lock):  # ELOOP on Linux, EMLINK on FreeBSD: asked of the file, not the errno
-                raise ValueError(f"{lock!r} is a symbolic link ({os.readlink(lock)!r}); a store's lock file must be a "
-                                 "plain file, since tierkv writes its pid there: remove the link (tierkv makes the "
-                                 "file again)") from None
+                raise _lock_link_refusal(lock) from None
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1247,6 +1250,27 @@ class DiskTier:
         if meta.get("block_size") != block_size:
             raise ValueError(f"{self.path!r} was created with block_size={meta.get('block_size')}; pass "
                              f"block_size={meta.get('block_size')} or use a new directory")
+
+    @staticmethod
+    def check_openable(path: str | bytes | os.PathLike[str]) -> str:
+        """Raise the ``ValueError`` (or ``TypeError``) an open of ``path`` would raise before it
+        writes anything, reading the directory alone: a bad path, a file, a directory that holds
+        other files, another program's LMDB environment, LMDB's files or the lock file as symbolic
+        links, files hard-linked to another directory's. For programs that must refuse a store
+        before costly work: the example server checked only stores with a ``data.mdb`` before
+        loading its model (``stored_meta``), and refused a new directory holding a linked
+        ``lock.mdb``, or a ``data.mdb`` linked to a missing target, only once the model had loaded.
+        Not a promise that an open succeeds (the store may be in use, or damaged; the directory
+        may change). Returns the path as an open resolves it."""
+        resolved = DiskTier._resolve_path(path)
+        DiskTier._check_path(resolved)
+        _refuse_links(resolved)
+        _refuse_foreign(resolved)
+        _refuse_shared(resolved)
+        lock = os.path.join(resolved, _LOCK_FILE)
+        if os.path.islink(lock):
+            raise _lock_link_refusal(lock)
+        return resolved
 
     @staticmethod
     def stored_meta(path: str | os.PathLike[str]) -> dict[str, int]:
