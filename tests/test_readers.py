@@ -4,7 +4,6 @@ records several threads read (``TieredStore._read_disk_blocks``): exact against 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 
@@ -12,12 +11,11 @@ import pytest
 import torch
 
 import tierkv.store as store_module
-from conftest import ARCHITECTURES, random_ids
+from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids
 from tierkv import TieredStore
 from tierkv.cache import IN_PLACE
 from tierkv.locks import SharedLock
 from tierkv.readers import ReadPool, helper_threads
-from tierkv.tiers import vm
 from tierkv.tiers.disk import DiskTier
 
 B = 4
@@ -260,14 +258,9 @@ def test_two_opens_in_two_threads_read_the_disk_at_once(tiny_model, tmp_path, mo
     assert not both.broken and results == {0: 4 * B - 1, 1: 4 * B - 1}
 
 
-def damage_in_place(store: TieredStore, key: bytes) -> None:
-    """One payload byte of a record flipped where it lies (``put`` would move the record)."""
-    disk = store._disk
-    with disk.env.begin(write=True, buffers=True) as txn:
-        record = txn.get(key, db=disk._blocks)
-        at = vm.address(memoryview(record)) + len(record) - 9
-        ctypes.memmove(at, bytes([record[-9] ^ 0x10]), 1)
-        assert txn.get(key, db=disk._blocks)[-9] == record[-9]
+def damage(store: TieredStore, key: bytes) -> None:
+    """One payload byte of a record flipped where it lies."""
+    damage_in_place(store._disk.env, store._disk._blocks, key, lambda record: flipped(record, len(record) - 9))
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -286,7 +279,7 @@ def test_a_miss_in_the_middle_cuts_the_restore_there_whoever_read_past_it(tiny_m
         keys = store.open(model, nxt)._restored_keys
         assert len(keys) == 11
         if miss == "corrupt":
-            damage_in_place(store, keys[5])
+            damage(store, keys[5])
         else:
             # Evicted while this open reads: off disk in the index first, as an eviction does (a
             # plain miss, not damage).
@@ -317,7 +310,7 @@ def test_a_damaged_first_record_makes_no_buffer_and_the_helpers_read_nothing_int
     nxt = torch.cat([out, random_ids(2, 10)], dim=1)
     with disk_only(tmp_path / "kv") as store:
         keys = store.open(model, nxt)._restored_keys
-        damage_in_place(store, keys[0])
+        damage(store, keys[0])
         cache = store.open(model, nxt)
         assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 1
         assert cache.layers[0]._pending is None
