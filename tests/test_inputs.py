@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from conftest import VOCAB, make_model, random_ids
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from tierkv import TieredStore
 from tierkv.cache import TieredCache, TieredLayer
@@ -330,6 +330,34 @@ def test_inputs_embeds_are_refused() -> None:
             model.generate(input_ids=ids, inputs_embeds=embeds, past_key_values=cache, max_new_tokens=NEW,
                            do_sample=False)
         assert store.stats()["device"]["blocks"] == 0
+
+
+def test_generate_given_inputs_embeds_alone_is_refused_as_embeddings_or_runs_past_the_conversation() -> None:
+    # generate(inputs_embeds=...) hands over no ids: on a restored cache it was refused as "0 ids
+    # with an attention_mask over N tokens" (only the new ids), naming neither the embeddings nor
+    # what to do, and past the conversation, where embeddings are run and kept nothing of, too.
+    model = make_model("llama")
+    embed = model.get_input_embeddings()
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        one_turn(store, model, ids, session="a")
+        cache = store.open(model, ids, session="a")
+        assert cache.restored_tokens > 0
+        with pytest.raises(ValueError, match="given inputs_embeds.*Pass input_ids"):
+            model.generate(inputs_embeds=embed(ids).detach(), past_key_values=cache, max_new_tokens=NEW,
+                           do_sample=False)
+        cache = store.open(model, ids, session="b")
+        out = greedy(model, ids, past_key_values=cache)
+        later = torch.cat([out, random_ids(4, 2)], dim=1)
+        with torch.no_grad():
+            got = model.generate(inputs_embeds=embed(later), past_key_values=cache, max_new_tokens=NEW,
+                                 do_sample=False)
+            plain = DynamicCache()
+            greedy(model, ids, past_key_values=plain)
+            want = model.generate(inputs_embeds=embed(later), past_key_values=plain, max_new_tokens=NEW,
+                                  do_sample=False)
+        assert torch.equal(got, want)
+        assert cache.commit(out) == out.shape[1] - 1
 
 
 def test_a_padded_turn_is_exact_and_its_masked_kv_is_not_kept() -> None:

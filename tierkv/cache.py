@@ -980,7 +980,13 @@ def _install_checked_prefill(cls: type) -> None:
                     cache._drop_unverified(model_kwargs.get("attention_mask"))
                 given = args[0] if args else kwargs.get("input_ids")
                 if isinstance(cache, TieredCache) and isinstance(given, torch.Tensor) and given.dim() == 2:
-                    _check_prefill_length(cache, given.shape[1], _mask_length(model_kwargs, config, self))
+                    embeds = model_kwargs.get("inputs_embeds")
+                    # generate(inputs_embeds=...) hands over no ids: the embeddings stand for the
+                    # whole conversation, as ids would (the forward hook then refuses them inside
+                    # it, and keeps nothing of them past it), not for only the new ids under a mask.
+                    count = (embeds.shape[1] if given.shape[1] == 0 and isinstance(embeds, torch.Tensor)
+                             and embeds.dim() == 3 else given.shape[1])
+                    _check_prefill_length(cache, count, _mask_length(model_kwargs, config, self))
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
             try:
