@@ -2123,8 +2123,8 @@ class TieredStore:
 
         ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
         the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
-        tokens that assisted decoding threw away and recomputed: in ``hits`` and in ``misses``
-        too), ``evictions``, ``corrupt``;
+        tokens thrown away and recomputed, by assisted decoding or ``cache.reset()``: in ``hits``
+        and in ``misses`` too), ``evictions``, ``corrupt``;
         ``disk_errors`` (disk operations that failed: each block write, delete or reference of a
         failed transaction counts), ``disk_failed``, ``disk_damaged`` (that failure was the LMDB file's
         damaged pages, not the disk: ``tierkv check --repair``), ``disk_full`` (block writes that found the map at its
@@ -2132,7 +2132,9 @@ class TieredStore:
         because of errors); ``moved_bytes`` (KV
         bytes, without the records' headers and padding) and ``move_seconds`` per direction (wall
         time), ``write_cpu_wait_seconds`` (the part of the writes' time spent waiting for a CPU);
-        ``pending_writes``; ``host_pool`` (CUDA's pinned pool, or None); ``sessions``.
+        ``pending_writes``; ``commit_wait_seconds`` (time commits waited for a disk writer
+        ``WRITE_BACKLOG_BYTES`` or ``WRITE_BACKLOG_OPS`` behind); ``host_pool`` (CUDA's pinned
+        pool, or None); ``sessions`` (sessions tracked).
         """
         with self._lock, defer_interrupts():
             if not self._closed:
