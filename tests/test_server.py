@@ -695,6 +695,18 @@ def test_bad_server_settings_are_usage_errors_before_the_server_starts(
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpu:x"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_a_bad_device_is_refused_with_the_flags_to_pass(device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.server.settings import parse_args
+
+    # The library's message advised device=None, which no flag or variable can say.
+    with pytest.raises(SystemExit):
+        parse_args(["--device", device], {})
+    err = capsys.readouterr().err
+    assert "pass --device cpu, cuda or cuda:N, or leave --device (TIERKV_DEVICE) unset" in err
+    assert "None" not in err
+
+
 def test_every_seed_torch_takes_is_a_valid_setting() -> None:
     for seed in (-(2**63), 2**64 - 1):  # the bounds refused one beyond, above
         assert Settings(store=None, seed=seed).seed == seed

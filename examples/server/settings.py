@@ -82,7 +82,13 @@ class Settings:
         for name in ("device_budget", "host_budget", "disk_budget"):
             parse_bytes(getattr(self, name), name)
         if self.device is not None:  # None (auto) always resolves
-            resolve_device(self.device)
+            try:
+                resolve_device(self.device)
+            except ValueError as exc:
+                # The library's advice names its arguments (device=None); here the setting is a flag.
+                reason = str(exc).split("; ")[0]
+                raise ValueError(f"{reason}; pass --device cpu, cuda or cuda:N, or leave --device (TIERKV_DEVICE) "
+                                 "unset for CUDA where it is available, else the CPU") from None
         self._check_stored_block_size()
 
     def _check_stored_block_size(self) -> None:
