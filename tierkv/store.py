@@ -671,7 +671,27 @@ class TieredStore:
 
     # -- the public turn ------------------------------------------------------------------------
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
-        """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``."""
+        """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``.
+
+        ``model``: a decoder-only, full-attention transformers model on this store's device (it
+        gets tierkv's forward hook). ``input_ids``: the whole conversation so far, an integer
+        tensor of shape ``(1, L)``. ``session``/``tenant``: names (str) or None; blocks are shared
+        within a tenant, never across tenants, and ``forget`` finds a session's blocks by name.
+
+        Restores whole blocks while their keys and stored ids agree, then the stored continuation
+        (the session's partial tail, or a block that diverges later) sharing the most leading ids,
+        never more than ``L - 1`` tokens (``generate`` needs one to compute logits from), nothing
+        from the model's masked pad id on, and nothing past a dynamic RoPE's base length. Disk
+        blocks are read and verified before this returns; a bad one ends the restore there (counted
+        in ``stats()['corrupt']``). The cache's ``restored_tokens`` and ``restored_from`` (tokens per
+        tier) say what came back. Pass it to ``model.generate(input_ids, cache=cache)``, then call
+        ``cache.commit(output)``.
+
+        Raises ``TypeError``/``ValueError`` (saying what to pass instead) for ids that are not one
+        ``(1, L)`` row of the model's token ids, names that are not str, a model the store cannot
+        serve exactly (see README: sliding-window, encoder-decoder, latent attention...) or on
+        another device than the store's, and a closed store.
+        """
         started = time.perf_counter()
         self._check_open()
         check_name(session, "session")
