@@ -264,6 +264,20 @@ def test_stats_reports_what_was_stored(built: Built, copy: Callable[..., Path],
     assert table.err == ""
 
 
+def test_store_commands_read_a_path_under_home_as_tieredstore_does(
+        built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # TieredStore("~/kv") is the store in the home directory; `tierkv stats "~/kv"` (no shell to
+    # expand it: quoted, or run by a program) said "no such directory".
+    shutil.copytree(built.path, tmp_path / "kv")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for args in (["stats", "~/kv", "--json"], ["check", "~/kv"], ["clear", "~/kv", "--session", "dave"]):
+        assert cli.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f'"path": "{tmp_path / "kv"}"' in out and "removed 3 blocks" in out
+    with TieredStore("~/kv", device="cpu", block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == BLOCKS - 3
+
+
 def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, copy: Callable[..., Path],
                                                                    model: torch.nn.Module) -> None:
     path = copy()

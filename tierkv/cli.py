@@ -627,6 +627,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "clear":
         _check_clear_filters(args)
+    if getattr(args, "path", None) is not None:
+        # As TieredStore reads a store's path (the commands open it as a store does): a "~" that no
+        # shell expanded (quoted, or passed by a program or a config file) is the home directory.
+        args.path = os.path.expanduser(args.path)
     try:
         return args.run(args)
     except CliError as exc:
