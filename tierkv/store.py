@@ -311,7 +311,26 @@ def _close_at_exit() -> None:
 
 
 class TieredStore:
-    """A hierarchical KV-cache store: device, host and (optionally) LMDB disk tiers."""
+    """A hierarchical KV-cache store: device, host and (optionally) LMDB disk tiers.
+
+    ``TieredStore(path="kvstore/", device=None, device_budget="2GiB", host_budget="16GiB",
+    disk_budget="256GiB", block_size=256)``:
+
+    * ``path``: the disk tier's directory (``~`` expanded; created if missing), or None for no disk
+      tier. A directory serves one process at a time: another process's store there is refused
+      (``ValueError`` naming its pid), as are another program's LMDB directory and a store made
+      with another ``block_size``. Reopening a store rebuilds its index from the disk.
+    * ``device``: the hot tier's device, where the model must be; None is CUDA when available,
+      else the CPU.
+    * ``device_budget``, ``host_budget``, ``disk_budget``: hard caps on bytes at rest in each
+      tier, an int or a string such as ``"512MiB"`` or ``"1.5GB"`` (KiB/MiB/GiB/TiB are powers of
+      1024, KB/MB/GB/TB of 1000); 0 keeps nothing at rest there. With a disk tier every committed
+      block is also written through to disk in the background.
+    * ``block_size``: tokens per block, the unit of prefix hashing and of moves.
+
+    Bad arguments raise ``TypeError``/``ValueError`` saying what to pass instead. Use it as a
+    context manager, or call ``close()``: a store left open is closed at interpreter exit.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None = "kvstore/", device: object = None,
                  device_budget: int | str = "2GiB", host_budget: int | str = "16GiB",
