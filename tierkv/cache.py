@@ -1442,7 +1442,14 @@ _NO_COPIES = ("a TieredCache cannot be copied or pickled: it is one turn of one 
 
 
 class TieredCache(Cache):
-    """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``."""
+    """A ``transformers.Cache`` backed by a ``TieredStore``; build it with ``store.open``.
+
+    ``restored_tokens``: tokens whose KV ``open`` restored (at most ``L - 1``); ``restored_from``:
+    those tokens per tier, ``{"device": n1, "host": n2, "disk": n3}``. Both drop to 0 when the
+    restore is thrown away (``reset()``, as assisted decoding does: ``stats()["discarded"]``).
+    Pass the cache to ``model.generate(input_ids, cache=cache)`` (or ``past_key_values=``) with the
+    whole conversation, then ``commit`` what ``generate`` returned.
+    """
 
     def __init__(self, *, store: "TieredStore", info: ModelInfo, input_ids: np.ndarray, root: bytes,
                  session: str | None, tenant: str | None,
