@@ -672,7 +672,7 @@ def test_forwards_with_token_types_positions_or_custom_masks_are_refused() -> No
             model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 7)
         with pytest.raises(ValueError, match="position_ids"):  # RoPE takes fractions: not truncated
             model(ids, past_key_values=cache, position_ids=torch.arange(20)[None] + 0.5)
-        with pytest.raises(ValueError, match="2-D attention_mask"):
+        with pytest.raises(ValueError, match="2-D attention_mask.*pass a 2-D mask .* or use a plain DynamicCache"):
             model(ids, past_key_values=cache, attention_mask=torch.ones(1, 1, 20, 20))
         with pytest.raises(ValueError, match="as a positional argument, where tierkv cannot check"):
             model(ids, None, None, cache)

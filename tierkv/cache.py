@@ -1897,7 +1897,8 @@ class TieredCache(Cache):
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise ValueError("a TieredCache takes a 2-D attention_mask (batch, tokens) or none; a custom mask "
                              f"({type(mask).__name__}{'' if not isinstance(mask, torch.Tensor) else f' of {mask.dim()} dims'}) "
-                             "makes the KV depend on more than the ids it is keyed on")
+                             "makes the KV depend on more than the ids it is keyed on: pass a 2-D mask of the "
+                             "conversation's tokens (1 kept, 0 hidden), or use a plain DynamicCache for this turn")
         if bool(mask.all()):
             return None
         # KV computed under a mask is not a function of the ids alone: nothing from the first
