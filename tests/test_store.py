@@ -2025,7 +2025,7 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
         t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
         with pytest.raises(ValueError, match="decoder-only") as info:
             store.open(t5, ids)
-        assert "encoder-decoder" in str(info.value)
+        assert "encoder-decoder" in str(info.value) and "Generate with it without a TieredCache" in str(info.value)
         with pytest.raises(TypeError, match="transformers model"):
             store.open(torch.nn.Linear(2, 2), ids)
         for not_a_model in (None, object(), 5):
@@ -2045,6 +2045,7 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
         with pytest.raises(ValueError, match="linear_attention") as info:
             store.open(mamba, ids)
         assert "full-attention" in str(info.value) and "sliding_window" not in str(info.value)
+        assert "Generate with it without a TieredCache" in str(info.value)  # the remedy, not only the refusal
         assert store.stats()["sessions"] == 0 and store.stats()["misses"] == 0
 
 

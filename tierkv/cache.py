@@ -256,6 +256,11 @@ def _masked_token(model: Any) -> int | None:
     return pad if isinstance(pad, int) and pad not in eos_ids else None
 
 
+#: The way out, for a model tierkv refuses to serve: nothing of the store is needed to generate.
+_WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() with no cache=), or serve a "
+                   "decoder-only full-attention model through tierkv")
+
+
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     """Models whose KV is not a function of their token ids alone, or not of one shape."""
     name = type(model).__name__
@@ -313,7 +318,8 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
             (getattr(layer_config, "qk_nope_head_dim", 0) or 0) + (getattr(layer_config, "qk_rope_head_dim", 0) or 0))
         if getattr(layer_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
             raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
-                             f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet")
+                             f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet"
+                             f"{_WITHOUT_TIERKV}")
         head_dim = getattr(layer_config, "head_dim", None) if isinstance(v_dim, int) else None
         if isinstance(head_dim, int) and v_dim != head_dim:
             # MiMo-V2-Flash's full-attention layers: no latent attention, yet values narrower than
@@ -512,11 +518,11 @@ def _static_facts(model: Any) -> _Static:
         raise TypeError(_not_a_model(model))
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tierkv supports decoder-only "
-                         "full-attention models (Llama, Qwen2, GPT-2, Mistral...)")
+                         f"full-attention models (Llama, Qwen2, GPT-2, Mistral...){_WITHOUT_TIERKV}")
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     if callable(supports) and not supports():
         raise ValueError(f"{type(model).__name__} does not use a standard KV cache (recurrent or custom state); "
-                         "tierkv supports decoder-only full-attention models")
+                         f"tierkv supports decoder-only full-attention models{_WITHOUT_TIERKV}")
     text_config = config.get_text_config(decoder=True)
     _refuse_unsupported(model, config, text_config)
     _refuse_hidden_weights(model)
@@ -544,9 +550,9 @@ def _static_facts(model: Any) -> _Static:
             raise ValueError(f"{type(model).__name__} shares KV between layers (num_kv_shared_layers={shared}: its "
                              "last layers read earlier layers' KV and hold none, 'dummy' layers in transformers' "
                              "caches); tierkv supports decoder-only models whose every layer holds its own "
-                             "full-attention KV")
+                             f"full-attention KV{_WITHOUT_TIERKV}")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
-                         f"full-attention layers only, for now{hint}")
+                         f"full-attention layers only, for now{hint}{_WITHOUT_TIERKV}")
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
     # model's, and its forward call the inner forward directly, without the wrapper's own hooks
     # (peft does both; so does torch.compile's module): the inner hook checks those forwards.
