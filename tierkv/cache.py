@@ -1557,7 +1557,13 @@ class TieredCache(Cache):
         """Hand this cache's KV for ``sequences`` (the ids ``generate`` returned) to the store.
 
         The cache holds ``L' - 1`` (or ``L'``) of the ``L'`` ids. Returns the number of tokens whose
-        KV the store now has for this conversation.
+        KV the store now has for this conversation: 0 when a ``forget`` of the cache's session or
+        tenant ran since its ``open`` (the turn would write the forgotten conversation back). KV the
+        cache cannot vouch for (under a mask that hid a token, fed as embeddings, in several rows
+        past the conversation) is not kept. Raises ``ValueError`` for ids that do not start with the
+        opened conversation or differ from what ``generate`` produced, for a model whose weights,
+        dtype or device changed since ``open``, and on a closed store. May be called again with
+        the same or longer ids (blocks already stored are not written twice).
         """
         return self._store._commit(self, sequences)
 
