@@ -552,8 +552,10 @@ class TieredStore:
 
         Without a ``timeout`` every queued write is drained first (nothing is dropped). With one,
         writes still queued when it expires are dropped and logged: those blocks are simply not
-        on disk after a restart and will be recomputed. Closing twice is harmless, and a close
-        cut short (an interrupt, a disk error) is finished by the next one.
+        on disk after a restart and will be recomputed; deletes and session references are still
+        applied, so nothing forgotten comes back. ``timeout`` is seconds >= 0 or None (``ValueError``
+        for a negative one, which would drop every queued write at once). Closing twice is
+        harmless, and a close cut short (an interrupt, a disk error) is finished by the next one.
         """
         return self._close(seconds_or_none(timeout, "close(timeout)"))
 
