@@ -1526,7 +1526,11 @@ def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(mode
             sizes.append(len(store._owed))
             puts = [op.sid for op in store._owed if isinstance(op, PutRefs)]
             assert len(puts) == len(set(puts)) and _session_id(None, "keeper") in puts, puts
-    assert sizes == sizes[:1] * 3, sizes  # no flush between: not one more per session that came and went
+    # No flush between: not one more per session that came and went (ten between looks). Bounded,
+    # not equal at every look: an op the writer has not failed yet is not owed yet, so which of the
+    # keeper's and first's references are owed at a look follows the writer's timing ([1, 2, 2]
+    # on a loaded machine), as in test_a_failed_disk_owes_no_delete_of_sessions_it_never_held.
+    assert max(sizes) <= 3, sizes
     store.forget(session="first")  # the keeper alone holds the prompt now
     store._disk.apply = apply  # the disk is back: what was owed lands
     store.flush()
