@@ -512,6 +512,7 @@ from conftest import make_model
 from tierkv import TieredStore
 
 tierkv.store.EXIT_CLOSE_TIMEOUT_S = 1.0
+{side_by_side}
 model = make_model("llama")
 ids = torch.tensor([{ids!r}])
 with TieredStore({path!r}, device="cpu", block_size=8) as store:
@@ -531,7 +532,12 @@ print("EXITING", flush=True)
 """
 
 
-def test_a_read_stuck_on_a_hung_disk_does_not_hang_the_exit(tmp_path):
-    child = run_exiting_child(_STUCK_READ_CHILD, tmp_path / "kv", random_ids(40, 9)[0].tolist())
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_a_read_stuck_on_a_hung_disk_does_not_hang_the_exit(tmp_path, side_by_side):
+    """Side by side too: the open's helper threads, one stuck in a read and the others waiting
+    for the first read's buffer, are not joined at the exit (a ThreadPoolExecutor's were)."""
+    setup = "tierkv.store.PARALLEL_READ_BYTES = 0; tierkv.store.helper_threads = lambda: 2" if side_by_side else ""
+    child = run_exiting_child(_STUCK_READ_CHILD, tmp_path / "kv", random_ids(40, 9)[0].tolist(),
+                              side_by_side=setup)
     assert child.returncode == 0 and "EXITING" in child.stdout, child.stderr[-2000:]
     assert "did not end within" in child.stderr

@@ -173,6 +173,29 @@ def test_a_closed_pool_reads_in_the_calling_thread():
     assert helper_threads(0) == 0 and helper_threads() >= 0
 
 
+def test_a_read_pools_helpers_are_daemon_threads_that_end_with_the_pool():
+    """Not joined at the interpreter's exit (one stuck in a hung disk's read would hang it:
+    ``test_crash``), and gone when the pool is closed or collected unclosed."""
+    import gc
+
+    def helpers():
+        return [t for t in threading.enumerate() if t.name.startswith("tierkv-disk-read")]
+
+    before = set(helpers())
+    for close in (True, False):
+        pool = ReadPool(2)
+        pool.run([0, 1, 2, 3], lambda i: time.sleep(0.01) or True)
+        mine = [t for t in helpers() if t not in before]
+        assert len(mine) == 2 and all(t.daemon for t in mine)
+        if close:
+            pool.close()
+        del pool
+        gc.collect()
+        for t in mine:
+            t.join(5)
+            assert not t.is_alive()
+
+
 # -- restores read side by side ---------------------------------------------------------------------
 @pytest.fixture
 def side_by_side(monkeypatch):

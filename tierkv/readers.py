@@ -16,10 +16,12 @@ bound by one core's memory bandwidth; a restore of several records reads them si
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Any
 
 READ_THREADS = 3  # helpers at most: past about four readers the memory bus, not the cores, bounds a copy
 
@@ -33,25 +35,56 @@ def helper_threads(limit: int = READ_THREADS) -> int:
     return max(0, min(limit, cpus - 1))
 
 
+def _work(tasks: "queue.SimpleQueue[Any]") -> None:
+    """A helper thread: runs the tasks put on ``tasks`` until a None."""
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        future, task = item
+        del item
+        if future.set_running_or_notify_cancel():
+            try:
+                task()
+            except BaseException as exc:  # noqa: BLE001 - the caller's, through the future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        # Nothing of the task kept while waiting for the next: a store its reads referred to is
+        # collected (and closed) when its last holder drops it.
+        del future, task
+
+
 class ReadPool:
-    """Helper threads for ``run`` (made at the first run that uses them); see the module's protocol."""
+    """Helper threads for ``run`` (started at the first run that uses them); see the module's
+    protocol. Daemon threads, not a ``ThreadPoolExecutor``'s: the interpreter's exit joins
+    those, and a helper stuck in a read of a hung disk (or waiting for the first read's buffer,
+    stuck there) would hang it; a store's close at exit gives up on such a read instead."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._executor: ThreadPoolExecutor | None = None
+        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     def _submit(self, count: int, task: Callable[[], None]) -> list[Future[None]]:
         with self._lock:
-            if self._closed or count <= 0:
-                return []
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="tierkv-disk-read")
-            try:
-                return [self._executor.submit(task) for _ in range(count)]
-            except RuntimeError:
-                return []  # the interpreter shutting down: the calling thread reads alone
+            if self._closed or count <= 0 or os.getpid() != self._pid:
+                return []  # a forked child has none of the parent's threads
+            while len(self._workers) < self.threads:
+                thread = threading.Thread(target=_work, args=(self._tasks,), daemon=True,
+                                          name=f"tierkv-disk-read-{len(self._workers)}")
+                try:
+                    thread.start()
+                except RuntimeError:
+                    break  # no thread to be had (the interpreter shutting down): those started read
+                self._workers.append(thread)
+            futures: list[Future[None]] = [Future() for _ in range(min(count, len(self._workers)))]
+            for future in futures:
+                self._tasks.put((future, task))
+            return futures
 
     def run(self, items: Sequence[int], read: Callable[[int], bool], ready: threading.Event | None = None) -> None:
         if not items:
@@ -106,8 +139,14 @@ class ReadPool:
                 raise errors[first]
 
     def close(self) -> None:
+        """Let the helpers go once the tasks queued end (without waiting for them)."""
         with self._lock:
             self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False)
+            workers, self._workers = self._workers, []
+        for _ in workers:
+            self._tasks.put(None)
+
+    def __del__(self) -> None:
+        # A pool collected unclosed (its store's close gave up on a read): its idle helpers go.
+        for _ in getattr(self, "_workers", ()):
+            self._tasks.put(None)
