@@ -196,6 +196,46 @@ def test_a_read_pools_helpers_are_daemon_threads_that_end_with_the_pool():
             assert not t.is_alive()
 
 
+def test_a_read_pool_holds_nothing_of_a_run_once_it_returned():
+    """A helper task still queued when its run ended (the helpers busy with another run's
+    reads, or not awake yet), or one a helper has just finished, referred to the run's reads,
+    and through them to the store: one dropped right after an open outlived its last
+    reference, finalised later on a helper thread."""
+    import gc
+    import weakref
+
+    pool = ReadPool(2)
+    release, other_reading = threading.Event(), threading.Event()
+
+    def held_first(i):
+        if i == 0:
+            other_reading.set()
+            release.wait(5)
+        return True
+
+    other = threading.Thread(target=pool.run, args=([0, 1, 2], held_first, threading.Event()))
+    other.start()
+    try:
+        assert other_reading.wait(5)
+        deadline = time.monotonic() + 5
+        while not pool._tasks.empty() and time.monotonic() < deadline:  # both helpers on the other run
+            time.sleep(0.001)
+
+        class Store:
+            pass
+
+        store = Store()
+        gone = weakref.ref(store)
+        pool.run([0, 1, 2, 3], lambda i, store=store: True)  # read by this thread alone
+        del store
+        gc.collect()
+        assert gone() is None
+    finally:
+        release.set()
+        other.join(5)
+        pool.close()
+
+
 # -- restores read side by side ---------------------------------------------------------------------
 @pytest.fixture
 def side_by_side(monkeypatch):

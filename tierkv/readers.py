@@ -112,9 +112,14 @@ class ReadPool:
                 if not hit:
                     misses.append(i)
 
+        # Emptied once every helper that started ended: a task still queued, or one a helper has
+        # just run, then holds nothing of the reads (nor of the store they read for).
+        work = [drain]
+
         def helper() -> None:
             gate.wait()
-            drain()
+            for run_reads in work:
+                run_reads()
 
         futures = self._submit(min(self.threads, len(items) - 1), helper)
         try:
@@ -133,6 +138,7 @@ class ReadPool:
                 # One still queued (the helpers busy with another open's reads) has nothing left to do.
                 if not future.cancel():
                     future.result()  # drain keeps every read's error: only the pool's own could come out
+            work.clear()
         if errors:
             first = min(misses)
             if first in errors:
