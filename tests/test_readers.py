@@ -236,6 +236,44 @@ def test_a_read_pool_holds_nothing_of_a_run_once_it_returned():
         pool.close()
 
 
+def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
+    """Another signal's handler raising in the calling thread while it waits for the helpers (a
+    SIGALRM timeout: Ctrl-C is held off there) raised out of ``run`` with a helper still reading:
+    it went on writing into what the caller then let go of (the restore's buffer, pool buffers it
+    held only until the open ended: a lease held after that was never let go)."""
+    import signal
+
+    class Timeout(Exception):
+        pass
+
+    def on_signal(signum, frame):
+        raise Timeout
+
+    pool = ReadPool(1)
+    caller = threading.get_ident()
+    helper_reading, ended = threading.Event(), []
+
+    def read(i):
+        if i == 0:
+            assert helper_reading.wait(5)
+        else:
+            helper_reading.set()
+            time.sleep(0.2)  # the calling thread waits for this read meanwhile
+            signal.pthread_kill(caller, signal.SIGUSR1)
+            time.sleep(0.2)
+        ended.append(i)
+        return True
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        with pytest.raises(Timeout):
+            pool.run([0, 1], read)
+        assert sorted(ended) == [0, 1]  # the helper's read ended before run raised
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        pool.close()
+
+
 # -- restores read side by side ---------------------------------------------------------------------
 @pytest.fixture
 def side_by_side(monkeypatch):

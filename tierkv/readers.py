@@ -55,6 +55,28 @@ def _work(tasks: "queue.SimpleQueue[Any]") -> None:
         del future, task
 
 
+def _wait(futures: list[Future[None]], queue: deque[int]) -> None:
+    """Until every helper task that started ended; one still queued (the helpers busy with
+    another run's reads) is cancelled. Also when another signal's handler raises in the wait
+    (Ctrl-C is held off there): the helpers' reads write into what the caller lets go of once
+    ``run`` ends, so that exception is raised after them (the helpers starting no other)."""
+    raised: BaseException | None = None
+    for future in futures:
+        if future.cancel():
+            continue
+        while True:
+            try:
+                future.result()  # drain keeps every read's error: only the pool's own could come out
+            except BaseException as exc:  # noqa: BLE001 - raised once the helpers ended
+                raised = raised or exc
+                queue.clear()
+                if not future.done():
+                    continue  # a signal handler's, in the wait: the helper still reads
+            break
+    if raised is not None:
+        raise raised
+
+
 class ReadPool:
     """Helper threads for ``run`` (started at the first run that uses them); see the module's
     protocol. Daemon threads, not a ``ThreadPoolExecutor``'s: the interpreter's exit joins
@@ -132,12 +154,12 @@ class ReadPool:
                 gate.set()
             if hit:
                 drain()
+        except BaseException:
+            queue.clear()  # raising: the helpers start no further read
+            raise
         finally:
             gate.set()
-            for future in futures:
-                # One still queued (the helpers busy with another open's reads) has nothing left to do.
-                if not future.cancel():
-                    future.result()  # drain keeps every read's error: only the pool's own could come out
+            _wait(futures, queue)
             work.clear()
         if errors:
             first = min(misses)
