@@ -242,6 +242,7 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
     it went on writing into what the caller then let go of (the restore's buffer, pool buffers it
     held only until the open ended: a lease held after that was never let go)."""
     import signal
+    import sys
 
     class Timeout(Exception):
         pass
@@ -253,12 +254,20 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
     caller = threading.get_ident()
     helper_reading, ended = threading.Event(), []
 
+    def waits_for_a_helper():
+        frame = sys._current_frames().get(caller)
+        while frame is not None and frame.f_code.co_name != "result":
+            frame = frame.f_back
+        return frame is not None
+
     def read(i):
         if i == 0:
             assert helper_reading.wait(5)
         else:
             helper_reading.set()
-            time.sleep(0.2)  # the calling thread waits for this read meanwhile
+            deadline = time.monotonic() + 5
+            while not waits_for_a_helper() and time.monotonic() < deadline:
+                time.sleep(0.001)
             signal.pthread_kill(caller, signal.SIGUSR1)
             time.sleep(0.2)
         ended.append(i)
