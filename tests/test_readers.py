@@ -283,6 +283,36 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
         pool.close()
 
 
+def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
+    """Only an error (an ``Exception``) is raised from the first miss alone: a SIGTERM handler's
+    ``sys.exit()`` landing in the calling thread's read of an item past a miss a helper found
+    (a read that one thread would not have started) was swallowed with that read's result, and
+    the program did not exit."""
+    pool = ReadPool(1)
+    helper_in_1, helper_missed = threading.Event(), threading.Event()
+    main_in_2 = threading.Event()
+
+    def read(i):
+        if i == 0:
+            assert helper_in_1.wait(5)
+            return True
+        if i == 1:
+            helper_in_1.set()
+            assert main_in_2.wait(5)
+            helper_missed.set()
+            return False
+        main_in_2.set()
+        assert helper_missed.wait(5)
+        time.sleep(0.05)  # the helper records its miss
+        raise SystemExit(0)
+
+    try:
+        with pytest.raises(SystemExit):
+            pool.run([0, 1, 2], read)
+    finally:
+        pool.close()
+
+
 # -- restores read side by side ---------------------------------------------------------------------
 @pytest.fixture
 def side_by_side(monkeypatch):

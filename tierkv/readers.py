@@ -7,7 +7,8 @@ already are the caller's to discard, in order of ``items``). The calling thread 
 helpers take the others from the front, once ``ready`` is set: by the first read, as soon as what
 the others write into exists (a restore's buffer, sized by the first record), or when it ends. An
 exception out of a read is raised by ``run`` after every read ended, where it came from the first
-miss (one past it would not have run one at a time). ``close`` lets the helpers go.
+miss (one past it would not have run one at a time); one that is no ``Exception`` (``SystemExit``
+from a signal handler) wherever it came from. ``close`` lets the helpers go.
 
 Why: a read is a copy out of LMDB's map and a checksum (numpy and xxhash, both without the GIL),
 bound by one core's memory bandwidth; a restore of several records reads them side by side.
@@ -128,9 +129,14 @@ class ReadPool:
                     return  # ascending: every item left is past the miss too
                 try:
                     hit = read(i)
-                except BaseException as exc:  # noqa: BLE001 - raised by run, in order
+                except Exception as exc:  # noqa: BLE001 - raised by run, in order
                     errors[i] = exc
                     hit = False
+                except BaseException:
+                    # Never a read's error (a signal handler's sys.exit() in the calling thread):
+                    # raised by run wherever it came, once the helpers ended, and none starts.
+                    queue.clear()
+                    raise
                 if not hit:
                     misses.append(i)
 
@@ -159,8 +165,10 @@ class ReadPool:
             raise
         finally:
             gate.set()
-            _wait(futures, queue)
-            work.clear()
+            try:
+                _wait(futures, queue)
+            finally:
+                work.clear()
         if errors:
             first = min(misses)
             if first in errors:
