@@ -95,6 +95,32 @@ def test_an_exclusive_holder_waiting_holds_back_later_readers_and_lets_them_go_w
         assert got == [False] and order[-1] == "late reader" and not late.is_alive()
 
 
+def test_readers_past_the_limit_wait_for_one_to_leave():
+    lock = SharedLock(limit=2)
+    inside, leave = threading.Barrier(3, timeout=5), threading.Event()
+    order = []
+
+    def reader(name):
+        with lock.shared():
+            order.append(name)
+            if name != "third":
+                inside.wait()
+                leave.wait(5)
+
+    first, second = (threading.Thread(target=reader, args=(n,)) for n in ("first", "second"))
+    first.start()
+    second.start()
+    inside.wait()  # both inside
+    third = threading.Thread(target=reader, args=("third",))
+    third.start()
+    time.sleep(0.05)
+    assert sorted(order) == ["first", "second"]  # the third waits for a slot
+    leave.set()
+    for t in (first, second, third):
+        t.join(5)
+    assert order[-1] == "third" and lock._readers == 0
+
+
 # -- ReadPool --------------------------------------------------------------------------------------
 def test_a_read_pool_reads_side_by_side_and_starts_none_past_the_first_miss():
     pool = ReadPool(2)
@@ -485,3 +511,51 @@ def test_a_store_closed_during_reads_side_by_side_says_so(tiny_model, tmp_path, 
             store.open(model, nxt)
     finally:
         store.close()
+
+
+def test_reads_in_more_threads_than_lmdb_has_reader_slots_wait_for_one(tiny_model, tmp_path, monkeypatch,
+                                                                        side_by_side):
+    """Each read transaction takes one of LMDB's reader slots (126, or 32 where the filesystem
+    had no room for the lock file's table) for as long as it lasts. Reads of one thread at a
+    time never ran short of them; side by side, in opens of many threads with their helpers,
+    a read past them failed with ``ReadersFullError``, taken for a failing disk: the restore
+    cut short and no block written to disk again for the store's life. (A lock file of 16 KiB
+    holds 254.)"""
+    import tierkv.tiers.disk as disk_module
+
+    model = tiny_model("llama")
+    convs = [stored(model, tmp_path / "kv", random_ids(4 * B + 1, seed)) for seed in (21, 22, 23, 24)]
+    # A reader table of 4 slots: LMDB sizes it from the lock file, made anew (a store copied
+    # without it opens), one LMDB sizes itself.
+    (tmp_path / "kv" / "lock.mdb").unlink()
+    monkeypatch.setattr(disk_module, "_LOCK_BYTES", 1)
+    monkeypatch.setattr(disk_module, "_MAX_READERS", 4)
+    real = disk_module.decode_into
+    inside, most, counting = [0], [0], threading.Lock()
+
+    def slow_decode(buf, into):  # a cold disk: every read transaction lasts a while
+        with counting:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.02)
+            return real(buf, into)
+        finally:
+            with counting:
+                inside[0] -= 1
+
+    monkeypatch.setattr(disk_module, "decode_into", slow_decode)
+    with disk_only(tmp_path / "kv") as store:
+        assert store._disk.env.max_readers() == 4
+        results = {}
+
+        def turn(n):
+            results[n] = store.open(model, convs[n]).restored_tokens
+
+        threads = [threading.Thread(target=turn, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert store.stats()["disk_errors"] == 0
+        assert results == {n: 5 * B - 1 for n in range(4)} and 1 < most[0] <= 4

@@ -5,7 +5,9 @@ Protocol: ``with lock.shared():`` around a read; ``with lock:`` (or ``acquire(ti
 copy out of. An exclusive holder that waits holds back readers that come after it, so a stream of
 overlapping reads cannot starve it; in exchange a thread must never take the shared side twice
 (the second would wait behind a waiting exclusive holder that waits for the first). Neither side
-is reentrant, as with ``threading.Lock``.
+is reentrant, as with ``threading.Lock``. ``limit``: readers at most inside at once (one that
+comes past it waits for one of them to leave), as where each holds one of a fixed number of slots
+(LMDB's reader table).
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ from typing import Any, Iterator
 class SharedLock:
     """Shared (``shared()``) or exclusive (the lock itself) holding; see the module's protocol."""
 
-    __slots__ = ("_cond", "_readers", "_writer", "_waiting")
+    __slots__ = ("_cond", "_readers", "_writer", "_waiting", "limit")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._writer = False
         self._waiting = 0  # exclusive holders waiting: readers wait behind them
+        self.limit = limit
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._writer or self._waiting:
+            while self._writer or self._waiting or (self.limit is not None and self._readers >= self.limit):
                 self._cond.wait()
             self._readers += 1
         try:
@@ -37,8 +40,8 @@ class SharedLock:
         finally:
             with self._cond:
                 self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+                if not self._readers or self.limit is not None:
+                    self._cond.notify_all()  # an exclusive holder, or a reader waiting for a slot
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """Exclusive holding, as ``threading.Lock.acquire``: False when it was not had in time."""

@@ -920,6 +920,10 @@ class DiskTier:
             readers = self._allocate_lock_file()
             self.env = lmdb.open(self.path, map_size=initial, max_dbs=8, writemap=True, subdir=True,
                                  readahead=False, max_readers=readers)
+            # Each read transaction holds a slot of LMDB's reader table (sized from the lock file:
+            # ``readers`` or more) while it lasts; one past them fails (``ReadersFullError``, no
+            # disk's fault). Reads of many threads wait for a slot instead (two kept spare).
+            self._resize_lock.limit = max(1, self.env.max_readers() - 2)
         except BaseException as exc:
             self._unlock()
             if not fresh and isinstance(exc, UNREADABLE):
