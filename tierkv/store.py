@@ -156,9 +156,10 @@ WRITE_STALL_S = 10.0
 #: disk came back still lands everything owed; those that fail again go to the back of the list.
 OWED_RETRY_PROBE = 64
 #: Bytes of records one open reads from disk from which they are read side by side, in helper
-#: threads as well as the calling one (``readers.ReadPool``): below it a thread's wake-up costs
-#: about what it saves.
-PARALLEL_READ_BYTES = 2 << 20
+#: threads as well as the calling one (``readers.ReadPool``). A read is a copy and a checksum, and
+#: two of them at once share the memory bus: on the 2-core VM of benchmarks/RESULTS.md an open of
+#: 64 MiB took 0.58-0.73 of its one-thread time, of 32 MiB 0.87-0.90, of 4 and 16 MiB 1.03-1.07.
+PARALLEL_READ_BYTES = 32 << 20
 #: Blocks a forget deletes per queued ``DeleteBlocks``. One op a block, forgetting a long session
 #: (thousands of blocks) queued that many items, past WRITE_BACKLOG_OPS, and the next commit
 #: waited for the writer to work through them. The writer still puts no more than about a
