@@ -51,6 +51,20 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
         assert 0 < float(cells[5].rstrip(" |")) < float(cells[2]), (name, cells)
 
 
+def test_reads_benchmark_compares_disk_reads_side_by_side_with_one_thread(tmp_path: Path) -> None:
+    out = run(tmp_path, "-m", "benchmarks.reads", "--shape", "small", "--tokens", "64", "80", "--repeats", "1",
+              "--block-size", "16")
+    assert "| tokens | MiB read | open, side by side / one thread | TTFT / floor, one thread " in out
+    rows = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row[0].lstrip("| ") for row in rows] == ["64", "80"]
+    for row in rows:
+        assert float(row[1]) > 0  # the restore was read from disk
+        for cell in row[2:]:
+            median, quartiles = cell.rstrip(" |").split(" (")
+            low, high = map(float, quartiles.rstrip(")").split("-"))
+            assert low <= float(median) <= high and float(median) > 0
+
+
 def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
     out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
     assert "| decode time per token, TieredCache / DynamicCache, paired per step (median) |" in out
@@ -640,6 +654,7 @@ def test_the_demos_quick_sets_defaults_that_flags_given_with_it_override(monkeyp
     ("benchmarks.ttft", ["--tokens", "1"], "--tokens: 1 is too small: give 2 or more"),
     ("benchmarks.ttft", ["--block-size", str(2**20 + 1)], "--block-size: 1048577 is too large: give 1048576 or less"),
     ("benchmarks.decode", ["--steps", "zero"], "--steps: 'zero' is not an integer"),
+    ("benchmarks.reads", ["--tokens", "1"], "--tokens: 1 is too small: give 2 or more"),
 ])
 def test_the_other_benchmarks_refuse_bad_flags_saying_what_to_give(program: str, flags: list[str], message: str) -> None:
     result = subprocess.run([sys.executable, "-m", program, *flags], cwd=ROOT, capture_output=True, text=True,
