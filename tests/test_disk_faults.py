@@ -30,7 +30,7 @@ from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
 from tierkv.store import _session_id
 from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, FilesystemFull, PutBlock, PutRefs, Touch,
-                               slack)
+                               op_count, slack)
 from tierkv.transfer import Job
 
 B = 8
@@ -1454,6 +1454,54 @@ def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, sto
     assert reopened.open(model, torch.cat([keep, random_ids(2, 1173)], 1), session="keep").restored_tokens == kept
 
 
+def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(model, stores, tmp_path):
+    # Before: the probe took OWED_RETRY_PROBE owed ops, one transaction's worth when each delete
+    # held one block; a forget's owed deletes hold FORGET_DELETE_KEYS blocks each, which the writer
+    # counts a block an item, so a probe of them cost up to 64 failed transactions a flush (a disk
+    # slow to fail: its I/O timeout for each), where the README promises one.
+    import tierkv.store
+
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
+    stores.append(store)
+    secret = random_ids(300, 1180)
+    converse(store, model, secret, "long")
+    store.flush()
+    keys = set(store._index.sessions[_session_id(None, "long")].keys)
+    apply = store._disk.apply
+    tried: list[list[object]] = []
+
+    def failing(ops):
+        tried.append(list(ops))
+        raise OSError(5, "Input/output error")
+
+    store._disk.apply = failing
+    assert store.forget(session="long") == len(keys)
+    store.flush()
+    chunk = tierkv.store.FORGET_DELETE_KEYS
+    deletes = [op for op in store._owed if isinstance(op, DeleteBlocks)]
+    assert len(deletes) == -(-len(keys) // chunk) > 1 and store.stats()["owed_deletes"] > len(keys)
+    owed = len(store._owed)
+    seen: set[bytes] = set()
+    for _ in range(owed):
+        tried.clear()
+        store.flush()
+        assert len(tried) == 1, [[type(op).__name__ for op in ops] for ops in tried]  # one failed transaction
+        items = sum(op_count(op) for op in tried[0])
+        assert items <= max(tierkv.store.OWED_RETRY_PROBE, chunk)
+        seen |= {k for op in tried[0] if isinstance(op, DeleteBlocks) for k in op.keys}
+        assert len(store._owed) == owed
+    assert seen == keys  # in turn: none left untried
+    store._disk.apply = apply  # the disk is back: one flush lands all that is owed
+    store.flush()
+    assert not store._owed and store.stats()["owed_deletes"] == 0
+    assert not keys & _records_live(store)
+    store.close()
+    reopened = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
+    stores.append(reopened)
+    assert not reopened._index.blocks and not reopened._index.sessions
+
+
 def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, tmp_path):
     # Before: every session made after the disk failed owed the delete of its row when it went
     # (forgotten, or its blocks evicted), though none of its references ever reached the disk:
@@ -1715,17 +1763,18 @@ def test_a_failed_disk_is_probed_at_each_flush_and_what_is_owed_lands_when_it_is
         store.forget(session=name)
     store.flush()
     owed = len(store._owed)
-    assert owed == 2 * len(names)  # each forget's DeleteBlocks (one of its three blocks) and its DropRefs
+    assert owed == 2 * len(names)  # each forget's DeleteBlocks (its three blocks) and its DropRefs
 
     def name_of(op) -> tuple[str, bytes]:
         return type(op).__name__, op.sid if isinstance(op, DropRefs) else min(op.keys)
 
     everything = {name_of(op) for op in store._owed}
     seen: set[tuple[str, bytes]] = set()
-    for _ in range(owed // 4):
+    for _ in range(owed):
         tried.clear()
         store.flush()
-        assert sum(len(ops) for ops in tried) == 4, tried  # the probe alone
+        # The probe alone: 4 of the writer's items (a DeleteBlocks counts its blocks), one transaction.
+        assert len(tried) == 1 and sum(op_count(op) for op in tried[0]) == 4, tried
         seen |= {name_of(op) for ops in tried for op in ops}
         assert len(store._owed) == owed and store.stats()["owed_deletes"] > 0
     assert seen == everything  # in turn: none left untried

@@ -149,8 +149,10 @@ WRITE_BACKLOG_OPS = 1024
 #: How long a commit waits for a writer that settles nothing before it stops waiting.
 WRITE_STALL_S = 10.0
 #: Owed deletes (and references) a flush queues again while the disk has failed: one of the
-#: writer's transactions' worth. Queued whole at every flush, a long list cost a failed transaction
-#: per 64 of them (50,000 owed: 782 transactions, 2.5 to 3.9 s a flush on a disk that fails at
+#: writer's transactions' worth, counted as the writer counts them (``op_count``: a forget's
+#: ``DeleteBlocks`` a block each; 64 of those ops were 64 transactions, and were the probe until
+#: it counted blocks). Queued whole at every flush, a long list cost a failed transaction per 64
+#: of them (50,000 owed: 782 transactions, 2.5 to 3.9 s a flush on a disk that fails at
 #: once; a disk slow to fail takes its I/O timeout for each), and commits then waited behind them
 #: (WRITE_BACKLOG_OPS). When one of them lands the rest go in the same flush, so a flush after the
 #: disk came back still lands everything owed; those that fail again go to the back of the list.
@@ -1783,15 +1785,24 @@ class TieredStore:
         """Queue the owed deletes again, less what was stored again since: a block written again
         (same key, so the same KV) stays, a block whose new write is still queued stays owed until
         that write is settled, and references and sessions that are live again stay. With a
-        ``limit`` (``OWED_RETRY_PROBE``), only the first ``limit`` owed ops, or the next ``limit``
-        while those queue nothing; the others stay owed, ahead of those that fail again. Returns
+        ``limit`` (``OWED_RETRY_PROBE``), only the first owed ops worth ``limit`` of the writer's
+        items (``op_count``: one transaction), or the next ``limit`` while those queue nothing; the others stay owed, ahead of those that fail again. Returns
         the queued writes' jobs."""
         with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
             self._reap()
             owed = self._owed.take()
             jobs: list[Job[None]] = []
             while owed and not jobs:
-                chunk, owed = (owed, []) if limit is None else (owed[:limit], owed[limit:])
+                if limit is None:
+                    chunk, owed = owed, []
+                else:
+                    # ``limit`` of the writer's items, as it counts them (``op_count``: a forget's
+                    # DeleteBlocks, a block each), so a probe is one transaction; at least one op.
+                    n = count = 0
+                    while n < len(owed) and (n == 0 or count + op_count(owed[n]) <= limit):
+                        count += op_count(owed[n])
+                        n += 1
+                    chunk, owed = owed[:n], owed[n:]
                 jobs += self._queue_owed(chunk)
             self._owed.put_back(owed)
             return jobs
