@@ -1786,6 +1786,52 @@ def test_a_failed_disk_is_probed_at_each_flush_and_what_is_owed_lands_when_it_is
     assert not reopened._index.blocks and not reopened._index.sessions
 
 
+def test_an_exception_in_a_retry_of_owed_deletes_keeps_what_it_did_not_queue_owed(model, stores, tmp_path):
+    # Ctrl-C is held off there, but another signal's handler raising (a SIGTERM handler's
+    # sys.exit, a SIGALRM timeout) lands all the same. Before: the owed list, taken whole for the
+    # retry, was lost from the op it landed at on: the exit's close retried nothing and logged
+    # nothing, and the forgotten KV stayed in the file.
+    path = tmp_path / "kv"
+    store = make_store(stores, path)
+    names = [f"s{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        converse(store, model, random_ids(21, 1210 + i), name)
+    store.flush()
+    secret = set(store._index.blocks)
+    apply = store._disk.apply
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    store._disk.apply = failing
+    for name in names:
+        store.forget(session=name)
+    store.flush()
+    owed = store.stats()["owed_deletes"]
+    assert len(store._owed) == 2 * len(names) and owed > 0
+    store._disk.apply = apply  # the disk is back
+    submit, calls = store._submit, []
+
+    def interrupted(op):
+        calls.append(op)
+        if len(calls) == 3:
+            raise SystemExit("a signal handler's exit")  # lands in the retry's third write
+        return submit(op)
+
+    store._submit = interrupted
+    with pytest.raises(SystemExit):
+        store.flush()
+    del store._submit
+    # The two queued are queued; the rest (the one it landed in too) still owed.
+    assert len(store._owed) >= 2 * len(names) - 2 and store.stats()["owed_deletes"] > 0
+    store.close()  # retries what is owed
+    with lmdb.open(str(path), readonly=True, lock=False, max_dbs=8) as env:
+        with env.begin() as txn:
+            blocks = env.open_db(b"blocks", txn=txn, create=False)
+            assert not secret & {bytes(k) for k in txn.cursor(db=blocks).iternext(keys=True, values=False)}
+    assert _rows(path) == {"blocks": 0, "sessions": 0, "refs": 0}
+
+
 def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, stores, tmp_path, caplog, monkeypatch):
     # A hung disk past the backlog's bound: the commit waited for ever, and a request thread
     # waiting there kept the process from exiting (non-daemon threads are joined before atexit).

@@ -1786,54 +1786,78 @@ class TieredStore:
         (same key, so the same KV) stays, a block whose new write is still queued stays owed until
         that write is settled, and references and sessions that are live again stay. With a
         ``limit`` (``OWED_RETRY_PROBE``), only the first owed ops worth ``limit`` of the writer's
-        items (``op_count``: one transaction), or the next ``limit`` while those queue nothing; the others stay owed, ahead of those that fail again. Returns
-        the queued writes' jobs."""
-        with defer_interrupts():  # the owed list is taken whole: cut short, its rest was lost
+        items (``op_count``: one transaction), or the next ones while those queue nothing; the
+        others stay owed, ahead of those that fail again. Returns the queued writes' jobs."""
+        with defer_interrupts():  # Ctrl-C held off: the owed list is taken whole, and put back
             self._reap()
             owed = self._owed.take()
-            jobs: list[Job[None]] = []
-            while owed and not jobs:
-                if limit is None:
-                    chunk, owed = owed, []
-                else:
-                    # ``limit`` of the writer's items, as it counts them (``op_count``: a forget's
-                    # DeleteBlocks, a block each), so a probe is one transaction; at least one op.
-                    n = count = 0
-                    while n < len(owed) and (n == 0 or count + op_count(owed[n]) <= limit):
-                        count += op_count(owed[n])
-                        n += 1
-                    chunk, owed = owed[:n], owed[n:]
+            try:
+                return self._retry_owed(owed, limit)
+            finally:
+                # Also when another signal's handler raises in it (Ctrl-C alone is held off):
+                # what it did not queue stays owed (_retry_owed leaves it in ``owed``).
+                self._owed.put_back(owed)
+
+    def _retry_owed(self, owed: list[DeleteBlocks | DropRefs | PutRefs], limit: int | None) -> list[Job[None]]:
+        """``_retry_deletes``' loop over the taken ``owed``, which it leaves holding what it did not
+        queue, in order (the op an exception cut short among them), also when it raises."""
+        jobs: list[Job[None]] = []
+        while owed and not jobs:
+            if limit is None:
+                chunk, owed[:] = owed[:], []
+            else:
+                # ``limit`` of the writer's items, as it counts them (``op_count``: a forget's
+                # DeleteBlocks, a block each), so a probe is one transaction; at least one op.
+                n = count = 0
+                while n < len(owed) and (n == 0 or count + op_count(owed[n]) <= limit):
+                    count += op_count(owed[n])
+                    n += 1
+                chunk, owed[:] = owed[:n], owed[n:]
+            try:
                 jobs += self._queue_owed(chunk)
-            self._owed.put_back(owed)
-            return jobs
+            finally:
+                owed[:0] = chunk  # what _queue_owed did not get to: nothing once it returned
+        return jobs
 
     def _queue_owed(self, owed: list[DeleteBlocks | DropRefs | PutRefs]) -> list[Job[None]]:
-        """``_retry_deletes``' work for ``owed``; the jobs of what it queued."""
+        """``_retry_deletes``' work for ``owed``; the jobs of what it queued. ``owed`` is left
+        holding what it did not get to: nothing once it returns; where an exception cut it short,
+        the op it landed in and those after it (that op may be queued too: a retry of an op whose
+        write is queued or landed writes nothing stale, each retry being filtered as above)."""
         jobs: list[Job[None] | None] = []
-        for op in owed:
-            if isinstance(op, PutRefs):  # one a session (OwedOps), all it owes
-                keys = self._owed_refs(op)
-                if keys:
-                    jobs.append(self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)))
-            elif isinstance(op, DeleteBlocks):
-                state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
-                         for k in op.keys}
-                later = [k for k in op.keys if state[k] is DiskState.PENDING]
-                if later:
-                    wait = set(later)  # a forget's op holds dozens of blocks: sets, not list scans
-                    self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
-                now = [k for k in op.keys if state[k] is DiskState.NONE]
-                gone = set(now)
-                refs = [r for r in op.refs
-                        if r[KEY_BYTES:] in gone and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
-                if now:
-                    jobs.append(self._submit(DeleteBlocks(now, refs)))
-            else:
-                keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
-                drop_session = op.drop_session and op.sid not in self._index.sessions
-                if keys or drop_session:
-                    jobs.append(self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys))))
+        done = 0
+        try:
+            for op in owed:
+                self._queue_one_owed(op, jobs)
+                done += 1
+        finally:
+            del owed[:done]
         return [job for job in jobs if job is not None]
+
+    def _queue_one_owed(self, op: DeleteBlocks | DropRefs | PutRefs, jobs: list[Job[None] | None]) -> None:
+        """``_queue_owed``'s work for one owed op."""
+        if isinstance(op, PutRefs):  # one a session (OwedOps), all it owes
+            keys = self._owed_refs(op)
+            if keys:
+                jobs.append(self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)))
+        elif isinstance(op, DeleteBlocks):
+            state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
+                     for k in op.keys}
+            later = [k for k in op.keys if state[k] is DiskState.PENDING]
+            if later:
+                wait = set(later)  # a forget's op holds dozens of blocks: sets, not list scans
+                self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
+            now = [k for k in op.keys if state[k] is DiskState.NONE]
+            gone = set(now)
+            refs = [r for r in op.refs
+                    if r[KEY_BYTES:] in gone and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
+            if now:
+                jobs.append(self._submit(DeleteBlocks(now, refs)))
+        else:
+            keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
+            drop_session = op.drop_session and op.sid not in self._index.sessions
+            if keys or drop_session:
+                jobs.append(self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys))))
 
     def _owed_refs(self, op: PutRefs) -> list[bytes]:
         """The references of an owed ``PutRefs`` still to write: held, to blocks still on disk."""
