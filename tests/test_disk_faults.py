@@ -1600,8 +1600,8 @@ def _owed_index_in_step(store: TieredStore) -> dict[bytes, list[bytes]]:
     assert len({op.sid for op in puts}) == len(puts), [op.sid for op in puts]
     assert set(owed._puts) == {op.sid for op in puts}
     for op in puts:
-        entry, held = owed._puts[op.sid]
-        assert entry is op and held == set(op.keys) and len(held) == len(op.keys)
+        entry, held, place = owed._puts[op.sid]
+        assert entry is op and owed._ops[place] is op and held == set(op.keys) and len(held) == len(op.keys)
     return {op.sid: list(op.keys) for op in puts}
 
 
@@ -1647,8 +1647,49 @@ def test_the_owed_references_index_keeps_in_step_through_failures_retries_and_la
     assert reopened.open(model, torch.cat([keeper, random_ids(2, 1198)], 1), session="keeper").restored_tokens == 2 * B
 
 
-class _CountingList(list):
-    """A list that counts reads of its items (iteration, indexing, search)."""
+def test_a_failed_disk_owes_nothing_more_for_each_session_that_came_and_went_while_its_failures_were_reaped(
+        model, stores, tmp_path):
+    # Before: a session whose failed references were reaped while it lived (a turn, then a while
+    # before it was forgotten) kept its owed PutRefs after it went, until a flush's retry reached
+    # it: one more entry for each session that came and went (32 after 30, without a flush), which
+    # the README says a failed disk does not owe.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
+    system = random_ids(2 * B, 1250)  # two blocks every session shares
+    converse(store, model, torch.cat([system, random_ids(5, 1251)], 1), "first")
+    store.flush()
+
+    def failing(ops):
+        raise OSError(5, "Input/output error")
+
+    apply = store._disk.apply
+    store._disk.apply = failing
+    keeper = converse(store, model, torch.cat([system, random_ids(4, 1252)], 1), "keeper")
+    store.flush()  # the failure is known
+    sizes = []
+    for turn in range(30):
+        converse(store, model, torch.cat([system, random_ids(3 + turn % 7, 1260 + turn)], 1), f"user{turn}")
+        store._writer.flush()  # the session lives a while: its failed references are reaped meanwhile
+        store.stats()
+        assert _session_id(None, f"user{turn}") in _owed_index_in_step(store)
+        store.forget(session=f"user{turn}")
+        assert _session_id(None, f"user{turn}") not in _owed_index_in_step(store)
+        sizes.append(len(store._owed))
+    assert max(sizes) <= 3, sizes
+    store.forget(session="first")
+    store._disk.apply = apply  # the disk is back: what was owed lands
+    store.flush()
+    assert not store._owed and not store._owed._puts
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
+    assert reopened.open(model, torch.cat([keeper, random_ids(2, 1298)], 1), session="keeper").restored_tokens == 2 * B
+    reopened.forget(session="keeper")
+    assert not reopened._index.blocks
+
+
+class _CountingList(dict):
+    """The owed ops (a dict by place), counting reads of its items (iteration, look-ups, views)."""
 
     reads = 0
 
@@ -1660,9 +1701,13 @@ class _CountingList(list):
         type(self).reads += 1
         return super().__getitem__(i)
 
-    def index(self, *args):
+    def values(self):
         type(self).reads += 1
-        return super().index(*args)
+        return super().values()
+
+    def items(self):
+        type(self).reads += 1
+        return super().items()
 
 
 def test_owing_a_sessions_references_reads_none_of_the_owed_list(monkeypatch):
@@ -1671,7 +1716,9 @@ def test_owing_a_sessions_references_reads_none_of_the_owed_list(monkeypatch):
     from tierkv.owed import OwedOps
 
     owed = OwedOps()
-    owed._ops = _CountingList(DeleteBlocks([i.to_bytes(16, "little")], []) for i in range(50_000))
+    for i in range(50_000):
+        owed.append(DeleteBlocks([i.to_bytes(16, "little")], []))
+    owed._ops = _CountingList(owed._ops)
     monkeypatch.setattr(_CountingList, "reads", 0)
     sids = [bytes([s]) * 16 for s in range(64)]
     for round_ in range(3):

@@ -9,6 +9,10 @@ Protocol (``TieredStore`` calls all of it under its lock):
 * ``take()`` hands the whole list over for a retry and leaves it empty; ``put_back(ops)`` puts
   what a retry did not try back at the front, ahead of what was owed meanwhile (a session owing
   references in both keeps one entry, the earlier).
+* ``drop_refs(sid)`` lets go of what a session owes, once it is no longer tracked (forgotten,
+  or untracked): a retry would write none of it, and kept until a retry reached it (a flush's
+  probe, 64 a flush; without flushes, never), a disk that stays failed owed one more entry for
+  each session that came and went whose failed references were reaped while it lived.
 * Iteration, ``len`` and truth read the list in retry order.
 
 Why an index: a failed ``PutRefs`` looked for its session's entry by scanning the list, under the
@@ -29,13 +33,16 @@ OwedOp = Union[DeleteBlocks, DropRefs, PutRefs]
 class OwedOps:
     """The owed ops in retry order, and each session's ``PutRefs`` among them by its sid."""
 
-    __slots__ = ("_ops", "_puts")
+    __slots__ = ("_ops", "_puts", "_next")
 
     def __init__(self) -> None:
-        self._ops: list[OwedOp] = []
-        # sid -> (its PutRefs in _ops, that entry's keys as a set): a merge adds only new keys,
-        # without reading the keys already owed.
-        self._puts: dict[bytes, tuple[PutRefs, set[bytes]]] = {}
+        # In retry order, by the order they were owed in (a dict: a session's entry leaves in one
+        # step, drop_refs).
+        self._ops: dict[int, OwedOp] = {}
+        self._next = 0
+        # sid -> (its PutRefs in _ops, that entry's keys as a set, its place in _ops): a merge adds
+        # only new keys, without reading the keys already owed.
+        self._puts: dict[bytes, tuple[PutRefs, set[bytes], int]] = {}
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -44,24 +51,28 @@ class OwedOps:
         return bool(self._ops)
 
     def __iter__(self) -> Iterator[OwedOp]:
-        return iter(self._ops)
+        return iter(self._ops.values())
+
+    def _add(self, op: OwedOp) -> int:
+        place, self._next = self._next, self._next + 1
+        self._ops[place] = op
+        return place
 
     def append(self, op: OwedOp) -> None:
         """Owe ``op`` after everything owed so far (a ``PutRefs``: in its session's entry)."""
         if isinstance(op, PutRefs):
             self.owe_refs(op.sid, op.tenant, op.keys)
         else:
-            self._ops.append(op)
+            self._add(op)
 
     def owe_refs(self, sid: bytes, tenant: str | None, keys: Iterable[bytes]) -> None:
         """Owe ``sid``'s references to ``keys`` in its one ``PutRefs``, which keeps its place."""
         entry = self._puts.get(sid)
         if entry is None:
             op = PutRefs(sid, tenant, list(dict.fromkeys(keys)))
-            self._ops.append(op)
-            self._puts[sid] = (op, set(op.keys))
+            self._puts[sid] = (op, set(op.keys), self._add(op))
             return
-        op, held = entry
+        op, held, _ = entry
         op.tenant = tenant
         for key in keys:
             if key not in held:
@@ -73,9 +84,15 @@ class OwedOps:
         entry = self._puts.get(sid)
         return entry[0] if entry is not None else None
 
+    def drop_refs(self, sid: bytes) -> None:
+        """Owe none of ``sid``'s references (a session no longer tracked)."""
+        entry = self._puts.pop(sid, None)
+        if entry is not None:
+            del self._ops[entry[2]]
+
     def take(self) -> list[OwedOp]:
         """Every owed op, in retry order; nothing is owed after it."""
-        ops, self._ops = self._ops, []
+        ops, self._ops = list(self._ops.values()), {}
         self._puts = {}
         return ops
 
@@ -84,6 +101,6 @@ class OwedOps:
         index: once a retry, as long as the list, where the retry's slicing already is."""
         if not ops:
             return
-        later, self._ops, self._puts = self._ops, [], {}
+        later, self._ops, self._puts = list(self._ops.values()), {}, {}
         for op in [*ops, *later]:
             self.append(op)

@@ -1582,6 +1582,7 @@ class TieredStore:
         for key in keys:
             blocks[key].sessions.discard(sid)
         del self._index.sessions[sid]
+        self._owed.drop_refs(sid)  # a retry would write none of them
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
 
@@ -2060,6 +2061,7 @@ class TieredStore:
         from every tier and the disk; returns how many blocks were dropped."""
         dropped = []
         tails = []
+        self._owed.drop_refs(sid)  # out of the index: a retry would write none of them
         for key in keys:
             meta = self._index.blocks.get(key)
             if meta is None:
