@@ -491,7 +491,8 @@ class TieredStore:
 
         A delete or session reference that a disk error fails does not raise: it stays owed
         (``stats()['owed_deletes']``), tried again at later flushes (while the disk has failed,
-        ``OWED_RETRY_PROBE`` of them first, and the rest once one lands) and at ``close``.
+        ``OWED_RETRY_PROBE`` of them first, a forget's deletes counted a block each: one
+        transaction; and the rest once one lands) and at ``close``.
 
         If the disk tier's final sync fails, raises ``DiskSyncFailed`` (an ``OSError``) after
         counting it in ``stats()['disk_errors']`` and marking the disk failed, as ``close`` does."""
