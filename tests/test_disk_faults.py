@@ -1549,14 +1549,12 @@ def test_a_failed_disk_owes_no_delete_of_sessions_it_never_held(model, stores, t
     assert cache.restored_tokens == 2 * B  # the shared prompt: first's own blocks are gone
 
 
-def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(model, stores, tmp_path):
-    # Before: a failed PutRefs, and each session that went while another kept its blocks, owed
-    # one more PutRefs, also of sessions forgotten since; only a flush merged them: without one the
-    # list grew by two a session that came and went (400 after 200).
-    path = tmp_path / "kv"
-    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
-    system = random_ids(2 * B, 950)  # two blocks every session shares
-    converse(store, model, torch.cat([system, random_ids(5, 951)], 1), "first")
+def _a_keeper_on_a_failed_disk(store: TieredStore, model, seed: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """A session "first" flushed, then the disk failing every write, and a session "keeper"
+    sharing first's two-block prompt talked to while the failure became known; returns the prompt,
+    the keeper's conversation and the disk's own ``apply`` (to give the disk back)."""
+    system = random_ids(2 * B, seed)  # two blocks every session shares
+    converse(store, model, torch.cat([system, random_ids(5, seed + 1)], 1), "first")
     store.flush()
 
     def failing(ops):
@@ -1564,8 +1562,35 @@ def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(mode
 
     apply = store._disk.apply
     store._disk.apply = failing
-    keeper = converse(store, model, torch.cat([system, random_ids(4, 952)], 1), "keeper")
+    keeper = converse(store, model, torch.cat([system, random_ids(4, seed + 2)], 1), "keeper")
     store.flush()  # the failure is known: every write from here on fails
+    return system, keeper, apply
+
+
+def _the_disk_back_with_the_keeper_alone(stores, path, store: TieredStore, model, keeper: torch.Tensor, apply,
+                                         seed: int) -> None:
+    """First forgotten, the disk given back: everything owed lands, and a reopen finds the keeper
+    alone, its prompt's blocks (written once the disk was back) restored, and nothing left once it
+    is forgotten too."""
+    store.forget(session="first")  # the keeper alone holds the prompt now
+    store._disk.apply = apply
+    store.flush()
+    assert not store._owed and not store._owed._puts
+    store.close()
+    reopened = make_store(stores, path)
+    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
+    assert reopened.open(model, torch.cat([keeper, random_ids(2, seed)], 1), session="keeper").restored_tokens == 2 * B
+    reopened.forget(session="keeper")
+    assert not reopened._index.blocks  # no block was left that no session's forget found
+
+
+def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(model, stores, tmp_path):
+    # Before: a failed PutRefs, and each session that went while another kept its blocks, owed
+    # one more PutRefs, also of sessions forgotten since; only a flush merged them: without one the
+    # list grew by two a session that came and went (400 after 200).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
+    system, keeper, apply = _a_keeper_on_a_failed_disk(store, model, 950)
     sizes = []
     for turn in range(30):
         converse(store, model, torch.cat([system, random_ids(3 + turn % 7, 1060 + turn)], 1), f"user{turn}")
@@ -1579,17 +1604,7 @@ def test_a_failed_disk_owes_one_put_of_references_a_session_between_flushes(mode
     # keeper's and first's references are owed at a look follows the writer's timing ([1, 2, 2]
     # on a loaded machine), as in test_a_failed_disk_owes_no_delete_of_sessions_it_never_held.
     assert max(sizes) <= 3, sizes
-    store.forget(session="first")  # the keeper alone holds the prompt now
-    store._disk.apply = apply  # the disk is back: what was owed lands
-    store.flush()
-    assert not store._owed
-    store.close()
-    reopened = make_store(stores, path)
-    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
-    # The prompt's blocks, found by the keeper's references, written once the disk was back.
-    assert reopened.open(model, torch.cat([keeper, random_ids(2, 998)], 1), session="keeper").restored_tokens == 2 * B
-    reopened.forget(session="keeper")
-    assert not reopened._index.blocks  # no block was left that no session's forget found
+    _the_disk_back_with_the_keeper_alone(stores, path, store, model, keeper, apply, 998)
 
 
 def _owed_index_in_step(store: TieredStore) -> dict[bytes, list[bytes]]:
@@ -1655,17 +1670,7 @@ def test_a_failed_disk_owes_nothing_more_for_each_session_that_came_and_went_whi
     # the README says a failed disk does not owe.
     path = tmp_path / "kv"
     store = make_store(stores, path, device_budget="64KiB", host_budget="64KiB")
-    system = random_ids(2 * B, 1250)  # two blocks every session shares
-    converse(store, model, torch.cat([system, random_ids(5, 1251)], 1), "first")
-    store.flush()
-
-    def failing(ops):
-        raise OSError(5, "Input/output error")
-
-    apply = store._disk.apply
-    store._disk.apply = failing
-    keeper = converse(store, model, torch.cat([system, random_ids(4, 1252)], 1), "keeper")
-    store.flush()  # the failure is known
+    system, keeper, apply = _a_keeper_on_a_failed_disk(store, model, 1250)
     sizes = []
     for turn in range(30):
         converse(store, model, torch.cat([system, random_ids(3 + turn % 7, 1260 + turn)], 1), f"user{turn}")
@@ -1676,16 +1681,7 @@ def test_a_failed_disk_owes_nothing_more_for_each_session_that_came_and_went_whi
         assert _session_id(None, f"user{turn}") not in _owed_index_in_step(store)
         sizes.append(len(store._owed))
     assert max(sizes) <= 3, sizes
-    store.forget(session="first")
-    store._disk.apply = apply  # the disk is back: what was owed lands
-    store.flush()
-    assert not store._owed and not store._owed._puts
-    store.close()
-    reopened = make_store(stores, path)
-    assert set(reopened._index.sessions) == {_session_id(None, "keeper")}
-    assert reopened.open(model, torch.cat([keeper, random_ids(2, 1298)], 1), session="keeper").restored_tokens == 2 * B
-    reopened.forget(session="keeper")
-    assert not reopened._index.blocks
+    _the_disk_back_with_the_keeper_alone(stores, path, store, model, keeper, apply, 1298)
 
 
 class _CountingList(dict):
