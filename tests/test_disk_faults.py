@@ -1401,19 +1401,27 @@ def test_commits_wait_for_a_writer_behind_on_references_and_stamps_as_on_blocks(
     assert not reopened._index.blocks
 
 
+def _a_long_session_a_block_a_token(stores, path, model, tokens: int, seed: int
+                                   ) -> tuple[TieredStore, torch.Tensor, set[bytes]]:
+    """A disk-only store of one-token blocks holding session "long" of ``tokens`` ids, flushed;
+    the store, the session's ids and its block keys."""
+    store = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
+    stores.append(store)
+    secret = random_ids(tokens, seed)
+    converse(store, model, secret, "long")
+    store.flush()
+    return store, secret, set(store._index.sessions[_session_id(None, "long")].keys)
+
+
 def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, stores, tmp_path):
     # Before: a forget queued a DeleteBlocks a block, so a session of thousands of blocks pushed
     # the writer's backlog past WRITE_BACKLOG_OPS (1024), and the next commit waited for it.
     import tierkv.store
 
     path = tmp_path / "kv"
-    store = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
-    stores.append(store)
-    secret = random_ids(1100, 1170)
-    converse(store, model, secret, "long")
+    store, secret, keys = _a_long_session_a_block_a_token(stores, path, model, 1100, 1170)
     keep = converse(store, model, random_ids(20, 1171), "keep")
     store.flush()
-    keys = set(store._index.sessions[_session_id(None, "long")].keys)
     kept = len(store._index.sessions[_session_id(None, "keep")].keys)
     assert len(keys) > store._backlog_ops
     with store._disk.env.begin() as txn:
@@ -1462,12 +1470,7 @@ def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(mod
     import tierkv.store
 
     path = tmp_path / "kv"
-    store = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0)
-    stores.append(store)
-    secret = random_ids(300, 1180)
-    converse(store, model, secret, "long")
-    store.flush()
-    keys = set(store._index.sessions[_session_id(None, "long")].keys)
+    store, secret, keys = _a_long_session_a_block_a_token(stores, path, model, 300, 1180)
     apply = store._disk.apply
     tried: list[list[object]] = []
 

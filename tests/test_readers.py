@@ -46,6 +46,17 @@ def test_readers_share_the_lock_and_an_exclusive_holder_waits_for_them():
         lock.release()
 
 
+def behind_a_waiting_writer(lock: SharedLock, writer, reader) -> tuple[threading.Thread, threading.Thread]:
+    """``writer`` started in a thread, and once it waits for exclusive holding, ``reader``."""
+    first = threading.Thread(target=writer)
+    first.start()
+    while not lock._waiting:
+        time.sleep(0.001)
+    second = threading.Thread(target=reader)
+    second.start()
+    return first, second
+
+
 def test_an_exclusive_holder_waiting_holds_back_later_readers_and_lets_them_go_when_it_gives_up():
     lock = SharedLock()
     inside, order = threading.Event(), []
@@ -68,12 +79,7 @@ def test_an_exclusive_holder_waiting_holds_back_later_readers_and_lets_them_go_w
     t1 = threading.Thread(target=first_reader)
     t1.start()
     inside.wait(5)
-    t2 = threading.Thread(target=writer)
-    t2.start()
-    while not lock._waiting:
-        time.sleep(0.001)
-    t3 = threading.Thread(target=late_reader)
-    t3.start()
+    t2, t3 = behind_a_waiting_writer(lock, writer, late_reader)
     time.sleep(0.05)
     assert order == []  # the late reader waits behind the waiting writer
     release_first.set()
@@ -84,12 +90,7 @@ def test_an_exclusive_holder_waiting_holds_back_later_readers_and_lets_them_go_w
     # A wait for exclusive holding that times out lets the readers it held back in.
     with lock.shared():
         got = []
-        t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.2)))
-        t.start()
-        while not lock._waiting:
-            time.sleep(0.001)
-        late = threading.Thread(target=late_reader)
-        late.start()
+        t, late = behind_a_waiting_writer(lock, lambda: got.append(lock.acquire(timeout=0.2)), late_reader)
         t.join(5)
         late.join(5)
         assert got == [False] and order[-1] == "late reader" and not late.is_alive()

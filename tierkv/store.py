@@ -816,11 +816,11 @@ class TieredStore:
         self._disk.prefetch([plan[i][0].key for i in todo])
         buffer: list[Any] = []  # made by the first block read into it (a tensor: restore_slots)
         at = list(itertools.accumulate((n for _, n in plan), initial=0))
-        in_place = [self._in_place(plan[i][0]) for i in todo]
+        in_place = {i: self._in_place(plan[i][0]) for i in todo}
         # The other reads write into the buffer the first one makes: they wait for it. Mixed
         # destinations (never met: only a tail is smaller than the others) are read one at a time.
-        ready = threading.Event() if in_place[0] else None
-        parallel = all(p == in_place[0] for p in in_place) and \
+        ready = threading.Event() if in_place[todo[0]] else None
+        parallel = len(set(in_place.values())) == 1 and \
             sum(plan[i][0].nbytes for i in todo) >= PARALLEL_READ_BYTES
         disk = self._disk
         interrupted = pending_check()  # this thread's Ctrl-C, asked by the helpers too
@@ -848,13 +848,12 @@ class TieredStore:
                     ready.set()  # the buffer exists: the other reads may go on beside this one
                 return slots
 
-            place = self._in_place(meta)
             try:
-                disk.read_into(meta.key, slots if place else into)
+                disk.read_into(meta.key, slots if in_place[i] else into)
             except (CorruptRecord, KeyError, lmdb.Error, OSError) as exc:
                 reads[i] = exc
                 return False
-            if place:
+            if in_place[i]:
                 reads[i] = IN_PLACE
                 return True
             job = Job.completed(made[0])
