@@ -19,7 +19,8 @@ from transformers import DynamicCache
 
 from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids, reencoded
 from tierkv import TieredCache, TieredStore
-from tierkv.cache import IN_PLACE
+from tierkv.cache import IN_PLACE, restore_slots
+from tierkv.codec import CorruptRecord
 
 B = 8
 
@@ -325,3 +326,23 @@ def test_a_restore_opened_under_inference_mode_generates_in_or_out_of_it(tiny_mo
             got = generate(model, nxt, cache)
         assert torch.equal(got, generate(model, nxt))
         cache.commit(got)
+
+
+def test_restore_slots_are_views_of_the_buffer_and_refuse_a_block_of_another_shape() -> None:
+    class Header:
+        def __init__(self, shape: tuple[int, ...], dtype: str = "float32") -> None:
+            self.shape, self.dtype = shape, dtype
+
+    buffer: list = []
+    first = restore_slots(buffer, 10, 0, 4, Header((2, 2, 3, 4, 8)))
+    kv = buffer[0]
+    assert kv.shape == (2, 2, 3, 10, 8) and kv.dtype == torch.float32
+    later = restore_slots(buffer, 10, 4, 4, Header((2, 2, 3, 4, 8)))
+    first[...] = 1
+    later[...] = 2
+    assert (kv[:, :, :, :4].view(torch.uint8) == 1).all() and (kv[:, :, :, 4:8].view(torch.uint8) == 2).all()
+    assert buffer[0] is kv
+    for shape, dtype in [((2, 2, 2, 4, 8), "float32"), ((2, 2, 3, 4, 4), "float32"), ((3, 2, 3, 4, 8), "float32"),
+                         ((2, 2, 3, 4, 8), "bfloat16")]:
+        with pytest.raises(CorruptRecord, match="among blocks shaped"):
+            restore_slots(buffer, 10, 8, 2, Header(shape, dtype))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import lmdb
 import pytest
 import torch
 
@@ -390,6 +391,50 @@ def test_a_restore_read_by_several_threads_is_exact(tiny_model, tmp_path, arch, 
         assert all(job is IN_PLACE for job, _ in cache.layers[0]._pending.blocks)
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
     assert len(seen) == 11 and any(name.startswith("tierkv-disk-read") for name in seen.values())
+
+
+def test_one_thread_reads_an_opens_records_in_one_transaction(tiny_model, tmp_path, monkeypatch):
+    """A transaction and the shared lock a record cost more than a small record's copy."""
+    monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(6 * B + 1, 13))
+    nxt = torch.cat([out, random_ids(2, 14)], dim=1)
+    begun: list[str] = []
+    real = DiskTier._read_txn
+
+    def read_txn(self):
+        begun.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(DiskTier, "_read_txn", read_txn)
+    seen = reads_by_thread(monkeypatch)
+    with disk_only(tmp_path / "kv") as store:
+        begun.clear()
+        cache = store.open(model, nxt)
+        assert cache.restored_from["disk"] == cache.restored_tokens == 6 * B + 3
+        assert len(seen) == 7 and begun == [threading.current_thread().name]
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_a_read_transaction_that_cannot_begin_is_a_miss(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(3 * B + 1, 15))
+    nxt = torch.cat([out, random_ids(2, 16)], dim=1)
+    real = DiskTier._read_txn
+    failing = [True]
+
+    def read_txn(self):
+        if failing and failing.pop():
+            raise lmdb.ReadersFullError("no reader slot")
+        return real(self)
+
+    with disk_only(tmp_path / "kv") as store:
+        monkeypatch.setattr(DiskTier, "_read_txn", read_txn)
+        assert store.open(model, nxt).restored_tokens == 0
+        cache = store.open(model, nxt)  # and the next open reads them
+        assert cache.restored_from["disk"] == 3 * B + 3
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
 def test_two_opens_in_two_threads_read_the_disk_at_once(tiny_model, tmp_path, monkeypatch):

@@ -679,6 +679,32 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
             assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
 
 
+def test_prefetch_asks_the_page_cache_once_a_run_of_records_lying_together(tmp_path: pathlib.Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once a record, the question was most of a short restore's prefetch, right after a forward.
+    path = tmp_path / "store"
+    ops = [big_op(n) for n in range(1, 9)]
+    asked: list[tuple[int, int]] = []
+    real = disk_module.vm.residency
+
+    def residency(start: int, length: int) -> bytearray | None:
+        asked.append((start, length))
+        return real(start, length)
+
+    with opened(path) as tier:
+        assert tier.apply(ops) == [None] * len(ops)  # one transaction: its records lie in a row
+        monkeypatch.setattr(disk_module.vm, "residency", residency)
+        tier.prefetch([key(n) for n in (7, 2, 3)])  # 2 and 3: one run; 7 after a gap of records
+        assert len(asked) == 2
+        asked.clear()
+        tier.prefetch([key(n) for n in range(1, 9)])
+        assert len(asked) == 1
+        first = min(tier._where[key(n)][0] for n in range(1, 9)) // tier.page_size * tier.page_size
+        assert asked[0][0] == tier._map_start + first
+        for n in range(1, 9):
+            assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
+
+
 @contextlib.contextmanager
 def mapped(path: pathlib.Path) -> Iterator[tuple[int, mmap.mmap]]:
     """A file's read-only map without readahead, and its address."""

@@ -864,9 +864,17 @@ class TieredStore:
         if parallel:
             self._readers.run(todo, read, ready)
         else:
-            for i in todo:
-                if not read(i):
-                    break
+            try:
+                with disk.reading():  # one transaction for them all
+                    for i in todo:
+                        if not read(i):
+                            break
+            except (lmdb.Error, OSError) as exc:
+                # The transaction did not begin (a closed tier), or did not end: a miss at the
+                # first record it did not read, as a read of its own would have been.
+                unread = [i for i in todo if i not in reads]
+                if unread:
+                    reads[unread[0]] = exc
         # Only the reads before the first miss are of use (others may have run beside it).
         for n, i in enumerate(todo):
             if not isinstance(reads.get(i), Job):

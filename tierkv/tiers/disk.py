@@ -64,6 +64,7 @@ machine, while ``writemap=False`` ran 2-5x slower (measured when the project beg
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import logging
@@ -78,7 +79,7 @@ try:
     import fcntl
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +197,16 @@ class Scrubbed(CorruptRecord):
 
 class DiskClosed(lmdb.Error):
     """A read of a disk tier that was closed (by another thread, the store's ``close``)."""
+
+
+#: Records this near each other are asked of the page cache together (``prefetch``).
+_PREFETCH_GAP = 16 * 4096
+
+
+class _HeldTxn(threading.local):
+    """The read transaction of this thread's ``DiskTier.reading()``, if any."""
+
+    txn: lmdb.Transaction | None = None
 
 
 class StoreInUse(ValueError):
@@ -907,6 +918,7 @@ class DiskTier:
         # Shared by read transactions (reads of one open run in several threads), exclusive for a
         # remap and close: none unmaps the map under a reader.
         self._resize_lock = SharedLock()
+        self._reading = _HeldTxn()
         self._closed = False
         self._scratch: np.ndarray | None = None  # the writer thread's encoding buffer
         self.map_cap = budget + slack(budget)
@@ -1750,15 +1762,24 @@ class DiskTier:
             if start is None or self._closed:
                 return
             page = self.page_size
-            for key in keys:
-                where = self._where.get(key)
-                if where is not None:
-                    begin = (start + where[0]) // page * page
-                    length = start + where[0] + where[1] - begin
+            records = sorted(((start + where[0]) // page * page, start + where[0] + where[1])
+                             for where in map(self._where.get, keys) if where is not None)
+            # Records written together lie one after another in the file, a B-tree page or two
+            # between them: the page cache is asked once a run of them, not once a record.
+            runs: list[list[tuple[int, int]]] = []
+            for begin, end in records:
+                if runs and begin - runs[-1][-1][1] <= _PREFETCH_GAP:
+                    runs[-1].append((begin, end))
+                else:
+                    runs.append([(begin, end)])
+            for run in runs:
+                first = run[0][0]
+                cached = vm.residency(first, max(end for _, end in run) - first)
+                for begin, end in run:
                     # Asked of the page cache first: a readahead request walks every page of the
                     # record even where all are cached, eight times as long as this question.
-                    if not vm.all_resident(begin, length):
-                        vm.madvise(begin, length, vm.MADV_WILLNEED)
+                    if cached is None or not vm.every_page(cached[(begin - first) // page:-(-(end - first) // page)]):
+                        vm.madvise(begin, end - begin, vm.MADV_WILLNEED)
 
     def _read_txn(self) -> lmdb.Transaction:
         """A read transaction (callers hold ``_resize_lock``)."""
@@ -1772,15 +1793,35 @@ class DiskTier:
         Raises ``KeyError`` if it is absent and ``CorruptRecord`` if it fails any check. Call
         ``prefetch`` first when the page cache may not hold the record (one synchronous read per
         page otherwise)."""
+        txn = self._reading.txn
+        if txn is not None:  # inside this thread's ``reading()``
+            return self._read_in(txn, key, into)
         with self._resize_lock.shared(), self._read_txn() as txn:
-            buf = txn.get(key, db=self._blocks)
-            if buf is None:
-                raise KeyError(key)
-            if _is_zeroed(buf):
-                raise Scrubbed("record zeroed by a delete")
-            # The only copy: from the memory map into the destination, inside the transaction
-            # that keeps the map's pages valid, checksummed on the way.
-            return _under(key, decode_into(buf, into))
+            return self._read_in(txn, key, into)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within it, this thread's ``read_into`` calls share one read transaction (an open's few
+        records in turn): a transaction and the shared lock a record cost more than the copy of
+        a short restore's small records, right after a forward. A remap waits for the whole of
+        it: hold it around reads only, never across a wait for something else. Not nested."""
+        with self._resize_lock.shared(), self._read_txn() as txn:
+            self._reading.txn = txn
+            try:
+                yield
+            finally:
+                self._reading.txn = None
+
+    def _read_in(self, txn: lmdb.Transaction, key: bytes, into: Callable[[RecordHeader], np.ndarray]
+                 ) -> RecordHeader:
+        buf = txn.get(key, db=self._blocks)
+        if buf is None:
+            raise KeyError(key)
+        if _is_zeroed(buf):
+            raise Scrubbed("record zeroed by a delete")
+        # The only copy: from the memory map into the destination, inside the transaction
+        # that keeps the map's pages valid, checksummed on the way.
+        return _under(key, decode_into(buf, into))
 
     def load(self, key: bytes, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
              ) -> tuple[RecordHeader, torch.Tensor]:
