@@ -1526,6 +1526,29 @@ def test_lru_eviction_order_is_exact(tiny_model, tmp_path):
         _lru_scenario(store, model)
 
 
+def test_a_restore_from_the_host_tier_leaves_blocks_the_device_cannot_take_where_they_are(tiny_model, tmp_path):
+    """No block taken out of the host tier and put back (its pool lease let go of and held again)
+    for each restore: only touched, most recent last, tails before their heads."""
+    model = tiny_model("llama")
+    full = full_block_bytes(model)
+    with TieredStore(None, device="cpu", device_budget=0, host_budget=8 * full, block_size=B) as store:
+        convs = [random_ids(2 * B + 1, 900 + i) for i in range(2)]
+        outs = [turn(store, model, ids)[1] for ids in convs]
+        before = list(store._index.lru[Tier.HOST])
+        moved: list[str] = []
+        for name in ("pop", "put"):
+            real = getattr(store._host, name)
+            setattr(store._host, name, lambda *a, real=real, name=name: (moved.append(name), real(*a))[1])
+        ids = cat(outs[0], random_ids(2, 910))
+        cache = verify_open(store, model, ids, expect=2 * B + 4, expect_from={"device": 0, "host": 2 * B + 4, "disk": 0})
+        assert moved == []
+        restored = cache._restored_keys
+        assert len(restored) == 3
+        assert list(store._index.lru[Tier.HOST]) == [k for k in before if k not in restored] + restored[::-1]
+        verify_generate(model, ids, cache, 1)
+        verify_budgets(store)
+
+
 def test_reopen_rebuilds_the_index_in_last_use_order(tiny_model, tmp_path):
     model = tiny_model("llama")
     full = full_block_bytes(model)

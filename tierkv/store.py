@@ -1054,6 +1054,11 @@ class TieredStore:
 
         ``host_job`` is the block's host copy: from the host tier, in flight to disk, or just read.
         """
+        if meta.resident is Tier.HOST and meta.nbytes > self._device.budget:
+            # It cannot rest on the device: it stays where it is (out and back in, a restore from
+            # the host tier paid for it block by block), and the open's touch makes it the most
+            # recently used there. Budgets never change, so it still fits.
+            return
         if meta.resident is Tier.HOST:
             # Out of the host tier first, so that making room on the device cannot evict it.
             self._host.pop(meta.key)
