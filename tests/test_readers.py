@@ -123,6 +123,94 @@ def test_readers_past_the_limit_wait_for_one_to_leave():
     assert order[-1] == "third" and lock._readers == 0
 
 
+class Timeout(Exception):
+    """A SIGALRM-style timeout a signal handler raises."""
+
+
+def _raise_timeout(signum, frame):
+    raise Timeout
+
+
+def test_a_signal_handlers_exception_as_the_lock_state_is_let_go_leaves_the_lock_free(monkeypatch):
+    """A real signal's handler raising just after the lock's state mutex was let go (where
+    CPython runs it: as a C call returns), at each of its releases in turn: in ``shared()``'s
+    generator it landed between the reader count's increment and its ``try``, and the count
+    stayed up (the exclusive side after it, a close or a remap, waited forever); the exclusive
+    side's ``_writer`` likewise."""
+    import signal
+
+    main, real_lock = threading.get_ident(), threading.Lock
+
+    class InterruptedLock:
+        """A ``threading.Lock`` whose ``armed``-th release has a signal land as it returns."""
+
+        def __init__(self):
+            self._lock = real_lock()
+            self.releases = 0
+            self.armed = -1
+
+        def acquire(self, blocking=True, timeout=-1):
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self):
+            self._lock.release()
+            self.releases += 1
+            if self.releases == self.armed:
+                signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc):
+            self.release()
+
+        def locked(self):
+            return self._lock.locked()
+
+    previous = signal.signal(signal.SIGUSR1, _raise_timeout)
+    try:
+        landed = 0
+        for armed in range(1, 5):  # a shared holding's way in and out, then an exclusive one's
+            with monkeypatch.context() as patch:
+                patch.setattr(threading, "Lock", InterruptedLock)
+                lock = SharedLock()
+            mutex = lock._cond._lock  # the state's lock, whichever way the lock reaches it
+            mutex.armed = armed
+            for step in ("shared", "exclusive"):
+                try:
+                    with (lock.shared() if step == "shared" else lock):
+                        pass
+                except Timeout:
+                    landed += 1
+                assert lock._readers == 0 and not lock.locked(), (armed, step)
+            mutex.armed = -1
+            assert lock.acquire(timeout=1), armed
+            lock.release()
+        assert landed == 4
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_waiting_exclusive_holder_gets_in_when_a_leaving_readers_wake_up_is_cut_short(monkeypatch):
+    """``Condition.notify_all`` is Python code, where a signal handler can raise: a reader leaving
+    with its wake-up cut short left an exclusive holder already waiting asleep for good."""
+    lock = SharedLock()
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        with lock.shared():
+            def cut_short():
+                monkeypatch.undo()
+                raise KeyboardInterrupt
+
+            writer = threading.Thread(target=lambda: got.append(lock.acquire()), daemon=True)
+            writer.start()
+            while not lock._waiting:
+                time.sleep(0.001)
+            monkeypatch.setattr(lock._cond, "notify_all", cut_short)
+    writer.join(5)
+    assert got == [True] and lock.locked()
+    lock.release()
+
+
 # -- ReadPool --------------------------------------------------------------------------------------
 def test_a_read_pool_reads_side_by_side_and_starts_none_past_the_first_miss():
     pool = ReadPool(2)
