@@ -429,6 +429,47 @@ def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
         pool.close()
 
 
+
+@pytest.mark.parametrize("from_a_handler", [True, False])
+def test_a_signal_handlers_error_in_a_read_past_the_first_miss_is_raised(from_a_handler):
+    """A handler's ``Exception`` (a SIGALRM timeout) landing in the calling thread's read of an
+    item past a miss a helper found was discarded with that read's result, as the read's own
+    error is: the program's timeout vanished. Only the main thread runs handlers, so only the
+    calling thread's reads can meet one."""
+    import signal
+
+    pool = ReadPool(1)
+    main = threading.get_ident()
+    helper_in_1, helper_missed, main_in_2 = threading.Event(), threading.Event(), threading.Event()
+
+    def read(i):
+        if i == 0:
+            assert helper_in_1.wait(5)
+            return True
+        if i == 1:
+            helper_in_1.set()
+            assert main_in_2.wait(5)
+            helper_missed.set()
+            return False
+        main_in_2.set()
+        assert helper_missed.wait(5)
+        time.sleep(0.05)  # the helper records its miss
+        if from_a_handler:
+            signal.pthread_kill(main, signal.SIGUSR1)  # the handler raises before this returns
+        raise Timeout  # the read's own error
+
+    previous = signal.signal(signal.SIGUSR1, _raise_timeout)
+    try:
+        if from_a_handler:
+            with pytest.raises(Timeout):
+                pool.run([0, 1, 2], read)
+        else:
+            pool.run([0, 1, 2], read)  # past the miss: dropped
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        pool.close()
+
+
 # -- restores read side by side ---------------------------------------------------------------------
 @pytest.fixture
 def side_by_side(monkeypatch):

@@ -26,6 +26,9 @@ handler the program installs meanwhile is left in place; a child forked by anoth
 meanwhile gets the program's handler back. If an exception (another signal's handler raising)
 cuts the swap back short, the recording handler delivers each SIGINT at once until the next
 section puts the program's handler back.
+
+Other signals are not held off: ``raised_by_signal_handler`` tells their handlers' exceptions
+from errors of the code they interrupted, for code that drops some errors (reads past a miss).
 """
 
 from __future__ import annotations
@@ -103,6 +106,24 @@ def raise_pending() -> None:
     pending, _State.pending = _State.pending, None
     if pending is not None:
         _handler()(*pending)
+
+
+def raised_by_signal_handler(exc: BaseException) -> bool:
+    """Whether a Python signal handler raised ``exc`` (a ``SIGALRM`` timeout, say), as against
+    the code it interrupted: its traceback runs through a frame that was passed its own caller,
+    as CPython calls a handler (``handler(signum, frame)``, ``frame`` the one it interrupted; a
+    trace function is called alike, and counts too). Only the main thread runs handlers. One
+    that rebinds its ``frame`` argument before raising goes unseen."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+        caller = frame.f_back
+        if caller is None:
+            continue
+        code, values = frame.f_code, frame.f_locals
+        if any(values.get(name) is caller for name in code.co_varnames[:code.co_argcount]):
+            return True
+    return False
 
 
 def _after_fork_in_child() -> None:

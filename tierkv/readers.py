@@ -7,8 +7,9 @@ already are the caller's to discard, in order of ``items``). The calling thread 
 helpers take the others from the front, once ``ready`` is set: by the first read, as soon as what
 the others write into exists (a restore's buffer, sized by the first record), or when it ends. An
 exception out of a read is raised by ``run`` after every read ended, where it came from the first
-miss (one past it would not have run one at a time); one that is no ``Exception`` (``SystemExit``
-from a signal handler) wherever it came from. ``close`` lets the helpers go.
+miss (one past it would not have run one at a time); a signal handler's (``SystemExit``, or a
+timeout's ``Exception``: ``interrupts.raised_by_signal_handler``) or any other that is no
+``Exception`` wherever it came from. ``close`` lets the helpers go.
 
 Why: a read is a copy out of LMDB's map and a checksum (numpy and xxhash, both without the GIL),
 bound by one core's memory bandwidth; a restore of several records reads them side by side.
@@ -23,6 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+from .interrupts import raised_by_signal_handler
 
 READ_THREADS = 3  # helpers at most: past about four readers the memory bus, not the cores, bounds a copy
 
@@ -130,6 +133,12 @@ class ReadPool:
                 try:
                     hit = read(i)
                 except Exception as exc:  # noqa: BLE001 - raised by run, in order
+                    if raised_by_signal_handler(exc):
+                        # Not the read's (a SIGALRM timeout in the calling thread, the main
+                        # one): it came wherever the read was, so it must not go with a read
+                        # past the miss. Raised as the ones below are.
+                        queue.clear()
+                        raise
                     errors[i] = exc
                     hit = False
                 except BaseException:
