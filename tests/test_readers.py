@@ -604,6 +604,46 @@ def damage(store: TieredStore, key: bytes) -> None:
     damage_in_place(store._disk.env, store._disk._blocks, key, lambda record: flipped(record, len(record) - 9))
 
 
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_signal_handlers_timeout_error_in_a_disk_read_is_raised_not_taken_for_a_failing_disk(
+        tiny_model, tmp_path, monkeypatch, parallel):
+    """``TimeoutError`` is an ``OSError``: a SIGALRM handler's landing in a disk read of an open
+    was taken for the disk failing (the open cut short and returned, the timeout gone, and no
+    block written to disk again for the store's life)."""
+    import signal
+
+    if parallel:
+        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
+        monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
+    else:
+        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(4 * B + 1, 13))
+    nxt = torch.cat([out, random_ids(2, 14)], dim=1)
+    real, main, fired = DiskTier.read_into, threading.get_ident(), []
+
+    def read_into(self, key, into):
+        if threading.get_ident() == main and not fired:
+            fired.append(key)
+            signal.pthread_kill(main, signal.SIGUSR1)  # the handler raises before this returns
+        return real(self, key, into)
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("the program's own timeout")
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    previous = signal.signal(signal.SIGUSR1, on_alarm)
+    try:
+        with disk_only(tmp_path / "kv") as store:
+            with pytest.raises(TimeoutError, match="own timeout"):
+                store.open(model, nxt)
+            assert fired and store.stats()["disk_errors"] == 0
+            assert store.open(model, nxt).restored_tokens == 5 * B - 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("miss", ["corrupt", "gone"])
 def test_a_miss_in_the_middle_cuts_the_restore_there_whoever_read_past_it(tiny_model, tmp_path, monkeypatch,

@@ -75,7 +75,7 @@ from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
 from .index import BlockMeta, DiskState, Index, Tier
-from .interrupts import defer_interrupts, pending_check, raise_pending
+from .interrupts import defer_interrupts, pending_check, raise_pending, raised_by_signal_handler
 from .owed import OwedOps
 from .readers import ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
@@ -851,6 +851,10 @@ class TieredStore:
             try:
                 disk.read_into(meta.key, slots if in_place[i] else into)
             except (CorruptRecord, KeyError, lmdb.Error, OSError) as exc:
+                if raised_by_signal_handler(exc):
+                    # A timeout's TimeoutError (an OSError) is no disk fault: taken for one, the
+                    # program's timeout vanished and the disk tier was given up for good.
+                    raise
                 reads[i] = exc
                 return False
             if in_place[i]:
