@@ -289,6 +289,47 @@ def test_a_closed_pool_reads_in_the_calling_thread():
     assert helper_threads(0) == 0 and helper_threads() >= 0
 
 
+
+def cgroups(tmp_path, membership: str, files: dict[str, str]) -> tuple[str, str]:
+    """A fake cgroup root holding ``files`` (path under it -> text), and a fake
+    ``/proc/self/cgroup`` holding ``membership``: ``helper_threads``'s paths."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "membership").write_text(membership)
+    return str(root), str(tmp_path / "membership")
+
+
+@pytest.mark.parametrize("membership, files, quota", [
+    # cgroup v2, in a container's own cgroup namespace
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v2 on a host: the least quota along the process's cgroup and its ancestors
+    ("0::/a/b\n", {"cpu.max": "max 100000\n", "a/cpu.max": "100000 100000\n", "a/b/cpu.max": "300000 100000\n"},
+     1.0),
+    # a container whose root is its own cgroup, /proc/self/cgroup naming a path only the host has
+    ("0::/docker/0123\n", {"cpu.max": "250000 100000\n"}, 2.5),
+    # cgroup v1, the cpu controller mounted with cpuacct, beside a v2 line without it
+    ("4:memory:/x\n3:cpu,cpuacct:/x\n0::/\n",
+     {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+      "cpu,cpuacct/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("", {}, None),  # no cgroups to read
+])
+def test_helper_threads_count_a_containers_cpu_quota(tmp_path, monkeypatch, membership, files, quota):
+    """Counted from the CPU affinity alone, a container given 1.5 CPUs of a 64-core host started
+    three helpers, every open's reads then throttled by the quota."""
+    from tierkv.readers import cgroup_cpus
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    root, member = cgroups(tmp_path, membership, files)
+    assert cgroup_cpus(root, member) == quota
+    expected = 3 if quota is None else {0.5: 0, 1.0: 0, 1.5: 1, 2.5: 2}[quota]
+    assert helper_threads(3, root, member) == expected
+
+
 def test_a_read_pools_helpers_are_daemon_threads_that_end_with_the_pool():
     """Not joined at the interpreter's exit (one stuck in a hung disk's read would hang it:
     ``test_crash``), and gone when the pool is closed or collected unclosed."""

@@ -17,6 +17,7 @@ bound by one core's memory bandwidth; a restore of several records reads them si
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -30,12 +31,76 @@ from .interrupts import raised_by_signal_handler
 READ_THREADS = 3  # helpers at most: past about four readers the memory bus, not the cores, bounds a copy
 
 
-def helper_threads(limit: int = READ_THREADS) -> int:
-    """Helpers worth starting: one fewer than the CPUs this process may run on, at most ``limit``."""
+CGROUP_ROOT = "/sys/fs/cgroup"
+MEMBERSHIP = "/proc/self/cgroup"
+
+
+def cgroup_cpus(root: str = CGROUP_ROOT, membership: str = MEMBERSHIP) -> float | None:
+    """CPUs' worth of time this process's cgroups give it (quota over period, the least along
+    its cgroup and their ancestors: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us``), or None where none sets one or none can be read. ``membership``
+    (``/proc/self/cgroup``) names the process's cgroups below ``root``; inside a container
+    ``root`` is often the container's own cgroup, where that path does not exist: the ancestors
+    that do are read."""
+    try:
+        with open(membership, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    places: list[tuple[str, str]] = []  # (a hierarchy's directory, the process's path in it)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            places.append((root, path))
+        elif "cpu" in controllers.split(","):
+            base = os.path.join(root, controllers)  # "cpu,cpuacct", or "cpu" where mounted apart
+            places.append((base if os.path.isdir(base) else os.path.join(root, "cpu"), path))
+    if not places:
+        places = [(root, "/"), (os.path.join(root, "cpu"), "/")]
+    least: float | None = None
+    for base, path in places:
+        parts = [part for part in path.split("/") if part and part not in (".", "..")]
+        for depth in range(len(parts), -1, -1):
+            cpus = _quota(os.path.join(base, *parts[:depth]))
+            if cpus is not None and (least is None or cpus < least):
+                least = cpus
+    return least
+
+
+def _quota(directory: str) -> float | None:
+    """One cgroup directory's CPU quota in CPUs, or None (unlimited, or nothing there to read)."""
+    try:
+        with open(os.path.join(directory, "cpu.max"), encoding="ascii") as f:
+            quota, period = f.read().split()[:2]  # "max 100000" where unlimited
+    except (OSError, ValueError, UnicodeDecodeError):
+        try:
+            with open(os.path.join(directory, "cpu.cfs_quota_us"), encoding="ascii") as f:
+                quota = f.read().strip()  # -1 where unlimited
+            with open(os.path.join(directory, "cpu.cfs_period_us"), encoding="ascii") as f:
+                period = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def helper_threads(limit: int = READ_THREADS, cgroup_root: str = CGROUP_ROOT, membership: str = MEMBERSHIP) -> int:
+    """Helpers worth starting: one fewer than the CPUs this process may run on (its affinity, and
+    its cgroups' CPU quota rounded up: a container given 1.5 CPUs gets more read with two
+    threads than with one), at most ``limit``."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
+    quota = cgroup_cpus(cgroup_root, membership)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
     return max(0, min(limit, cpus - 1))
 
 
