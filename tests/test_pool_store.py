@@ -210,3 +210,59 @@ def test_many_turns_through_a_small_pool_stay_exact_and_leak_nothing(model, tmp_
     assert pool["in_use"] == 0 and pool["retiring"] == 0, pool  # every buffer came back
     assert pool["free_runs"] == pool["allocated"] // (2 * BLOCK_BYTES)  # one whole run per arena
     store.close()
+
+
+def test_reads_past_a_miss_give_their_buffers_back_before_the_open_ends(model, tmp_path, monkeypatch):
+    """Reads side by side past the first miss (a record failing its checksum) took pool buffers
+    (pinned, on CUDA) that the restore never uses, and held them, the miss's own too, until the
+    open ended: up to one a helper, at every open that met a damaged or vanished record."""
+    from conftest import damage_in_place, flipped
+    from tierkv.tiers.disk import DiskTier
+
+    store, engine = pooled_store(tmp_path / "kv", pool_blocks=16, device_budget=0, host_budget=0)
+    ids = random_ids(5 * B + 1, 820)
+    cache = store.open(model, ids)
+    out = generate(model, ids, cache)
+    cache.commit(out)  # five blocks and a tail, on disk only
+    engine.land()
+    store.flush()
+    nxt = torch.cat([out, random_ids(2, 821)], dim=1)
+    keys = store.open(model, nxt)._restored_keys
+    engine.land()
+    gc.collect()  # that open's cache
+    store._host.pool.reclaim()  # and its buffers, once their copies landed
+    assert len(keys) == 6 and store.stats()["host_pool"]["in_use"] == 0
+    damage_in_place(store._disk.env, store._disk._blocks, keys[2], lambda record: flipped(record, len(record) - 9))
+
+    real, past = DiskTier.read_into, {keys[3]: threading.Event(), keys[4]: threading.Event()}
+
+    def read_into(self, key, into):
+        if key == keys[2]:  # the miss is known only once the reads past it ended
+            for event in past.values():
+                assert event.wait(5)
+        try:
+            return real(self, key, into)
+        finally:
+            if key in past:
+                past[key].set()
+
+    monkeypatch.setattr(DiskTier, "read_into", read_into)
+    in_use = []
+    finish = store._finish_open
+
+    def finish_open(*args, **kwargs):
+        store._host.pool.reclaim()
+        in_use.append(store.stats()["host_pool"]["in_use"])
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_finish_open", finish_open)
+    cache = store.open(model, nxt)
+    assert cache.restored_tokens == 2 * B and store.stats()["corrupt"] == 1
+    assert in_use == [2 * BLOCK_BYTES]  # the two blocks restored, nothing of the reads past them
+    engine.land()
+    assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+    del cache
+    gc.collect()
+    store._host.pool.reclaim()
+    assert store.stats()["host_pool"]["in_use"] == 0  # no buffer let go twice, none kept
+    store.close()

@@ -824,6 +824,7 @@ class TieredStore:
             sum(plan[i][0].nbytes for i in todo) >= PARALLEL_READ_BYTES
         disk = self._disk
         interrupted = pending_check()  # this thread's Ctrl-C, asked by the helpers too
+        leases: dict[int, Any] = {}  # plan index -> the pool buffer its read took
 
         def read(i: int) -> bool:
             meta, n = plan[i]
@@ -839,6 +840,7 @@ class TieredStore:
                     # lets go of it whatever happens, a failed read included.
                     lease.hold()
                     held.append(lease)
+                    leases[i] = lease
                 made[:] = tensor, lease
                 return block_bytes(tensor)
 
@@ -884,6 +886,13 @@ class TieredStore:
             if not isinstance(reads.get(i), Job):
                 for later in todo[n + 1:]:
                     reads.pop(later, None)
+                # Their buffers, and the miss's own (a record that failed its checksum), go back to
+                # the pool now: on CUDA pinned ones, up to one a helper, else held to the open's end.
+                # Nothing else uses them yet (no copy from them was issued).
+                for j in todo[n:]:
+                    if j in leases:
+                        held.remove(leases[j])  # first: the open's end must not let go of it again
+                        leases[j].unhold()
                 if isinstance(reads.get(i), (lmdb.Error, OSError)) and self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from reads[i]
