@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import logging
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -293,6 +294,29 @@ def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None
     with pytest.raises(error, match=re.escape(message)):
         serve(store, addr=addr)
     assert not store.events.active
+
+
+
+def test_a_port_in_use_is_refused_saying_to_pass_another_or_port_0() -> None:
+    """It raised the socket's bare ``OSError: [Errno 98] Address already in use``; still an
+    ``OSError`` with that errno, for code that catches it."""
+    import errno
+
+    store = FakeStore()
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=re.escape(f"cannot serve metrics at 127.0.0.1:{port}: the port is in use")
+                           + ".*pass another port=, or port=0 to pick a free one") as raised:
+            serve(store, port=port)
+        assert raised.value.errno == errno.EADDRINUSE and type(raised.value) is OSError
+        assert not store.events.active  # unsubscribed
+    finally:
+        taken.close()
+    with serve(store, port=0) as server:  # port=0, as told
+        assert server.port > 0
 
 
 def test_metric_names_follow_prometheus_conventions(model) -> None:

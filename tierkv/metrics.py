@@ -22,6 +22,7 @@ Metric names follow Prometheus conventions: a ``tierkv_`` prefix, base units (by
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -270,6 +271,8 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     serve the store's metrics beside what is already registered there. Binds to 127.0.0.1 unless
     told otherwise: metrics name sessions' counts and sizes, not for every network by default.
     ``addr=""`` is refused: the socket API reads it as every interface, which is to be asked for by name.
+    A port in use (or one this process may not bind) raises ``OSError`` saying to pass another port
+    or ``port=0``.
     """
     if not isinstance(addr, str):
         raise TypeError(f"addr must be a host name or IP address as a str (like '127.0.0.1' or '::1'), got "
@@ -303,6 +306,14 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
         if isinstance(exc, socket.gaierror):
             raise ValueError(f"addr={addr!r} is not an address of this machine ({exc}); give an IP address or a host "
                              "name that resolves, like '127.0.0.1', '::1' or '0.0.0.0'") from exc
+        if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            # An OSError still (PermissionError for EACCES: the constructor picks the subclass by
+            # errno), so that code catching the bare error goes on working; the message says what to do.
+            why = ("is in use by another program (or another metrics server)" if exc.errno == errno.EADDRINUSE
+                   else "needs privileges this process lacks (ports below 1024, usually)")
+            where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            raise OSError(exc.errno, f"cannot serve metrics at {where}: the port {why}; pass another "
+                                     "port=, or port=0 to pick a free one (server.port tells which)") from exc
         raise
     thread = threading.Thread(target=httpd.serve_forever, name="tierkv-metrics", daemon=True)
     thread.start()
