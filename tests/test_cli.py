@@ -785,3 +785,20 @@ def test_a_store_the_command_cannot_write_names_the_way_out(tmp_path, monkeypatc
     assert cli.main(["stats", str(path)]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "tierkv.lock" in err and "copy it to a writable place" in err
+
+
+def test_the_package_docstring_points_only_to_what_an_installed_package_has() -> None:
+    """It sent users to ``../shared/API.md``, a file of the project's workspace that no checkout
+    or installed package holds. It names docstrings, and README sections (the package's
+    description, in its metadata) that exist."""
+    import importlib.metadata
+
+    doc = tierkv.__doc__
+    assert "../" not in doc and ".md" not in doc
+    for name in re.findall(r"help\(tierkv\.(\w+)\)", doc):
+        assert getattr(tierkv, name).__doc__
+    description = importlib.metadata.metadata("tierkv").get_payload() or ""
+    headings = re.findall(r"^## (.+)$", description, re.M) or re.findall(
+        r"^## (.+)$", (Path(__file__).parents[1] / "README.md").read_text(), re.M)
+    sections = [" ".join(found.split()) for found in re.findall(r'"([A-Z][^"]+)"', doc)]
+    assert sections and set(sections) <= set(headings), (sections, headings)

@@ -1,5 +1,11 @@
 """tierkv: a hierarchical KV-cache store (device, pinned host, LMDB disk) behind a
-transformers ``Cache``. See README.md for the tour and ../shared/API.md for the contract."""
+transformers ``Cache``.
+
+The contract is in the docstrings: ``help(tierkv.TieredStore)`` (its arguments, ``open``,
+``forget``, ``flush``, ``stats``, ``close``) and ``help(tierkv.TieredCache)`` (``commit``). The
+README, installed as the package's description (``importlib.metadata.metadata("tierkv")``, or
+the project's page), has the tour: its sections "Quick start", "Guarantees" and "Status and
+limits"."""
 
 from __future__ import annotations
 
