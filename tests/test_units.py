@@ -55,7 +55,7 @@ def exact(text: str, multiplier: int) -> int:
         ("0.5KiB", 512),
         (".5KiB", 512),
         ("1.0001KB", 1000),  # 1000.1 bytes, rounded down
-        ("1.9999B", 1),
+        ("1.0B", 1),
         ("1e3", 1000),
         ("2E3KB", 2_000_000),
         ("123456", 123_456),
@@ -111,11 +111,28 @@ def test_ints_pass_through_exactly(value: int) -> None:
     assert type(result) is int
 
 
-@pytest.mark.parametrize(("value", "expected"), [(1.5e9, 1_500_000_000), (0.0, 0), (2.9, 2), (1024.0, 1024)])
-def test_floats_round_down(value: float, expected: int) -> None:
+@pytest.mark.parametrize(("value", "expected"), [(1.5e9, 1_500_000_000), (0.0, 0), (1024.0, 1024)])
+def test_whole_floats_are_byte_counts(value: float, expected: int) -> None:
     result = parse_bytes(value)
     assert result == expected
     assert type(result) is int
+
+
+@pytest.mark.parametrize(("value", "advice"), [
+    (1.5, 'give a string with a unit, like "1.5GiB", or a whole number of bytes'),
+    (2.9, 'like "2.9GiB"'),
+    (np.float64(0.5), 'like "0.5GiB"'),
+    (1288490188.8, "give a whole number of bytes, like int(1288490188.8) for a computed budget"),
+    ("1.5B", 'is a fraction of a byte; give a larger unit, like "1.5GiB", or a whole number of bytes'),
+    ("1.9999B", 'like "1.9999GiB"'),
+    (" 0.5 b", 'like "0.5GiB"'),
+])
+def test_a_fraction_of_a_byte_is_refused_saying_what_to_write(value: object, advice: str) -> None:
+    # Rounded down, 1.5 (meant as 1.5GiB) or "1.5B" (a G left off) was a budget of one byte:
+    # every block evicted, a reopened store's included, and nothing said. Fractions of larger
+    # units (107374182.4 bytes for "0.1GiB") still round down: a whole-ish count, as meant.
+    with pytest.raises(ValueError, match=re.escape(advice)):
+        parse_bytes(value, "disk_budget")
 
 
 @given(st.integers(min_value=0, max_value=10**6), st.sampled_from(sorted(ALL_UNITS)))
@@ -261,7 +278,7 @@ def test_overflowing_exponent_is_a_value_error(text: str) -> None:
 # -- numpy's scalars ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("value", "expected"), [
     (np.int64(2**40), 2**40), (np.uint64(2**63 - 1), 2**63 - 1), (np.int32(7), 7), (np.float32(1.5e6), 1_500_000),
-    (np.float64(2.9), 2),
+    (np.float64(3.0), 3),
 ])
 def test_numpy_scalars_are_byte_counts(value: object, expected: int) -> None:
     assert parse_bytes(value) == expected and type(parse_bytes(value)) is int

@@ -3,8 +3,10 @@
 ``parse_bytes(value, name)`` reads a byte count; ``whole_number(value, name)`` an int argument
 (numpy's integers too, never a bool); ``seconds_or_none(value, name)`` a timeout; ``absolute_path(path)``
 a directory path as the kernel resolves it. KiB/MiB/GiB/TiB are powers of 1024,
-KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions of a unit are allowed and
-rounded down to whole bytes; a string without a unit and with a fraction ("1.5": a unit left off) is refused. Anything else raises with the accepted forms in the message.
+KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions of KB and larger units are
+allowed and rounded down to whole bytes (``"0.1GiB"`` is 107374182.4 bytes); a fraction of a byte
+is refused: a float such as ``1.5``, ``"1.5B"`` or ``"1.5"`` (a unit left off, or a computed budget
+not made whole). Anything else raises with the accepted forms in the message.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         number = float(value)
         if not math.isfinite(number):
             raise ValueError(f"{name} must be a finite number of bytes; got {value!r}. Use {_FORMS}.")
+        if not number.is_integer():
+            # 1.5 meant as 1.5GiB was one byte: every block evicted, a reopened store's included.
+            # Refused at any size, as "1288490188.8B" is: a float is a count of bytes.
+            instead = (f"a string with a unit, like \"{number:g}GiB\", or a whole number of bytes" if number < 1024
+                       else f"a whole number of bytes, like int({value!r}) for a computed budget")
+            raise ValueError(f"{name}={value!r} is not a whole number of bytes; give {instead}")
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None:
@@ -58,10 +66,11 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         except ArithmeticError:  # decimal.Overflow: an exponent past Decimal's range ("1e9999999999")
             raise ValueError(f"{name}={value!r} is larger than any machine's storage ({_MAX_BYTES} bytes); "
                              f"use {_FORMS}") from None
-        if not unit and number != number.to_integral_value():
-            # "1.5": a unit left off (a byte and a half would evict nearly everything).
-            raise ValueError(f"{name}={value!r} is a fraction of a byte; give a unit, like "
-                             f"\"{match.group(1)}GiB\", or a whole number of bytes")
+        if unit in ("", "b") and number != number.to_integral_value():
+            # "1.5": a unit left off; "1.5B": "1.5GB" with its G left off (a byte and a half
+            # would evict nearly everything). Rounding down told neither.
+            raise ValueError(f"{name}={value!r} is a fraction of a byte; give a {'larger ' if unit else ''}unit, "
+                             f"like \"{match.group(1)}GiB\", or a whole number of bytes")
     else:
         raise TypeError(f"{name} must be {_FORMS}; got {type(value).__name__}")
     if number < 0:
