@@ -796,6 +796,39 @@ def test_heads_for_older_blocks_give_way_at_the_map_s_cap(tmp_path: pathlib.Path
         tier.close()
 
 
+
+def test_batches_at_the_map_s_cap_take_the_readers_lock_only_where_the_map_changes(tmp_path: pathlib.Path) -> None:
+    """At the cap every batch of block writes asked to grow the map (before it, and at its
+    MapFullError) and to set it back below the deletes' room after it, each time taking the
+    readers' lock exclusively (waiting for every read in progress and holding back new ones)
+    though the map stayed as it was: three waits a batch, for nothing."""
+    from tierkv.locks import SharedLock
+
+    taken: list[int] = []
+
+    class Counted(SharedLock):
+        __slots__ = ()
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            taken.append(tier.env.info()["map_size"])
+            return super().acquire(blocking, timeout)
+
+    tier = DiskTier(tmp_path / "store", budget=3 << 20, block_size=BLOCK)
+    try:
+        n = 1
+        while not isinstance(tier.apply([big_op(n)])[0], DiskFull):
+            n += 1
+        tier._resize_lock = Counted(tier._resize_lock.limit)
+        size = tier.env.info()["map_size"]
+        for m in range(n + 1, n + 5):
+            assert isinstance(tier.apply([big_op(m)])[0], DiskFull)
+            assert tier.env.info()["map_size"] == size
+        assert taken == []
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))  # the readers' side still works
+    finally:
+        tier.close()
+
+
 def test_a_head_that_names_another_block_is_not_trusted(disk: DiskTier) -> None:
     disk.apply([put_op(1), put_op(2)])
     other = raw_get(disk, b"heads", key(1))

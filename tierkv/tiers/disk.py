@@ -2198,9 +2198,15 @@ class DiskTier:
         """Grow the map (by ``_headroom``, up to ``limit``), its new pages allocated first
         (``_allocate``: as far as the filesystem has room); False when it did not grow: at
         ``limit``, or no room (``_no_room`` then says why)."""
+        self._no_room = None
+        current = self.env.info()["map_size"]
+        if min(max(current + _headroom(current), at_least), limit) <= current:
+            # At the cap: every batch asks (``_reserve``, a MapFullError), and the exclusive side
+            # waits for every read in progress and holds back new ones. Only this thread sets
+            # the map's size, so the answer holds without the lock.
+            return False
         with self._resize_lock:
             current = self.env.info()["map_size"]
-            self._no_room = None
             size = min(max(current + _headroom(current), at_least), limit)
             if size <= current:
                 return False
@@ -2209,6 +2215,13 @@ class DiskTier:
             return size > current
 
     def _set_map(self, size: int) -> None:
+        """Shrink the map to ``size``, or as near as the pages in use let LMDB (it never maps
+        fewer). The readers' lock only where the map really changes: asked after every batch at a
+        full map, it waited for every read in progress and held back new ones to remap the map
+        at the size it had (only this thread sets it, so the check holds without the lock)."""
+        info = self.env.info()
+        if max(size, (info["last_pgno"] + 1) * self.page_size) >= info["map_size"]:
+            return
         with self._resize_lock:
             if size < self.env.info()["map_size"]:
                 self.env.set_mapsize(size)
