@@ -876,6 +876,8 @@ class TieredStore:
                         if not read(i):
                             break
             except (lmdb.Error, OSError) as exc:
+                if raised_by_signal_handler(exc):
+                    raise  # a read's: see read()
                 # The transaction did not begin (a closed tier), or did not end: a miss at the
                 # first record it did not read, as a read of its own would have been.
                 unread = [i for i in todo if i not in reads]
