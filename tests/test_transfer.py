@@ -354,17 +354,21 @@ def test_max_batch_caps_items_per_batch(writers: list[BackgroundWriter]) -> None
 
 def test_max_batch_counts_each_item_as_count_of_says(writers: list[BackgroundWriter]) -> None:
     # A forget's DeleteBlocks holds dozens of blocks: counted as one item each, 64 of them went
-    # in one transaction (64 times the deletes one took). An item is never split.
+    # in one transaction (64 times the deletes one took). An item is never split, and one that
+    # would pass the count waits for the next batch (before: a 64-block delete behind 63 items
+    # made a transaction of 127), unless it is the first.
     rec = Recorder(hold_first=True)
     writer = start(writers, rec, max_batch=4, count_of=lambda item: item[1] if isinstance(item, tuple) else 1)
     writer.submit("gate")
     assert rec.started.wait(WAIT)
-    for item in [("a", 3), ("b", 1), ("c", 2), ("d", 9), ("e", 0), "f", "g", "h", "i"]:
+    for item in [("a", 3), ("b", 1), ("c", 2), ("d", 9), ("e", 0), "f", ("g", 2), "h", "i"]:
         writer.submit(item)
     rec.release.set()
     writer.flush(timeout=WAIT)
-    # 3 + 1 fill one; 2 then 9 passes it; 0 counts as one, as plain items do.
-    assert rec.batches == [["gate"], [("a", 3), ("b", 1)], [("c", 2), ("d", 9)], [("e", 0), "f", "g", "h"], ["i"]]
+    # 3 + 1 fill one; 9 would pass 2's, and is a batch alone; 0 counts as one, as plain items do.
+    assert rec.batches == [["gate"], [("a", 3), ("b", 1)], [("c", 2)], [("d", 9)], [("e", 0), "f", ("g", 2)],
+                           ["h", "i"]]
+    assert writer.queued() == 0
 
 
 def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[BackgroundWriter]) -> None:

@@ -399,8 +399,10 @@ class BackgroundWriter(Generic[T]):
     one batch each.
 
     A batch is full at ``max_batch`` items, each counting ``count_of(item)`` of them (at least
-    one; an item is never split, so the last one taken may pass the count), or at
-    ``max_batch_bytes`` of ``size_of``.
+    one), or at ``max_batch_bytes`` of ``size_of``. An item is never split: one that would take
+    the batch past ``max_batch`` waits for the next batch, unless it is the batch's first (a
+    forget's 64-block delete behind 63 items made a transaction of 127). The last item taken may
+    still pass ``max_batch_bytes``.
     """
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
@@ -577,16 +579,22 @@ class BackgroundWriter(Generic[T]):
 
     def _loop(self, batch: list[tuple[T, Job[None]]]) -> None:
         while True:
-            batch.clear()
-            entry = self._queue.get()
-            if entry is None:
-                self._stopping = True
-                return
-            batch.append(entry)
+            # An entry left in ``batch`` is one that did not fit the last batch: this one's first.
+            # It came from a full batch, so the load is not light and lingering would only delay it.
+            # (Kept in ``batch``, not aside: a thread that cannot go on fails it with the rest.)
+            held = bool(batch)
+            if not held:
+                entry = self._queue.get()
+                if entry is None:
+                    self._stopping = True
+                    return
+                batch.append(entry)
+            entry = batch[0]
             nbytes = self._size_of(entry[0]) if entry[0] is not _MARKER else 0
             count = self._count(entry[0])
             stop = False
-            flushing = entry[0] is _MARKER or nbytes >= self._linger_bytes
+            taken = 1
+            flushing = held or entry[0] is _MARKER or nbytes >= self._linger_bytes
             deadline = time.monotonic() + self._linger
             while count < self._max_batch and nbytes < self._max_batch_bytes:
                 wait = 0.0 if flushing else deadline - time.monotonic()
@@ -598,14 +606,17 @@ class BackgroundWriter(Generic[T]):
                     stop = self._stopping = True
                     break
                 batch.append(nxt)
+                if count + self._count(nxt[0]) > self._max_batch:
+                    break  # left for the next batch
+                taken += 1
                 count += self._count(nxt[0])
                 if nxt[0] is _MARKER:
                     flushing = True  # a flush or nudge: take what is queued now, linger no more
                 else:
                     nbytes += self._size_of(nxt[0])
                     flushing = flushing or nbytes >= self._linger_bytes
-            self._run_batch(list(batch))
-            batch.clear()
+            self._run_batch(batch[:taken])
+            del batch[:taken]
             # Not held while the thread waits for the next item: the first and last items of the
             # batch (a PutBlock holds its block's host tensor) stayed alive until then, outside
             # every budget, for as long as the store was idle.
