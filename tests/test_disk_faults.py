@@ -1401,6 +1401,37 @@ def test_commits_wait_for_a_writer_behind_on_references_and_stamps_as_on_blocks(
     assert not reopened._index.blocks
 
 
+def test_commits_wait_for_a_writer_behind_on_a_forgets_deletes_counted_a_block_each(model, stores, tmp_path):
+    # Before: the backlog counted queued ops, and a forget's DeleteBlocks of FORGET_DELETE_KEYS
+    # blocks counted one: WRITE_BACKLOG_OPS (1024) of them were about 65k block deletes, 1024 of
+    # the writer's transactions, behind the commits.
+    store, _, keys = _a_long_session_a_block_a_token(stores, tmp_path / "kv", model, 100, 1180)
+    release = threading.Event()
+    apply, waits = store._writer._apply, []
+    wait_below = store._writer.wait_below
+
+    def held(items):  # the disk, stalled until a commit waits for it
+        assert release.wait(60)
+        return apply(items)
+
+    def waiting(*args, **kw):
+        waits.append(store._writer.queued())
+        release.set()
+        return wait_below(*args, **kw)
+
+    store._writer._apply = held
+    store._writer.wait_below = waiting
+    try:
+        assert store.forget(session="long") == len(keys)
+        store._backlog_ops = len(keys) // 2  # more than the forget's ops, fewer than its blocks
+        converse(store, model, random_ids(3, 1181), "next")
+    finally:
+        release.set()
+    assert waits and waits[0] > len(keys)  # the commit waited, its deletes counted a block each
+    store.flush()
+    assert store._writer.queued() == 0 and not keys & _records_live(store)
+
+
 def _a_long_session_a_block_a_token(stores, path, model, tokens: int, seed: int
                                    ) -> tuple[TieredStore, torch.Tensor, set[bytes]]:
     """A disk-only store of one-token blocks holding session "long" of ``tokens`` ids, flushed;
@@ -1414,8 +1445,9 @@ def _a_long_session_a_block_a_token(stores, path, model, tokens: int, seed: int
 
 
 def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, stores, tmp_path):
-    # Before: a forget queued a DeleteBlocks a block, so a session of thousands of blocks pushed
-    # the writer's backlog past WRITE_BACKLOG_OPS (1024), and the next commit waited for it.
+    # Before: a forget queued a DeleteBlocks a block, thousands of ops for a long session, a
+    # transaction's worth of items each. (The backlog counts them a block each all the same, as
+    # the writer's transactions take them: WRITE_BACKLOG_OPS.)
     import tierkv.store
 
     path = tmp_path / "kv"
@@ -1439,12 +1471,12 @@ def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, sto
     chunk = tierkv.store.FORGET_DELETE_KEYS
     try:
         assert store.forget(session="long") == len(keys)
-        # Its deletes in ops of FORGET_DELETE_KEYS blocks, and its session's DropRefs (was len(keys) + 1).
-        assert store._writer.queued() == -(-len(keys) // chunk) + 1
+        assert store._writer.queued() == len(keys) + 1  # its deletes a block each, and its session's DropRefs
     finally:
         release.set()
     store.flush()
     deletes = [op for batch in batches for op in batch if isinstance(op, DeleteBlocks)]
+    assert len(deletes) == -(-len(keys) // chunk)  # in ops of FORGET_DELETE_KEYS blocks (was len(keys))
     assert sorted(k for op in deletes for k in op.keys) == sorted(keys)
     assert {len(op.keys) for op in deletes[:-1]} == {chunk}
     # No transaction deletes more blocks than when each went in its own op (64 a batch).

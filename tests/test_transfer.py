@@ -371,6 +371,25 @@ def test_max_batch_counts_each_item_as_count_of_says(writers: list[BackgroundWri
     assert writer.queued() == 0
 
 
+def test_the_writers_queue_counts_each_item_as_count_of_says() -> None:
+    # A forget's 64-block DeleteBlocks is a transaction's worth of work: counted as one queued
+    # item, 1024 of them (WRITE_BACKLOG_OPS) were about 65k block deletes behind the commits.
+    gate = threading.Event()
+
+    def apply(items: Sequence[int]) -> list[BaseException | None]:
+        assert gate.wait(10)
+        return [None if item % 2 else ValueError("even") for item in items]
+
+    writer: BackgroundWriter[int] = BackgroundWriter(apply, name="counted", count_of=lambda item: item)
+    jobs = [writer.submit(n) for n in (1, 64, 0, 3)]
+    assert writer.queued() == 1 + 64 + 1 + 3  # at least one each, as a batch counts them
+    assert not writer.wait_below(0, timeout=0.2, items=68)  # the writer is stalled
+    gate.set()
+    assert writer.wait_below(0, timeout=10, items=0)
+    assert writer.queued() == 0 and writer.settled_items() == 4 and all(j.done() for j in jobs)
+    writer.close()
+
+
 def test_linger_gathers_items_submitted_apart_into_one_batch(writers: list[BackgroundWriter]) -> None:
     rec = Recorder()
     writer = start(writers, rec, linger=WAIT * 10)

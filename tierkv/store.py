@@ -144,7 +144,11 @@ WRITE_BACKLOG_BYTES = 1 << 30
 #: as it does past WRITE_BACKLOG_BYTES. References, deletes and stamps weigh no bytes: turns that
 #: wrote no block (a shared prompt, a returning session) queued a PutRefs, DropRefs and Touch each,
 #: none of them counted, and about 950 piled up behind a writer starved of CPU. 16 of the writer's
-#: 64-item transactions: a disk keeping up drains them in a fraction of a second.
+#: 64-item transactions: a disk keeping up drains them in a fraction of a second. Counted as the
+#: writer counts a transaction's items (``op_count``: a ``DeleteBlocks`` a block each, each
+#: block's record zeroed in the file): counted an op each, 1024 of a forget's 64-block deletes
+#: were about 65k block deletes, 1024 transactions. A forget of more blocks than this makes the
+#: next commit wait for the writer to come back within it.
 WRITE_BACKLOG_OPS = 1024
 #: How long a commit waits for a writer that settles nothing before it stops waiting.
 WRITE_STALL_S = 10.0
@@ -163,9 +167,9 @@ OWED_RETRY_PROBE = 64
 #: 64 MiB took 0.58-0.73 of its one-thread time, of 32 MiB 0.87-0.90, of 4 and 16 MiB 1.03-1.07.
 PARALLEL_READ_BYTES = 32 << 20
 #: Blocks a forget deletes per queued ``DeleteBlocks``. One op a block, forgetting a long session
-#: (thousands of blocks) queued that many items, past WRITE_BACKLOG_OPS, and the next commit
-#: waited for the writer to work through them. The writer still puts no more than about a
-#: transaction's 64 items' worth of blocks in one transaction (``op_count``).
+#: (thousands of blocks) queued that many ops, each a job to reap and, on a failed disk, an owed
+#: entry of its own. The writer still puts no more than a transaction's 64 items' worth of blocks
+#: in one transaction, and the backlog counts them a block each (``op_count``, WRITE_BACKLOG_OPS).
 FORGET_DELETE_KEYS = 64
 
 
@@ -2276,8 +2280,8 @@ class TieredStore:
                 "write_cpu_wait_seconds": self._write_cpu_wait,
                 "pending_writes": len(self._pending_writes),
                 # Time commits waited for the disk writer to come back under WRITE_BACKLOG_BYTES of
-                # queued block writes and WRITE_BACKLOG_OPS queued writes: how far the disk falls
-                # behind the turns.
+                # queued block writes and WRITE_BACKLOG_OPS queued writes (a block delete each):
+                # how far the disk falls behind the turns.
                 "commit_wait_seconds": self._commit_wait,
                 # The pinned host buffer pool (CUDA only): bytes in arenas, in use, free runs, and
                 # allocations that found no run and fell back to a fresh buffer.

@@ -433,9 +433,11 @@ class BackgroundWriter(Generic[T]):
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
         self._backlog = 0
         self._settled_items = 0  # ever settled: progress, for a waiter to tell a stalled writer
-        # id(job) -> its item's size, until it is settled; items of no size too: a byte bound
-        # alone let references, deletes and stamps pile up without end behind a slow disk.
-        self._sizes: dict[int, int] = {}
+        # id(job) -> its item's size and count (``count_of``), until it is settled; items of no
+        # size too: a byte bound alone let references, deletes and stamps pile up without end
+        # behind a slow disk.
+        self._sizes: dict[int, tuple[int, int]] = {}
+        self._queued = 0  # the counts of the items in ``_sizes``: ``queued``
         self._drained = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -446,12 +448,14 @@ class BackgroundWriter(Generic[T]):
             size = self._size_of(item)
         except Exception:  # noqa: BLE001 - the writer's thread meets it again, and fails the item
             size = 0
+        count = self._count(item)
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed")
             with self._drained:
                 self._backlog += size
-                self._sizes[id(job)] = size
+                self._queued += count
+                self._sizes[id(job)] = (size, count)
             self._queue.put((item, job))
         return job
 
@@ -460,15 +464,17 @@ class BackgroundWriter(Generic[T]):
         return self._backlog
 
     def queued(self) -> int:
-        """Items submitted and not yet applied (or failed), of any size."""
-        return len(self._sizes)
+        """Items submitted and not yet applied (or failed), of any size, each counted as a batch
+        counts it (``count_of``): a 64-block delete is a transaction's worth of work, not one
+        item's."""
+        return self._queued
 
     def wait_below(self, limit: int, timeout: float | None = None, items: int | None = None) -> bool:
         """Block until the backlog is at most ``limit`` bytes, and at most ``items`` items are
-        queued (None: any number), or the thread is gone; whether they are. Called from the
+        queued (``queued``; None: any number), or the thread is gone; whether they are. Called from the
         writer's own thread it does not wait."""
         def under() -> bool:
-            return self._backlog <= limit and (items is None or len(self._sizes) <= items)
+            return self._backlog <= limit and (items is None or self._queued <= items)
 
         if self.on_thread():
             return under()
@@ -484,7 +490,8 @@ class BackgroundWriter(Generic[T]):
         with self._drained:
             settled = [self._sizes.pop(id(job)) for _, job in batch if id(job) in self._sizes]
             if settled:
-                self._backlog -= sum(settled)
+                self._backlog -= sum(size for size, _ in settled)
+                self._queued -= sum(count for _, count in settled)
                 self._settled_items += len(settled)
                 self._drained.notify_all()
 

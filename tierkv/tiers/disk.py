@@ -880,8 +880,8 @@ def op_size(op: DiskOp) -> int:
 
 
 def op_count(op: DiskOp) -> int:
-    """How many of a write transaction's items (the writer's ``max_batch``) an op takes: a
-    ``DeleteBlocks`` one a block. A forget queues its deletes a few dozen blocks an op (the
+    """How many of a write transaction's items (the writer's ``max_batch``) an op takes, and of
+    the store's backlog (``WRITE_BACKLOG_OPS``): a ``DeleteBlocks`` one a block. A forget queues its deletes a few dozen blocks an op (the
     store's ``FORGET_DELETE_KEYS``); counted as one item each, 64 of them went in one transaction,
     64 times the records one took before, freeing (and zeroing) that many records' pages, with the
     B-tree pages and free-list entries that takes, where a map at its cap keeps only
