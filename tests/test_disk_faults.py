@@ -1000,6 +1000,73 @@ def test_a_flushed_tail_outlives_a_close_that_drops_the_tail_replacing_it(model,
     assert reopened.stats()["corrupt"] == 0
 
 
+def _a_flushed_tail_whose_superseded_delete_is_owed(store: TieredStore, model, seed: int) -> torch.Tensor:
+    """Session "s" with a flushed partial tail, then a longer turn whose batch (the new chain's
+    writes, and the superseded deletes of that tail) a disk error fails: the deletes are owed.
+    Returns the first turn's sequences."""
+    first = converse(store, model, random_ids(12, seed), "s")
+    store.flush()
+    assert (first.shape[1] - 1) % B  # a partial tail
+    faults = _fail_deletes(store)
+    converse(store, model, torch.cat([first, random_ids(10, seed + 1)], 1), "s")
+    store.flush()
+    owed = [op for op in store._owed if isinstance(op, (DeleteBlocks, DropRefs))]
+    assert owed and all(op.superseded for op in owed)
+    store._disk.apply = faults["restore"]
+    return first
+
+
+def test_a_retried_superseded_delete_is_still_a_close_with_a_timeout_s_to_give_up(model, stores, tmp_path):
+    # Before: an owed delete was retried as a plain one, without its superseded marker: a
+    # close(timeout) that gave up the writes queued before it deleted the flushed tail all the
+    # same, and with the tail replacing it never written, a reopen restored its full blocks only.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    first = _a_flushed_tail_whose_superseded_delete_is_owed(store, model, 990)
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):  # a transaction in flight when close's timeout expires
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    store._writer.submit(Touch({}))
+    assert entered.wait(60)
+    threading.Timer(0.5, release.set).start()
+    store.close(timeout=0.1)  # retries the owed deletes, behind the transaction held
+    assert not store.stats()["owed_deletes"]  # given up, not owed
+    reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    cache = reopened.open(model, torch.cat([first, random_ids(2, 992)], 1), session="s")
+    assert cache.restored_tokens == first.shape[1] - 1
+    assert reopened.stats()["corrupt"] == 0
+
+
+def test_a_retried_superseded_delete_of_a_session_forgotten_since_is_not_given_up(model, stores, tmp_path):
+    # The tail is out of the index: only its owed delete finds it, whatever a close gives up.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    first = _a_flushed_tail_whose_superseded_delete_is_owed(store, model, 995)
+    store.forget(session="s")
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):  # a transaction in flight when close's timeout expires
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    store._writer.submit(Touch({}))
+    assert entered.wait(60)
+    threading.Timer(0.5, release.set).start()
+    store.close(timeout=0.1)
+    assert not store.stats()["owed_deletes"] and _records(path) == set()
+    reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    assert reopened.open(model, torch.cat([first, random_ids(2, 997)], 1), session="s").restored_tokens == 0
+
+
 @pytest.mark.parametrize("timeout", [None, 5.0])
 def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, caplog, timeout):
     # The first close has a timeout, so it waits in the writer's join, not in a flush first.

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -183,6 +184,14 @@ def _abandonable(op: DiskOp) -> bool:
     """What a close with a timeout may give up (``BackgroundWriter``'s ``abandonable``)."""
     return isinstance(op, PutBlock) or (isinstance(op, (DeleteBlocks, DropRefs)) and op.superseded
                                         and not op.forgotten)
+
+
+def _narrowed(op: DeleteBlocks, keys: list[bytes], refs: list[bytes]) -> DeleteBlocks:
+    """``op`` for ``keys`` of its blocks only (an owed delete retried), of the same nature: an
+    eviction's zeroing still deferred, a superseded tail's delete still a close's to give up
+    (rebuilt without, a retried one was deleted at a close(timeout) that gave up the write of
+    the tail replacing it, and the flushed tail was lost)."""
+    return dataclasses.replace(op, keys=keys, refs=refs, footprint=op.footprint * len(keys) // len(op.keys))
 
 
 def _remember(entries: dict[Any, int], keys: Iterable[Any], clock: int, kept: int, floor: int) -> int:
@@ -1879,18 +1888,20 @@ class TieredStore:
             later = [k for k in op.keys if state[k] is DiskState.PENDING]
             if later:
                 wait = set(later)  # a forget's op holds dozens of blocks: sets, not list scans
-                self._owed.append(DeleteBlocks(later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
+                self._owed.append(_narrowed(op, later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
             now = [k for k in op.keys if state[k] is DiskState.NONE]
             gone = set(now)
             refs = [r for r in op.refs
                     if r[KEY_BYTES:] in gone and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
             if now:
-                jobs.append(self._submit(DeleteBlocks(now, refs)))
+                jobs.append(self._submit(_narrowed(op, now, refs)))
         else:
             keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
             drop_session = op.drop_session and op.sid not in self._index.sessions
             if keys or drop_session:
-                jobs.append(self._submit(DropRefs(op.sid, keys, drop_session, self._holders(keys))))
+                # As _narrowed: a superseded tail's references, retried, are still a close's to give up.
+                jobs.append(self._submit(dataclasses.replace(op, keys=keys, drop_session=drop_session,
+                                                             holders=self._holders(keys))))
 
     def _owed_refs(self, op: PutRefs) -> list[bytes]:
         """The references of an owed ``PutRefs`` still to write: held, to blocks still on disk."""
@@ -2080,12 +2091,13 @@ class TieredStore:
             self._forget_session(sid, keys)
 
     def _keep_superseded(self, forgotten: Callable[[bytes, str | None], bool]) -> None:
-        """The queued deletes of tails that a forgotten session's (``forgotten(sid, tenant)``)
-        longer chains replaced are no longer a close's to give up: those tails are out of the
-        index, and only these deletes find them."""
-        for op, job in self._deletes:
+        """The queued and owed deletes of tails that a forgotten session's (``forgotten(sid,
+        tenant)``) longer chains replaced are no longer a close's to give up: those tails are out
+        of the index, and only these deletes find them. (A queued one that fails is owed as it is,
+        and a retry keeps its nature: ``_narrowed``.)"""
+        for op in itertools.chain((op for op, _ in self._deletes), self._owed):
             owner = getattr(op, "owner", None)
-            if owner is not None and not job.done() and forgotten(*owner):
+            if owner is not None and forgotten(*owner):
                 op.forgotten = True  # type: ignore[union-attr]
 
     def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
