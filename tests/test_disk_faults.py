@@ -1561,6 +1561,28 @@ def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, sto
     assert reopened.open(model, torch.cat([keep, random_ids(2, 1173)], 1), session="keep").restored_tokens == kept
 
 
+def test_a_block_write_queued_after_a_gathered_delete_of_its_key_lands_after_it(model, stores, tmp_path):
+    # Before: _queue_write submitted its PutBlock straight to the writer, ahead of the deletes
+    # gathered before it: a gathered delete of the same key, queued at the end of the gathering,
+    # deleted the block just written (in the index, on disk; gone after a reopen).
+    path = tmp_path / "kv"
+    store = make_store(stores, path, host_budget=0)
+    out = converse(store, model, random_ids(16, 1195), None)  # no session: no PutRefs ahead of the write
+    store.flush()
+    meta = next(m for m in store._index.blocks.values() if m.resident is not None)
+    header, _ = store._disk.load(meta.key, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    with store._gathering_deletes():
+        store._delete_on_disk([meta])  # gathered
+        store._unwritten[meta.key] = header  # as a write that found no room left it
+        store._write_again(meta, store._device.get(meta.key), meta.resident)
+    store.flush()
+    assert meta.key in _records_live(store) and meta.disk is DiskState.DURABLE
+    store.close()
+    reopened = make_store(stores, path)
+    cache = reopened.open(model, torch.cat([out, random_ids(2, 1196)], 1))
+    assert cache.restored_from["disk"] == out.shape[1] - 1
+
+
 def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(model, stores, tmp_path):
     # Before: the probe took OWED_RETRY_PROBE owed ops, one transaction's worth when each delete
     # held one block; a forget's owed deletes hold FORGET_DELETE_KEYS blocks each, which the writer

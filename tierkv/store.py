@@ -1347,6 +1347,7 @@ class TieredStore:
         for sid, tenant in refs:
             self._submit(PutRefs(sid, tenant, [meta.key]))
         self._set_inflight(meta.key, source)
+        self._submit_gathered()  # a delete gathered before it (of this key, even) lands first
         write = self._writer.submit(PutBlock(header, source, meta.record_bytes))  # type: ignore[union-attr]
         self._pending_writes[meta.key] = (write, header)
         if source.lease is not None:
@@ -1574,8 +1575,9 @@ class TieredStore:
     @contextlib.contextmanager
     def _gathering_deletes(self) -> Iterator[None]:
         """Within it (a forget), plain block deletes (not the budget's evictions, not superseded
-        tails) go in ``DeleteBlocks`` of up to ``FORGET_DELETE_KEYS`` blocks. Every other write is
-        queued after the deletes gathered before it (``_submit``), so the writes land in the
+        tails) go in ``DeleteBlocks`` of up to ``FORGET_DELETE_KEYS`` blocks. Every other write,
+        block writes too, is queued after the deletes gathered before it (``_submit``,
+        ``_queue_write``), so the writes land in the
         order they did one delete an op; what is gathered at the end is queued then, also when
         an exception ends it (the blocks are out of the index: only this delete finds them)."""
         self._gathering = True
