@@ -1561,6 +1561,40 @@ def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, sto
     assert reopened.open(model, torch.cat([keep, random_ids(2, 1173)], 1), session="keep").restored_tokens == kept
 
 
+def test_evictions_for_room_on_disk_queue_their_deletes_as_a_few_writes(model, stores, tmp_path, monkeypatch):
+    # Before: an eviction for room on disk queued a DeleteBlocks a block: a reopen under a smaller
+    # disk budget (or a large block's room) queued one op for each block it evicted.
+    import tierkv.store
+
+    path = tmp_path / "kv"
+    store, _, keys = _a_long_session_a_block_a_token(stores, path, model, 300, 1190)
+    footprint = store.stats()["disk"]["bytes"] // len(store._index.blocks)
+    store.close()
+    applied: list[object] = []
+    apply = TieredStore._apply_writes
+
+    def recording(self, ops):
+        applied.extend(ops)
+        return apply(self, ops)
+
+    monkeypatch.setattr(TieredStore, "_apply_writes", recording)
+    budget = 50 * footprint
+    reopened = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0, disk_budget=budget)
+    stores.append(reopened)
+    reopened.flush()
+    deletes = [op for op in applied if isinstance(op, DeleteBlocks)]
+    evicted = {k for op in deletes for k in op.keys}
+    assert len(evicted) > 200 and evicted <= keys and all(op.evicted for op in deletes)
+    chunk = tierkv.store.FORGET_DELETE_KEYS
+    assert len(deletes) == -(-len(evicted) // chunk)  # was len(evicted)
+    assert not evicted & _records_live(reopened) and not evicted & _records_live(reopened, b"heads")
+    assert reopened.stats()["disk"]["bytes"] <= budget and not reopened.stats()["owed_deletes"]
+    reopened.close()
+    again = TieredStore(path, device="cpu", block_size=1, device_budget=0, host_budget=0, disk_budget=budget)
+    stores.append(again)
+    assert set(again._index.blocks) == keys - evicted
+
+
 def test_a_block_write_queued_after_a_gathered_delete_of_its_key_lands_after_it(model, stores, tmp_path):
     # Before: _queue_write submitted its PutBlock straight to the writer, ahead of the deletes
     # gathered before it: a gathered delete of the same key, queued at the end of the gathering,

@@ -167,9 +167,10 @@ OWED_RETRY_PROBE = 64
 #: two of them at once share the memory bus: on the 2-core VM of benchmarks/RESULTS.md an open of
 #: 64 MiB took 0.58-0.73 of its one-thread time, of 32 MiB 0.87-0.90, of 4 and 16 MiB 1.03-1.07.
 PARALLEL_READ_BYTES = 32 << 20
-#: Blocks a forget deletes per queued ``DeleteBlocks``. One op a block, forgetting a long session
-#: (thousands of blocks) queued that many ops, each a job to reap and, on a failed disk, an owed
-#: entry of its own. The writer still puts no more than a transaction's 64 items' worth of blocks
+#: Blocks a forget, or the evictions that make room on disk, delete per queued ``DeleteBlocks``.
+#: One op a block, forgetting a long session (thousands of blocks), or reopening under a smaller
+#: disk budget, queued that many ops, each a job to reap and, on a failed disk, an owed entry of
+#: its own. The writer still puts no more than a transaction's 64 items' worth of blocks
 #: in one transaction, and the backlog counts them a block each (``op_count``, WRITE_BACKLOG_OPS).
 FORGET_DELETE_KEYS = 64
 
@@ -1452,9 +1453,10 @@ class TieredStore:
         """
         if tier is Tier.DISK:
             assert self._disk is not None
-            while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
-                if self._evict_from_disk() == 0:
-                    return False
+            with self._gathering_deletes():  # a large block, or a reopen under a smaller budget: many
+                while self._index.bytes[Tier.DISK] + nbytes > self._disk.budget:
+                    if self._evict_from_disk() == 0:
+                        return False
             return True
         space = self._device if tier is Tier.DEVICE else self._host
         while not space.fits(nbytes):
@@ -1561,9 +1563,11 @@ class TieredStore:
                 self._pop_inflight(meta.key)
         if not keys or self._writer is None:
             return
-        if self._gathering and not evicted and superseded is None:
+        if self._gathering and superseded is None:
+            if self._gathered is not None and self._gathered.evicted != evicted:
+                self._submit_gathered()  # a forget's records are zeroed in their transaction, evictions' later
             if self._gathered is None:
-                self._gathered = DeleteBlocks([], [])
+                self._gathered = DeleteBlocks([], [], evicted)
             self._gathered.keys += keys
             self._gathered.refs += refs
             self._gathered.footprint += footprint
@@ -1574,12 +1578,16 @@ class TieredStore:
 
     @contextlib.contextmanager
     def _gathering_deletes(self) -> Iterator[None]:
-        """Within it (a forget), plain block deletes (not the budget's evictions, not superseded
-        tails) go in ``DeleteBlocks`` of up to ``FORGET_DELETE_KEYS`` blocks. Every other write,
+        """Within it (a forget, the evictions that make room on disk), block deletes (not
+        superseded tails, each its session's) go in ``DeleteBlocks`` of up to
+        ``FORGET_DELETE_KEYS`` blocks, a forget's and the evictions' apart. Every other write,
         block writes too, is queued after the deletes gathered before it (``_submit``,
-        ``_queue_write``), so the writes land in the
-        order they did one delete an op; what is gathered at the end is queued then, also when
-        an exception ends it (the blocks are out of the index: only this delete finds them)."""
+        ``_queue_write``), so the writes land in the order they did one delete an op; what is
+        gathered at the end of the outermost one is queued then, also when an exception ends it
+        (the blocks are out of the index: only this delete finds them)."""
+        if self._gathering:
+            yield
+            return
         self._gathering = True
         try:
             yield
@@ -1663,7 +1671,12 @@ class TieredStore:
                 self._unpin(left)
             self._reap_deletes()
             self._host.reclaim()
-        for key in list(self._pending_writes) if keys is None else keys:
+        with self._gathering_deletes():  # the evictions that writes refused at the map's cap ask for
+            self._reap_writes(list(self._pending_writes) if keys is None else keys)
+
+    def _reap_writes(self, keys: Iterable[bytes]) -> None:
+        """``_reap``'s work for the block writes of ``keys``."""
+        for key in keys:
             entry = self._pending_writes.get(key)
             if entry is None or not entry[0].done():
                 continue
