@@ -29,8 +29,8 @@ from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
 from tierkv.store import _session_id
-from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, FilesystemFull, PutBlock, PutRefs, Touch,
-                               op_count, slack)
+from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, DropSessions, FilesystemFull, PutBlock,
+                               PutRefs, Touch, op_count, slack)
 from tierkv.transfer import Job
 
 B = 8
@@ -139,7 +139,7 @@ def _fail_deletes(store: TieredStore) -> dict[str, int]:
     seen = {"failed": 0}
 
     def failing(ops):
-        if any(isinstance(op, (DeleteBlocks, DropRefs)) for op in ops):
+        if any(isinstance(op, (DeleteBlocks, DropRefs, DropSessions)) for op in ops):
             seen["failed"] += 1
             raise lmdb.DiskError("Input/output error")
         return apply(ops)
@@ -1615,6 +1615,87 @@ def test_a_block_write_queued_after_a_gathered_delete_of_its_key_lands_after_it(
     reopened = make_store(stores, path)
     cache = reopened.open(model, torch.cat([out, random_ids(2, 1196)], 1))
     assert cache.restored_from["disk"] == out.shape[1] - 1
+
+
+def _a_tenant_of_one_block_sessions(store: TieredStore, model, n: int, seed: int
+                                    ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Tenant "acme" with ``n`` sessions of one block each, and session "keep" of the default
+    tenant, flushed; acme's sessions' sequences, keep's, and keep's block count."""
+    outs = []
+    for i in range(n):
+        ids = random_ids(5, seed + i)
+        cache = store.open(model, ids, session=f"u{i}", tenant="acme")
+        out = generate(model, ids, cache)
+        cache.commit(out)
+        outs.append(out)
+    keep = converse(store, model, random_ids(12, seed + n), "keep")
+    store.flush()
+    assert sum(m.tenant == "acme" for m in store._index.blocks.values()) == n
+    return outs, keep, len(store._index.sessions[_session_id(None, "keep")].keys)
+
+
+def test_forgetting_a_tenant_of_many_one_block_sessions_queues_a_few_writes(model, stores, tmp_path):
+    # Before: a tenant's forget queued a one-block DeleteBlocks and a DropRefs for each of its
+    # sessions: 10,000 one-block sessions were 20,000 ops.
+    import tierkv.store
+
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    chunk = tierkv.store.FORGET_DELETE_KEYS
+    n = chunk + 6
+    outs, keep, kept = _a_tenant_of_one_block_sessions(store, model, n, 1200)
+    release = threading.Event()
+    apply, batches = store._writer._apply, []
+
+    def held(items):  # the disk, stalled until the test lets it go
+        assert release.wait(60)
+        batches.append(list(items))
+        return apply(items)
+
+    store._writer._apply = held
+    try:
+        assert store.forget(tenant="acme") == n
+    finally:
+        release.set()
+    store.flush()
+    ops = [op for batch in batches for op in batch]
+    deletes = [op for op in ops if isinstance(op, DeleteBlocks)]
+    drops = [op for op in ops if isinstance(op, (DropRefs, DropSessions))]
+    assert len(deletes) == len(drops) == -(-n // chunk)  # was n each
+    assert {len(op.keys) for op in deletes[:-1]} == {len(op.drops) for op in drops[:-1]} == {chunk}
+    # Each session's references go after its block's delete, as when they went one a session.
+    deleted_at = {key: at for at, op in enumerate(ops) if isinstance(op, DeleteBlocks) for key in op.keys}
+    dropped = [(at, drop) for at, op in enumerate(ops) for drop in getattr(op, "drops", [op])
+               if isinstance(drop, DropRefs)]
+    assert len(dropped) == n and all(deleted_at[key] < at for at, drop in dropped for key in drop.keys)
+    assert not store.stats()["owed_deletes"]
+    store.close()
+    assert _rows(path) == {"blocks": kept, "sessions": 1, "refs": kept}
+    reopened = make_store(stores, path, device_budget=0, host_budget=0)
+    for i in (0, n - 1):
+        ids = torch.cat([outs[i], random_ids(2, 1301)], 1)
+        assert reopened.open(model, ids, session=f"u{i}", tenant="acme").restored_tokens == 0
+    cache = reopened.open(model, torch.cat([keep, random_ids(2, 1302)], 1), session="keep")
+    assert cache.restored_tokens == keep.shape[1] - 1
+
+
+def test_a_tenants_gathered_session_drops_that_fail_are_owed_a_session_each_and_land(model, stores, tmp_path):
+    # A DropSessions that fails is owed as the DropRefs it holds, each retried as a session's is.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    n = 70
+    _, keep, kept = _a_tenant_of_one_block_sessions(store, model, n, 1400)
+    faults = _fail_deletes(store)
+    assert store.forget(tenant="acme") == n
+    store.flush()
+    assert faults["failed"] and store.stats()["owed_deletes"] == 3 * n  # each block, reference and session row
+    assert {type(op) for op in store._owed} == {DeleteBlocks, DropRefs}
+    assert sum(isinstance(op, DropRefs) for op in store._owed) == n
+    store._disk.apply = faults["restore"]
+    store.flush()
+    assert not store.stats()["owed_deletes"]
+    store.close()
+    assert _rows(path) == {"blocks": kept, "sessions": 1, "refs": kept}
 
 
 def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(model, stores, tmp_path):

@@ -81,7 +81,7 @@ from .owed import OwedOps
 from .readers import ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
-                         FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
+                         DropSessions, FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
                          Scrubbed, Touch, block_bytes, dtype_name, op_count, op_size, slack, torch_dtype)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
@@ -394,14 +394,16 @@ class TieredStore:
         # every flush and at close, since a lost delete would bring forgotten KV back after a
         # restart, and a lost reference would leave a session's blocks where its forget cannot
         # find them.
-        self._deletes: list[tuple[DeleteBlocks | DropRefs | PutRefs, Job[None]]] = []
+        self._deletes: list[tuple[DeleteBlocks | DropRefs | DropSessions | PutRefs, Job[None]]] = []
         self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
         self._owed = OwedOps()
-        # A forget's block deletes, gathered into one op until it holds FORGET_DELETE_KEYS blocks
-        # or another write is queued (_gathering_deletes); None outside a forget.
+        # A forget's (or the evictions') block deletes, gathered into one op until it holds
+        # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
+        # forgotten sessions' (sid, keys), whose DropRefs go after them; None and empty outside.
         self._gathered: DeleteBlocks | None = None
+        self._gathered_drops: list[tuple[bytes, list[bytes]]] = []
         self._gathering = False
         # Sessions whose row may be on disk (found there at open, or a PutRefs of theirs landed):
         # a failed DropRefs of any other has nothing on disk to delete (_reap_deletes).
@@ -1565,14 +1567,15 @@ class TieredStore:
             return
         if self._gathering and superseded is None:
             if self._gathered is not None and self._gathered.evicted != evicted:
-                self._submit_gathered()  # a forget's records are zeroed in their transaction, evictions' later
+                # A forget's records are zeroed in their transaction, evictions' later.
+                self._submit_gathered(deletes_only=True)
             if self._gathered is None:
                 self._gathered = DeleteBlocks([], [], evicted)
             self._gathered.keys += keys
             self._gathered.refs += refs
             self._gathered.footprint += footprint
             if len(self._gathered.keys) >= FORGET_DELETE_KEYS:
-                self._submit_gathered()
+                self._submit_gathered(deletes_only=True)
             return
         self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded, footprint=footprint))
 
@@ -1595,10 +1598,18 @@ class TieredStore:
             self._gathering = False
             self._submit_gathered()
 
-    def _submit_gathered(self) -> None:
+    def _submit_gathered(self, deletes_only: bool = False) -> None:
+        """Queue the deletes gathered, then (unless ``deletes_only``) the sessions' references,
+        after the deletes of their blocks as when each session's went alone; ``holders`` as they
+        are now, at the end of the forget (a keeping session forgotten later in it keeps nothing)."""
         op, self._gathered = self._gathered, None
         if op is not None:
-            self._submit(op)
+            self._submit(op, gathered=True)
+        while self._gathered_drops and not deletes_only:
+            drops = [DropRefs(sid, keys, drop_session=True, holders=self._holders(keys))
+                     for sid, keys in self._gathered_drops[:FORGET_DELETE_KEYS]]
+            del self._gathered_drops[:FORGET_DELETE_KEYS]
+            self._submit(drops[0] if len(drops) == 1 else DropSessions(drops), gathered=True)
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1764,20 +1775,22 @@ class TieredStore:
         else:
             logger.debug("tierkv: disk tier %s (%s)", "damaged" if damage else "I/O error", exc)
 
-    def _submit(self, op: DiskOp) -> Job[None] | None:
-        """Queue a bookkeeping write (refs, deletes, stamps). Once the disk has failed only deletes
-        and references are still tried: they are what keeps forgotten KV from coming back after a
-        restart (references to blocks already on disk; no new block is written then)."""
-        if self._gathered is not None and op is not self._gathered:
-            self._submit_gathered()  # the deletes gathered so far go first, as they were made
-        must_land = isinstance(op, (DeleteBlocks, DropRefs, PutRefs))
+    def _submit(self, op: DiskOp, gathered: bool = False) -> Job[None] | None:
+        """Queue a bookkeeping write (refs, deletes, stamps); ``gathered``: one of those
+        ``_submit_gathered`` queues. Once the disk has failed only deletes and references are
+        still tried: they are what keeps forgotten KV from coming back after a restart
+        (references to blocks already on disk; no new block is written then)."""
+        if not gathered:
+            self._submit_gathered()  # the writes gathered so far go first, as they were made
+        must_land = isinstance(op, (DeleteBlocks, DropRefs, DropSessions, PutRefs))
         if self._writer is None or (self._disk_failed and not must_land):
             return None
         if self._writer.closed:
             # A close cut short and called again: a delete that cannot be queued stays owed (and
             # is logged as such), it is not lost.
             if must_land:
-                self._owed.append(op)  # type: ignore[arg-type]
+                for part in op.drops if isinstance(op, DropSessions) else [op]:  # type: ignore[union-attr]
+                    self._owed.append(part)  # type: ignore[arg-type]
             return None
         job = self._writer.submit(op)
         if must_land:
@@ -1795,28 +1808,35 @@ class TieredStore:
             try:
                 job.wait()
             except WriteAbandoned:  # never abandoned (only block writes are), but not owed if it were
-                pass
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure leaves the delete owed
-                self._disk_fault(exc)
-                if isinstance(op, DropRefs) and op.sid not in self._sessions_on_disk:
-                    # No reference of this session ever reached the disk (one made after the disk
-                    # failed): owing its delete grew the owed list by a session at a time, each
-                    # retried at every flush. Owed: the references it was to write for others.
-                    self._owe_holders(op)
-                    continue
-                if isinstance(op, PutRefs):
-                    self._owe_refs(op.sid, op.tenant, op.keys)
-                    continue
-                self._owed.append(op)
+                error: Exception | None = exc
             else:
-                # Writes land in the order they were queued, and are reaped in that order.
-                if isinstance(op, PutRefs):
-                    self._sessions_on_disk.add(op.sid)
-                elif isinstance(op, DropRefs):
-                    self._sessions_on_disk.update(holder for holder, _, _ in op.holders)
-                    if op.drop_session:
-                        self._sessions_on_disk.discard(op.sid)
+                error = None
+            # Writes land in the order they were queued, and are reaped in that order.
+            for part in op.drops if isinstance(op, DropSessions) else [op]:
+                self._reaped(part, error)
         self._deletes = queued
+
+    def _reaped(self, op: DeleteBlocks | DropRefs | PutRefs, error: Exception | None) -> None:
+        """``_reap_deletes``' work for one op that landed, or failed with ``error``."""
+        if error is not None:
+            self._disk_fault(error)
+            if isinstance(op, DropRefs) and op.sid not in self._sessions_on_disk:
+                # No reference of this session ever reached the disk (one made after the disk
+                # failed): owing its delete grew the owed list by a session at a time, each
+                # retried at every flush. Owed: the references it was to write for others.
+                self._owe_holders(op)
+            elif isinstance(op, PutRefs):
+                self._owe_refs(op.sid, op.tenant, op.keys)
+            else:
+                self._owed.append(op)
+        elif isinstance(op, PutRefs):
+            self._sessions_on_disk.add(op.sid)
+        elif isinstance(op, DropRefs):
+            self._sessions_on_disk.update(holder for holder, _, _ in op.holders)
+            if op.drop_session:
+                self._sessions_on_disk.discard(op.sid)
 
     def _owe_holders(self, op: DropRefs) -> None:
         held: dict[tuple[bytes, str | None], list[bytes]] = {}
@@ -2102,8 +2122,9 @@ class TieredStore:
         self._corrupt += len(damaged)
         logger.warning("tierkv: %d damaged session rows in %s were dropped, and the blocks only they referenced",
                        len(damaged), self._disk.path if self._disk is not None else None)
-        for sid, keys in damaged.items():
-            self._forget_session(sid, keys)
+        with self._gathering_deletes():
+            for sid, keys in damaged.items():
+                self._forget_session(sid, keys)
 
     def _keep_superseded(self, forgotten: Callable[[bytes, str | None], bool]) -> None:
         """The queued and owed deletes of tails that a forgotten session's (``forgotten(sid,
@@ -2134,7 +2155,11 @@ class TieredStore:
         dropped += self._drop_extensions(tails)
         dropped += self._drop_below(list(dropped))
         self._note_forgotten_blocks(dropped)
-        if self._writer is not None:
+        if self._writer is not None and self._gathering:
+            # Queued with the other sessions' of this forget (_submit_gathered): a tenant of
+            # thousands of one-block sessions queued a DropRefs and a one-block delete each.
+            self._gathered_drops.append((sid, keys))
+        elif self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
         return len(dropped)
 
@@ -2201,11 +2226,11 @@ class TieredStore:
         ``forget(tenant=t)`` removes every block of tenant ``t`` (``None`` is the default tenant).
         A session is found by the key its tenant and name hash to (names are not kept on disk):
         without a tenant, sessions read back at a reopen and not committed since cost one hash
-        per tenant they have. The deletes are queued (``FORGET_DELETE_KEYS`` blocks a write), and
-        written without waiting for more writes
-        (but after those queued before them); ``flush()`` returns when they are on disk (until then
-        a crash can leave the forgotten KV in the file), or when a disk error failed them: those
-        stay owed (``stats()["owed_deletes"]``), retried at later flushes and at ``close``. A turn
+        per tenant they have. The deletes are queued (``FORGET_DELETE_KEYS`` blocks a write, then
+        the sessions' references as many sessions a write), and written without waiting for more
+        writes (but after those queued before them); ``flush()`` returns when they are on disk
+        (until then a crash can leave the forgotten KV in the file), or when a disk error failed
+        them: those stay owed (``stats()["owed_deletes"]``), retried at later flushes and at ``close``. A turn
         of the session (or tenant) opened before this call keeps nothing at its ``commit``.
         """
         self._check_open()

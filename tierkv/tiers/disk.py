@@ -745,6 +745,14 @@ class DropRefs:
 
 
 @dataclass(slots=True)
+class DropSessions:
+    """Several sessions' ``DropRefs``, applied in order: those a forget gathered (a tenant's
+    thousands of one-block sessions queued a ``DropRefs`` each, behind a one-block delete each).
+    Counted a session each (``op_count``), as they were one an op."""
+    drops: list[DropRefs]
+
+
+@dataclass(slots=True)
 class Touch:
     stamps: dict[bytes, int]
 
@@ -757,7 +765,7 @@ class PutHeads:
     heads: dict[bytes, tuple[bytes, int]]
 
 
-DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | Touch | PutHeads
+DiskOp = PutBlock | DeleteBlocks | PutRefs | DropRefs | DropSessions | Touch | PutHeads
 
 
 @dataclass(slots=True)
@@ -836,6 +844,8 @@ def _conflicts(op: DiskOp) -> set[bytes]:
         return {b"k" + key for key in op.heads}
     if isinstance(op, DeleteBlocks):
         return {b"k" + key for key in op.keys} | {b"s" + ref[:KEY_BYTES] for ref in op.refs}
+    if isinstance(op, DropSessions):
+        return set().union(*map(_conflicts, op.drops))
     if isinstance(op, (PutRefs, DropRefs)):
         holders = op.holders if isinstance(op, DropRefs) else []
         return ({b"k" + key for key in op.keys} | {b"s" + op.sid}
@@ -881,11 +891,14 @@ def op_size(op: DiskOp) -> int:
 
 def op_count(op: DiskOp) -> int:
     """How many of a write transaction's items (the writer's ``max_batch``) an op takes, and of
-    the store's backlog (``WRITE_BACKLOG_OPS``): a ``DeleteBlocks`` one a block. A forget queues its deletes a few dozen blocks an op (the
+    the store's backlog (``WRITE_BACKLOG_OPS``): a ``DeleteBlocks`` one a block, a
+    ``DropSessions`` one a session. A forget queues its deletes a few dozen blocks an op (the
     store's ``FORGET_DELETE_KEYS``); counted as one item each, 64 of them went in one transaction,
     64 times the records one took before, freeing (and zeroing) that many records' pages, with the
     B-tree pages and free-list entries that takes, where a map at its cap keeps only
     ``_DELETE_ROOM`` for deletes."""
+    if isinstance(op, DropSessions):
+        return len(op.drops)
     return len(op.keys) if isinstance(op, DeleteBlocks) else 1
 
 
@@ -2033,6 +2046,9 @@ class DiskTier:
                 if refs.set_range(op.sid):
                     while bytes(refs.key()[:KEY_BYTES]) == op.sid and refs.delete():
                         pass
+        elif isinstance(op, DropSessions):
+            for drop in op.drops:
+                self._apply_one(txn, drop, batch)
         elif isinstance(op, Touch):
             for key, stamp in op.stamps.items():
                 txn.put(key, _U64.pack(stamp), db=self._atime)
