@@ -671,7 +671,7 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
         assert 0 < resident_share(data, *where[key(2)]) < 1
         monkeypatch.setattr(disk_module.vm, "madvise", madvise)
         tier.prefetch([key(1), key(2), key(3)])
-        page = tier.page_size
+        page = disk_module.vm.PAGE
         covered = [(start - tier._map_start, start - tier._map_start + length) for start, length in advised]
         wanted = [((where[k][0]) // page * page, where[k][0] + where[k][1]) for k in (key(2), key(3))]
         assert covered == wanted
@@ -703,6 +703,34 @@ def test_prefetch_asks_the_page_cache_once_a_run_of_records_lying_together(tmp_p
         assert asked[0][0] == tier._map_start + first
         for n in range(1, 9):
             assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2])
+def test_prefetch_counts_the_oss_pages_where_lmdbs_differ(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                          ratio: float) -> None:
+    # LMDB's page is 32 KiB at most, half a page of a 64 KiB-page kernel, and a store keeps the
+    # page size it was made with: mincore's answer (one byte an OS page) sliced in LMDB's pages
+    # judged the records past a run's first ones cached, and asked no readahead of them.
+    path = tmp_path / "store"
+    cold_store(path, range(1, 9))  # one transaction: its records lie in a row, one run
+    advised: list[tuple[int, int]] = []
+    real = disk_module.vm.madvise
+
+    def madvise(start: int, length: int, advice: int) -> bool:
+        if advice == disk_module.vm.MADV_WILLNEED:
+            advised.append((start, length))
+        return real(start, length, advice)
+
+    with opened(path) as tier:
+        tier.scan()
+        where = dict(tier._where)
+        assert tier.load(key(1), empty)[1].equal(block_tensor(1, shape=BIG))  # now cached, every page
+        monkeypatch.setattr(disk_module.vm, "madvise", madvise)
+        monkeypatch.setattr(tier, "page_size", int(disk_module.vm.PAGE * ratio))
+        tier.prefetch([key(n) for n in range(1, 9)])
+        page = disk_module.vm.PAGE
+        covered = [(start - tier._map_start, start - tier._map_start + length) for start, length in advised]
+        assert covered == [(where[key(n)][0] // page * page, sum(where[key(n)])) for n in range(2, 9)]
 
 
 @contextlib.contextmanager

@@ -1774,7 +1774,10 @@ class DiskTier:
             start = self._map_start
             if start is None or self._closed:
                 return
-            page = self.page_size
+            # The OS's page, not LMDB's: mincore answers and madvise takes whole OS pages, and
+            # LMDB's page differs from the OS's on 64 KiB-page kernels (LMDB's is 32 KiB at most)
+            # and in a store made on another machine (it keeps the file's own).
+            page = vm.PAGE
             records = sorted(((start + where[0]) // page * page, start + where[0] + where[1])
                              for where in map(self._where.get, keys) if where is not None)
             # Records written together lie one after another in the file, a B-tree page or two
