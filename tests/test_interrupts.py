@@ -550,3 +550,41 @@ def test_a_ctrl_c_during_the_swap_back_is_raised_once_and_not_again_later(monkey
     except KeyboardInterrupt:
         pytest.fail("a later section raised a Ctrl-C already delivered")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _named(signum, frame):
+    raise TimeoutError("named")
+
+
+def _starred(*_):
+    raise TimeoutError("starred")
+
+
+class _Alarm:
+    def __call__(self, *args):
+        raise TimeoutError("a callable object's")
+
+
+def _not_a_handler(frame):
+    raise TimeoutError("not a handler: passed a frame that is not its caller")
+
+
+@pytest.mark.parametrize("handler", [_named, _starred, lambda *a: _named(*a), _Alarm()],
+                         ids=["named", "starred", "lambda", "callable"])
+def test_raised_by_signal_handler_tells_a_handlers_exception_whatever_its_arguments_are_called(handler) -> None:
+    """A handler that needs neither argument is often ``def handler(*_)``: its ``TimeoutError``
+    was taken for a failing disk by an open's reads (``TieredStore._read_disk_blocks``)."""
+    from tierkv.interrupts import raised_by_signal_handler
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with pytest.raises(TimeoutError) as raised:
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+            for _ in range(1_000_000):  # the handler runs between two bytecodes of this loop
+                pass
+        assert raised_by_signal_handler(raised.value)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with pytest.raises(TimeoutError) as raised:
+        _not_a_handler(sys._getframe(1))  # the test's caller's frame
+    assert not raised_by_signal_handler(raised.value)

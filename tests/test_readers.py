@@ -646,12 +646,13 @@ def damage(store: TieredStore, key: bytes) -> None:
 
 
 
+@pytest.mark.parametrize("starred", [False, True])
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_signal_handlers_timeout_error_in_a_disk_read_is_raised_not_taken_for_a_failing_disk(
-        tiny_model, tmp_path, monkeypatch, parallel):
+        tiny_model, tmp_path, monkeypatch, parallel, starred):
     """``TimeoutError`` is an ``OSError``: a SIGALRM handler's landing in a disk read of an open
     was taken for the disk failing (the open cut short and returned, the timeout gone, and no
-    block written to disk again for the store's life)."""
+    block written to disk again for the store's life). ``starred``: a handler ``def h(*_)``."""
     import signal
 
     if parallel:
@@ -673,8 +674,11 @@ def test_a_signal_handlers_timeout_error_in_a_disk_read_is_raised_not_taken_for_
     def on_alarm(signum, frame):
         raise TimeoutError("the program's own timeout")
 
+    def on_alarm_starred(*_):
+        raise TimeoutError("the program's own timeout")
+
     monkeypatch.setattr(DiskTier, "read_into", read_into)
-    previous = signal.signal(signal.SIGUSR1, on_alarm)
+    previous = signal.signal(signal.SIGUSR1, on_alarm_starred if starred else on_alarm)
     try:
         with disk_only(tmp_path / "kv") as store:
             with pytest.raises(TimeoutError, match="own timeout"):

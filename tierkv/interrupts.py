@@ -33,6 +33,7 @@ from errors of the code they interrupted, for code that drops some errors (reads
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from types import FrameType, TracebackType
@@ -112,8 +113,8 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
     """Whether a Python signal handler raised ``exc`` (a ``SIGALRM`` timeout, say), as against
     the code it interrupted: its traceback runs through a frame that was passed its own caller,
     as CPython calls a handler (``handler(signum, frame)``, ``frame`` the one it interrupted; a
-    trace function is called alike, and counts too). Only the main thread runs handlers. One
-    that rebinds its ``frame`` argument before raising goes unseen."""
+    trace function is called alike, and counts too), named or among its ``*args``. Only the main
+    thread runs handlers. One that rebinds its ``frame`` argument before raising goes unseen."""
     tb = exc.__traceback__
     while tb is not None:
         frame, tb = tb.tb_frame, tb.tb_next
@@ -123,6 +124,12 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
         code, values = frame.f_code, frame.f_locals
         if any(values.get(name) is caller for name in code.co_varnames[:code.co_argcount]):
             return True
+        if code.co_flags & inspect.CO_VARARGS:
+            # ``def handler(*_)``, a lambda's ``*a``, a decorator's wrapper: as common for a
+            # handler that needs neither argument, and its timeout was taken for a disk fault.
+            rest = values.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount])
+            if isinstance(rest, tuple) and any(value is caller for value in rest):
+                return True
     return False
 
 
