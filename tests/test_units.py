@@ -206,9 +206,11 @@ def test_negative_string_raises_with_remedy(value: str) -> None:
     assert "Use 0" in str(info.value)
 
 
-def test_negative_float_raises_with_remedy() -> None:
-    with pytest.raises(ValueError, match="Use 0"):
-        parse_bytes(-1.0)
+@pytest.mark.parametrize("value", [-1.0, -0.5, -1.5e9 + 0.5])
+def test_negative_float_raises_with_remedy(value: float) -> None:
+    # A fraction too: not told to write it as a negative string with a unit ("-0.5GiB").
+    with pytest.raises(ValueError, match="negative.*Use 0"):
+        parse_bytes(value)
 
 
 @pytest.mark.parametrize("value", [True, False])

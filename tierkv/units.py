@@ -45,7 +45,8 @@ def parse_bytes(value: object, name: str = "budget") -> int:
         number = float(value)
         if not math.isfinite(number):
             raise ValueError(f"{name} must be a finite number of bytes; got {value!r}. Use {_FORMS}.")
-        if not number.is_integer():
+        # A negative one is told below to give 0, not to write "-0.5GiB".
+        if not number.is_integer() and number > 0:
             # 1.5 meant as 1.5GiB was one byte: every block evicted, a reopened store's included.
             # Refused at any size, as "1288490188.8B" is: a float is a count of bytes.
             instead = (f"a string with a unit, like \"{number:g}GiB\", or a whole number of bytes" if number < 1024
