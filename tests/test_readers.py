@@ -607,6 +607,60 @@ def test_a_read_transaction_that_cannot_begin_is_a_miss(tiny_model, tmp_path, mo
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
+def test_a_signal_handlers_exception_on_the_way_into_one_read_transaction_leaves_nothing_held(tmp_path):
+    """A real signal's handler raising at each point on the way into ``DiskTier.reading()`` where
+    CPython runs one (a Python function's start, a C call's return), the exception kept alive (as
+    ``sys.last_value`` keeps one): as a generator's context manager, the one landing as its
+    ``next()`` returned left the read transaction, the lock's shared side and the thread's
+    transaction held (a remap or a close after it waited for good; the thread's later reads went
+    through that stale transaction)."""
+    import signal
+    import sys
+
+    from test_tiers import BIG, BLOCK, big_op, block_tensor, empty, key
+
+    main = threading.get_ident()
+    tier = DiskTier(tmp_path / "store", budget=1 << 30, block_size=BLOCK)
+    kept: list[BaseException] = []
+    previous = signal.signal(signal.SIGUSR1, _raise_timeout)
+    try:
+        assert tier.apply([big_op(1)]) == [None]
+        point = 0
+        while True:
+            point += 1
+            seen, sent = [0], []
+
+            def profile(frame, event, arg, point=point):
+                if event in ("call", "c_return"):
+                    seen[0] += 1
+                    if seen[0] == point:
+                        sent.append((event, frame.f_code.co_name))
+                        signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
+
+            try:
+                sys.setprofile(profile)
+                try:
+                    with tier.reading():
+                        sys.setprofile(None)
+                finally:
+                    sys.setprofile(None)
+            except Timeout as exc:
+                kept.append(exc)
+            if not sent:
+                break  # past the way in
+            lock = tier._resize_lock
+            assert tier._reading.txn is None and lock._readers == 0 and not lock.locked(), sent
+        assert len(kept) == point - 1 > 3
+        assert tier.apply([big_op(2)]) == [None]  # and reads see it: no stale transaction
+        assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
+        with tier.reading():
+            assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        kept.clear()
+        tier.close(timeout=1)
+
+
 def test_two_opens_in_two_threads_read_the_disk_at_once(tiny_model, tmp_path, monkeypatch):
     """The disk tier's reads share its lock: each open's first read waits inside ``read_into``
     for the other's (with the lock exclusive, as before, the second never got in)."""

@@ -64,7 +64,6 @@ machine, while ``writemap=False`` ran 2-5x slower (measured when the project beg
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import errno
 import logging
@@ -79,7 +78,7 @@ try:
     import fcntl
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +206,40 @@ class _HeldTxn(threading.local):
     """The read transaction of this thread's ``DiskTier.reading()``, if any."""
 
     txn: lmdb.Transaction | None = None
+
+
+class _Reading:
+    """``DiskTier.reading()``. A class rather than a generator's context manager: a signal
+    handler's exception landing as the generator's ``next()`` returned (where CPython runs a
+    pending handler) left the transaction, the lock's shared side and the thread's ``_reading``
+    held for as long as the exception lived (a program keeping it, as ``sys.last_value`` does):
+    a remap or a close after it waited for good, and the thread's later reads went through that
+    stale transaction. As with ``SharedLock``, a handler raising as ``__exit__`` starts is the
+    one point left open."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: "DiskTier") -> None:
+        self._tier = tier
+
+    def __enter__(self) -> None:
+        tier = self._tier
+        tier._resize_lock.shared().__enter__()
+        try:
+            # Nothing after the store: the ``with`` statement's own cleanup covers from here.
+            tier._reading.txn = tier._read_txn()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        tier = self._tier
+        txn, tier._reading.txn = tier._reading.txn, None
+        try:
+            if txn is not None:
+                txn.abort()  # a read transaction: nothing to commit
+        finally:
+            tier._resize_lock.shared().__exit__(None, None, None)
 
 
 class StoreInUse(ValueError):
@@ -1815,18 +1848,12 @@ class DiskTier:
         with self._resize_lock.shared(), self._read_txn() as txn:
             return self._read_in(txn, key, into)
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self) -> _Reading:
         """Within it, this thread's ``read_into`` calls share one read transaction (an open's few
         records in turn): a transaction and the shared lock a record cost more than the copy of
         a short restore's small records, right after a forward. A remap waits for the whole of
         it: hold it around reads only, never across a wait for something else. Not nested."""
-        with self._resize_lock.shared(), self._read_txn() as txn:
-            self._reading.txn = txn
-            try:
-                yield
-            finally:
-                self._reading.txn = None
+        return _Reading(self)
 
     def _read_in(self, txn: lmdb.Transaction, key: bytes, into: Callable[[RecordHeader], np.ndarray]
                  ) -> RecordHeader:
