@@ -41,6 +41,59 @@ def _disk_reads_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tierkv.store, "helper_threads", lambda: 2)
 
 
+class HandlerRaised(Exception):
+    """What the signal handler of ``raised_on_the_way_in`` raises (as a SIGALRM timeout's would)."""
+
+
+def _raise_handler_raised(signum: int, frame: object) -> None:
+    raise HandlerRaised
+
+
+def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], None]) -> int:
+    """``with enter():`` again and again, a real SIGUSR1 sent each time at the next point on the
+    way in where CPython runs a signal handler (a Python function's start, a C call's return,
+    found with ``sys.setprofile``), its handler raising ``HandlerRaised``; every exception kept
+    alive (as ``sys.last_value`` keeps one) to the end. ``check(sent)`` after each, ``sent``
+    naming the point. Returns how many points there were."""
+    import signal
+    import sys
+    import threading
+
+    main = threading.get_ident()
+    kept: list[BaseException] = []
+    previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
+    try:
+        point = 0
+        while True:
+            point += 1
+            seen: list[int] = [0]
+            sent: list[tuple[str, str]] = []
+
+            def profile(frame, event, arg, point=point):
+                if event in ("call", "c_return"):
+                    seen[0] += 1
+                    if seen[0] == point:
+                        sent.append((event, frame.f_code.co_name))
+                        signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
+
+            try:
+                sys.setprofile(profile)
+                try:
+                    with enter():
+                        sys.setprofile(None)
+                finally:
+                    sys.setprofile(None)
+            except HandlerRaised as exc:
+                kept.append(exc)
+            if not sent:
+                return point - 1  # past the way in
+            assert kept, sent
+            check(sent)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        kept.clear()
+
+
 # Per architecture, the config fields that make a 2-layer model with small heads.
 _SHAPES: dict[str, dict[str, object]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

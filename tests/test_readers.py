@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tierkv.store as store_module
-from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids
+from conftest import ARCHITECTURES, damage_in_place, flipped, raised_on_the_way_in, random_ids
 from tierkv import TieredStore
 from tierkv.cache import IN_PLACE
 from tierkv.locks import SharedLock
@@ -614,50 +614,22 @@ def test_a_signal_handlers_exception_on_the_way_into_one_read_transaction_leaves
     ``next()`` returned left the read transaction, the lock's shared side and the thread's
     transaction held (a remap or a close after it waited for good; the thread's later reads went
     through that stale transaction)."""
-    import signal
-    import sys
-
     from test_tiers import BIG, BLOCK, big_op, block_tensor, empty, key
 
-    main = threading.get_ident()
     tier = DiskTier(tmp_path / "store", budget=1 << 30, block_size=BLOCK)
-    kept: list[BaseException] = []
-    previous = signal.signal(signal.SIGUSR1, _raise_timeout)
     try:
         assert tier.apply([big_op(1)]) == [None]
-        point = 0
-        while True:
-            point += 1
-            seen, sent = [0], []
 
-            def profile(frame, event, arg, point=point):
-                if event in ("call", "c_return"):
-                    seen[0] += 1
-                    if seen[0] == point:
-                        sent.append((event, frame.f_code.co_name))
-                        signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
-
-            try:
-                sys.setprofile(profile)
-                try:
-                    with tier.reading():
-                        sys.setprofile(None)
-                finally:
-                    sys.setprofile(None)
-            except Timeout as exc:
-                kept.append(exc)
-            if not sent:
-                break  # past the way in
+        def nothing_held(sent):
             lock = tier._resize_lock
             assert tier._reading.txn is None and lock._readers == 0 and not lock.locked(), sent
-        assert len(kept) == point - 1 > 3
+
+        assert raised_on_the_way_in(tier.reading, nothing_held) > 3
         assert tier.apply([big_op(2)]) == [None]  # and reads see it: no stale transaction
         assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
         with tier.reading():
             assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
     finally:
-        signal.signal(signal.SIGUSR1, previous)
-        kept.clear()
         tier.close(timeout=1)
 
 
