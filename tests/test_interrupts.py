@@ -17,6 +17,7 @@ import torch
 import tierkv
 from tierkv.interrupts import defer_interrupts, interrupt_pending, pending_check
 from tierkv.tiers.disk import DeleteBlocks, DropRefs
+from conftest import raised_on_the_way_in
 from test_properties import MODEL, StoreMachine
 
 
@@ -421,6 +422,49 @@ def test_ctrl_c_during_an_opens_disk_reads_stops_them() -> None:
         machine.next_turn(conv=conv, extra=[9], new_tokens=2)
     finally:
         machine.teardown()
+
+
+def test_a_signal_handlers_exception_on_the_way_into_an_opens_lock_section_leaves_the_lock_as_it_was():
+    """Ctrl-C is held off in an open; another signal's handler (a SIGALRM timeout) is not. Raising
+    as the store lock's ``acquire`` returned, it left a generator's context manager before its
+    ``try``: the lock held for good, every later call of the store waiting for it."""
+    store = tierkv.TieredStore(None, device="cpu", device_budget=0, host_budget=1 << 20, block_size=4)
+    try:
+        def free(sent):
+            got = []
+
+            def take():
+                got.append(store._lock.acquire(timeout=1))
+                if got[-1]:
+                    store._lock.release()
+
+            other = threading.Thread(target=take)
+            other.start()
+            other.join()
+            assert got == [True], sent  # another thread got it: this one holds nothing
+
+        assert raised_on_the_way_in(store._locked_unless_interrupted, free) >= 3
+        with store._lock:  # re-entrant: a holding before the section is kept, the section's undone
+            raised_on_the_way_in(store._locked_unless_interrupted,
+                                 lambda sent: store._lock._recursion_count() == 1 or pytest.fail(str(sent)))
+            assert store._lock._recursion_count() == 1
+        cache = store.open(MODEL, torch.arange(1, 10)[None])  # and the store goes on
+        assert cache.restored_tokens == 0
+    finally:
+        store.close()
+
+
+def test_a_signal_handlers_exception_on_the_way_into_gathering_deletes_leaves_the_store_not_gathering(tmp_path):
+    """As a generator's context manager, one landing as its ``next()`` returned left the store
+    gathering deletes for as long as the exception lived, queued by no one until another write."""
+    store = tierkv.TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    try:
+        def not_gathering(sent):
+            assert not store._gathering and store._gathered is None, sent
+
+        assert raised_on_the_way_in(store._gathering_deletes, not_gathering) >= 2
+    finally:
+        store.close()
 
 
 def test_a_ctrl_c_held_off_is_seen_by_the_helper_threads_of_its_section_only_through_pending_check() -> None:

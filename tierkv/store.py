@@ -50,7 +50,6 @@ Policy works on keys and sizes; tensors pass through opaquely between tiers and 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -63,7 +62,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lmdb
@@ -325,6 +324,57 @@ def _close_at_exit() -> None:
                 store._close(EXIT_CLOSE_TIMEOUT_S, grace=EXIT_CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - one store's failure must not keep the others open
                 logger.exception("tierkv: closing a store at exit failed; its queued writes are lost")
+
+
+class _LockedUnlessInterrupted:
+    """``TieredStore._locked_unless_interrupted``: a class, not a generator's context manager.
+    Another signal's handler (Ctrl-C is held off there) runs as a C call returns: one raising as
+    the lock's ``acquire`` returned, before a generator reached its ``try``, left the store's lock
+    held for good, and every later call of the store waited for it. Here an acquire cut short so
+    is undone; once ``__enter__`` has returned, the ``with`` block's own exit releases it."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        held = lock._recursion_count()  # the store's lock is re-entrant: this thread may hold it
+        try:
+            while not lock.acquire(timeout=0.05):
+                raise_pending()
+        except BaseException:
+            if lock._recursion_count() > held:
+                lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _GatheringDeletes:
+    """``TieredStore._gathering_deletes``: a class, not a generator's context manager, whose
+    ``__enter__`` returns from ``next()`` (a C call, where CPython runs a pending signal's
+    handler): one raising there left the store gathering, for as long as its exception lived,
+    with the deletes it gathered queued by no one until another write came."""
+
+    __slots__ = ("_store", "_outer")
+
+    def __init__(self, store: "TieredStore") -> None:
+        self._store = store
+        self._outer = False
+
+    def __enter__(self) -> None:
+        store = self._store
+        self._outer = not store._gathering
+        store._gathering = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._outer:
+            store = self._store
+            store._gathering = False
+            store._submit_gathered()
 
 
 class TieredStore:
@@ -792,17 +842,11 @@ class TieredStore:
                                         len(ids) - cache.restored_tokens))
         return cache
 
-    @contextlib.contextmanager
-    def _locked_unless_interrupted(self) -> Iterator[None]:
+    def _locked_unless_interrupted(self) -> "_LockedUnlessInterrupted":
         """The store lock, for a section held off from Ctrl-C that has changed nothing yet but pins
         (and leases, which the caller lets go of): a Ctrl-C while another thread holds the lock (a
         close draining the writer) is raised at once."""
-        while not self._lock.acquire(timeout=0.05):
-            raise_pending()
-        try:
-            yield
-        finally:
-            self._lock.release()
+        return _LockedUnlessInterrupted(self._lock)
 
     def _let_go(self, pins: list[bytes]) -> None:
         """Unpin, or, while another thread holds the lock, leave the pins to whoever takes it next
@@ -1579,8 +1623,7 @@ class TieredStore:
             return
         self._submit(DeleteBlocks(keys, refs, evicted, superseded is not None, superseded, footprint=footprint))
 
-    @contextlib.contextmanager
-    def _gathering_deletes(self) -> Iterator[None]:
+    def _gathering_deletes(self) -> "_GatheringDeletes":
         """Within it (a forget, the evictions that make room on disk), block deletes (not
         superseded tails, each its session's) go in ``DeleteBlocks`` of up to
         ``FORGET_DELETE_KEYS`` blocks, a forget's and the evictions' apart. Every other write,
@@ -1588,15 +1631,7 @@ class TieredStore:
         ``_queue_write``), so the writes land in the order they did one delete an op; what is
         gathered at the end of the outermost one is queued then, also when an exception ends it
         (the blocks are out of the index: only this delete finds them)."""
-        if self._gathering:
-            yield
-            return
-        self._gathering = True
-        try:
-            yield
-        finally:
-            self._gathering = False
-            self._submit_gathered()
+        return _GatheringDeletes(self)
 
     def _submit_gathered(self, deletes_only: bool = False) -> None:
         """Queue the deletes gathered, then (unless ``deletes_only``) the sessions' references,
