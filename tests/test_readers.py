@@ -584,6 +584,14 @@ def test_one_thread_reads_an_opens_records_in_one_transaction(tiny_model, tmp_pa
         assert cache.restored_from["disk"] == cache.restored_tokens == 6 * B + 3
         assert len(seen) == 7 and begun == [threading.current_thread().name]
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+        # A remap or a close waits for a transaction: one holds READ_TXN_BYTES of records at most.
+        full = store._index.blocks[cache._restored_keys[0]].nbytes
+        monkeypatch.setattr(store_module, "READ_TXN_BYTES", 2 * full)
+        begun.clear()
+        seen.clear()
+        cache = store.open(model, nxt)
+        assert cache.restored_tokens == 6 * B + 3 and len(seen) == 7 and len(begun) == 4  # 2, 2, 2 and the tail
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
 def test_a_read_transaction_that_cannot_begin_is_a_miss(tiny_model, tmp_path, monkeypatch):

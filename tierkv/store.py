@@ -166,6 +166,10 @@ OWED_RETRY_PROBE = 64
 #: two of them at once share the memory bus: on the 2-core VM of benchmarks/RESULTS.md an open of
 #: 64 MiB took 0.58-0.73 of its one-thread time, of 32 MiB 0.87-0.90, of 4 and 16 MiB 1.03-1.07.
 PARALLEL_READ_BYTES = 32 << 20
+#: Bytes of records one thread reads in one read transaction (``DiskTier.reading``) before it
+#: begins another: a remap and a close wait for the transaction, and reads of any size take this
+#: path where their destinations are mixed (a CPU store whose host tier takes only the tail).
+READ_TXN_BYTES = 32 << 20
 #: Blocks a forget, or the evictions that make room on disk, delete per queued ``DeleteBlocks``.
 #: One op a block, forgetting a long session (thousands of blocks), or reopening under a smaller
 #: disk budget, queued that many ops, each a job to reap and, on a failed disk, an owed entry of
@@ -930,10 +934,18 @@ class TieredStore:
         if parallel:
             self._readers.run(todo, read, ready)
         else:
+            runs: list[list[int]] = [[]]  # READ_TXN_BYTES of records a transaction
+            size = 0
+            for i in todo:
+                if runs[-1] and size + plan[i][0].nbytes > READ_TXN_BYTES:
+                    runs.append([])
+                    size = 0
+                runs[-1].append(i)
+                size += plan[i][0].nbytes
             try:
-                with disk.reading():  # one transaction for them all
-                    for i in todo:
-                        if not read(i):
+                for run in runs:
+                    with disk.reading():
+                        if not all(map(read, run)):
                             break
             except (lmdb.Error, OSError) as exc:
                 if raised_by_signal_handler(exc):
