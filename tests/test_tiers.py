@@ -679,6 +679,22 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
             assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
 
 
+def test_the_advice_for_writes_starts_on_the_oss_pages(tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a kernel of 64 KiB pages LMDB's are at most 32 KiB: the advice at the end of the pages in
+    # use started inside an OS page, and the kernel refused it (no readahead for fresh writes).
+    advised: list[tuple[int, int, int]] = []
+    with opened(tmp_path / "store") as tier:
+        monkeypatch.setattr(disk_module.vm, "PAGE", 16 * tier.page_size)
+        monkeypatch.setattr(disk_module.vm, "madvise",
+                            lambda start, length, advice: advised.append((start, length, advice)) or True)
+        assert tier.apply([big_op(1)]) == [None]
+        assert tier.file_bytes() % disk_module.vm.PAGE  # its end inside an OS page
+        assert advised and all((start - tier._map_start) % disk_module.vm.PAGE == 0 for start, _, _ in advised)
+        assert sum(length for _, length, advice in advised[:2]) == tier.env.info()["map_size"]
+        assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
+
+
 def test_prefetch_asks_the_page_cache_once_a_run_of_records_lying_together(tmp_path: pathlib.Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # Once a record, the question was most of a short restore's prefetch, right after a forward.

@@ -2281,7 +2281,9 @@ class DiskTier:
         if self._map_start is None:
             return
         length = self.env.info()["map_size"]
-        used = min(self.file_bytes(), length)
+        # In the OS's pages, which madvise's start must fall on: LMDB's are smaller on a kernel of
+        # 64 KiB pages (at most 32 KiB), and there the advice was refused for good.
+        used = min(-(-self.file_bytes() // vm.PAGE) * vm.PAGE, length)
         vm.madvise(self._map_start, used, vm.MADV_RANDOM)
         vm.madvise(self._map_start + used, length - used, vm.MADV_NORMAL)
 
