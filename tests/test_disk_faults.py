@@ -1016,17 +1016,26 @@ def _a_flushed_tail_whose_superseded_delete_is_owed(store: TieredStore, model, s
     return first
 
 
-def test_a_retried_superseded_delete_is_still_a_close_with_a_timeout_s_to_give_up(model, stores, tmp_path):
-    # Before: an owed delete was retried as a plain one, without its superseded marker: a
-    # close(timeout) that gave up the writes queued before it deleted the flushed tail all the
-    # same, and with the tail replacing it never written, a reopen restored its full blocks only.
-    path = tmp_path / "kv"
-    store = make_store(stores, path, device_budget=0, host_budget=0)
-    first = _a_flushed_tail_whose_superseded_delete_is_owed(store, model, 990)
+def _a_stalled_writer(store: TieredStore) -> tuple[threading.Event, list[list]]:
+    """The store's disk stalled until the test sets the event; the batches it applies after."""
+    release = threading.Event()
+    apply, batches = store._writer._apply, []
+
+    def held(items):
+        assert release.wait(60)
+        batches.append(list(items))
+        return apply(items)
+
+    store._writer._apply = held
+    return release, batches
+
+
+def _closed_with_a_transaction_in_flight(store: TieredStore) -> None:
+    """``close(timeout=0.1)`` while a transaction is in flight (held until after the timeout)."""
     entered, release = threading.Event(), threading.Event()
     apply = store._writer._apply
 
-    def held(items):  # a transaction in flight when close's timeout expires
+    def held(items):
         entered.set()
         assert release.wait(60)
         return apply(items)
@@ -1035,7 +1044,17 @@ def test_a_retried_superseded_delete_is_still_a_close_with_a_timeout_s_to_give_u
     store._writer.submit(Touch({}))
     assert entered.wait(60)
     threading.Timer(0.5, release.set).start()
-    store.close(timeout=0.1)  # retries the owed deletes, behind the transaction held
+    store.close(timeout=0.1)
+
+
+def test_a_retried_superseded_delete_is_still_a_close_with_a_timeout_s_to_give_up(model, stores, tmp_path):
+    # Before: an owed delete was retried as a plain one, without its superseded marker: a
+    # close(timeout) that gave up the writes queued before it deleted the flushed tail all the
+    # same, and with the tail replacing it never written, a reopen restored its full blocks only.
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    first = _a_flushed_tail_whose_superseded_delete_is_owed(store, model, 990)
+    _closed_with_a_transaction_in_flight(store)  # retries the owed deletes, behind the transaction held
     assert not store.stats()["owed_deletes"]  # given up, not owed
     reopened = make_store(stores, path, device_budget=0, host_budget=0)
     cache = reopened.open(model, torch.cat([first, random_ids(2, 992)], 1), session="s")
@@ -1049,19 +1068,7 @@ def test_a_retried_superseded_delete_of_a_session_forgotten_since_is_not_given_u
     store = make_store(stores, path, device_budget=0, host_budget=0)
     first = _a_flushed_tail_whose_superseded_delete_is_owed(store, model, 995)
     store.forget(session="s")
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):  # a transaction in flight when close's timeout expires
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
-    store._writer.submit(Touch({}))
-    assert entered.wait(60)
-    threading.Timer(0.5, release.set).start()
-    store.close(timeout=0.1)
+    _closed_with_a_transaction_in_flight(store)
     assert not store.stats()["owed_deletes"] and _records(path) == set()
     reopened = make_store(stores, path, device_budget=0, host_budget=0)
     assert reopened.open(model, torch.cat([first, random_ids(2, 997)], 1), session="s").restored_tokens == 0
@@ -1526,15 +1533,7 @@ def test_forgetting_a_long_session_queues_its_deletes_as_a_few_writes(model, sto
     with store._disk.env.begin() as txn:
         # The last bytes of each record's KV (before its checksum): random floats.
         kv = {key: bytes(txn.get(key, db=store._disk._blocks))[-72:-8] for key in keys}
-    release = threading.Event()
-    apply, batches = store._writer._apply, []
-
-    def held(items):  # the disk, stalled until the test lets it go
-        assert release.wait(60)
-        batches.append(list(items))
-        return apply(items)
-
-    store._writer._apply = held
+    release, batches = _a_stalled_writer(store)
     chunk = tierkv.store.FORGET_DELETE_KEYS
     try:
         assert store.forget(session="long") == len(keys)
@@ -1644,15 +1643,7 @@ def test_forgetting_a_tenant_of_many_one_block_sessions_queues_a_few_writes(mode
     chunk = tierkv.store.FORGET_DELETE_KEYS
     n = chunk + 6
     outs, keep, kept = _a_tenant_of_one_block_sessions(store, model, n, 1200)
-    release = threading.Event()
-    apply, batches = store._writer._apply, []
-
-    def held(items):  # the disk, stalled until the test lets it go
-        assert release.wait(60)
-        batches.append(list(items))
-        return apply(items)
-
-    store._writer._apply = held
+    release, batches = _a_stalled_writer(store)
     try:
         assert store.forget(tenant="acme") == n
     finally:

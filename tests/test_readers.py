@@ -440,14 +440,11 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
         pool.close()
 
 
-def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
-    """Only an error (an ``Exception``) is raised from the first miss alone: a SIGTERM handler's
-    ``sys.exit()`` landing in the calling thread's read of an item past a miss a helper found
-    (a read that one thread would not have started) was swallowed with that read's result, and
-    the program did not exit."""
-    pool = ReadPool(1)
-    helper_in_1, helper_missed = threading.Event(), threading.Event()
-    main_in_2 = threading.Event()
+def read_past_a_helpers_miss(then):
+    """A read for ``pool.run([0, 1, 2], read)`` on a pool of one helper: the calling thread reads
+    0, the helper misses 1, and the calling thread's read of 2, past that miss (one that one
+    thread would not have started), ends in ``then()``."""
+    helper_in_1, helper_missed, main_in_2 = threading.Event(), threading.Event(), threading.Event()
 
     def read(i):
         if i == 0:
@@ -461,11 +458,24 @@ def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
         main_in_2.set()
         assert helper_missed.wait(5)
         time.sleep(0.05)  # the helper records its miss
+        return then()
+
+    return read
+
+
+def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
+    """Only an error (an ``Exception``) is raised from the first miss alone: a SIGTERM handler's
+    ``sys.exit()`` landing in the calling thread's read of an item past a miss a helper found
+    (a read that one thread would not have started) was swallowed with that read's result, and
+    the program did not exit."""
+    pool = ReadPool(1)
+
+    def exit_():
         raise SystemExit(0)
 
     try:
         with pytest.raises(SystemExit):
-            pool.run([0, 1, 2], read)
+            pool.run([0, 1, 2], read_past_a_helpers_miss(exit_))
     finally:
         pool.close()
 
@@ -481,23 +491,13 @@ def test_a_signal_handlers_error_in_a_read_past_the_first_miss_is_raised(from_a_
 
     pool = ReadPool(1)
     main = threading.get_ident()
-    helper_in_1, helper_missed, main_in_2 = threading.Event(), threading.Event(), threading.Event()
 
-    def read(i):
-        if i == 0:
-            assert helper_in_1.wait(5)
-            return True
-        if i == 1:
-            helper_in_1.set()
-            assert main_in_2.wait(5)
-            helper_missed.set()
-            return False
-        main_in_2.set()
-        assert helper_missed.wait(5)
-        time.sleep(0.05)  # the helper records its miss
+    def timeout():
         if from_a_handler:
             signal.pthread_kill(main, signal.SIGUSR1)  # the handler raises before this returns
         raise Timeout  # the read's own error
+
+    read = read_past_a_helpers_miss(timeout)
 
     previous = signal.signal(signal.SIGUSR1, _raise_timeout)
     try:
@@ -517,6 +517,14 @@ def side_by_side(monkeypatch):
     """Every restore of two records or more read side by side, by two helpers and the caller."""
     monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
     monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
+
+
+def reads_in(monkeypatch, parallel: bool) -> None:
+    """Restores of two records or more read side by side (two helpers and the caller), or all
+    in the calling thread."""
+    monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0 if parallel else 1 << 62)
+    if parallel:
+        monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
 
 
 def disk_only(path) -> TieredStore:
@@ -689,11 +697,7 @@ def test_a_signal_handlers_timeout_error_in_a_disk_read_is_raised_not_taken_for_
     block written to disk again for the store's life). ``starred``: a handler ``def h(*_)``."""
     import signal
 
-    if parallel:
-        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
-        monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
-    else:
-        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    reads_in(monkeypatch, parallel)
     model = tiny_model("llama")
     out = stored(model, tmp_path / "kv", random_ids(4 * B + 1, 13))
     nxt = torch.cat([out, random_ids(2, 14)], dim=1)
@@ -727,11 +731,7 @@ def test_a_signal_handlers_timeout_error_in_a_disk_read_is_raised_not_taken_for_
 @pytest.mark.parametrize("miss", ["corrupt", "gone"])
 def test_a_miss_in_the_middle_cuts_the_restore_there_whoever_read_past_it(tiny_model, tmp_path, monkeypatch,
                                                                         parallel, miss):
-    if parallel:
-        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 0)
-        monkeypatch.setattr(store_module, "helper_threads", lambda: 2)
-    else:
-        monkeypatch.setattr(store_module, "PARALLEL_READ_BYTES", 1 << 62)
+    reads_in(monkeypatch, parallel)
     model = tiny_model("llama")
     out = stored(model, tmp_path / "kv", random_ids(10 * B + 1, 7))
     nxt = torch.cat([out, random_ids(2, 8)], dim=1)

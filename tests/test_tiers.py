@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import lmdb
 import msgpack
@@ -648,12 +648,9 @@ def test_prefetch_reads_the_records_before_load(tmp_path: pathlib.Path) -> None:
             assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG))
 
 
-def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pathlib.Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # A readahead request walks every page of its range even where all are cached: it was 15% of a
-    # read of 256 MiB from the page cache. Records with a page missing still get one.
-    path = tmp_path / "store"
-    data = cold_store(path, range(1, 4))
+def readahead_asked(monkeypatch: pytest.MonkeyPatch, tier: DiskTier) -> Callable[[], list[tuple[int, int]]]:
+    """From now on, the readahead requests (``MADV_WILLNEED``) made of the OS, passed on to it:
+    read as (start, end) offsets into ``tier``'s map."""
     advised: list[tuple[int, int]] = []
     real = disk_module.vm.madvise
 
@@ -662,6 +659,16 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
             advised.append((start, length))
         return real(start, length, advice)
 
+    monkeypatch.setattr(disk_module.vm, "madvise", madvise)
+    return lambda: [(start - tier._map_start, start - tier._map_start + length) for start, length in advised]
+
+
+def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A readahead request walks every page of its range even where all are cached: it was 15% of a
+    # read of 256 MiB from the page cache. Records with a page missing still get one.
+    path = tmp_path / "store"
+    data = cold_store(path, range(1, 4))
     with opened(path) as tier:
         tier.scan()
         where = dict(tier._where)
@@ -669,10 +676,10 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
         assert resident_share(data, *where[key(1)]) == 1
         assert ctypes.string_at(tier._map_start + where[key(2)][0], 1)  # one page of key 2 (MADV_RANDOM)
         assert 0 < resident_share(data, *where[key(2)]) < 1
-        monkeypatch.setattr(disk_module.vm, "madvise", madvise)
+        asked = readahead_asked(monkeypatch, tier)
         tier.prefetch([key(1), key(2), key(3)])
         page = disk_module.vm.PAGE
-        covered = [(start - tier._map_start, start - tier._map_start + length) for start, length in advised]
+        covered = asked()
         wanted = [((where[k][0]) // page * page, where[k][0] + where[k][1]) for k in (key(2), key(3))]
         assert covered == wanted
         for n in (1, 2, 3):
@@ -729,24 +736,15 @@ def test_prefetch_counts_the_oss_pages_where_lmdbs_differ(tmp_path: pathlib.Path
     # judged the records past a run's first ones cached, and asked no readahead of them.
     path = tmp_path / "store"
     cold_store(path, range(1, 9))  # one transaction: its records lie in a row, one run
-    advised: list[tuple[int, int]] = []
-    real = disk_module.vm.madvise
-
-    def madvise(start: int, length: int, advice: int) -> bool:
-        if advice == disk_module.vm.MADV_WILLNEED:
-            advised.append((start, length))
-        return real(start, length, advice)
-
     with opened(path) as tier:
         tier.scan()
         where = dict(tier._where)
         assert tier.load(key(1), empty)[1].equal(block_tensor(1, shape=BIG))  # now cached, every page
-        monkeypatch.setattr(disk_module.vm, "madvise", madvise)
+        asked = readahead_asked(monkeypatch, tier)
         monkeypatch.setattr(tier, "page_size", int(disk_module.vm.PAGE * ratio))
         tier.prefetch([key(n) for n in range(1, 9)])
         page = disk_module.vm.PAGE
-        covered = [(start - tier._map_start, start - tier._map_start + length) for start, length in advised]
-        assert covered == [(where[key(n)][0] // page * page, sum(where[key(n)])) for n in range(2, 9)]
+        assert asked() == [(where[key(n)][0] // page * page, sum(where[key(n)])) for n in range(2, 9)]
 
 
 @contextlib.contextmanager
