@@ -593,6 +593,18 @@ def test_the_demo_refuses_bad_flags_saying_what_to_give(flags: list[str], messag
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_demo_reads_a_store_under_home_as_the_store_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import tierkv.demo as demo
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "file").write_text("not a store")
+    monkeypatch.setattr(demo, "build_model", lambda *a: pytest.fail("the model was built before the flags were checked"))
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--quick", "--store", "~/file"])
+    assert exc.value.code == 2 and f"--store {str(tmp_path / 'file')!r} is a file" in capsys.readouterr().err
+
+
 def test_the_demo_refuses_a_store_it_cannot_open_saying_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                                             ) -> None:
     from tierkv.demo import main

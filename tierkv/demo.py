@@ -84,6 +84,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.store == "":
         parser.error("--store was given an empty path (an unset variable?); give a directory, or leave --store out "
                      "for a temporary one")
+    if args.store is not None:
+        # As TieredStore reads it: a quoted "~/kv" checked as given was never found to be a file
+        # (or to hold another block size) until the store met it, after the model was built.
+        args.store = os.path.expanduser(args.store)
     heads = args.hidden // 64
     if args.hidden < 64 or args.hidden % 64 or heads % max(1, heads // 2):
         parser.error(f"--hidden must be 64, 128, 192 or a multiple of 128 (the model has hidden/64 query heads "
