@@ -1689,6 +1689,18 @@ def test_a_tenants_gathered_session_drops_that_fail_are_owed_a_session_each_and_
     assert _rows(path) == {"blocks": kept, "sessions": 1, "refs": kept}
 
 
+def _a_failed_disk_recording_its_tries(store: TieredStore) -> list[list[object]]:
+    """The store's disk failing every transaction from now on; the ops of each it was given."""
+    tried: list[list[object]] = []
+
+    def failing(ops):
+        tried.append(list(ops))
+        raise OSError(5, "Input/output error")
+
+    store._disk.apply = failing
+    return tried
+
+
 def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(model, stores, tmp_path):
     # Before: the probe took OWED_RETRY_PROBE owed ops, one transaction's worth when each delete
     # held one block; a forget's owed deletes hold FORGET_DELETE_KEYS blocks each, which the writer
@@ -1698,14 +1710,7 @@ def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(mod
 
     path = tmp_path / "kv"
     store, secret, keys = _a_long_session_a_block_a_token(stores, path, model, 300, 1180)
-    apply = store._disk.apply
-    tried: list[list[object]] = []
-
-    def failing(ops):
-        tried.append(list(ops))
-        raise OSError(5, "Input/output error")
-
-    store._disk.apply = failing
+    apply, tried = store._disk.apply, _a_failed_disk_recording_its_tries(store)
     assert store.forget(session="long") == len(keys)
     store.flush()
     chunk = tierkv.store.FORGET_DELETE_KEYS
@@ -2029,14 +2034,7 @@ def test_a_failed_disk_is_probed_at_each_flush_and_what_is_owed_lands_when_it_is
     for i, name in enumerate(names):
         converse(store, model, random_ids(21, 1010 + i), name)
     store.flush()
-    apply = store._disk.apply
-    tried: list[list[object]] = []
-
-    def failing(ops):
-        tried.append(list(ops))
-        raise OSError(5, "Input/output error")
-
-    store._disk.apply = failing
+    apply, tried = store._disk.apply, _a_failed_disk_recording_its_tries(store)
     for name in names:
         store.forget(session=name)
     store.flush()
