@@ -685,3 +685,139 @@ def test_ttft_rounds_give_no_policy_a_fixed_neighbour() -> None:
         assert len(before) >= 3, (name, before)  # what runs just before it changes from round to round
     assert round_orders(names, 8) == orders  # seeded: a rerun plays the same rounds
     assert names == ["recompute", "floor", "device", "host", "disk", "cold"]  # the caller's list is left alone
+
+
+# TOY_TRACE without the random model's size flags, for a checkpoint of its own.
+TOY_TRACE_ANY_MODEL = [flag for i, flag in enumerate(TOY_TRACE)
+                       if flag not in ("--layers", "--hidden") and TOY_TRACE[i - 1] not in ("--layers", "--hidden")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 written by save_pretrained: a user's own model, as --model loads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen2-tiny")
+    config = AutoConfig.for_model("qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_flags, family, kv_per_token", [
+    ([], "llama", 2 * 1 * 1 * 64 * 4),  # the default: 1 layer, 1 KV head of 64, float32
+    (["--arch", "gpt2", "--layers", "2"], "gpt2", 2 * 2 * 1 * 64 * 4),  # no GQA: hidden 64 is 1 head
+    (["--arch", "gpt_neox", "--hidden", "128"], "gpt_neox", 2 * 1 * 2 * 64 * 4),
+    (["--dtype", "bfloat16"], "llama", 2 * 1 * 1 * 64 * 2),
+    ("checkpoint", "qwen2", 2 * 3 * 2 * 16 * 4),
+], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint"])
+def test_chat_trace_runs_other_models_exactly_with_their_own_kv_sizes(
+        model_flags: list[str] | str, family: str, kv_per_token: int, checkpoint: Path, tmp_path: Path) -> None:
+    """A serving engineer replays the trace on the model they serve (``--model``, a directory
+    save_pretrained wrote), or on a random model of its family (``--arch``) and dtype: the KV per
+    token and the working set (the budgets' percentages) follow that model, whose family and dtype
+    the reports name, and every policy's replies are still checked against recomputation."""
+    import json
+
+    from tierkv.bench import LOGIT_TOLERANCE, parse_args, run
+
+    flags = [*TOY_TRACE_ANY_MODEL, "--model", str(checkpoint)] if model_flags == "checkpoint" \
+        else [*TOY_TRACE, *model_flags]
+    result = run(parse_args([*flags, "--out", str(tmp_path)]))
+    assert result["kv_bytes_per_token"] == kv_per_token
+    assert result["results"]["unbounded"].peak["device"] == result["working_set_bytes"]
+    assert result["model"].startswith(f"{family} {checkpoint if model_flags == 'checkpoint' else '(random)'} ")
+    assert ("bfloat16" if "bfloat16" in model_flags else "float32") in result["model"]
+    assert all(r.exact for r in result["results"].values() if not r.skipped)
+    assert result["results"]["tierkv"].final_stats["hits"]["disk"] > 0
+    # In bf16 plain transformers' own two ways of computing a turn differ, and may set the tolerance.
+    noise = result["results"]["resident"].logit_error if "bfloat16" in model_flags else 0.0
+    assert result["logit_tolerance"] == max(LOGIT_TOLERANCE, 2 * noise)
+    if model_flags == "checkpoint":
+        from benchmarks import chat_trace
+
+        chat_trace.main([*flags, "--turns", "2", "--out", str(tmp_path)])
+        report = json.loads((tmp_path / "results.json").read_text())
+        assert report["model"].startswith(f"qwen2 {checkpoint} 3 layers hidden 64, float32")
+        assert f"qwen2 {checkpoint} 3 layers" in (tmp_path / "results.md").read_text()
+
+
+def test_chat_trace_quick_keeps_a_checkpoints_own_size(checkpoint: Path) -> None:
+    from tierkv.bench import QUICK, parse_args
+
+    args = parse_args(["--quick", "--model", str(checkpoint)])
+    assert args.layers is None and args.hidden is None and args.arch is None
+    assert (args.sessions, args.turns, args.context) == (QUICK["sessions"], QUICK["turns"], QUICK["context"])
+    assert (parse_args(["--quick"]).layers, parse_args([]).layers, parse_args([]).arch) == (QUICK["layers"], 4, "llama")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "m", "--layers", "2"], "--layers describe the random model, and --model 'm' has its own"),
+    (["--model", "m", "--arch", "gpt2", "--hidden", "128"], "--arch, --hidden describe the random model"),
+    (["--model", " "], "--model was given an empty name"),
+    (["--arch", "no_such_family"], "--arch 'no_such_family' is not a transformers model type"),
+    (["--layers", "0"], "--layers must be 1 or more"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+])
+def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str], message: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "{empty}"], "holds no config.json: give a directory written by save_pretrained"),
+    (["--model", "{file}"], "is a file: give the directory save_pretrained wrote"),
+    (["--model", "{empty}/gone"], "no such directory; give a directory written by save_pretrained"),
+    (["--model", "{broken}"], "could not be loaded as a causal language model"),
+    (["--model", "{checkpoint}", "--context", "200"], "--context 200 is past the 128 positions the model takes"),
+    (["--arch", "t5"], "--arch 't5' has no causal language model to build"),
+    # Families tierkv refuses at store.open, with the reason, before the trace starts.
+    (["--arch", "bert"], "tierkv cannot serve this model: "),
+    (["--arch", "gemma2", "--hidden", "128"], "tierkv cannot serve this model: "),
+])
+def test_chat_trace_refuses_models_it_cannot_run_before_the_trace(
+        flags: list[str], message: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.bench import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a model")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"')
+    flags = [f.format(empty=tmp_path / "empty", file=tmp_path / "file", broken=tmp_path / "broken",
+                      checkpoint=checkpoint) for f in flags]
+    base = TOY_TRACE_ANY_MODEL if "--model" in flags or "--arch" in flags else TOY_TRACE
+    if "--arch" in flags:
+        base = [*base, "--layers", "1"] + ([] if "--hidden" in flags else ["--hidden", "64"])
+    with pytest.raises(SystemExit) as exc:
+        main([*base, *flags, "--out", str(tmp_path / "out")], prog="tierkv bench")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("tierkv bench: error: ")
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_mark_exact_in_reduced_precision_allows_plain_transformers_own_difference() -> None:
+    """bf16: the resident DynamicCache against recomputation sets the tolerance (twice its
+    difference); float32 keeps LOGIT_TOLERANCE whatever resident shows."""
+    from tierkv.bench import LOGIT_TOLERANCE, Policy, PolicyResult, mark_exact
+
+    logits = torch.arange(8.0)
+    std = float(logits.std())
+    out = torch.tensor([[1, 2, 3]])
+
+    def policy(name: str, off: float) -> Policy:
+        p = Policy(PolicyResult(name), lambda *a: None, lambda *a: None)
+        p.outputs.append(out)
+        p.result.first_logits.append(logits + off * std)
+        return p
+
+    policies = [policy("recompute", 0), policy("resident", 0.01), policy("tierkv", 0.015), policy("broken", 0.03)]
+    assert mark_exact(policies, reduced_precision=True) == pytest.approx(0.02, rel=1e-4)
+    assert [p.result.exact for p in policies] == [True, True, True, False]
+    assert mark_exact(policies) == LOGIT_TOLERANCE
+    assert [p.result.exact for p in policies] == [True, False, False, False]

@@ -29,6 +29,9 @@ tokens per tier over time) to --out.
     tierkv bench                           # the full trace
     python -m benchmarks.chat_trace ...    # the same, from a checkout (writes benchmarks/out/chat_trace)
 
+The model is a random Llama sized by ``--layers`` and ``--hidden``, another family's (``--arch``), or
+a checkpoint of the user's (``--model``), in ``--dtype`` (``trace_model``).
+
 A program, like the demo: it prints, and imports transformers directly. The progress bar (tqdm)
 and the plots (matplotlib) are used when installed (the `bench` extra) and skipped otherwise, with a note.
 """
@@ -50,9 +53,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
+from . import trace_model
 from .demo import FirstTokenTimer
 from .events import MoveEvent
 from .store import MAX_BLOCK_SIZE, TieredStore
@@ -171,7 +175,7 @@ def play_turn(policy: Policy, model, sys_ids: torch.Tensor, turn: Turn) -> None:
     start = time.perf_counter()
     cache = policy.make_cache(turn.session, ids)
     generated = model.generate(ids, past_key_values=cache, max_new_tokens=turn.reply_tokens,
-                               min_new_tokens=turn.reply_tokens, do_sample=False, streamer=timer,
+                               min_new_tokens=turn.reply_tokens, do_sample=False, streamer=timer, use_cache=True,
                                return_dict_in_generate=True, output_logits=True)
     end = time.perf_counter()
     out = generated.sequences
@@ -217,17 +221,29 @@ def interleave(policies: list[Policy], model, system: np.ndarray, turns: list[Tu
 LOGIT_TOLERANCE = 1e-3
 
 
-def mark_exact(policies: list[Policy]) -> None:
+def mark_exact(policies: list[Policy], reduced_precision: bool = False) -> float:
     """Each policy's replies against the first policy's (recomputation), turn by turn: the same
-    tokens, and the first reply token's logits within ``LOGIT_TOLERANCE``."""
+    tokens, and the first reply token's logits within the returned tolerance, ``LOGIT_TOLERANCE``.
+
+    In reduced precision (bf16, fp16) plain transformers' own two ways of computing a turn differ
+    by more than that: the resident policy's ``DynamicCache`` kept from turn to turn against
+    recomputation, 2e-2 of a std in bf16 on a random model, where a restore of tierkv's equals the
+    resident policy's logits bit for bit. The tolerance is then twice that difference, measured
+    in the same run; a KV error of that size no longer shows, and the float32 trace is the check."""
     reference = policies[0]
     for policy in policies:
         res = policy.result
         same_turns = len(policy.outputs) == len(reference.outputs)
         res.logit_error = max((float((mine - theirs).abs().max() / theirs.std()) for mine, theirs in
                                zip(res.first_logits, reference.result.first_logits)), default=0.0)
-        res.exact = same_turns and all(map(torch.equal, policy.outputs, reference.outputs)) and \
-            res.logit_error <= LOGIT_TOLERANCE
+        res.exact = same_turns and all(map(torch.equal, policy.outputs, reference.outputs))
+    tolerance = LOGIT_TOLERANCE
+    if reduced_precision:
+        noise = max((p.result.logit_error for p in policies if p.result.name == "resident"), default=0.0)
+        tolerance = max(tolerance, 2 * noise)
+    for policy in policies:
+        policy.result.exact = policy.result.exact and policy.result.logit_error <= tolerance
+    return tolerance
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -258,17 +274,21 @@ def budget_bytes(text: str, working_set: int, flag: str) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = AutoConfig.for_model("llama", vocab_size=4096, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                                  num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                  # parse_args allows 64 (1 head) or multiples of 128, so that heads divide evenly
-                                  num_key_value_heads=max(1, args.hidden // 128),
-                                  max_position_embeddings=args.context + 64)
-    torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    model = AutoModelForCausalLM.from_config(config).to(device).eval()
-    kv_per_token = 2 * args.layers * config.num_key_value_heads * (args.hidden // config.num_attention_heads) * 4
-    system, turns = make_trace(args, config.vocab_size)
+    model = trace_model.build_model(args, device, args.context)
+    kv_per_token = trace_model.kv_bytes_per_token(model)
+    system, turns = make_trace(args, trace_model.vocab_of(model))
     ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token, args.block_size)
+    with TieredStore(None, device=device, block_size=args.block_size) as warm:
+        # Untimed: a model's first open reads its static facts and all its weights once
+        # (memoised per model), which would fall on the first store policy's first turn. A model
+        # tierkv cannot serve is refused here, with the reason, before the trace starts.
+        # (With the first user message: the system prompt may be empty.)
+        first = np.concatenate([system, turns[0].user_tokens])
+        try:
+            warm.open(model, torch.tensor(first).unsqueeze(0).to(device))
+        except ValueError as exc:
+            raise trace_model.ModelFlagError(f"tierkv cannot serve this model: {exc}") from None
     try:
         from tqdm import tqdm
         progress = tqdm(total=len(turns) * 6, desc="chat trace", unit="turn")
@@ -324,15 +344,9 @@ def run(args: argparse.Namespace) -> dict:
                 # Its settle waits for the copies it offloads, which would otherwise run into the next policy's turns.
                 policies.append(Policy(PolicyResult("offloaded"), offloaded.cache_for, offloaded.after_turn,
                                        settle=torch.cuda.synchronize))
-            with TieredStore(None, device=device, block_size=args.block_size) as warm:
-                # Untimed: a model's first open reads its static facts and all its weights once
-                # (memoised per model), which would fall on the first store policy's first turn.
-                # (With the first user message: the system prompt may be empty.)
-                first = np.concatenate([system, turns[0].user_tokens])
-                warm.open(model, torch.tensor(first).unsqueeze(0).to(device))
             interleave(policies, model, system, turns, args.round_turns, progress)
 
-            mark_exact(policies)
+            tolerance = mark_exact(policies, reduced_precision=args.dtype != "float32")
             results: dict[str, PolicyResult] = {}
             for policy in policies:
                 res = policy.result
@@ -353,8 +367,9 @@ def run(args: argparse.Namespace) -> dict:
             progress.update(len(turns))
     if progress is not None:
         progress.close()
-    return {"args": vars(args), "device": str(device), "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token,
-            "turns": len(turns), "results": results}
+    return {"args": vars(args), "device": str(device), "model": trace_model.describe(model, args.model),
+            "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token, "turns": len(turns), "logit_tolerance": tolerance,
+            "results": results}
 
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
@@ -425,7 +440,7 @@ def summarise(run_: dict) -> dict:
 def markdown(run_: dict, summary: dict) -> str:
     a = run_["args"]
     lines = [f"{run_['turns']} turns over {a['sessions']} sessions (Zipf {a['zipf']}), system prompt "
-             f"{a['system_tokens']} tokens, context {a['context']}, llama {a['layers']} layers hidden {a['hidden']} "
+             f"{a['system_tokens']} tokens, context {a['context']}, {run_['model']} "
              f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; "
              f"budgets of (c) and (d) device {a['device_budget']}, host {a['host_budget']}, (c) disk {a['disk_budget']}; "
              f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.", "",
@@ -465,7 +480,11 @@ def markdown(run_: dict, summary: dict) -> str:
               "[3] Blocks at rest in each tier, after each commit; the cache of the turn in progress is not counted. "
               "On disk, the records' footprints in the file (their headers and padding too), as its budget counts them.",
               "[4] The same tokens as recompute on every turn, and each turn's first logits within "
-              f"{LOGIT_TOLERANCE:g} of a standard deviation of recompute's; in brackets the largest difference seen.",
+              f"{run_['logit_tolerance']:.2g} of a standard deviation of recompute's; in brackets the largest difference "
+              "seen." + ("" if run_["logit_tolerance"] <= LOGIT_TOLERANCE else
+                         f" In {run_['args']['dtype']} the tolerance is twice the difference between resident (plain "
+                         "transformers) and recompute: an error in the KV that small would not show; --dtype float32 "
+                         f"checks to {LOGIT_TOLERANCE:g}."),
               "", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in summary["ratios"].items()]
     return "\n".join(lines) + "\n"
@@ -513,6 +532,8 @@ def plots(run_: dict, out: Path) -> list[str]:
 
 # --quick's trace: defaults only, so that a flag given beside it still wins.
 QUICK = dict(sessions=8, turns=40, layers=2, hidden=256, context=1024)
+# The random model's size without --quick.
+RANDOM_MODEL = dict(layers=4, hidden=512)
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None,
@@ -530,8 +551,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
     parser.add_argument("--reply-max", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048,
                         help="a conversation longer than this starts over from the system prompt")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512, help="64 or a multiple of 128")
+    trace_model.add_model_flags(parser, layers=RANDOM_MODEL["layers"], hidden=RANDOM_MODEL["hidden"])
     parser.add_argument("--block-size", type=int, default=64)
     budget_help = "budget of (c) and (d): a percentage of the working set or a byte size like 64MiB (default: %(default)s)"
     parser.add_argument("--device-budget", default="10%", help="device " + budget_help)
@@ -551,10 +571,12 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
                              + ", ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
     args = parser.parse_args(argv)
     if args.quick:
-        parser.set_defaults(**QUICK)
+        # A checkpoint keeps its own size: --quick shortens only its trace.
+        parser.set_defaults(**{k: v for k, v in QUICK.items() if args.model is None or k not in RANDOM_MODEL})
         args = parser.parse_args(argv)
+    trace_model.check_model_flags(parser, args, **RANDOM_MODEL)
 
-    for flag in ("sessions", "turns", "layers", "block_size", "user_median", "reply_median"):
+    for flag in ("sessions", "turns", "block_size", "user_median", "reply_median"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     if args.block_size > MAX_BLOCK_SIZE:
@@ -567,9 +589,6 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
             parser.error(f"--{kind}-max ({top}) must be at least --{kind}-median ({median}): raise it or lower the median")
     if args.reply_max < 2:
         parser.error(f"--reply-max must be 2 or more (decode tokens/s needs a second token), got {args.reply_max}")
-    if not (args.hidden == 64 or (args.hidden > 0 and args.hidden % 128 == 0)):
-        parser.error(f"--hidden must be 64 or a positive multiple of 128 (the model has hidden/64 query heads "
-                     f"sharing hidden/128 KV heads), got {args.hidden}")
     longest_turn = args.system_tokens + args.user_max + args.reply_max
     if args.context <= longest_turn:
         parser.error(f"--context ({args.context}) must be more than --system-tokens + --user-max + --reply-max "
@@ -605,14 +624,19 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
     out = Path(args.out)
-    run_ = run(args)
+    try:
+        run_ = run(args)
+    except trace_model.ModelFlagError as exc:
+        print(f"{prog or 'chat_trace'}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     summary = summarise(run_)
     table = markdown(run_, summary)
     print(table)  # first: the figures of a long run are not lost with the files
     try:
         (out / "results.md").write_text(table)
         (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
-                                                      "working_set_bytes": run_["working_set_bytes"],
+                                                      "model": run_["model"],
+                                                      "logit_tolerance": run_["logit_tolerance"], "working_set_bytes": run_["working_set_bytes"],
                                                       "kv_bytes_per_token": run_["kv_bytes_per_token"],
                                                       **summary}, indent=2, default=str))
         written = plots(run_, out)
@@ -620,8 +644,15 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
         print(f"error: could not write the reports to {out} ({exc}); the table above is the run's", file=sys.stderr)
         raise SystemExit(4) from None
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {out / w}" for w in written))
-    if not all(r.exact for r in run_["results"].values() if not r.skipped):
-        raise SystemExit("a policy's replies differ from recomputation: please report this as a bug")
+    results = run_["results"]
+    if not all(r.exact for r in results.values() if not r.skipped):
+        if args.dtype != "float32" and not results["resident"].exact:
+            # Plain transformers against itself: rounding in bf16 or fp16 changed a reply.
+            print(f"note: in {args.dtype}, plain transformers' own replies differ between a cache kept from turn to "
+                  "turn (resident) and recomputation, so this run cannot check tierkv's replies: run the trace with "
+                  "--dtype float32 for that check", file=sys.stderr)
+        else:
+            raise SystemExit("a policy's replies differ from recomputation: please report this as a bug")
     return summary
 
 

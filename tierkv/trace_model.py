@@ -1,0 +1,167 @@
+"""The model a benchmark replays its trace on: a checkpoint of the user's (``--model``), or a
+random one of a transformers family (``--arch``, default llama) sized by ``--layers`` and
+``--hidden``, in ``--dtype``.
+
+Protocol: ``add_model_flags(parser)`` adds the flags; ``check_model_flags(parser, args, ...)``
+refuses bad combinations through ``parser.error`` before anything is built; ``build_model(args,
+device, context)`` returns the model in eval mode on ``device``, or raises ``ModelFlagError``
+with a message saying what to give instead (a checkpoint that cannot be loaded, a family that is
+not a causal LM, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
+what one token's KV weighs in the model's own cache (every layer's keys and values), so that the
+trace's working set and percentage budgets hold for any family and dtype. ``describe(model)``
+is the one line the reports print.
+
+Random models draw their token ids from ``[3, vocab)``: ids 0-2 are their pad, bos and eos
+(a family's own defaults, e.g. Phi-3's pad 32000, lie past a 4096-token vocabulary). A global
+sliding window is switched off (tierkv serves full attention; a checkpoint keeps its own, and
+tierkv refuses it at ``store.open`` with the reason); families whose layers alternate between
+sliding and full attention (``layer_types``) are left as they are, and refused the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
+
+#: ``--dtype``'s names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: A random model's vocabulary.
+RANDOM_VOCAB = 4096
+
+
+class ModelFlagError(ValueError):
+    """The model flags name no model the trace can run; the message says what to give instead."""
+
+
+def add_model_flags(parser: argparse.ArgumentParser, layers: int, hidden: int) -> None:
+    """``--model``, ``--arch``, ``--layers``, ``--hidden`` and ``--dtype``. The size flags default
+    to None, so that ``check_model_flags`` can tell them given from left out."""
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a checkpoint to replay the trace on: a directory written by save_pretrained (or a "
+                             "Hub id, where the network allows), loaded with AutoModelForCausalLM; default: a random "
+                             "model of --arch")
+    parser.add_argument("--arch", default=None, metavar="TYPE",
+                        help="the random model's family, a transformers model_type such as llama, qwen2, mistral, "
+                             "gpt2, gpt_neox, opt, phi, gemma (default: llama)")
+    parser.add_argument("--layers", type=int, default=None, help=f"the random model's layers (default: {layers})")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help=f"the random model's hidden size, 64 or a multiple of 128 (default: {hidden})")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="the model's dtype, and its KV's (default: %(default)s)")
+
+
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, layers: int, hidden: int) -> None:
+    """Refuse size flags beside ``--model`` (a checkpoint has its own) and bad sizes; fill in the
+    random model's defaults."""
+    if args.model is not None:
+        given = [f"--{name}" for name in ("arch", "layers", "hidden") if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} describe the random model, and --model {args.model!r} has its own "
+                         "family and size: leave them out, or leave out --model")
+        if not args.model.strip():
+            parser.error("--model was given an empty name (an unset variable?); give a checkpoint directory, or "
+                         "leave --model out for a random model")
+        return
+    args.arch = "llama" if args.arch is None else args.arch
+    args.layers = layers if args.layers is None else args.layers
+    args.hidden = hidden if args.hidden is None else args.hidden
+    if args.arch not in CONFIG_MAPPING:
+        parser.error(f"--arch {args.arch!r} is not a transformers model type; give one such as llama, qwen2, mistral, "
+                     "gpt2, gpt_neox, opt, phi or gemma")
+    if args.layers < 1:
+        parser.error(f"--layers must be 1 or more, got {args.layers}")
+    if not (args.hidden == 64 or (args.hidden > 0 and args.hidden % 128 == 0)):
+        parser.error(f"--hidden must be 64 or a positive multiple of 128 (the model has hidden/64 query heads "
+                     f"sharing hidden/128 KV heads), got {args.hidden}")
+
+
+def build_model(args: argparse.Namespace, device: torch.device, context: int) -> torch.nn.Module:
+    """The trace's model, seeded by ``args.seed`` where random, in eval mode on ``device``. It must
+    take ``context`` positions: a checkpoint's config is read and checked before its weights."""
+    dtype = DTYPES[args.dtype]
+    if args.model is not None:
+        model = _load_checkpoint(args.model, dtype, context)
+    else:
+        model = _random_model(args.arch, args.layers, args.hidden, context, args.seed, dtype)
+    return model.to(device).eval()
+
+
+def _load_checkpoint(name: str, dtype: torch.dtype, context: int) -> torch.nn.Module:
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise ModelFlagError(f"--model {name!r} is a file: give the directory save_pretrained wrote (the model's "
+                             "config.json and weights)")
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelFlagError(f"--model {name!r} holds no config.json: give a directory written by save_pretrained "
+                             "(the model's config and weights)")
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~"))):
+        # A path, not a Hub id ("org/name"): asking the Hub for it would only add a confusing error.
+        raise ModelFlagError(f"--model {name!r}: no such directory; give a directory written by save_pretrained")
+    source = str(path) if path.exists() else name
+    try:
+        config = AutoConfig.from_pretrained(source)
+        limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+        if isinstance(limit, int) and context > limit:
+            raise ModelFlagError(f"--context {context} is past the {limit} positions the model takes "
+                                 f"(max_position_embeddings): give --context {limit} or less")
+        return AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    except ModelFlagError:
+        raise
+    except (OSError, ValueError, ImportError, KeyError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFlagError(f"--model {name!r} could not be loaded as a causal language model ({reason}); give a "
+                             "directory written by save_pretrained, or the Hub id of a decoder-only model") from None
+
+
+def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, dtype: torch.dtype
+                  ) -> torch.nn.Module:
+    # The generic names: families that call them otherwise (GPT-2's n_embd, n_layer) map them.
+    config = AutoConfig.for_model(arch, vocab_size=RANDOM_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2,
+                                  num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                  num_key_value_heads=max(1, hidden // 128), max_position_embeddings=context + 64,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
+        config.head_dim = 64
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None:
+        config.sliding_window = None
+    torch.manual_seed(seed)
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as exc:  # not a family with a causal LM head (BERT without is_decoder, T5, ...)
+        reason = str(exc).strip().splitlines()[0]
+        raise ModelFlagError(f"--arch {arch!r} has no causal language model to build ({reason[:200]}); give a "
+                             "decoder-only family such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi") from None
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """One token's KV in the model's own cache, every layer's keys and values, from a two-token
+    forward (no family's config arithmetic to get wrong: GQA, MQA, head_dim, dtype)."""
+    device = next(model.parameters()).device
+    probe = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([[3, 4]], device=device), past_key_values=probe, use_cache=True)
+    total = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                for layer in probe.layers if layer.keys is not None)
+    return total // 2
+
+
+def vocab_of(model: torch.nn.Module) -> int:
+    """The ids the trace may draw from: below both the embeddings' rows and the config's vocabulary."""
+    rows = model.get_input_embeddings().num_embeddings
+    declared = getattr(model.config.get_text_config(), "vocab_size", None)
+    return min(rows, declared) if isinstance(declared, int) else rows
+
+
+def describe(model: torch.nn.Module, source: str | None) -> str:
+    """``llama (random) 4 layers hidden 512, float32, 13.0M parameters``, or the checkpoint's path."""
+    config = model.config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", "?")
+    hidden = getattr(config, "hidden_size", "?")
+    params = sum(p.numel() for p in model.parameters())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    origin = f"{source}" if source is not None else "(random)"
+    return f"{config.model_type} {origin} {layers} layers hidden {hidden}, {dtype}, {params / 1e6:.1f}M parameters"
