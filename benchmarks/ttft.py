@@ -9,6 +9,7 @@ policy's time over the floor's in the same round).
     python -m benchmarks.ttft                  # 1k-token session, two model shapes
     python -m benchmarks.ttft --tokens 256 --repeats 3 --shapes small   # a quick look
     python -m benchmarks.ttft --cpu            # on CPU where CUDA is present
+    python -m benchmarks.ttft --model DIR --dtype bfloat16   # a checkpoint of yours instead of the shapes
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from tierkv import TieredStore
+from tierkv import TieredStore, trace_model
 from tierkv.store import MAX_BLOCK_SIZE
 
 from .micro import at_least, drop_cached, pick_device, sync
@@ -43,10 +44,10 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: torch.device) -> torch.nn.Module:
+def build(shape: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = AutoConfig.for_model("llama", vocab_size=4096, max_position_embeddings=8192, **SHAPES[shape])
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(device).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def first_token_seconds(model: torch.nn.Module, ids: torch.Tensor, make_cache) -> tuple[float, float]:
@@ -62,12 +63,12 @@ def first_token_seconds(model: torch.nn.Module, ids: torch.Tensor, make_cache) -
     return time.perf_counter() - start, made - start
 
 
-def run_shape(shape: str, tokens: int, repeats: int, block_size: int, device: torch.device
+def run_shape(model: torch.nn.Module, tokens: int, repeats: int, block_size: int, device: torch.device
               ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each policy's TTFT per round, in seconds, and the part of it its cache took to make, the
     warm-up round dropped."""
-    model = build(shape, device)
-    ids = torch.randint(3, 4096, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    vocab = trace_model.vocab_of(model)
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     prefix = DynamicCache()
     with torch.no_grad():
         model(ids[:, :-1], past_key_values=prefix)
@@ -171,15 +172,33 @@ def main() -> None:
     parser.add_argument("--block-size", type=at_least(1, MAX_BLOCK_SIZE), default=256)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a checkpoint instead of the shapes: a directory written by save_pretrained (or a Hub "
+                             "id, where the network allows)")
+    parser.add_argument("--dtype", default="float32", choices=list(trace_model.DTYPES),
+                        help="the models' dtype (default: %(default)s)")
     args = parser.parse_args()
     device = pick_device(args.cpu)
-    for shape in args.shapes:
-        times, opens = run_shape(shape, args.tokens, args.repeats, args.block_size, device)
+    if args.model is not None:
+        try:
+            models = {"model": trace_model.build_model(argparse.Namespace(model=args.model, dtype=args.dtype), device,
+                                                       args.tokens, flag="--tokens", generated=1)}
+        except trace_model.ModelFlagError as exc:
+            parser.error(str(exc))
+    else:
+        models = {shape: build(shape, device, trace_model.DTYPES[args.dtype]) for shape in args.shapes}
+    for shape, model in models.items():
+        try:
+            times, opens = run_shape(model, args.tokens, args.repeats, args.block_size, device)
+        except ValueError as exc:  # store.open's refusal of a model tierkv cannot serve
+            parser.error(f"tierkv cannot serve this model: {exc}")
         med = {name: statistics.median(ts) for name, ts in times.items()}
         floor_name = "floor (ready DynamicCache)"
         floor, recompute = med[floor_name], med["recompute"]
-        print(f"\n{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}) "
-              f"on {device.type}, returning session of {args.tokens} tokens, median of {args.repeats}")
+        name = trace_model.describe(model, args.model) if args.model else (
+            f"{shape} llama ({SHAPES[shape]['num_hidden_layers']} layers, hidden {SHAPES[shape]['hidden_size']}, "
+            f"{args.dtype})")
+        print(f"\n{name} on {device.type}, returning session of {args.tokens} tokens, median of {args.repeats}")
         print("| policy | TTFT / floor | paired per round | its quartiles | TTFT / recompute "
               "| of which store.open / floor, paired |")
         print("|---|---|---|---|---|---|")

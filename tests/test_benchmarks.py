@@ -19,6 +19,15 @@ from tierkv import TieredStore
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _in_a_scratch_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs from its own directory: the trace's flags are checked by making --out,
+    whose default (``tierkv-bench``) is relative, and tests of other flags left it in the checkout."""
+    scratch = tmp_path / "cwd"
+    scratch.mkdir()
+    monkeypatch.chdir(scratch)
+
+
 def run(tmp_path: Path, *args: str) -> str:
     """The program's stdout; it must leave no scratch of its own in the temporary directory."""
     scratch = tmp_path / "scratch"
@@ -821,3 +830,25 @@ def test_mark_exact_in_reduced_precision_allows_plain_transformers_own_differenc
     assert [p.result.exact for p in policies] == [True, True, True, False]
     assert mark_exact(policies) == LOGIT_TOLERANCE
     assert [p.result.exact for p in policies] == [True, False, False, False]
+
+
+def test_ttft_benchmark_on_a_checkpoint_in_bf16(checkpoint: Path, tmp_path: Path) -> None:
+    """``--model`` replaces the shapes with the user's checkpoint, named in the report's header."""
+    out = run(tmp_path, "-m", "benchmarks.ttft", "--tokens", "40", "--repeats", "1", "--block-size", "16",
+              "--model", str(checkpoint), "--dtype", "bfloat16")
+    assert f"qwen2 {checkpoint} 3 layers hidden 64, bfloat16" in out
+    assert out.count("| floor (ready DynamicCache) | 1.00 |") == 1  # one model: no shapes besides it
+    assert len([line for line in out.splitlines() if line.startswith("| tierkv")]) == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "{checkpoint}", "--tokens", "200"], "--tokens 200 is past the 128 positions the model takes (max_position_embeddings, with the 1 generated): "
+                                                     "give --tokens 127 or less"),
+    (["--model", "{missing}"], "no such directory"),
+])
+def test_ttft_benchmark_refuses_a_checkpoint_it_cannot_run(flags: list[str], message: str, checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    flags = [f.format(checkpoint=checkpoint, missing=tmp_path / "missing") for f in flags]
+    result = subprocess.run([sys.executable, "-m", "benchmarks.ttft", "--repeats", "1", *flags], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -79,18 +79,20 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      f"sharing hidden/128 KV heads), got {args.hidden}")
 
 
-def build_model(args: argparse.Namespace, device: torch.device, context: int) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, device: torch.device, context: int, flag: str = "--context",
+                generated: int = 0) -> torch.nn.Module:
     """The trace's model, seeded by ``args.seed`` where random, in eval mode on ``device``. It must
-    take ``context`` positions: a checkpoint's config is read and checked before its weights."""
+    take ``context`` positions, ``flag``'s value and ``generated`` tokens more: a checkpoint's config
+    is read and checked before its weights."""
     dtype = DTYPES[args.dtype]
     if args.model is not None:
-        model = _load_checkpoint(args.model, dtype, context)
+        model = _load_checkpoint(args.model, dtype, context + generated, flag, generated)
     else:
         model = _random_model(args.arch, args.layers, args.hidden, context, args.seed, dtype)
     return model.to(device).eval()
 
 
-def _load_checkpoint(name: str, dtype: torch.dtype, context: int) -> torch.nn.Module:
+def _load_checkpoint(name: str, dtype: torch.dtype, context: int, flag: str, generated: int) -> torch.nn.Module:
     path = Path(name).expanduser()
     if path.is_file():
         raise ModelFlagError(f"--model {name!r} is a file: give the directory save_pretrained wrote (the model's "
@@ -106,8 +108,9 @@ def _load_checkpoint(name: str, dtype: torch.dtype, context: int) -> torch.nn.Mo
         config = AutoConfig.from_pretrained(source)
         limit = getattr(config.get_text_config(), "max_position_embeddings", None)
         if isinstance(limit, int) and context > limit:
-            raise ModelFlagError(f"--context {context} is past the {limit} positions the model takes "
-                                 f"(max_position_embeddings): give --context {limit} or less")
+            with_generated = f", with the {generated} generated" if generated else ""
+            raise ModelFlagError(f"{flag} {context - generated} is past the {limit} positions the model takes "
+                                 f"(max_position_embeddings{with_generated}): give {flag} {limit - generated} or less")
         return AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
     except ModelFlagError:
         raise
