@@ -762,7 +762,7 @@ def test_chat_trace_quick_keeps_a_checkpoints_own_size(checkpoint: Path) -> None
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model", "m", "--layers", "2"], "--layers describe the random model, and --model 'm' has its own"),
+    (["--model", "m", "--layers", "2"], "--layers describes the random model, and --model 'm' has its own"),
     (["--model", "m", "--arch", "gpt2", "--hidden", "128"], "--arch, --hidden describe the random model"),
     (["--model", " "], "--model was given an empty name"),
     (["--arch", "no_such_family"], "--arch 'no_such_family' is not a transformers model type"),

@@ -60,7 +60,8 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if args.model is not None:
         given = [f"--{name}" for name in ("arch", "layers", "hidden") if getattr(args, name) is not None]
         if given:
-            parser.error(f"{', '.join(given)} describe the random model, and --model {args.model!r} has its own "
+            verb = "describes" if len(given) == 1 else "describe"
+            parser.error(f"{', '.join(given)} {verb} the random model, and --model {args.model!r} has its own "
                          "family and size: leave them out, or leave out --model")
         if not args.model.strip():
             parser.error("--model was given an empty name (an unset variable?); give a checkpoint directory, or "
