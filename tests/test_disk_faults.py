@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import lmdb
@@ -21,13 +22,14 @@ import msgpack
 import pytest
 import torch
 
-from conftest import damage_table, random_ids
+from conftest import damage_table, raised_on_the_way_in, random_ids
 from test_pool_store import pooled_store
 import tierkv
 import tierkv.tiers.disk
 from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
 from tierkv.index import DiskState
+from tierkv.owed import OwedOps
 from tierkv.store import _session_id
 from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, DropSessions, FilesystemFull, PutBlock,
                                PutRefs, Touch, op_count, slack)
@@ -2106,6 +2108,31 @@ def test_an_exception_in_a_retry_of_owed_deletes_keeps_what_it_did_not_queue_owe
             blocks = env.open_db(b"blocks", txn=txn, create=False)
             assert not secret & {bytes(k) for k in txn.cursor(db=blocks).iternext(keys=True, values=False)}
     assert _rows(path) == {"blocks": 0, "sessions": 0, "refs": 0}
+
+
+def test_owing_references_an_exception_cuts_short_loses_and_doubles_none():
+    # A reap an exception cut short owes the op again. Before: a key was noted held before it was
+    # in its PutRefs' keys, and one cut short between the two was never written (nor owed again,
+    # being held); noted after, it would be appended twice.
+    sid, first = b"s" * 16, [bytes([i]) * 16 for i in range(3)]
+    more = [bytes([i]) * 16 for i in range(2, 8)]
+    owed = [OwedOps()]
+
+    def reset():
+        owed[0] = OwedOps()
+        owed[0].append(DeleteBlocks([b"d" * 16], []))
+        owed[0].owe_refs(sid, None, first)
+
+    def owed_once(sent):
+        owed[0].owe_refs(sid, None, more)  # owed again, as the next reap does
+        assert [op.keys for op in owed[0]][1:] == [first + more[1:]], sent
+        entry, held, place = owed[0]._puts[sid]
+        assert held == set(first + more) and owed[0]._ops[place] is entry, sent
+        reset()
+
+    reset()
+    assert raised_on_the_way_in(lambda: (owed[0].owe_refs(sid, None, more), nullcontext())[1], owed_once) > 10
+    assert [op.keys for op in owed[0]][1:] == [first + more[1:]]
 
 
 def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, stores, tmp_path, caplog, monkeypatch):

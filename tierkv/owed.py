@@ -18,6 +18,11 @@ Protocol (``TieredStore`` calls all of it under its lock):
 Why an index: a failed ``PutRefs`` looked for its session's entry by scanning the list, under the
 store's lock: 50,000 owed ops and 64 failed PutRefs a flush made 3.2 million checks (about 2 ms a
 failed write). ``_puts`` finds it in one look-up, and is rebuilt with the list (``put_back``).
+
+An exception part-way (another signal's handler: Ctrl-C alone is held off) may come at any call
+or loop; the store's reaping owes again what it cut short. So a key of a ``PutRefs`` is noted as
+held only after it is in its keys (noted first, one an exception cut short there was never
+written, nor owed again), and a merge first notes the one an exception left unnoted.
 """
 
 from __future__ import annotations
@@ -74,10 +79,13 @@ class OwedOps:
             return
         op, held, _ = entry
         op.tenant = tenant
+        if len(held) != len(op.keys):
+            held.update(op.keys)  # the key an exception left between its append and its note here
         for key in keys:
             if key not in held:
-                held.add(key)
+                # In this order: a key noted held and not yet in the keys was never written.
                 op.keys.append(key)
+                held.add(key)
 
     def put_for(self, sid: bytes) -> PutRefs | None:
         """The ``PutRefs`` that ``sid`` owes, or None."""
