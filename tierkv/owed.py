@@ -20,9 +20,11 @@ store's lock: 50,000 owed ops and 64 failed PutRefs a flush made 3.2 million che
 failed write). ``_puts`` finds it in one look-up, and is rebuilt with the list (``put_back``).
 
 An exception part-way (another signal's handler: Ctrl-C alone is held off) may come at any call
-or loop; the store's reaping owes again what it cut short. So a key of a ``PutRefs`` is noted as
-held only after it is in its keys (noted first, one an exception cut short there was never
-written, nor owed again), and a merge first notes the one an exception left unnoted.
+or loop; the store's reaping runs again what it cut short. So owing is idempotent: the list is
+keyed by the op itself (``id``; an op in it is alive), and owing an op already owed leaves the one
+entry where it is; a key of a ``PutRefs`` is noted as held only after it is in its keys (noted
+first, one an exception cut short there was never written, nor owed again), and a merge first
+notes the one an exception left unnoted.
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ OwedOp = Union[DeleteBlocks, DropRefs, PutRefs]
 class OwedOps:
     """The owed ops in retry order, and each session's ``PutRefs`` among them by its sid."""
 
-    __slots__ = ("_ops", "_puts", "_next")
+    __slots__ = ("_ops", "_puts")
 
     def __init__(self) -> None:
-        # In retry order, by the order they were owed in (a dict: a session's entry leaves in one
-        # step, drop_refs).
+        # In retry order, by the order they were owed in, keyed by id(op): owing an op again
+        # (a reap an exception cut short, run again) keeps its one entry where it is. A dict: a
+        # session's entry leaves in one step (drop_refs).
         self._ops: dict[int, OwedOp] = {}
-        self._next = 0
-        # sid -> (its PutRefs in _ops, that entry's keys as a set, its place in _ops): a merge adds
+        # sid -> (its PutRefs in _ops, that entry's keys as a set, its key in _ops): a merge adds
         # only new keys, without reading the keys already owed.
         self._puts: dict[bytes, tuple[PutRefs, set[bytes], int]] = {}
 
@@ -58,24 +60,23 @@ class OwedOps:
     def __iter__(self) -> Iterator[OwedOp]:
         return iter(self._ops.values())
 
-    def _add(self, op: OwedOp) -> int:
-        place, self._next = self._next, self._next + 1
-        self._ops[place] = op
-        return place
-
     def append(self, op: OwedOp) -> None:
-        """Owe ``op`` after everything owed so far (a ``PutRefs``: in its session's entry)."""
+        """Owe ``op`` after everything owed so far (a ``PutRefs``: in its session's entry); an op
+        owed already keeps its one entry."""
         if isinstance(op, PutRefs):
             self.owe_refs(op.sid, op.tenant, op.keys)
         else:
-            self._add(op)
+            place = id(op)
+            self._ops[place] = op
 
     def owe_refs(self, sid: bytes, tenant: str | None, keys: Iterable[bytes]) -> None:
         """Owe ``sid``'s references to ``keys`` in its one ``PutRefs``, which keeps its place."""
         entry = self._puts.get(sid)
         if entry is None:
             op = PutRefs(sid, tenant, list(dict.fromkeys(keys)))
-            self._puts[sid] = (op, set(op.keys), self._add(op))
+            place, held = id(op), set(op.keys)
+            self._ops[place] = op
+            self._puts[sid] = (op, held, place)
             return
         op, held, _ = entry
         op.tenant = tenant
@@ -94,8 +95,11 @@ class OwedOps:
 
     def drop_refs(self, sid: bytes) -> None:
         """Owe none of ``sid``'s references (a session no longer tracked)."""
-        entry = self._puts.pop(sid, None)
+        entry = self._puts.get(sid)
         if entry is not None:
+            # Statements without a call between them, where no signal's handler runs: index
+            # first, as the entry's keys merge only through it.
+            del self._puts[sid]
             del self._ops[entry[2]]
 
     def take(self) -> list[OwedOp]:

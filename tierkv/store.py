@@ -448,7 +448,8 @@ class TieredStore:
         # every flush and at close, since a lost delete would bring forgotten KV back after a
         # restart, and a lost reference would leave a session's blocks where its forget cannot
         # find them.
-        self._deletes: list[tuple[DeleteBlocks | DropRefs | DropSessions | PutRefs, Job[None]]] = []
+        # A deque: each leaves it as it is reaped (_reap_deletes), nearly always from the front.
+        self._deletes: deque[tuple[DeleteBlocks | DropRefs | DropSessions | PutRefs, Job[None]]] = deque()
         self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
@@ -1801,12 +1802,14 @@ class TieredStore:
             # Without a timer the move was a hand-over that copied nothing (CPU device tier).
             self._events.emit(MoveEvent(direction, nbytes, None if timer is not None else (seconds or 0.0), timer))
 
-    def _disk_fault(self, exc: BaseException) -> None:
-        """A disk I/O error, or LMDB's damaged pages: count it, and from the first one on, run on
-        the device and host tiers only (no more writes through), with one warning rather than one
-        per block. Damage (``UNREADABLE``, ``DamagedTables``) is named as such, not as a failing
-        disk: writes into a damaged B-tree fail every time, and only a repair or a new store ends it."""
-        self._disk_errors += 1
+    def _disk_fault(self, exc: BaseException, counted: bool = True) -> None:
+        """A disk I/O error, or LMDB's damaged pages: count it (unless not ``counted``: the
+        caller does), and from the first one on, run on the device and host tiers only (no more
+        writes through), with one warning rather than one per block. Damage (``UNREADABLE``,
+        ``DamagedTables``) is named as such, not as a failing disk: writes into a damaged B-tree
+        fail every time, and only a repair or a new store ends it."""
+        if counted:
+            self._disk_errors += 1
         damage = isinstance(exc, UNREADABLE)
         if damage and not self._disk_damaged:
             self._disk_damaged = True
@@ -1846,29 +1849,38 @@ class TieredStore:
         return job
 
     def _reap_deletes(self) -> None:
-        """Move failed deletes to the owed list (and count the fault). Never waits."""
-        queued = []
-        for op, job in self._deletes:
-            if not job.done():
-                queued.append((op, job))
-                continue
-            try:
-                job.wait()
-            except WriteAbandoned:  # never abandoned (only block writes are), but not owed if it were
-                continue
-            except Exception as exc:  # noqa: BLE001 - any failure leaves the delete owed
-                error: Exception | None = exc
-            else:
-                error = None
-            # Writes land in the order they were queued, and are reaped in that order.
-            for part in op.drops if isinstance(op, DropSessions) else [op]:
-                self._reaped(part, error)
-        self._deletes = queued
+        """Move failed deletes to the owed list (and count the fault). Never waits.
 
-    def _reaped(self, op: DeleteBlocks | DropRefs | PutRefs, error: Exception | None) -> None:
+        Each op leaves ``_deletes`` only once its work is done, and that work is idempotent, so
+        that an exception part-way (another signal's handler: Ctrl-C alone is held off), with the
+        next reap doing the op's work again, neither loses nor doubles it: owing an op owed
+        already keeps its one entry (``OwedOps``), and the fault is counted by the statement that
+        takes the op out, with no call between them, where no handler runs. Before, the list was
+        reassigned at the end: the ops reaped before such an exception were owed again by the
+        next reap, ``owed_deletes`` counting them twice."""
+        deletes = self._deletes
+        i = 0  # the ops before it are not done
+        while i < len(deletes):
+            op, job = deletes[i]
+            if not job.done():
+                i += 1
+                continue
+            error = job.error()  # not wait() in a try: its except took a signal handler's exception for the op's
+            if isinstance(error, WriteAbandoned):  # a superseded tail's delete a close gave up: not owed
+                del deletes[i]
+                continue
+            # Writes land in the order they were queued, and are reaped in that order.
+            parts = op.drops if isinstance(op, DropSessions) else [op]
+            for part in parts:
+                self._reaped(part, error)
+            failed = len(parts) if error is not None else 0  # a fault each, as one op each was
+            del deletes[i]
+            self._disk_errors += failed
+
+    def _reaped(self, op: DeleteBlocks | DropRefs | PutRefs, error: BaseException | None) -> None:
         """``_reap_deletes``' work for one op that landed, or failed with ``error``."""
         if error is not None:
-            self._disk_fault(error)
+            self._disk_fault(error, counted=False)  # counted as its op leaves _deletes
             if isinstance(op, DropRefs) and op.sid not in self._sessions_on_disk:
                 # No reference of this session ever reached the disk (one made after the disk
                 # failed): owing its delete grew the owed list by a session at a time, each

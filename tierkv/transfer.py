@@ -86,6 +86,12 @@ class Job(Generic[T]):
         keep its tensor alive, on the GPU outside every budget."""
         return self if self._poll is not None else _Fence(self._event)
 
+    def error(self) -> BaseException | None:
+        """The exception a done job failed with; None if it succeeded (or is not done). Raises
+        nothing: an ``except`` around ``wait`` also catches what a signal's handler raises in
+        that call, and took it for the job's failure."""
+        return self._error
+
     def wait(self, timeout: float | None = None) -> T:
         # is_set() first: a restore waits on every block once per layer, mostly done long since,
         # and Event.wait takes a condition's lock even then.
