@@ -1971,7 +1971,7 @@ def test_owing_a_sessions_references_reads_none_of_the_owed_list(monkeypatch):
     # A retry took the list, tried its head, and a session owed references again meanwhile: the
     # untried rest goes back in front, and the session keeps one entry, the earlier, holding both.
     ops = owed.take()
-    assert not owed and not owed._puts
+    assert not owed._ops and not owed._puts and list(owed) == ops  # owed until put back
     tried, rest = ops[:2], ops[2:]
     owed.append(tried[0])  # failed again; tried[1] landed
     owed.owe_refs(sids[7], None, [b"n" * 16])
@@ -2198,6 +2198,62 @@ def test_owing_references_an_exception_cuts_short_loses_and_doubles_none():
     reset()
     assert raised_on_the_way_in(lambda: (owed[0].owe_refs(sid, None, more), nullcontext())[1], owed_once) > 10
     assert [op.keys for op in owed[0]][1:] == [first + more[1:]]
+
+
+class _PaperWriter:
+    """A disk writer that keeps what it is given, and applies none of it."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.queued: list[object] = []
+
+    def submit(self, op: object) -> Job[None]:
+        self.queued.append(op)
+        return Job()
+
+
+def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none(model, stores, tmp_path):
+    # Before: a retry took the owed list whole and put the untried rest back in a finally; an
+    # exception as put_back began, or in its loop, lost every op it had not put back yet, and
+    # the forgotten KV they were to delete stayed in the file, owed by no one.
+    store = make_store(stores, tmp_path / "kv")
+    for i in range(6):
+        converse(store, model, random_ids(21, 1430 + i), f"s{i}")
+    store.flush()
+    _a_failed_disk_recording_its_tries(store)
+    for i in range(6):
+        store.forget(session=f"s{i}")
+    store.flush()
+    owed = list(store._owed)
+    assert len(owed) == 12
+    # A writer that queues in a list: the real one's Condition, entered from Python, is left
+    # locked by an exception as its lock's acquire returns (CPython's, not the retry's).
+    writer, store._writer = store._writer, _PaperWriter()
+
+    def must_land():
+        return {(type(op).__name__, getattr(op, "sid", None), k) for op in owed for k in op.keys}
+
+    def in_hand():
+        queued = [op for op, _ in store._deletes]
+        return {(type(op).__name__, getattr(op, "sid", None), k)
+                for op in [*store._owed, *queued] for k in op.keys}
+
+    def reset():
+        store._owed, store._deletes = OwedOps(), deque()
+        for op in owed:
+            store._owed.append(op)
+
+    def none_lost(sent):
+        assert must_land() <= in_hand(), sent
+        reset()
+
+    reset()
+    try:
+        assert raised_on_the_way_in(lambda: (store._retry_deletes(3), nullcontext())[1], none_lost) > 20
+        assert must_land() <= in_hand()
+    finally:
+        store._writer, store._deletes = writer, deque()
 
 
 def test_a_commit_stops_waiting_for_a_writer_that_makes_no_progress(model, stores, tmp_path, caplog, monkeypatch):

@@ -6,9 +6,10 @@ Protocol (``TieredStore`` calls all of it under its lock):
   ``owe_refs``.
 * ``owe_refs(sid, tenant, keys)`` owes a session's references in the one ``PutRefs`` it owes,
   where that entry already is, or at the back as a new one: one ``PutRefs`` a session.
-* ``take()`` hands the whole list over for a retry and leaves it empty; ``put_back(ops)`` puts
-  what a retry did not try back at the front, ahead of what was owed meanwhile (a session owing
-  references in both keeps one entry, the earlier).
+* ``take()`` hands the whole list over for a retry, which leaves in it what it did not queue;
+  ``put_back(ops)`` puts that back at the front, ahead of what was owed meanwhile (a session
+  owing references in both keeps one entry, the earlier). Until then the ops taken still count
+  as owed, in front: a retry that never reached ``put_back`` lost none of them.
 * ``drop_refs(sid)`` lets go of what a session owes, once it is no longer tracked (forgotten,
   or untracked): a retry would write none of it, and kept until a retry reached it (a flush's
   probe, 64 a flush; without flushes, never), a disk that stays failed owed one more entry for
@@ -24,11 +25,14 @@ or loop; the store's reaping runs again what it cut short. So owing is idempoten
 keyed by the op itself (``id``; an op in it is alive), and owing an op already owed leaves the one
 entry where it is; a key of a ``PutRefs`` is noted as held only after it is in its keys (noted
 first, one an exception cut short there was never written, nor owed again), and a merge first
-notes the one an exception left unnoted.
+notes the one an exception left unnoted. ``put_back`` builds the new list aside and swaps it in
+with no call between, and ``take`` keeps what it handed over until then (``_taken``): an
+exception in ``put_back``'s loop, or at its call, lost every op taken.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Union
 
@@ -40,7 +44,7 @@ OwedOp = Union[DeleteBlocks, DropRefs, PutRefs]
 class OwedOps:
     """The owed ops in retry order, and each session's ``PutRefs`` among them by its sid."""
 
-    __slots__ = ("_ops", "_puts")
+    __slots__ = ("_ops", "_puts", "_taken")
 
     def __init__(self) -> None:
         # In retry order, by the order they were owed in, keyed by id(op): owing an op again
@@ -50,15 +54,17 @@ class OwedOps:
         # sid -> (its PutRefs in _ops, that entry's keys as a set, its key in _ops): a merge adds
         # only new keys, without reading the keys already owed.
         self._puts: dict[bytes, tuple[PutRefs, set[bytes], int]] = {}
+        # What ``take`` handed over, still owed (ahead of ``_ops``) until ``put_back``.
+        self._taken: list[OwedOp] = []
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self._taken) + len(self._ops)
 
     def __bool__(self) -> bool:
-        return bool(self._ops)
+        return bool(self._taken or self._ops)
 
     def __iter__(self) -> Iterator[OwedOp]:
-        return iter(self._ops.values())
+        return itertools.chain(self._taken, self._ops.values())
 
     def append(self, op: OwedOp) -> None:
         """Owe ``op`` after everything owed so far (a ``PutRefs``: in its session's entry); an op
@@ -103,16 +109,20 @@ class OwedOps:
             del self._ops[entry[2]]
 
     def take(self) -> list[OwedOp]:
-        """Every owed op, in retry order; nothing is owed after it."""
-        ops, self._ops = list(self._ops.values()), {}
-        self._puts = {}
+        """Every owed op, in retry order, for a retry that leaves in the list it returns what it
+        did not queue; they count as owed until ``put_back``."""
+        ops = [*self._taken, *self._ops.values()]
+        self._taken, self._ops, self._puts = ops, {}, {}
         return ops
 
     def put_back(self, ops: list[OwedOp]) -> None:
-        """Owe ``ops`` (the untried rest of a ``take``) ahead of what was owed since. Rebuilds the
-        index: once a retry, as long as the list, where the retry's slicing already is."""
+        """Owe ``ops`` (the untried rest of a ``take``) ahead of what was owed since, and nothing
+        else ``take`` handed over. Rebuilds the index: once a retry, as long as the list, where
+        the retry's slicing already is."""
         if not ops:
+            self._taken = []
             return
-        later, self._ops, self._puts = list(self._ops.values()), {}, {}
-        for op in [*ops, *later]:
-            self.append(op)
+        merged = OwedOps()
+        for op in [*ops, *self._ops.values()]:
+            merged.append(op)
+        self._taken, self._ops, self._puts = [], merged._ops, merged._puts
