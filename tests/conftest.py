@@ -53,8 +53,10 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     """``with enter():`` again and again, a real SIGUSR1 sent each time at the next point on the
     way in where CPython runs a signal handler (a Python function's start, a C call's return,
     found with ``sys.setprofile``), its handler raising ``HandlerRaised``; every exception kept
-    alive (as ``sys.last_value`` keeps one) to the end. ``check(sent)`` after each, ``sent``
-    naming the point. Returns how many points there were."""
+    alive (as ``sys.last_value`` keeps one) to the end; each must reach this caller (one the code
+    swallowed fails: so must the standard library's on the way, as ``logging``'s ``LogRecord``
+    does). ``check(sent)`` after each, ``sent`` naming the point. Returns how many points there
+    were."""
     import signal
     import sys
     import threading
@@ -76,6 +78,7 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
                         sent.append((event, frame.f_code.co_name))
                         signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
 
+            raised = False
             try:
                 sys.setprofile(profile)
                 try:
@@ -85,9 +88,12 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
                     sys.setprofile(None)
             except HandlerRaised as exc:
                 kept.append(exc)
+                raised = True
             if not sent:
                 return point - 1  # past the way in
-            assert kept, sent
+            # This point's exception, not an earlier one's: code under test that swallows it (an
+            # ``except Exception`` around the call it landed in) fails here.
+            assert raised, f"the handler's exception at {sent} was swallowed"
             check(sent)
     finally:
         signal.signal(signal.SIGUSR1, previous)

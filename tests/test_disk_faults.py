@@ -2175,6 +2175,33 @@ def test_a_reap_an_exception_cuts_short_at_any_point_owes_each_failed_op_once(mo
     assert state() == expected
 
 
+def test_a_signal_handlers_exception_in_a_reap_of_block_writes_is_not_taken_for_the_disks(model, stores, tmp_path):
+    # Before: job.wait() sat in the try whose ``except Exception`` met each write's failure, and
+    # a handler's exception raised as that call began (a SIGALRM timeout's) was swallowed there:
+    # the disk marked failed for good, the landed block dropped from it. Likewise a flush's
+    # probe (_landed). And a write left _pending_writes before its work was done: one raising
+    # in between left its landed block PENDING for good.
+    from tierkv.store import _landed
+
+    store = make_store(stores, tmp_path / "kv", device_budget="64KiB", host_budget="64KiB")
+    release, _ = _a_stalled_writer(store)
+    for i in range(3):
+        converse(store, model, random_ids(21, 1420 + i), f"s{i}")
+    release.set()
+    store._writer.flush()
+    writes = list(store._pending_writes)
+    assert len(writes) >= 6 and all(job.done() for job, _ in store._pending_writes.values())
+
+    def the_disk_is_fine(sent):
+        assert not store._disk_failed and store._disk_errors == 0, sent
+
+    assert raised_on_the_way_in(lambda: (store._reap(keys=writes), nullcontext())[1], the_disk_is_fine) > 6
+    assert not store._pending_writes and all(store._index.blocks[k].disk is DiskState.DURABLE for k in writes)
+    failed = Job()
+    failed.set_error(OSError(5, "Input/output error"))
+    raised_on_the_way_in(lambda: (_landed(failed), nullcontext())[1], lambda sent: None)
+
+
 def test_owing_references_an_exception_cuts_short_loses_and_doubles_none():
     # A reap an exception cut short owes the op again. Before: a key was noted held before it was
     # in its PutRefs' keys, and one cut short between the two was never written (nor owed again,

@@ -285,14 +285,9 @@ class _WriterLink:
 
 
 def _landed(job: Job[None]) -> bool:
-    """The job is done, without an error."""
-    if not job.done():
-        return False
-    try:
-        job.wait()
-    except Exception:  # noqa: BLE001 - any failure: not landed
-        return False
-    return True
+    """The job is done, without an error (``Job.error``: an ``except`` around ``wait`` swallowed
+    a signal handler's exception there as the job's)."""
+    return job.done() and job.error() is None
 
 
 def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) -> DiskTier:
@@ -1740,11 +1735,20 @@ class TieredStore:
             if entry is None or not entry[0].done():
                 continue
             job, header = entry
+            meta = self._index.blocks.get(key)
+            error = job.error()  # outside the try: a signal handler's exception is not the disk's
+            if error is None:
+                # Out of _pending_writes last: an exception before (another signal's handler)
+                # leaves the write for the next reap, rather than its block PENDING for good.
+                if meta is not None and meta.disk is DiskState.PENDING:
+                    self._index.set_disk(meta, DiskState.DURABLE)
+                self._pop_inflight(key)
+                del self._pending_writes[key]
+                continue
             del self._pending_writes[key]
             self._pop_inflight(key)
-            meta = self._index.blocks.get(key)
             try:
-                job.wait()
+                raise error
             except WriteAbandoned:
                 pass  # close(timeout) gave up on it: not a fault of the disk
             except DiskFull as exc:
@@ -1770,9 +1774,6 @@ class TieredStore:
                     self._index.set_disk(meta, DiskState.NONE)
                     if meta.resident is None:
                         self._remove(meta)
-                continue
-            if meta is not None and meta.disk is DiskState.PENDING:
-                self._index.set_disk(meta, DiskState.DURABLE)
 
     def _apply_writes(self, ops: list[DiskOp]) -> list[BaseException | None]:
         """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
