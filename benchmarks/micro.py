@@ -34,7 +34,7 @@ from tierkv import TieredStore
 from tierkv.cache import describe_model
 from tierkv.codec import RecordHeader, decode, decode_into, encode_array, record_size
 from tierkv.hashing import chain_keys, root_key, token_bytes
-from tierkv.tiers.disk import DeleteBlocks, DiskTier, PutBlock, dtype_name, tensor_bytes
+from tierkv.tiers.disk import DeleteBlocks, DiskTier, PutBlock, dtype_name, op_size, tensor_bytes
 from tierkv.transfer import Job
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -130,6 +130,20 @@ def put(tier: DiskTier, header: RecordHeader, tensor: torch.Tensor) -> PutBlock:
     return PutBlock(header, Job.completed(tensor), tier.footprint_of(header, record_size(header)))
 
 
+def writer_batches(count: int, ops: list[PutBlock], max_bytes: int = 64 << 20) -> list[slice]:
+    """The store's disk writer's batches of ``ops`` (``BackgroundWriter``, ``max_batch_bytes`` of
+    a large disk budget, ``write_batch_bytes``): items up to ``count`` and ``max_bytes`` of
+    records, an item that would pass either left for the next batch unless it is its first.
+    Slices of ``ops``."""
+    cuts, start, nbytes = [], 0, 0
+    for i, op in enumerate(ops):
+        if i > start and (i - start == count or nbytes + op_size(op) > max_bytes):
+            cuts.append(slice(start, i))
+            start, nbytes = i, 0
+        nbytes += op_size(op)
+    return [*cuts, slice(start, len(ops))]
+
+
 def drop_cached(path: str) -> None:
     """Evict a file's clean pages from the OS page cache (no root needed), as after a reboot.
     Pages still mapped by an open LMDB environment stay, so close it first."""
@@ -187,8 +201,8 @@ def disk(mib: int, repeats: int) -> list[tuple[str, str]]:
         tier = DiskTier(fresh("lmdb"), 1 << 40, 256)
         ops = [put(tier, header_for(b, i), b) for i, b in enumerate(blocks)]
         start = time.perf_counter()
-        for first in range(0, len(ops), 16):  # the writer's batches: 64 MiB per transaction
-            assert not any(tier.apply(ops[first:first + 16]))
+        for batch in writer_batches(64, ops):  # 64 MiB of records a transaction at most
+            assert not any(tier.apply(ops[batch]))
         tier.sync()
         seconds = time.perf_counter() - start
         tier.close()
@@ -215,9 +229,9 @@ def disk(mib: int, repeats: int) -> list[tuple[str, str]]:
         generation[name] += 1
         old = [(base - len(blocks) + i).to_bytes(16, "little") for i in range(len(blocks))] if base else []
         ops = [put(tier, header_for(b, base + i), b) for i, b in enumerate(blocks)]
-        for first in range(0, len(ops), 16):
-            evicted = [DeleteBlocks(old[first:first + 16], evicted=True)] if old else []
-            assert not any(tier.apply([*evicted, *ops[first:first + 16]]))
+        for batch in writer_batches(64, ops):
+            evicted = [DeleteBlocks(old[batch], evicted=True)] if old else []
+            assert not any(tier.apply([*evicted, *ops[batch]]))
         tier.sync()
         return time.perf_counter() - start
 

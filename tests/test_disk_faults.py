@@ -1362,7 +1362,7 @@ def test_a_small_disk_budget_still_gathers_a_light_loads_writes(model, stores, t
     # only at LINGER_BYTES, not at a fraction of that small cap: turns still share a sync.
     import tierkv.store
     monkeypatch.setattr(tierkv.store, "WRITE_LINGER_S", 30.0)  # only the flush below ends it
-    store = TieredStore(tmp_path / "kv", device="cpu", block_size=400, device_budget=0, host_budget=0,
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=320, device_budget=0, host_budget=0,
                         disk_budget="16MiB")
     stores.append(store)
     batches: list[int] = []
@@ -1373,8 +1373,8 @@ def test_a_small_disk_budget_still_gathers_a_light_loads_writes(model, stores, t
         return apply(items)
 
     store._writer._apply = counted
-    for i in range(3):  # three turns of one 200 KiB block each (398 + 3 - 1 tokens), 512 KiB a batch
-        converse(store, model, random_ids(398, 740 + i), f"s{i}")
+    for i in range(3):  # three turns of one 160 KiB block each (318 + 3 - 1 tokens), 512 KiB a batch
+        converse(store, model, random_ids(318, 740 + i), f"s{i}")
     store.flush()
     assert batches[0] == 3, batches  # without the byte cut at LINGER_BYTES: one block a batch
 

@@ -435,16 +435,20 @@ def test_a_negative_linger_is_refused() -> None:
 
 
 def test_max_batch_bytes_caps_bytes_per_batch(writers: list[BackgroundWriter]) -> None:
+    # An item that would take the batch past max_batch_bytes waits for the next, as one past
+    # max_batch does, unless it is the batch's first. Before: the last item taken passed it (a
+    # block's bytes past the store's bound, made for a transaction at the disk budget).
     rec = Recorder(hold_first=True)
-    writer = start(writers, rec, max_batch_bytes=10, size_of=lambda item: 4)
+    writer = start(writers, rec, max_batch_bytes=10, size_of=lambda item: item[1] if isinstance(item, tuple) else 4)
     writer.submit("gate")
     assert rec.started.wait(WAIT)
-    for i in range(1, 6):
-        writer.submit(i)
+    for item in [("a", 4), ("b", 4), ("c", 4), ("d", 12), ("e", 2), ("f", 8), ("g", 1)]:
+        writer.submit(item)
     rec.release.set()
     writer.flush(timeout=WAIT)
-    # a batch closes once it holds >= 10 bytes: 4 + 4 + 4
-    assert rec.batches == [["gate"], [1, 2, 3], [4, 5]]
+    # 4 + 4 (another 4 would pass 10); 4 (12 would); 12 alone, first; 2 + 8, exactly 10.
+    assert rec.batches == [["gate"], [("a", 4), ("b", 4)], [("c", 4)], [("d", 12)], [("e", 2), ("f", 8)], [("g", 1)]]
+    assert writer.backlog() == 0
 
 
 def test_one_items_error_reaches_only_its_job(writers: list[BackgroundWriter]) -> None:

@@ -406,9 +406,11 @@ class BackgroundWriter(Generic[T]):
 
     A batch is full at ``max_batch`` items, each counting ``count_of(item)`` of them (at least
     one), or at ``max_batch_bytes`` of ``size_of``. An item is never split: one that would take
-    the batch past ``max_batch`` waits for the next batch, unless it is the batch's first (a
-    forget's 64-block delete behind 63 items made a transaction of 127). The last item taken may
-    still pass ``max_batch_bytes``.
+    the batch past either waits for the next batch, unless it is the batch's first (a forget's
+    64-block delete behind 63 items made a transaction of 127). So a batch passes
+    ``max_batch_bytes`` only by an item larger than that alone: the store's bound is what a
+    transaction may take at its disk budget (``write_batch_bytes``), where the last block taken
+    had carried one up to a block's bytes past it.
     """
 
     def __init__(self, apply: Callable[[Sequence[T]], Sequence[BaseException | None]], *, name: str,
@@ -619,14 +621,15 @@ class BackgroundWriter(Generic[T]):
                     stop = self._stopping = True
                     break
                 batch.append(nxt)
-                if count + self._count(nxt[0]) > self._max_batch:
+                size = self._size_of(nxt[0]) if nxt[0] is not _MARKER else 0
+                if count + self._count(nxt[0]) > self._max_batch or nbytes + size > self._max_batch_bytes:
                     break  # left for the next batch
                 taken += 1
                 count += self._count(nxt[0])
                 if nxt[0] is _MARKER:
                     flushing = True  # a flush or nudge: take what is queued now, linger no more
                 else:
-                    nbytes += self._size_of(nxt[0])
+                    nbytes += size
                     flushing = flushing or nbytes >= self._linger_bytes
             self._run_batch(batch[:taken])
             del batch[:taken]
