@@ -455,7 +455,7 @@ def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes
     store.flush()
     before = store.stats()["disk"]["blocks"]
     assert before == 8  # at its budget
-    monkeypatch.setattr(type(store._disk), "filesystem_short", lambda self, nbytes: "the filesystem is full")
+    monkeypatch.setattr(type(store._disk), "_filesystem_short", lambda self, nbytes: "the filesystem is full")
     for i in range(3):
         converse(store, model, random_ids(16, 810 + i), f"n{i}")
         store.flush()

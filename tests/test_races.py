@@ -682,3 +682,34 @@ def test_two_threads_in_one_session(model, stores, tmp_path):
         cache = store.open(model, nxt, session="shared")
         assert cache.restored_tokens == out.shape[1] - 1
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
+def test_a_commits_free_space_forecast_waits_for_the_writers_remap(stores, tmp_path):
+    # A commit over the disk budget asks ``filesystem_short``, which reads LMDB's meta page in the
+    # map; the writer's remaps (the map growing, or cut back at its cap) unmap it, and py-lmdb
+    # answered the commit ``InvalidParameterError`` (EINVAL) out of ``cache.commit`` (found by
+    # helper-69's stress of threads sharing a store).
+    store = make_store(stores, tmp_path / "kv")
+    disk = store._disk
+    disk._find_map = lambda: None  # no look-up between remaps: they follow each other closely
+    sizes = [disk.env.info()["map_size"] * 2, disk.env.info()["map_size"]]
+    stop = threading.Event()
+    remaps = [0]
+
+    def remap() -> None:  # as the writer's _grow and _set_map do
+        deadline = time.monotonic() + 2.0
+        while not stop.is_set() and time.monotonic() < deadline:
+            with disk._resize_lock:
+                disk._map_to(sizes[remaps[0] % 2])
+            remaps[0] += 1
+        stop.set()
+
+    remapper = threading.Thread(target=remap)
+    remapper.start()
+    try:
+        while not stop.is_set():
+            disk.filesystem_short(4096)
+    finally:
+        stop.set()
+        remapper.join(WAIT)
+    assert remaps[0] > 1000

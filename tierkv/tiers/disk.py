@@ -1901,7 +1901,7 @@ class DiskTier:
         results: list[BaseException | None] = [None] * len(ops)
         need = sum(op.record_bytes for op in ops if isinstance(op, PutBlock))
         self._reserve(need)
-        short = self.filesystem_short(need) if need else None
+        short = self._filesystem_short(need) if need else None
         if any(isinstance(op, PutBlock) for op in ops):
             self._advise_for_writes()
         self._zero_owed()
@@ -2294,7 +2294,16 @@ class DiskTier:
         the map is allocated (``_allocate``) this is a forecast, and the allocation that grows the
         map is what keeps a write through the map from a SIGBUS; elsewhere (no fallocate) it is
         the only guard, and covers neither the B-tree's pages nor another process filling the
-        disk between this check and the write."""
+        disk between this check and the write.
+
+        For threads other than the writer's (a commit's forecast): ``env.info()`` reads the meta
+        page inside the map, which the writer's remaps unmap (LMDB then answered EINVAL, and
+        could fault), so this holds the lock's shared side as a read does."""
+        with self._resize_lock.shared():
+            return self._filesystem_short(nbytes)
+
+    def _filesystem_short(self, nbytes: int) -> str | None:
+        """``filesystem_short`` in the writer thread, the only one that remaps: no lock."""
         if self._data_fd is None:
             return None
         try:
