@@ -2331,7 +2331,10 @@ class DiskTier:
             self._grow(self.map_cap - _DELETE_ROOM, used + 2 * nbytes)
 
     def sync(self) -> None:
-        self.env.sync(True)
+        # The caller's thread (a flush), not the writer's: LMDB syncs the map, which a remap of
+        # the writer's unmaps (EINVAL, and the store took its disk for failed).
+        with self._resize_lock.shared():
+            self.env.sync(True)
 
     def close(self, timeout: float | None = None) -> bool:
         """Wait for a read in progress (up to ``timeout`` seconds), then close; False when the read
