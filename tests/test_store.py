@@ -2437,6 +2437,23 @@ def test_a_turn_opened_before_a_forget_of_blocks_it_restored_keeps_none_of_them(
         verify_open(store, model, cat(other, random_ids(1, 96)), session="B", expect=other.shape[1] - 1)
 
 
+def test_a_turn_that_computed_the_blocks_a_forget_took_keeps_them(tiny_model, tmp_path):
+    """Session B's first turn restores nothing; before its commit, A commits the same system
+    prompt and is forgotten, taking the prompt's blocks. B computed them itself, so its commit
+    keeps them all (found by helper-69: it kept nothing, matched on its chain's keys)."""
+    model = tiny_model("llama")
+    prompt = random_ids(2 * B, 101)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        ids = cat(prompt, random_ids(3, 102))
+        cache = verify_open(store, model, ids, session="B", expect=0)
+        out = verify_generate(model, ids, cache, 2)
+        turn(store, model, cat(prompt, random_ids(4, 103)), session="A", new=2, expect=0)
+        assert store.forget(session="A") > 0
+        assert cache.commit(out) == out.shape[1] - 1
+        verify_open(store, model, cat(out, random_ids(1, 104)), session="B", expect=out.shape[1] - 1)
+        verify_sessions_hold_blocks_of_their_own(store)
+
+
 def test_a_reopened_store_stops_tracking_sessions_with_no_block_of_their_own(tiny_model, tmp_path):
     # Rows an earlier build kept: a session whose only block another session also references.
     model = tiny_model("llama")

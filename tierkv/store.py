@@ -1274,7 +1274,7 @@ class TieredStore:
             if n % B:
                 start = len(keys) * B
                 spans.append((start, n, block_key(keys[-1] if keys else cache.root, ids[start:])))
-            cut = self._first_forgotten(cache, [key for _, _, key in spans])
+            cut = self._first_forgotten(cache)
             if cut is not None:
                 # Its KV from there on is a forgotten conversation's, or was computed over it.
                 logger.debug("tierkv: a turn opened before a forget of blocks it holds keeps the blocks before them")
@@ -2262,18 +2262,20 @@ class TieredStore:
         self._forgotten_blocks_floor = _remember(self._forgotten_blocks, keys, self._forget_clock,
                                                  _FORGOTTEN_BLOCKS_KEPT, self._forgotten_blocks_floor)
 
-    def _first_forgotten(self, cache: TieredCache, keys: list[bytes]) -> int | None:
-        """The index of the first of a commit's ``keys`` (its chain's) that a forget dropped since
-        ``cache`` was opened (helper-34: a turn without a session that restored a conversation
-        just forgotten wrote it back at its commit, on disk and past a restart), or None."""
+    def _first_forgotten(self, cache: TieredCache) -> int | None:
+        """The index of the first block ``cache`` restored that a forget dropped since it was
+        opened (helper-34: a turn without a session that restored a conversation just forgotten
+        wrote it back at its commit, on disk and past a restart), or None. Blocks the turn
+        computed itself are its own conversation's, whatever key a forgotten block had: matched
+        on the commit's chain too, a turn of another session that computed the shared system
+        prompt kept nothing once a forget dropped that prompt's block (found by helper-69)."""
         seen = getattr(cache, "_forgets_seen", self._forget_clock)
-        if seen == self._forget_clock or not keys:
+        if seen == self._forget_clock:
             return None
         if seen < self._forgotten_blocks_floor:
             return 0  # which blocks went since is no longer known
-        gone = [next((i for i, key in enumerate(chain) if self._forgotten_blocks.get(key, -1) > seen), None)
-                for chain in (keys, getattr(cache, "_restored_keys", ()))]
-        return min((i for i in gone if i is not None), default=None)
+        return next((i for i, key in enumerate(getattr(cache, "_restored_keys", ()))
+                     if self._forgotten_blocks.get(key, -1) > seen), None)
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:
