@@ -2247,8 +2247,8 @@ def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none
     # the forgotten KV they were to delete stayed in the file, owed by no one.
     import tierkv.store
 
-    # Ctrl-C's section held open: one the harness cut short as its __exit__ began would count a
-    # section for good, and hold off every later Ctrl-C of the process (tests after this one).
+    # Ctrl-C's sections left out: the harness's points are the retry's own, not the sections'
+    # (a section's exit cut short is test_interrupts' test).
     monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
     store = make_store(stores, tmp_path / "kv")
     for i in range(6):

@@ -345,6 +345,60 @@ def test_a_swap_back_cut_short_never_swallows_ctrl_c(monkeypatch) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_sections_exit_cut_short_at_any_point_never_swallows_ctrl_c_for_good() -> None:
+    """Another signal's handler raising as a section's ``__exit__`` began (CPython runs handlers
+    at a function's start) left the section counted for good, by a depth never taken back: every
+    later Ctrl-C of the process was recorded and never raised (helper-68). Cut short at each
+    call of the exit in turn, nested or outermost: afterwards Ctrl-C is raised at once outside a
+    section and as a section exits, and SIGINT's handler is the program's again."""
+    from conftest import HandlerRaised, _raise_handler_raised
+
+    main = threading.get_ident()
+    previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
+    try:
+        for nested in (False, True):
+            point = 0
+            while True:
+                point += 1
+                seen, sent = [0], []
+
+                def profile(frame, event, arg, point=point):
+                    if event in ("call", "c_call") and (seen[0] or frame.f_code.co_name == "__exit__"):
+                        seen[0] += 1
+                        if seen[0] == point:
+                            sent.append(point)
+                            signal.pthread_kill(main, signal.SIGUSR1)
+
+                try:
+                    with defer_interrupts():
+                        with defer_interrupts() if nested else _nothing():
+                            sys.setprofile(profile)
+                    sys.setprofile(None)
+                except HandlerRaised:
+                    pass
+                finally:
+                    sys.setprofile(None)
+                if not sent:
+                    break
+                with pytest.raises(KeyboardInterrupt):
+                    signal.raise_signal(signal.SIGINT)  # outside every section: raised at once
+                with pytest.raises(KeyboardInterrupt):
+                    with defer_interrupts():
+                        signal.raise_signal(signal.SIGINT)
+                assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (nested, point)
+            assert point > 3, point  # the exits' calls were each cut short in turn
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @pytest.mark.parametrize("operation", ["open", "forget", "commit"])
 def test_ctrl_c_while_another_thread_holds_the_store_is_raised_at_once(operation: str) -> None:
     """A close draining the writer holds the store's lock; a held-off section waiting for it

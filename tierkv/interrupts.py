@@ -25,7 +25,10 @@ functions (``signal``'s wrappers convert each handler to an enum through a raise
 handler the program installs meanwhile is left in place; a child forked by another thread
 meanwhile gets the program's handler back. If an exception (another signal's handler raising)
 cuts the swap back short, the recording handler delivers each SIGINT at once until the next
-section puts the program's handler back.
+section puts the program's handler back. The open sections are weak references to their
+``defer_interrupts`` objects: one whose exit such an exception cut short before it took itself
+out is freed with its ``with`` and counts no more (a count of them stayed up for good, and every
+later Ctrl-C was recorded and never raised).
 
 Other signals are not held off: ``raised_by_signal_handler`` tells their handlers' exceptions
 from errors of the code they interrupted, for code that drops some errors (reads past a miss).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import weakref
 from types import FrameType, TracebackType
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +54,12 @@ _MAIN = threading.main_thread().ident
 
 
 class _State:
-    depth = 0
+    # The main thread's open sections, outermost first, each by a weak reference: a section whose
+    # ``__exit__`` an exception cut short as it began (another signal's handler raising there)
+    # never took itself out, and counted by a depth it stayed open for good, holding every later
+    # Ctrl-C of the process off, never delivered. Its ``defer_interrupts`` object is freed as the
+    # exception leaves its ``with``, and a dead reference counts for nothing.
+    sections: list[weakref.ref[Any]] = []
     # The handler the outermost section replaced: set before the swap, cleared only once it is
     # back, so that an exception between the two (another signal's handler raising) never
     # leaves the recording handler in place with nothing to restore.
@@ -62,8 +71,21 @@ def _handler() -> Any:
     return _State.previous if _State.previous is not None else _sig.default_int_handler
 
 
+def _open_sections() -> int:
+    """The main thread's sections still open; those left by an exit cut short are dropped. Only
+    the main thread changes the list: another thread reads a copy."""
+    sections = _State.sections
+    if sections and sections[-1]() is None or any(ref() is None for ref in sections[:-1]):
+        _State.sections = sections = [ref for ref in sections if ref() is not None]
+    return len(sections)
+
+
+def _any_open() -> bool:
+    return any(ref() is not None for ref in _State.sections[:])
+
+
 def _record(signum: int, frame: FrameType | None) -> None:
-    if _State.depth == 0:
+    if not _any_open():
         # Outside every section (a swap back that an exception cut short): as if never swapped.
         _handler()(signum, frame)
         return
@@ -72,7 +94,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
 
 def _in_section() -> bool:
     # The record is the main thread's: another thread seeing it would take the user's Ctrl-C.
-    return _State.depth > 0 and threading.get_ident() == _MAIN
+    return threading.get_ident() == _MAIN and _any_open()
 
 
 def interrupt_pending() -> bool:
@@ -96,7 +118,7 @@ def _never() -> bool:
 
 
 def _held_off() -> bool:
-    return _State.pending is not None and _State.depth > 0
+    return _State.pending is not None and _any_open()
 
 
 def raise_pending() -> None:
@@ -143,7 +165,7 @@ def _after_fork_in_child() -> None:
     _MAIN = threading.get_ident()
     if _State.previous is not None and _sig.getsignal(_SIGINT) is _record:
         _sig.signal(_SIGINT, _State.previous)
-    _State.depth, _State.previous, _State.pending = 0, None, None
+    _State.sections, _State.previous, _State.pending = [], None, None
 
 
 if hasattr(os, "register_at_fork"):
@@ -153,32 +175,43 @@ if hasattr(os, "register_at_fork"):
 class defer_interrupts:
     """Hold SIGINT off for the duration of a ``with`` block (main thread; see the module)."""
 
-    __slots__ = ()
+    __slots__ = ("__weakref__",)
 
     def __enter__(self) -> None:
         if threading.get_ident() != _MAIN:
             return
-        if _State.depth == 0:
+        if _open_sections() == 0:
             # A record left by a section whose exit an interrupt or an exception cut short is
             # stale: dropped.
             _State.pending = None
             current = _sig.getsignal(_SIGINT)
             if current is not _record and callable(current):
-                # An interrupt before the swap is raised here, before depth counts this section:
+                # An interrupt before the swap is raised here, before this section counts:
                 # nothing to undo. One after it is recorded.
                 _State.previous = current
                 _sig.signal(_SIGINT, _record)
             # Already _record: a swap back that an exception cut short; _State.previous holds
             # the program's handler still.
-        _State.depth += 1  # last: an __enter__ that raises is never exited, so counts nothing
+        _State.sections.append(weakref.ref(self))  # last: an __enter__ that raises is never exited
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if threading.get_ident() != _MAIN or _State.depth == 0:
-            return  # entered by another thread (a no-op), or before a fork the child is past
+        if threading.get_ident() != _MAIN:
+            return  # entered by another thread: a no-op
+        sections = _State.sections
+        if len(sections) > 1 and sections[-1]() is self and sections[-2]() is not None:
+            _State.sections = sections[:-1]  # nested, inside a section still open
+            return
+        live = [ref for ref in sections if ref() is not None]
+        rest = [ref for ref in live if ref() is not self]
+        if len(rest) == len(live):
+            return  # entered before a fork the child is past
+        if rest:
+            _State.sections = rest  # one statement: no signal's handler runs inside it
+            return
         previous = _State.previous
-        if _State.depth > 1 or previous is None:
-            _State.depth -= 1
+        if previous is None:
+            _State.sections = []
             return
         try:
             # Swapped back while this section still counts: a SIGINT that the swap's own check
@@ -188,7 +221,7 @@ class defer_interrupts:
                 _sig.signal(_SIGINT, previous)
             _State.previous = None
         finally:
-            _State.depth -= 1
+            _State.sections = []
         pending, _State.pending = _State.pending, None
         if pending is not None:
             previous(*pending)  # default_int_handler raises KeyboardInterrupt here
