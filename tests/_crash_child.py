@@ -1,7 +1,7 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
     python tests/_crash_child.py PATH SEED [churn] [nolinger]
-    python tests/_crash_child.py PATH tail|tail_then_forget
+    python tests/_crash_child.py PATH tail|tail_then_forget|uncommitted
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
@@ -115,8 +115,36 @@ def tail_then_forget(path: str) -> None:
     store.flush()
 
 
+def uncommitted(path: str) -> None:
+    """A session's turn killed inside the write transaction of its blocks, after the first was put
+    into the map (exit 9); sessions forgotten before it left free pages for LMDB to reuse."""
+    from tierkv.tiers.disk import DiskTier
+
+    model = make_model("llama")
+    store = TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0, disk_budget="256GiB")
+    for i in range(3):
+        ids = random_ids(40, 100 + i)
+        cache = store.open(model, ids, session=f"old{i}")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+        store.forget(session=f"old{i}")
+        store.flush()
+    put = DiskTier._put_record
+
+    def dying(self: DiskTier, txn: object, key: bytes, value: object, batch: object) -> None:
+        put(self, txn, key, value, batch)  # type: ignore[arg-type]
+        os._exit(9)
+
+    DiskTier._put_record = dying  # type: ignore[method-assign]
+    ids = random_ids(17, 7)
+    cache = store.open(model, ids, session="alice")
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    store.flush()
+
+
 if __name__ == "__main__":
-    if sys.argv[2] == "tail":
+    if sys.argv[2] == "uncommitted":
+        uncommitted(sys.argv[1])
+    elif sys.argv[2] == "tail":
         tail(sys.argv[1])
     elif sys.argv[2] == "tail_then_forget":
         tail_then_forget(sys.argv[1])

@@ -22,6 +22,7 @@ from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model, random_ids
 import tierkv.store
 from tierkv import TieredStore
+from tierkv.codec import MAGIC
 from tierkv.tiers.disk import StoreInUse, Touch
 from tierkv.store import _session_id
 
@@ -123,6 +124,35 @@ def test_a_forget_in_the_batch_of_a_turn_that_replaced_a_tail_finds_that_tail_af
         assert cache.restored_tokens == 8  # B's two blocks
         assert torch.equal(model.generate(first, past_key_values=cache, max_new_tokens=3, do_sample=False),
                            model.generate(first, max_new_tokens=3, do_sample=False))
+
+
+def test_a_kill_inside_a_write_transaction_leaves_none_of_its_records_in_the_file(tmp_path):
+    """With writemap LMDB puts a record in its final pages, free ones, before the commit: a kill
+    before it left the record (KV, and the token ids of its head) in the file, where no forget
+    found it. The next open's first write zeroes what the lock file's intent names, and no live record."""
+    path = tmp_path / "kv"
+    child = subprocess.run([sys.executable, str(CHILD), str(path), "uncommitted"], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 9, child.stderr
+    magics = lambda: (path / "data.mdb").read_bytes().count(MAGIC)  # noqa: E731
+    assert magics() >= 2  # the killed transaction's first record and its head
+    model = make_model("llama")
+    ids = random_ids(17, 7)
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        assert store._disk.record_count() == 0  # the old sessions forgotten, alice's write never committed
+        store.flush()  # the open's first write zeroes them
+        assert magics() == 0
+        cache = store.open(model, ids, session="alice")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+        store.flush()
+        assert magics() == 2 * store._disk.record_count() > 0  # a record and its head each
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        out = model.generate(ids, max_new_tokens=2, do_sample=False)
+        nxt = torch.cat([out, torch.tensor([[5]])], dim=1)
+        cache = store.open(model, nxt, session="alice")
+        assert cache.restored_tokens == out.shape[1] - 1  # the reopen after a clean close zeroed nothing live
+        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
+                           model.generate(nxt, max_new_tokens=2, do_sample=False))
 
 
 def shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -104,6 +104,12 @@ _META_KEY = b"tierkv"
 # msgpack {"txn": its id, "ranges": [[offset, length], ...]}.
 _UNZEROED_KEY = b"unzeroed"
 _LOCK_FILE = "tierkv.lock"
+# In the lock file, past the holder's pid: where the records of the write transaction in flight
+# lie (``DiskTier._intend``): u64 data.mdb's inode, u64 the transaction's id, then u64 pairs
+# (offset, length). With writemap LMDB puts a record in its final pages before the commit, and a
+# process killed before it left them in free pages, where no forget or clear found them.
+_INTENT_AT = 64
+_PAIR = struct.Struct("<QQ")
 _U64 = struct.Struct("<Q")
 _CHECKSUM_BYTES = 8  # the codec's trailer
 # Small: with writemap the file is truncated to the map's size, and tools that copy or read a store
@@ -865,6 +871,7 @@ class _Batch:
     defer: bool = False  # whether evicted records may be left to the next transaction
     # Records and heads this attempt wrote (offset, length): zeroed if it does not commit.
     written: list[tuple[int, int]] = field(default_factory=list)
+    intended: int = 0  # how many of ``written`` the lock file's intent names (``DiskTier._intend``)
 
 
 def _conflicts(op: DiskOp) -> set[bytes]:
@@ -1008,6 +1015,7 @@ class DiskTier:
             if os.path.islink(data):
                 raise _link_refusal(data) from None
             raise
+        self._data_ino = os.fstat(self._data_fd).st_ino
         try:
             self._allocate_map(fresh)
         except BaseException:
@@ -1023,6 +1031,10 @@ class DiskTier:
         self._pending: list[tuple[int, int]] = []
         self._unzeroed: list[tuple[int, int]] = []
         self._unzeroed_txn = 0  # the transaction whose ledger row named ``_unzeroed``
+        # What a write transaction that a kill cut short had written (the lock file's intent, read
+        # by ``scan``), in pages free in the last committed snapshot: zeroed before the next write.
+        self._uncommitted: list[tuple[int, int]] = []
+        self._uncommitted_txn = 0
         self._ledger_written = False
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
@@ -1086,7 +1098,8 @@ class DiskTier:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            # NULs: the gap up to the intent of a write in flight (``_INTENT_AT``).
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip("\0").strip() or "unknown"
             os.close(fd)
             if holder == str(os.getpid()):
                 # A notebook cell run again, say: the first store is still open, and something
@@ -1099,8 +1112,12 @@ class DiskTier:
             raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
                              "serves one process at a time: close the other store first, or give each "
                              "process its own directory") from None
+        # The intent a killed writer left is kept for the store's next scan (the CLI takes the lock too).
+        intent = os.pread(fd, 1 << 20, _INTENT_AT) if os.fstat(fd).st_size > _INTENT_AT else b""
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
+        if intent.strip(b"\0"):
+            os.pwrite(fd, intent, _INTENT_AT)
         return fd
 
     def _unlock(self) -> None:
@@ -1507,12 +1524,13 @@ class DiskTier:
             if row is not None:
                 self._unzeroed, self._unzeroed_txn = _ledger_ranges(bytes(row), txn.id()), txn.id()
                 self._ledger_written = True
+            self._uncommitted, self._uncommitted_txn = self._read_intent(txn.id()), txn.id()
         return result
 
     @property
     def owes_zeros(self) -> bool:
         """Evicted records not zeroed yet; ``apply([])`` zeroes them, durably."""
-        return bool(self._unzeroed or self._pending or self._ledger_written)
+        return bool(self._unzeroed or self._pending or self._ledger_written or self._uncommitted)
 
     def verify(self, on_record: Callable[[int], None] | None = None,
                unsafe: dict[str, str] | None = None) -> CheckResult:
@@ -1964,6 +1982,8 @@ class DiskTier:
                 # once, and a record not zeroed now is dropped from it (the next transaction may
                 # reuse its pages), whatever raises below.
                 self._ledger_written = bool(unzeroed)
+                if batch.intended:
+                    self._intent_done()
                 previous, self._pending = self._pending, batch.deferred
                 try:
                     for key, where in batch.moves.items():
@@ -2034,10 +2054,36 @@ class DiskTier:
         at = self._offset(head) if head is not None else OFFSET_UNKNOWN
         if at != OFFSET_UNKNOWN:
             batch.written.append((at, len(head)))
+        self._intend(txn, batch)
+
+    def _intend(self, txn: lmdb.Transaction, batch: _Batch) -> None:
+        """Name in the lock file where this attempt's new records and heads lie, for ``scan`` to
+        zero after a kill before the commit (the record being copied at the kill escapes it).
+        The page cache keeps the write across a process's death; no sync: an OS crash may lose it."""
+        if self._lock_fd is None or batch.intended == len(batch.written):
+            return
+        try:
+            if batch.intended == 0:
+                os.pwrite(self._lock_fd, _PAIR.pack(self._data_ino, txn.id()), _INTENT_AT)
+            new = batch.written[batch.intended:]
+            os.pwrite(self._lock_fd, b"".join(_PAIR.pack(*where) for where in new),
+                      _INTENT_AT + _PAIR.size * (1 + batch.intended))
+            batch.intended = len(batch.written)
+        except OSError as exc:  # only the crash case's zeroing is lost; the write goes on
+            logger.debug("tierkv: could not note a write in %s's lock file (%s)", self.path, exc)
+
+    def _intent_done(self) -> None:
+        """Drop the lock file's intent: its transaction committed, or its records are zeroed."""
+        if self._lock_fd is not None:
+            try:
+                os.ftruncate(self._lock_fd, len(str(self._pid)))
+            except OSError:
+                pass  # a committed transaction's intent is ignored (its id is not ahead of LMDB's)
 
     def _zero_written(self, batch: _Batch) -> None:
         """Zero what an attempt that did not commit wrote (``_Batch.written``)."""
         written, batch.written = batch.written, []
+        batch.intended = 0  # a retry writes its own intent over this one's
         if self._map_start is None:
             return
         try:
@@ -2178,9 +2224,27 @@ class DiskTier:
                     logger.warning("tierkv: could not zero an evicted record in %s (%s); its KV stays in free "
                                    "pages until LMDB reuses them", self.path, exc)
 
+    def _read_intent(self, committed: int) -> list[tuple[int, int]]:
+        """The places the lock file's intent names, where its transaction never committed: one
+        past ``committed`` (the last that did), in this very file (a rebuild replaced it)."""
+        if self._lock_fd is None or os.fstat(self._lock_fd).st_size <= _INTENT_AT:
+            return []
+        raw = os.pread(self._lock_fd, 1 << 20, _INTENT_AT)
+        pairs = [_PAIR.unpack_from(raw, i) for i in range(0, len(raw) - _PAIR.size + 1, _PAIR.size)]
+        if not pairs or pairs[0] != (self._data_ino, committed + 1):
+            return []
+        end = os.fstat(self._data_fd).st_size  # type: ignore[arg-type]
+        return [(offset, length) for offset, length in pairs[1:] if length and offset + length <= end]
+
     def _zero_owed(self) -> None:
         """Zero the evicted records the ledger row of the last committed transaction names (a
-        crash came before they were): where they still are, and overlap no block stored since."""
+        crash came before they were): where they still are, and overlap no block stored since.
+        And what a write that a kill cut short had written: pages no snapshot holds."""
+        if self._uncommitted:
+            uncommitted, self._uncommitted = self._uncommitted, []
+            if self.env.info()["last_txnid"] == self._uncommitted_txn:  # else those pages may be reused
+                self._zero(uncommitted)
+            self._intent_done()
         if not self._unzeroed:
             return
         if self.env.info()["last_txnid"] != self._unzeroed_txn:
