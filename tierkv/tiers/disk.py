@@ -2046,10 +2046,11 @@ class DiskTier:
         txn.put(key, value, db=self._blocks)
         # Where it landed: with writemap LMDB writes a value in its final pages.
         offset = self._offset(txn.get(key, db=self._blocks))
-        txn.put(key, index_entry.encode(index_entry.head_of(value), offset, self.page_size), db=self._heads)
         batch.moves[key] = (offset, len(value)) if offset != OFFSET_UNKNOWN else None
         if offset != OFFSET_UNKNOWN:
             batch.written.append((offset, len(value)))
+        self._intend(txn, batch)  # before the head's put: a kill between them misses no record
+        txn.put(key, index_entry.encode(index_entry.head_of(value), offset, self.page_size), db=self._heads)
         head = txn.get(key, db=self._heads)
         at = self._offset(head) if head is not None else OFFSET_UNKNOWN
         if at != OFFSET_UNKNOWN:
@@ -2058,7 +2059,8 @@ class DiskTier:
 
     def _intend(self, txn: lmdb.Transaction, batch: _Batch) -> None:
         """Name in the lock file where this attempt's new records and heads lie, for ``scan`` to
-        zero after a kill before the commit (the record being copied at the kill escapes it).
+        zero after a kill before the commit (the record or head being put at the kill escapes it:
+        its place is known only once it is in the map).
         The page cache keeps the write across a process's death; no sync: an OS crash may lose it."""
         if self._lock_fd is None or batch.intended == len(batch.written):
             return
