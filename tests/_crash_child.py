@@ -1,7 +1,7 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
     python tests/_crash_child.py PATH SEED [churn] [nolinger]
-    python tests/_crash_child.py PATH tail|tail_then_forget|uncommitted
+    python tests/_crash_child.py PATH tail|tail_then_forget|uncommitted record|head
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
@@ -115,9 +115,11 @@ def tail_then_forget(path: str) -> None:
     store.flush()
 
 
-def uncommitted(path: str) -> None:
-    """A session's turn killed inside the write transaction of its blocks, after the first was put
-    into the map (exit 9); sessions forgotten before it left free pages for LMDB to reuse."""
+def uncommitted(path: str, where: str) -> None:
+    """A session's turn killed inside the write transaction of its blocks (exit 9): ``record``
+    once its first block's record and head are in the map, ``head`` between the two. Sessions
+    forgotten before it left free pages for LMDB to reuse."""
+    from tierkv.tiers import heads
     from tierkv.tiers.disk import DiskTier
 
     model = make_model("llama")
@@ -134,7 +136,13 @@ def uncommitted(path: str) -> None:
         put(self, txn, key, value, batch)  # type: ignore[arg-type]
         os._exit(9)
 
-    DiskTier._put_record = dying  # type: ignore[method-assign]
+    def head_dying(*args: object) -> None:
+        os._exit(9)  # the head is encoded just before its put
+
+    if where == "record":
+        DiskTier._put_record = dying  # type: ignore[method-assign]
+    else:
+        heads.encode = head_dying  # type: ignore[assignment]
     ids = random_ids(17, 7)
     cache = store.open(model, ids, session="alice")
     cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
@@ -143,7 +151,7 @@ def uncommitted(path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[2] == "uncommitted":
-        uncommitted(sys.argv[1])
+        uncommitted(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "tail":
         tail(sys.argv[1])
     elif sys.argv[2] == "tail_then_forget":
