@@ -61,9 +61,15 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     import sys
     import threading
 
+    import gc
+
     main = threading.get_ident()
     kept: list[BaseException] = []
     previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
+    # No collection on the way in: the callbacks it runs (hypothesis registers one once its tests
+    # ran) are points too, and CPython reports an exception raised in them rather than raise it.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         point = 0
         while True:
@@ -98,6 +104,8 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     finally:
         signal.signal(signal.SIGUSR1, previous)
         kept.clear()
+        if collecting:
+            gc.enable()
 
 
 # Per architecture, the config fields that make a 2-layer model with small heads.
