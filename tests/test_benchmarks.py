@@ -830,6 +830,21 @@ def test_mark_exact_in_reduced_precision_allows_plain_transformers_own_differenc
     assert [p.result.exact for p in policies] == [True, True, True, False]
     assert mark_exact(policies) == LOGIT_TOLERANCE
     assert [p.result.exact for p in policies] == [True, False, False, False]
+    # Replies parting at a near tie (turn 2 of 3): compared up to it, not after, in bf16 only.
+    for p in policies:
+        p.outputs += [out, out]
+        p.result.first_logits += [logits, logits]
+    parted, wrong_before = policy("parted", 0), policy("wrong before", 0)
+    for p, second_off in ((parted, 0.015), (wrong_before, 0.5)):
+        p.outputs += [out + 1, out + 2]  # the second turn's reply differs, and the third's prompt with it
+        p.result.first_logits += [logits + second_off * std, logits + 9 * std]
+    policies += [parted, wrong_before]
+    assert mark_exact(policies, reduced_precision=True) == pytest.approx(0.02, rel=1e-4)
+    assert [p.result.exact for p in policies] == [True, True, True, False, True, False]
+    assert parted.result.parted_at == 1 and policies[2].result.parted_at is None
+    assert parted.result.logit_error == pytest.approx(0.015, rel=1e-4)  # not the third turn's 9
+    mark_exact(policies)
+    assert not parted.result.exact and parted.result.logit_error == pytest.approx(9, rel=1e-4)
 
 
 def test_ttft_benchmark_on_a_checkpoint_in_bf16(checkpoint: Path, tmp_path: Path) -> None:
