@@ -337,8 +337,14 @@ def test_a_swap_back_cut_short_never_swallows_ctrl_c(monkeypatch) -> None:
     with pytest.raises(TimeoutError):
         with defer_interrupts():
             pass
+    assert_ctrl_c_raised()
+
+
+def assert_ctrl_c_raised() -> None:
+    """Ctrl-C is raised at once outside every section and as a section exits, and SIGINT's
+    handler is the program's."""
     with pytest.raises(KeyboardInterrupt):
-        signal.raise_signal(signal.SIGINT)  # outside every section: raised at once
+        signal.raise_signal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         with defer_interrupts():
             signal.raise_signal(signal.SIGINT)
@@ -380,12 +386,7 @@ def test_a_sections_exit_cut_short_at_any_point_never_swallows_ctrl_c_for_good()
                     sys.setprofile(None)
                 if not sent:
                     break
-                with pytest.raises(KeyboardInterrupt):
-                    signal.raise_signal(signal.SIGINT)  # outside every section: raised at once
-                with pytest.raises(KeyboardInterrupt):
-                    with defer_interrupts():
-                        signal.raise_signal(signal.SIGINT)
-                assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (nested, point)
+                assert_ctrl_c_raised()
             assert point > 3, point  # the exits' calls were each cut short in turn
     finally:
         signal.signal(signal.SIGUSR1, previous)
