@@ -2536,3 +2536,40 @@ def test_a_store_whose_table_holds_a_damaged_node_is_refused_at_open_with_the_re
     damage_table(path, table)
     with pytest.raises(DamagedStore, match=f"in table {table.decode()} .*tierkv check {path} --repair"):
         TieredStore(path, device="cpu", block_size=B)
+
+
+def test_a_signal_handlers_exception_as_close_reads_a_landed_write_drops_no_block(model, stores, tmp_path,
+                                                                                 monkeypatch):
+    # Before: close read each write still pending with job.wait() in a try, whose except took an
+    # exception a signal's handler raised in that call (a SIGALRM timeout) for the write's
+    # failure: the landed block counted as dropped, off stats()["disk"], which a reopen found.
+    from tierkv.transfer import Job
+
+    path = tmp_path / "kv"
+    store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):  # lands once close has begun, after close's own reap
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    converse(store, model, random_ids(30, 706), "a")
+    assert entered.wait(60) and store._pending_writes
+    real_wait, cut = Job.wait, []
+
+    def interrupted(self, timeout=None):
+        if sys._getframe(1).f_code.co_name == "_stop_writer":
+            cut.append(self)
+            raise TimeoutError("a signal's handler raised in the wait")
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(Job, "wait", interrupted)
+    written = len(store._index.blocks)  # both budgets are 0: every block is on its way to disk
+    threading.Timer(0.5, release.set).start()
+    assert store.close(timeout=60) == 0
+    assert store.stats()["disk"]["blocks"] == written > 0 and not cut  # close no longer waits there
+    monkeypatch.undo()
+    assert make_store(stores, path).stats()["disk"]["blocks"] == written
