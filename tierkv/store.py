@@ -83,7 +83,7 @@ from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, Disk
                          DropSessions, FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
                          Scrubbed, Touch, block_bytes, dtype_name, op_count, op_size, slack, torch_dtype)
 from .pool import HostPool
-from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, copy_timer, cpu_wait_seconds,
+from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, WriteNotQueued, copy_timer, cpu_wait_seconds,
                        resolve_device)
 from .units import format_bytes, parse_bytes, seconds_or_none, whole_number
 
@@ -1839,10 +1839,18 @@ class TieredStore:
                 for part in op.drops if isinstance(op, DropSessions) else [op]:  # type: ignore[union-attr]
                     self._owed.append(part)  # type: ignore[arg-type]
             return None
-        job = self._writer.submit(op)
-        if must_land:
-            self._deletes.append((op, job))  # type: ignore[arg-type]
-            self._deletes_queued += 1
+        if not must_land:
+            return self._writer.submit(op)
+        # Tracked before it is queued: another signal's handler raising as submit returned left a
+        # queued delete untracked, and a failure of it owed by no one (forgotten KV kept).
+        job: Job[None] = Job()
+        self._deletes.append((op, job))  # type: ignore[arg-type]
+        self._deletes_queued += 1
+        try:
+            self._writer.submit(op, job)
+        except BaseException as exc:
+            job.set_error(WriteNotQueued(f"not queued: {exc!r}"))  # owed by the next reap, not a disk fault
+            raise
         return job
 
     def _reap_deletes(self) -> None:
@@ -1870,14 +1878,16 @@ class TieredStore:
             parts = op.drops if isinstance(op, DropSessions) else [op]
             for part in parts:
                 self._reaped(part, error)
-            failed = len(parts) if error is not None else 0  # a fault each, as one op each was
+            faulted = error is not None and not isinstance(error, WriteNotQueued)
+            failed = len(parts) if faulted else 0  # a fault each, as one op each was
             del deletes[i]
             self._disk_errors += failed
 
     def _reaped(self, op: DeleteBlocks | DropRefs | PutRefs, error: BaseException | None) -> None:
         """``_reap_deletes``' work for one op that landed, or failed with ``error``."""
         if error is not None:
-            self._disk_fault(error, counted=False)  # counted as its op leaves _deletes
+            if not isinstance(error, WriteNotQueued):
+                self._disk_fault(error, counted=False)  # counted as its op leaves _deletes
             if isinstance(op, DropRefs) and op.sid not in self._sessions_on_disk:
                 # No reference of this session ever reached the disk (one made after the disk
                 # failed): owing its delete grew the owed list by a session at a time, each

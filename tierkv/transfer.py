@@ -388,6 +388,12 @@ def _lower_priority() -> None:
         pass
 
 
+class WriteNotQueued(RuntimeError):
+    """A job its caller tracked before ``BackgroundWriter.submit``, which an exception (another
+    signal's handler) cut short: its item may or may not be queued, and is owed again, not taken
+    for the disk's failure (written twice at worst)."""
+
+
 class WriteAbandoned(RuntimeError):
     """A queued write that ``BackgroundWriter.close(timeout)`` gave up on."""
 
@@ -450,8 +456,11 @@ class BackgroundWriter(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, item: T) -> Job[None]:
-        job: Job[None] = Job()
+    def submit(self, item: T, job: Job[None] | None = None) -> Job[None]:
+        """Queue ``item``; its job (``job``, made and tracked by the caller before this call, so
+        that an exception raised as this returns leaves no queued item untracked, or a new one)."""
+        if job is None:
+            job = Job()
         try:
             size = self._size_of(item)
         except Exception:  # noqa: BLE001 - the writer's thread meets it again, and fails the item
