@@ -910,15 +910,7 @@ def test_writes_a_close_drops_are_not_counted_on_disk(model, stores, tmp_path):
     # after the close (a last metrics scrape), which a reopen did not find.
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):  # the first turn's transaction waits until close has begun to drop
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
+    entered, release = _a_held_writer(store)  # the first turn's transaction waits until close has begun to drop
     first = converse(store, model, random_ids(30, 703), "a")
     assert entered.wait(60)
     converse(store, model, random_ids(30, 704), "b")  # queued behind it
@@ -980,15 +972,7 @@ def test_a_flushed_tail_outlives_a_close_that_drops_the_tail_replacing_it(model,
     first = converse(store, model, ids, "s")
     store.flush()
     assert (first.shape[1] - 1) % B  # a partial tail
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):  # another session's transaction waits until close has begun to drop
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
+    entered, release = _a_held_writer(store)  # another session's transaction waits until close has begun to drop
     converse(store, model, random_ids(20, 707), "other")
     assert entered.wait(60)
     converse(store, model, torch.cat([first, random_ids(10, 708)], 1), "s")  # queued behind it
@@ -1019,6 +1003,21 @@ def _a_flushed_tail_whose_superseded_delete_is_owed(store: TieredStore, model, s
     return first
 
 
+def _a_held_writer(store: TieredStore) -> tuple[threading.Event, threading.Event]:
+    """The store's next write transaction held once it began: set when it has, and the event
+    that lets it go on."""
+    entered, release = threading.Event(), threading.Event()
+    apply = store._writer._apply
+
+    def held(items):
+        entered.set()
+        assert release.wait(60)
+        return apply(items)
+
+    store._writer._apply = held
+    return entered, release
+
+
 def _a_stalled_writer(store: TieredStore) -> tuple[threading.Event, list[list]]:
     """The store's disk stalled until the test sets the event; the batches it applies after."""
     release = threading.Event()
@@ -1035,15 +1034,7 @@ def _a_stalled_writer(store: TieredStore) -> tuple[threading.Event, list[list]]:
 
 def _closed_with_a_transaction_in_flight(store: TieredStore) -> None:
     """``close(timeout=0.1)`` while a transaction is in flight (held until after the timeout)."""
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
+    entered, release = _a_held_writer(store)
     store._writer.submit(Touch({}))
     assert entered.wait(60)
     threading.Timer(0.5, release.set).start()
@@ -1083,15 +1074,7 @@ def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, capl
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=B)
     converse(store, model, random_ids(30, 701), "s")
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):  # the writer stays in its transaction until the second close waits for it
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
+    entered, release = _a_held_writer(store)  # the writer stays in its transaction until the second close waits for it
     store._writer.nudge()
     assert entered.wait(60)
     thread = store._writer._thread
@@ -2547,15 +2530,7 @@ def test_a_signal_handlers_exception_as_close_reads_a_landed_write_drops_no_bloc
 
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
-    entered, release = threading.Event(), threading.Event()
-    apply = store._writer._apply
-
-    def held(items):  # lands once close has begun, after close's own reap
-        entered.set()
-        assert release.wait(60)
-        return apply(items)
-
-    store._writer._apply = held
+    entered, release = _a_held_writer(store)  # lands once close has begun, after close's own reap
     converse(store, model, random_ids(30, 706), "a")
     assert entered.wait(60) and store._pending_writes
     real_wait, cut = Job.wait, []

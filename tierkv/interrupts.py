@@ -75,7 +75,7 @@ def _open_sections() -> int:
     """The main thread's sections still open; those left by an exit cut short are dropped. Only
     the main thread changes the list: another thread reads a copy."""
     sections = _State.sections
-    if sections and sections[-1]() is None or any(ref() is None for ref in sections[:-1]):
+    if any(ref() is None for ref in sections):
         _State.sections = sections = [ref for ref in sections if ref() is not None]
     return len(sections)
 
