@@ -670,6 +670,30 @@ def test_settings_come_from_the_environment_then_the_flags() -> None:
         Settings.from_env({"TIERKV_BLOCK_SIZE": "big"})
 
 
+def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    from examples.server.settings import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], {})
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for field in dataclasses.fields(Settings):
+        shown = "auto" if field.default is None else field.default
+        assert f"(default: {shown}) [$TIERKV_{field.name.upper()}]" in text, field.name
+    # It said "a multiple of 64", and 320 is one that the settings refuse.
+    assert "hidden size of the tiny model: 64, 128, 192 or a multiple of 128" in text
+    for hidden in range(64, 1025, 64):
+        named = hidden in (64, 128, 192) or hidden % 128 == 0
+        try:
+            Settings(store=None, tiny_hidden=hidden)
+        except ValueError:
+            assert not named, hidden
+        else:
+            assert named, hidden
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--device-budget", "10%"], "cannot read device_budget='10%' as a byte count"),
     (["--host-budget", "1.5"], "host_budget='1.5' is a fraction of a byte; give a unit"),

@@ -134,14 +134,14 @@ def _optional_str(text: str) -> str | None:
 
 # field -> (flag, environment variable, parser, help)
 _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
-    "model": ("--model", "TIERKV_MODEL", str, "'tiny' (built-in random model, byte-level tokenizer)"),
+    "model": ("--model", "TIERKV_MODEL", str, "the model: tiny, the built-in random model with a byte-level tokenizer"),
     "model_name": ("--model-name", "TIERKV_MODEL_NAME", str, "model id listed by /v1/models"),
     "seed": ("--seed", "TIERKV_SEED", int, "seed of the tiny model's weights"),
     "tiny_layers": ("--tiny-layers", "TIERKV_TINY_LAYERS", int, "layers of the tiny model"),
-    "tiny_hidden": ("--tiny-hidden", "TIERKV_TINY_HIDDEN", int, "hidden size of the tiny model (a multiple of 64)"),
+    "tiny_hidden": ("--tiny-hidden", "TIERKV_TINY_HIDDEN", int, "hidden size of the tiny model: 64, 128, 192 or a multiple of 128"),
     "store": ("--store", "TIERKV_STORE", _optional_path, "disk tier directory, or 'none' for no disk tier"),
-    "device": ("--device", "TIERKV_DEVICE", _optional_str, "device of the model and hot tier (default: auto)"),
-    "device_budget": ("--device-budget", "TIERKV_DEVICE_BUDGET", str, "bytes at rest on the device, e.g. 256MiB"),
+    "device": ("--device", "TIERKV_DEVICE", _optional_str, "device of the model and hot tier; auto: cuda when available, else cpu"),
+    "device_budget": ("--device-budget", "TIERKV_DEVICE_BUDGET", str, "bytes at rest on the device: an int, or 512MiB, 1.5GB"),
     "host_budget": ("--host-budget", "TIERKV_HOST_BUDGET", str, "bytes at rest in host memory"),
     "disk_budget": ("--disk-budget", "TIERKV_DISK_BUDGET", str, "bytes at rest on disk"),
     "block_size": ("--block-size", "TIERKV_BLOCK_SIZE", int, "tokens per block"),
@@ -186,8 +186,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     ``listen``: also check that the host and port can be listened on (``check_listen``)."""
     parser = argparse.ArgumentParser(prog="python -m examples.server", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     for name, (flag, env, parse, text) in _FIELDS.items():
-        parser.add_argument(flag, dest=name, type=parse, default=argparse.SUPPRESS, help=f"{text} [${env}]")
+        # The defaults are Settings' own, shown here so that --help alone tells what a flag left out gives.
+        shown = "auto" if defaults[name] is None else defaults[name]
+        parser.add_argument(flag, dest=name, type=parse, default=argparse.SUPPRESS,
+                            help=f"{text} (default: {shown}) [${env}]")
     args = vars(parser.parse_args(argv))
     try:
         settings = Settings.from_env(environ, **args)
