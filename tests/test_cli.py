@@ -802,3 +802,17 @@ def test_the_package_docstring_points_only_to_what_an_installed_package_has() ->
         r"^## (.+)$", (Path(__file__).parents[1] / "README.md").read_text(), re.M)
     sections = [" ".join(found.split()) for found in re.findall(r'"([A-Z][^"]+)"', doc)]
     assert sections and set(sections) <= set(headings), (sections, headings)
+
+
+def test_the_exit_codes_of_help_are_the_readmes() -> None:
+    """``tierkv --help`` left out that a damaged store a command cannot go on with exits 2 (a
+    ``clear`` of one session there, a ``check --repair`` of a file LMDB cannot open), which the
+    README's table says."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = dict(re.findall(r"^\| (\d+) \| (.+) \|$", readme.split("| exit code | meaning |")[1], re.M))
+    helped = dict(re.findall(r"^  (\d+)  (.+(?:\n     .+)*)", cli.EXIT_CODES, re.M))
+    assert set(table) == set(helped) == {str(code) for code in (cli.EXIT_OK, cli.EXIT_BAD_RECORDS, cli.EXIT_USAGE,
+                                                                 cli.EXIT_IN_USE, cli.EXIT_IO, cli.EXIT_PIPE)}
+    for words in ("damaged", "demo --store"):
+        assert words in table["2"] and words in " ".join(helped["2"].split()), words
+    assert "demo --store" in table["3"] and "demo --store" in helped["3"]

@@ -64,8 +64,10 @@ exit codes:
   {EXIT_OK}  success (check: every record is sound, or --repair dropped the bad ones)
   {EXIT_BAD_RECORDS}  check found bad records, damaged heads or damaged tables and did not repair them (demo, bench: a
      reply differed from recomputation)
-  {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, or has an incompatible format version
-  {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time)
+  {EXIT_USAGE}  usage error; PATH is missing, is not a tierkv store, has an incompatible format version, or is
+     damaged where the command cannot go on (the message says what to do); demo --store: a directory that
+     cannot hold the store
+  {EXIT_IN_USE}  the store is in use by another process (a store serves one process at a time; demo --store too)
   {EXIT_IO}  a disk error stopped check --repair or clear: what was to be removed may still be there
      (bench: its reports could not be written)
   {EXIT_PIPE}  the program reading the output closed the pipe (as `| head` does)
