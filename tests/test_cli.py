@@ -332,13 +332,17 @@ def test_check_reports_bad_records_then_repair_drops_exactly_them(built: Built, 
 
 
 def test_check_rewrites_a_damaged_head_from_its_sound_record(built: Built, copy: Callable[..., Path],
-                                                             model: torch.nn.Module) -> None:
+                                                             model: torch.nn.Module,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     path = copy()
     key, head = first_head(path)
     damaged = bytearray(head)
     damaged[30] ^= 0xFF  # inside the header it copies: the head no longer agrees with its record
     put_head(path, key, bytes(damaged))
     before = file_digest(path)
+    assert cli.main(["check", str(path)]) == cli.EXIT_BAD_RECORDS
+    # It said `tierkv check PATH --repair`: the command to run has the store's path, as the other advice does.
+    assert f"run `tierkv check {cli.absolute_path(str(path))} --repair` to drop" in capsys.readouterr().out
 
     report = run("check", str(path), "--json")
     assert report.code == 1, report

@@ -361,8 +361,8 @@ def _check_text(r: dict[str, Any]) -> str:
         if d["heads"]:
             lines.append(f"rewrote {d['heads']} heads from their records")
     elif r["bad"] or r["stale_heads"]:
-        lines.append("run `tierkv check PATH --repair` to drop the bad records (blocks are a cache: they are "
-                     "recomputed) and rewrite damaged heads from their records")
+        lines.append(f"run `tierkv check {r['path']} --repair` to drop the bad records (blocks are a cache: they "
+                     "are recomputed) and rewrite damaged heads from their records")
     return "\n".join(lines)
 
 
