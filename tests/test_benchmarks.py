@@ -642,6 +642,10 @@ def test_the_demo_runs_the_turns_asked_for_and_removes_its_store_whatever_ends_i
     turns = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s+user", line)]
     assert [line.split()[1] for line in turns] == ["user0", "user1", "user0", "user1"]  # 2, then 2 after the restart
     assert not left_behind(tmp_path)
+    # --help said "turns in all, round robin over popular users": the restart's two turns come on top.
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    assert "turns before the restart, two more after it" in " ".join(capsys.readouterr().out.split())
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt

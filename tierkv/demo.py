@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=12, help="turns in all, round robin over popular users")
+    parser.add_argument("--turns", type=int, default=12,
+                        help="turns before the restart, two more after it (user0's and user1's): each session "
+                             "speaks once, then they return at random, user0 most often")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--system-tokens", type=int, default=512)
