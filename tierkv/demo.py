@@ -9,7 +9,7 @@ At the end the store is closed and reopened, as after a restart: returning sessi
 Every turn checks that tierkv's greedy reply equals the recomputed one, token for token.
 
     tierkv demo                  # about a minute on 2 CPU cores
-    tierkv demo --quick          # a few seconds
+    tierkv demo --quick          # under half a minute
     python examples/chatbot.py   # the same, from a checkout
 
 A program, like the benchmarks: it prints, and imports transformers directly.
