@@ -1685,6 +1685,34 @@ def test_stats_count_hits_per_tier_in_tokens_misses_and_evictions(tiny_model, tm
         assert stats["disk"]["blocks"] == 3 and 3 * 4096 < stats["disk"]["bytes"] <= 10**6
 
 
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_stats_peak_bytes_count_a_commits_new_chain_beside_the_tail_it_replaces(where, tiny_model, tmp_path):
+    """A commit stores a conversation's new chain, then lets go of the partial tail the chain
+    replaces: for that moment the tier holds both, and its peak is above what it holds before
+    and after (the chat trace's peaks, sampled after each commit, missed it)."""
+    model = tiny_model("llama")
+    budgets = {"device": ("1MiB", 0), "host": (0, "1MiB"), "disk": (0, 0)}[where]
+    with TieredStore(tmp_path / "kv" if where == "disk" else None, device="cpu", device_budget=budgets[0],
+                     host_budget=budgets[1], block_size=B) as store:
+        ids = random_ids(B + 5, 40)
+        for length in (B + 5, 2 * B + 3):  # a 5-token tail, then a chain through it to a 3-token one
+            ids = cat(ids, random_ids(length - ids.shape[1], length))
+            cache = store.open(model, ids, session="s")
+            with torch.no_grad():
+                model(ids[:, cache.restored_tokens:], past_key_values=cache)
+            cache.commit(ids)
+            store.flush()
+            if length == B + 5:
+                before = store.stats()[where]["bytes"]
+        stats = store.stats()
+        assert stats[where]["blocks"] == 3  # the 5-token tail is gone
+        if where == "disk":  # footprints: whole pages of the file
+            assert stats["peak_bytes"]["disk"] > stats["disk"]["bytes"] > before
+        else:
+            assert stats["peak_bytes"][where] == stats[where]["bytes"] + full_block_bytes(model, 5)
+        assert stats["peak_bytes"] == {t: stats["peak_bytes"][where] if t == where else 0 for t in ("device", "host", "disk")}
+
+
 def test_stats_without_a_disk_tier_report_zeros_for_disk(tiny_model):
     with TieredStore(None, device="cpu", device_budget="1.5GB", host_budget="512MiB", block_size=B) as store:
         stats = store.stats()

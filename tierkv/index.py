@@ -69,6 +69,7 @@ class Index:
         self.sessions: dict[bytes, SessionInfo] = {}
         self.lru: dict[Tier, OrderedDict[bytes, None]] = {t: OrderedDict() for t in Tier}
         self.bytes: dict[Tier, int] = {t: 0 for t in Tier}
+        self.disk_peak = 0  # the most of ``bytes[Tier.DISK]`` at any moment
         self._children: dict[bytes, dict[int, set[bytes]]] = {}
 
     # -- blocks -------------------------------------------------------------------------------
@@ -130,6 +131,8 @@ class Index:
         elif on_disk_after and not on_disk_before:
             self.lru[Tier.DISK][meta.key] = None
             self.bytes[Tier.DISK] += meta.record_bytes
+            if self.bytes[Tier.DISK] > self.disk_peak:
+                self.disk_peak = self.bytes[Tier.DISK]
 
     def touch(self, meta: BlockMeta) -> None:
         if meta.resident is not None:

@@ -2353,7 +2353,8 @@ class TieredStore:
         """The in-process view of the store (``tierkv.metrics`` exports it).
 
         ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
-        the file); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
+        the file); ``peak_bytes`` (per tier, the most bytes at rest at any moment since the store
+        opened); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
         tokens thrown away and recomputed, by assisted decoding or ``cache.reset()``: in ``hits``
         and in ``misses`` too), ``evictions``, ``corrupt``;
         ``disk_errors`` (disk operations that failed: each block write, delete or reference of a
@@ -2371,11 +2372,16 @@ class TieredStore:
             if not self._closed:
                 self._reap()
             disk_budget = self._disk.budget if self._disk is not None else 0
+            disk_bytes = self._index.bytes[Tier.DISK] + self._left_on_disk[1]
             return {
                 "device": {"bytes": self._device.used, "budget": self._device.budget, "blocks": len(self._device)},
                 "host": {"bytes": self._host.used, "budget": self._host.budget, "blocks": len(self._host)},
-                "disk": {"bytes": self._index.bytes[Tier.DISK] + self._left_on_disk[1], "budget": disk_budget,
+                "disk": {"bytes": disk_bytes, "budget": disk_budget,
                          "blocks": self._index.count(Tier.DISK) + self._left_on_disk[0]},
+                # High-water marks of the tiers' bytes: within a commit too, which stores a
+                # conversation's new chain before it lets go of the partial tail the chain replaces.
+                "peak_bytes": {"device": self._device.peak, "host": self._host.peak,
+                               "disk": max(self._index.disk_peak, disk_bytes)},
                 "hits": dict(self._hits),
                 "misses": self._misses,
                 "discarded": self._discarded,

@@ -3,9 +3,10 @@ device and host tiers.
 
 Protocol: ``fits(n)`` says whether ``n`` more bytes stay within the budget; ``put`` refuses (returns
 False) rather than exceed it, since capacity is the caller's decision, not an error; ``pop``
-frees. Entries are ``Job``s of tensors: a block being copied in is already accounted for and
-readable (a reader waits on the job, or a copy engine chains on it without a host sync). Tensors
-are never written after their job completes, so a reader may hold one while it is moved.
+frees; ``peak`` is the most bytes it ever held at once. Entries are ``Job``s of tensors: a
+block being copied in is already accounted for and readable (a reader waits on the job, or a
+copy engine chains on it without a host sync). Tensors are never written after their job
+completes, so a reader may hold one while it is moved.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class MemoryTier:
         self.budget = budget
         self.device = device
         self.used = 0
+        self.peak = 0
         self._blocks: dict[bytes, tuple[Job[torch.Tensor], int]] = {}
 
     def __contains__(self, key: bytes) -> bool:
@@ -38,6 +40,8 @@ class MemoryTier:
             return False
         self._blocks[key] = (block, nbytes)
         self.used += nbytes
+        if self.used > self.peak:
+            self.peak = self.used
         return True
 
     def get(self, key: bytes) -> Job[torch.Tensor] | None:
