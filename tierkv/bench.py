@@ -490,7 +490,8 @@ def markdown(run_: dict, summary: dict) -> str:
                         "(no GB/s). " if cpu else "") + "KV bytes, without the records' headers and padding.",
               "[2] To disk: bytes over the writer's time in its transactions less its waits for a CPU (it runs at a "
               "lower priority than the turns; the JSON's to_disk_wall_gb_per_s counts them). From disk: records "
-              "written earlier in this run, mostly read from the page cache.",
+              "written earlier in this run, mostly read from the page cache; a disk hit whose write was still queued is "
+              "served from the write's own buffer and reads nothing.",
               "[3] The most bytes of blocks at rest in each tier at any moment (within a commit too); the cache of the "
               "turn in progress is not counted. "
               "On disk, the records' footprints in the file (their headers and padding too), as its budget counts them.",
