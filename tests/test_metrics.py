@@ -91,6 +91,7 @@ def verify_scrape_equals_stats(found: dict, stats: dict) -> None:
     for name, field in (("tierkv_tier_bytes", "bytes"), ("tierkv_tier_blocks", "blocks"),
                         ("tierkv_tier_budget_bytes", "budget")):
         assert by(found, name, "tier") == {t: stats[t][field] for t in TIERS}, name
+    assert by(found, "tierkv_tier_peak_bytes", "tier") == stats["peak_bytes"]
     assert by(found, "tierkv_hit_tokens_total", "tier") == stats["hits"]
     assert one(found, "tierkv_miss_tokens_total") == stats["misses"]
     assert one(found, "tierkv_evictions_total") == stats["evictions"]
@@ -187,7 +188,8 @@ class FakeStore:
         tier = {"bytes": 0, "budget": 0, "blocks": 0}
         return {"device": tier, "host": tier, "disk": tier, "hits": {t: 0 for t in TIERS}, "misses": 0,
                 "evictions": 0, "corrupt": 0, "disk_errors": 0, "disk_failed": False,
-                "moved_bytes": {d: 0 for d in DIRECTIONS}, "pending_writes": 0, "sessions": 0}
+                "moved_bytes": {d: 0 for d in DIRECTIONS}, "peak_bytes": {t: 0 for t in TIERS}, "pending_writes": 0,
+                "sessions": 0}
 
 
 def test_concurrent_scrapes_neither_double_count_nor_lose_events() -> None:
@@ -326,7 +328,7 @@ def test_metric_names_follow_prometheus_conventions(model) -> None:
         turn(store, model, random_ids(20, 60))
         text = generate_latest(registry).decode()
     families = list(text_string_to_metric_families(text))
-    assert len(families) == 17
+    assert len(families) == 18
     for family in families:
         assert family.name.startswith("tierkv_"), family.name
         names = {s.name for s in family.samples}
