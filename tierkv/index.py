@@ -29,11 +29,19 @@ class Tier(enum.Enum):
     HOST = "host"
     DISK = "disk"
 
+    # The key of ``lru`` and ``bytes``: Enum's own __hash__ is Python, a point where another
+    # signal's handler runs, and one raising at a look-up in the middle of ``set_disk`` or
+    # ``set_resident`` left a block in a tier's LRU order and out of its bytes (the budget off
+    # for good). The members are singletons: identity's hash (C) is theirs.
+    __hash__ = object.__hash__
+
 
 class DiskState(enum.Enum):
     NONE = 0
     PENDING = 1
     DURABLE = 2
+
+    __hash__ = object.__hash__  # as Tier's
 
 
 @dataclass(slots=True, eq=False)
@@ -79,7 +87,12 @@ class Index:
         self._children.setdefault(meta.parent, {}).setdefault(first, set()).add(meta.key)
 
     def remove(self, key: bytes) -> BlockMeta | None:
-        meta = self.blocks.pop(key, None)
+        # Out of ``blocks`` last, each step before it idempotent: another signal's handler raising
+        # part-way (Ctrl-C alone is held off) leaves an entry in no tier, which the store drops
+        # or stores again, never a key in an LRU order, a continuation or a session that
+        # ``blocks`` lacks (a KeyError at the next eviction, match or retry). Taken out first, one
+        # raising as the pop returned left all three.
+        meta = self.blocks.get(key)
         if meta is None:
             return None
         self.set_resident(meta, None)
@@ -98,6 +111,7 @@ class Index:
             info = self.sessions.get(sid)
             if info is not None:
                 info.keys.discard(key)
+        del self.blocks[key]
         return meta
 
     def children(self, parent: bytes, first_token: int) -> Iterator[BlockMeta]:
