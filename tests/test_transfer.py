@@ -571,12 +571,16 @@ def test_flush_whose_marker_is_done_before_it_looks_returns(writers: list[Backgr
     writer = start(writers, Recorder())
     put = writer._queue.put
 
-    def put_then_let_the_writer_run(entry, *args, **kwargs):
-        put(entry, *args, **kwargs)
-        if entry is not None and entry[0] is _MARKER:
-            entry[1].wait(WAIT)
+    class Queue:  # the writer's SimpleQueue, whose put cannot be replaced on it
+        get, get_nowait = writer._queue.get, writer._queue.get_nowait
 
-    writer._queue.put = put_then_let_the_writer_run
+        @staticmethod
+        def put(entry, *args, **kwargs):
+            put(entry, *args, **kwargs)
+            if entry is not None and entry[0] is _MARKER:
+                entry[1].wait(WAIT)
+
+    writer._queue = Queue()  # type: ignore[assignment]
     flusher = threading.Thread(target=writer.flush)
     flusher.start()
     flusher.join(WAIT)
@@ -815,3 +819,44 @@ def test_the_writers_queue_counts_items_of_no_size_until_applied_or_failed() -> 
     assert writer.settled_items() == 5 and [j.done() for j in jobs] == [True] * 5  # failed ones too
     writer.close()
     assert writer.wait_below(0, timeout=0, items=0)
+
+
+def test_a_submit_another_signals_handler_cuts_short_counts_an_item_only_if_queued(
+        writers: list[BackgroundWriter]) -> None:
+    # Before: submit entered its counters' Condition, whose __enter__ is Python: a handler (a
+    # SIGALRM timeout) raising as its lock's acquire returned left the lock taken for good, and
+    # the writer hung at its next batch's end; and Queue.put is Python too: one raising in it,
+    # or between the counting and the put, left an item counted and not queued (the backlog that
+    # commits wait on never drained), or queued with its caller unable to tell (``holds``).
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, size_of=lambda item: 10)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)  # the writer is in the first batch: what follows stays queued
+    submitted: list[tuple[object, Job[None]]] = []
+
+    def counted_only_if_queued(sent: list) -> None:
+        for lock in (writer._counts, writer._gate):
+            assert lock.acquire(blocking=False), sent
+            lock.release()
+        queued = writer._queue.qsize()
+        assert writer.queued() == len(writer._sizes) == queued + 1, sent  # the gate's batch counts till its end
+        assert writer.backlog() == 10 * (queued + 1), sent
+        assert queued == sum(writer.holds(job) for _, job in submitted), sent
+        assert not any(job.done() for _, job in submitted), sent
+
+    def submit() -> object:
+        item, job = len(submitted), Job()
+        submitted.append((item, job))
+        writer.submit(item, job)
+        return nullcontext()
+
+    assert raised_on_the_way_in(submit, counted_only_if_queued) > 4
+    queued = [item for item, job in submitted if writer.holds(job)]
+    assert len(queued) == writer._queue.qsize() and len(queued) >= 2  # cut as the put returned, and unhurt
+    rec.release.set()
+    writer.flush(timeout=WAIT)
+    assert rec.applied == ["gate", *queued] and writer.queued() == 0 and writer.backlog() == 0

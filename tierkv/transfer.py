@@ -27,6 +27,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .interrupts import raised_by_signal_handler
+
 logger = logging.getLogger("tierkv")
 
 T = TypeVar("T")
@@ -437,7 +439,10 @@ class BackgroundWriter(Generic[T]):
         self._count_of = count_of
         self._abandonable = abandonable
         self._device = device
-        self._queue: queue.Queue[tuple[T, Job[None]] | None] = queue.Queue()
+        # A SimpleQueue: its put is one C call, where no signal's handler runs (Queue.put is Python,
+        # and one raising in it could leave an item queued or not): ``submit`` counts an item and
+        # queues it with no point between where one could.
+        self._queue: queue.SimpleQueue[tuple[T, Job[None]] | None] = queue.SimpleQueue()
         self._closed = False
         # Orders submissions against close(): nothing is queued behind the stop signal.
         self._gate = threading.Lock()
@@ -452,29 +457,46 @@ class BackgroundWriter(Generic[T]):
         # behind a slow disk.
         self._sizes: dict[int, tuple[int, int]] = {}
         self._queued = 0  # the counts of the items in ``_sizes``: ``queued``
-        self._drained = threading.Condition(threading.Lock())
+        # The counters' lock, entered as a plain lock by the submitting (main) thread: a
+        # Condition's __enter__ is Python, and another signal's handler raising as its lock's
+        # acquire returned left the lock taken for good (the writer's next _settled hung).
+        self._counts = threading.Lock()
+        self._drained = threading.Condition(self._counts)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, item: T, job: Job[None] | None = None) -> Job[None]:
         """Queue ``item``; its job (``job``, made and tracked by the caller before this call, so
-        that an exception raised as this returns leaves no queued item untracked, or a new one)."""
+        that an exception raised as this returns leaves no queued item untracked, or a new one).
+        Where an exception (another signal's handler) cut it short, ``holds(job)`` tells whether
+        the item was queued: it was counted and queued together, or neither."""
         if job is None:
             job = Job()
         try:
             size = self._size_of(item)
-        except Exception:  # noqa: BLE001 - the writer's thread meets it again, and fails the item
+        except Exception as exc:  # noqa: BLE001 - the writer's thread meets it again, and fails the item
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's, say: the caller's, not the item's
             size = 0
         count = self._count(item)
+        place, sizes, entry = id(job), (size, count), (item, job)
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed")
-            with self._drained:
+            with self._counts:
+                # No call from the first change to the put's own (C, atomic): no signal's handler
+                # runs between them, so an item is counted (backlog, ``holds``) only if queued.
                 self._backlog += size
                 self._queued += count
-                self._sizes[id(job)] = (size, count)
-            self._queue.put((item, job))
+                self._sizes[place] = sizes
+                self._queue.put(entry)
         return job
+
+    def holds(self, job: Job[None]) -> bool:
+        """Whether ``submit`` queued ``job``'s item (settled since, or not yet): for a caller whose
+        ``submit`` an exception cut short, which cannot tell from where it was raised."""
+        # In this order: the writer completes a job before it lets go of its entry.
+        return id(job) in self._sizes or job.done()
 
     def backlog(self) -> int:
         """Bytes (``size_of``) of the items submitted and not yet applied (or failed)."""
@@ -549,7 +571,7 @@ class BackgroundWriter(Generic[T]):
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abandon.set()
-            with self._drained:
+            with self._counts:  # not the Condition's Python __enter__ (see _counts)
                 self._drained.notify_all()  # waiters stop waiting for writes that may never land
             self._thread.join(grace)
         return self._abandoned
@@ -655,7 +677,9 @@ class BackgroundWriter(Generic[T]):
             return 1
         try:
             return max(1, self._count_of(item))
-        except Exception:  # noqa: BLE001 - the item fails where it is applied, not here
+        except Exception as exc:  # noqa: BLE001 - the item fails where it is applied, not here
+            if raised_by_signal_handler(exc):
+                raise  # as submit's size_of
             return 1
 
     def _run_batch(self, batch: list[tuple[T, Job[None]]]) -> None:
