@@ -29,7 +29,7 @@ import tierkv
 import tierkv.tiers.disk
 from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
-from tierkv.index import DiskState
+from tierkv.index import DiskState, Tier
 from tierkv.owed import OwedOps
 from tierkv.store import _session_id
 from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, DropSessions, FilesystemFull, PutBlock,
@@ -2219,8 +2219,12 @@ class _PaperWriter:
         self.queued: list[object] = []
 
     def submit(self, op: object, job: Job[None] | None = None) -> Job[None]:
-        self.queued.append(op)
-        return Job() if job is None else job
+        job = Job() if job is None else job
+        self.queued.append((op, job))  # one C call, as the real writer's put
+        return job
+
+    def holds(self, job: Job[None]) -> bool:
+        return any(queued is job for _, queued in self.queued)
 
 
 def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none(model, stores, tmp_path,
@@ -2243,8 +2247,8 @@ def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none
     store.flush()
     owed = list(store._owed)
     assert len(owed) == 12
-    # A writer that queues in a list: the real one's Condition, entered from Python, is left
-    # locked by an exception as its lock's acquire returns (CPython's, not the retry's).
+    # A writer that queues in a list, applying nothing: what a cut-short retry queued stays in
+    # hand to count.
     writer, store._writer = store._writer, _PaperWriter()
 
     def must_land():
@@ -2572,10 +2576,144 @@ def test_a_delete_queued_as_a_signal_handlers_exception_cuts_its_submit_short_is
     store._writer.submit = submit
     (op, job), = queued
     assert isinstance(op, (DeleteBlocks, DropRefs, DropSessions))
-    with pytest.raises(WriteNotQueued):
-        job.wait(60)  # the writer's failure comes second: the job is owed as not queued
+    with pytest.raises(OSError):
+        job.wait(60)  # queued (BackgroundWriter.holds): the writer's failure is its own
     store._reap_deletes()
     owed = [part for owed_op in store._owed
             for part in (owed_op.drops if isinstance(owed_op, DropSessions) else [owed_op])]
     assert any(part is op or part in getattr(op, "drops", ()) for part in owed)
     assert store.stats()["owed_deletes"] >= 1
+
+
+def test_a_block_write_a_signal_handlers_exception_cuts_short_is_tracked_or_written_again(model, stores, tmp_path,
+                                                                                        monkeypatch):
+    # Before: a block's write was tracked (_pending_writes, its block PENDING) only after
+    # BackgroundWriter.submit returned; another signal's handler raising as it returned left the
+    # write queued and untracked: the block unknown to the disk's index until a reopen (outside
+    # its budget, kept by a forget) and its host buffer held for good. A write again of a block
+    # whose write found no room (_unwritten) took it out of _unwritten first: one raising before
+    # the write was queued left the block never written.
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)  # the write's points, not Ctrl-C's
+    # No host pool: its own bookkeeping is not signal-safe yet (a cut in its alloc corrupts it).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    disk_room = store._disk_room
+    store._disk_room = lambda nbytes: False  # the filesystem was full at the commit: in memory only
+    converse(store, model, random_ids(13, 1450), "a")
+    store._disk_room = disk_room
+    key, header = next(iter(store._unwritten.items()))
+    meta = store._index.blocks[key]
+    assert meta.disk is DiskState.NONE and meta.resident is not None
+    release, batches = _a_stalled_writer(store)
+    writer = store._writer
+    backlog = [writer.backlog()]
+
+    def tracked_or_unwritten(sent):
+        queued = writer.backlog() > backlog[0]  # a PutBlock queued by this try (references weigh nothing)
+        store._reap(keys=[key])  # a WriteNotQueued goes back to _unwritten
+        entry = store._pending_writes.get(key)
+        if queued:
+            assert entry is not None and writer.holds(entry[0]) and not entry[0].done(), sent
+        if entry is not None:
+            assert meta.disk is DiskState.PENDING and key in store._inflight and key not in store._unwritten, sent
+            store._pending_writes.pop(key)  # as if it had failed, for the next try
+            store._pop_inflight(key)
+            store._index.set_disk(meta, DiskState.NONE)
+            store._unwritten[key] = header
+        else:
+            assert meta.disk is DiskState.NONE and key in store._unwritten and key not in store._inflight, sent
+        backlog[0] = writer.backlog()
+
+    block = store._device.get(key)
+    assert raised_on_the_way_in(lambda: (store._write_again(meta, block, Tier.DEVICE), nullcontext())[1],
+                                tracked_or_unwritten) > 10
+    assert store._pending_writes[key][0] is not None and meta.disk is DiskState.PENDING
+    release.set()
+    store.flush()
+    assert meta.disk is DiskState.DURABLE and not store._pending_writes and not store._inflight
+    assert store.stats()["disk_errors"] == 0
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), FilesystemFull("no room"),
+                                   WriteNotQueued("not queued")], ids=["fault", "full", "not-queued"])
+def test_a_reap_of_failed_block_writes_an_exception_cuts_short_finishes_each_once(model, stores, tmp_path, error):
+    # Before: a failed write left _pending_writes (and its host buffer _inflight) first; another
+    # signal's handler raising before its block's state was put back left the block PENDING for
+    # good, served from a buffer let go (the next open planning it: a KeyError), and counted the
+    # fault before the work was done.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    apply = store._writer._apply
+    store._writer._apply = lambda items: [error if isinstance(op, PutBlock) else None for op in items]
+    converse(store, model, random_ids(21, 1460), "a")
+    store._writer.flush()
+    store._writer._apply = apply
+    # The failure known already: no warning's LogRecord, whose own ``except Exception`` swallows
+    # what a handler raises there.
+    store._disk_failed = isinstance(error, OSError)
+    store._warned_filesystem = True
+    pending, inflight = dict(store._pending_writes), dict(store._inflight)
+    keys = list(pending)
+    assert len(keys) >= 2 and all(job.error() is error for job, _ in pending.values())
+    metas = [store._index.blocks[key] for key in keys]
+    counts = store._disk_errors, store._disk_full
+
+    def state():
+        return (dict(store._pending_writes), dict(store._inflight), [m.disk for m in metas], set(store._unwritten),
+                store._disk_errors, store._disk_full, set(store._index.blocks) >= set(keys))
+
+    def reset():
+        store._pending_writes.update(pending)
+        store._inflight.update(inflight)
+        for meta in metas:
+            store._index.set_disk(meta, DiskState.PENDING)
+        store._unwritten.clear()
+        store._disk_errors, store._disk_full = counts
+
+    store._reap(keys=keys)
+    expected = state()
+    assert not expected[0] and not expected[1] and set(expected[2]) == {DiskState.NONE} and expected[6]
+    assert expected[3] == (set() if isinstance(error, OSError) else set(keys))  # written again, once it may
+    assert expected[4:6] == (counts[0] + len(keys) * isinstance(error, OSError),
+                             counts[1] + len(keys) * isinstance(error, FilesystemFull))
+
+    def finished_once(sent):
+        store._reap(keys=keys)  # the next reap finishes what the exception cut short
+        assert state() == expected, sent
+        reset()
+
+    reset()
+    assert raised_on_the_way_in(lambda: (store._reap(keys=keys), nullcontext())[1], finished_once) > 10
+    assert state() == expected
+
+
+def test_a_host_buffer_held_for_a_queued_write_is_held_exactly_while_recorded(tmp_path, stores):
+    # Before: _set_inflight recorded the write's host copy, then held its pool buffer, and
+    # _pop_inflight let go of the record, then of the hold: another signal's handler raising
+    # between them left a hold no one let go (the buffer lost to the pool), or a record whose pop
+    # let go of another holder's hold (the host tier's), the buffer reused under it.
+    from tierkv.pool import HostPool
+
+    store = make_store(stores, tmp_path / "kv")
+    pool = HostPool(1 << 20, pinned=False)
+    leases = [pool.alloc((1024,), torch.float32)[1] for _ in range(4)]
+    jobs = {bytes([i]) * 16: Job.completed(None) for i in range(4)}
+    for job, lease in zip(jobs.values(), leases):
+        job.lease = lease
+        lease.hold()  # another holder's (the host tier's): never let go by the store
+
+    def in_step(sent):
+        for key, job in jobs.items():
+            assert job.lease.holders == 1 + (key in store._inflight) and not job.lease.retired, sent
+
+    for key, job in jobs.items():
+        assert raised_on_the_way_in(lambda: (store._set_inflight(key, job), nullcontext())[1],
+                                    lambda sent: (in_step(sent), store._pop_inflight(key), in_step(sent))) >= 2
+        assert store._inflight[key] is job
+    for key in jobs:
+        assert raised_on_the_way_in(lambda: (store._pop_inflight(key), nullcontext())[1],
+                                    lambda sent: (in_step(sent), store._pop_inflight(key), in_step(sent),
+                                                  store._set_inflight(key, jobs[key]))) >= 2
+        assert key not in store._inflight
+    in_step(None)
+

@@ -8,7 +8,8 @@ Protocol:
     when no free run fits, a freshly allocated one with ``lease`` None (slower, never wrong;
     counted in ``stats()['fallbacks']``).
   * A lease is held by whoever keeps the buffer at rest (the host tier, a queued disk write):
-    ``hold()`` / ``unhold()``. Jobs that read or write the buffer asynchronously (the copy that
+    ``hold()`` / ``unhold()`` (or ``hold_in`` / ``unhold_from``, for a holder that records its
+    holds in a dict: the record and the hold in one step, where no signal's handler runs). Jobs that read or write the buffer asynchronously (the copy that
     fills it, copies to the device from it, the disk write that encodes it) are registered with
     ``after(job)``.
   * When the last holder lets go, the buffer retires, and returns to the free space only once
@@ -58,6 +59,33 @@ class Lease:
         with self._pool._lock:
             if self.holders <= 0:
                 raise RuntimeError("a pool buffer was let go more often than it was held")
+            self.holders -= 1
+            if self.holders == 0:
+                self.retired = True
+                self._pool._retiring.append(self)
+        self._pool.reclaim()
+
+    def hold_in(self, holders: dict[Any, Any], key: Any, value: Any) -> None:
+        """``hold()`` for the holder that records it as ``holders[key] = value``: the record and
+        the hold made together, with no call between where another signal's handler could raise
+        (Ctrl-C alone is held off), so that ``unhold_from`` lets go of exactly the holds made.
+        Made apart, one raising between them left a hold no one would let go (the buffer lost
+        to the pool), or a record whose let-go retired a buffer another holder still used."""
+        with self._pool._lock:
+            if self.retired:
+                raise RuntimeError("a retired pool buffer was held again")
+            holders[key] = value
+            self.holders += 1
+
+    def unhold_from(self, holders: dict[Any, Any], key: Any) -> None:
+        """``unhold()`` for a hold made by ``hold_in``, its record ``holders[key]`` removed with it
+        (as there); nothing where it is gone, so a let-go cut short can be run again."""
+        with self._pool._lock:
+            if key not in holders:
+                return
+            if self.holders <= 0:
+                raise RuntimeError("a pool buffer was let go more often than it was held")
+            del holders[key]
             self.holders -= 1
             if self.holders == 0:
                 self.retired = True

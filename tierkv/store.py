@@ -1397,13 +1397,24 @@ class TieredStore:
         # write then fails is dropped at reopen, or with its session's row).
         for sid, tenant in refs:
             self._submit(PutRefs(sid, tenant, [meta.key]))
-        self._set_inflight(meta.key, source)
         self._submit_gathered()  # a delete gathered before it (of this key, even) lands first
-        write = self._writer.submit(PutBlock(header, source, meta.record_bytes))  # type: ignore[union-attr]
-        self._pending_writes[meta.key] = (write, header)
-        if source.lease is not None:
-            source.lease.after(write.fence())  # the writer encodes from the buffer
-        self._index.set_disk(meta, DiskState.PENDING)
+        key, write = meta.key, Job()
+        # Tracked, its buffer held and its block PENDING before it is queued, as _submit's deletes:
+        # another signal's handler raising as submit returned left a queued write untracked, its
+        # block unknown to the index until a reopen (outside the disk's budget, kept by a forget)
+        # and its host buffer held for good. Cut short unqueued, it fails as WriteNotQueued, not
+        # taken for a disk fault, and a block kept is written again (_unwritten).
+        self._pending_writes[key] = (write, header)
+        try:
+            self._unwritten.pop(key, None)  # a write again (_write_again): tracked now
+            self._set_inflight(key, source)
+            if source.lease is not None:
+                source.lease.after(write.fence())  # the writer encodes from the buffer
+            self._index.set_disk(meta, DiskState.PENDING)
+            self._writer.submit(PutBlock(header, source, meta.record_bytes), write)  # type: ignore[union-attr]
+        except BaseException as exc:
+            self._unless_queued(write, exc)
+            raise
 
     def _disk_room(self, nbytes: int) -> bool:
         """Make room on disk for a block write of ``nbytes`` (``_make_room``). Not by eviction where
@@ -1418,10 +1429,12 @@ class TieredStore:
                 return False
         return self._make_room(Tier.DISK, nbytes)
 
-    def _refused(self, filesystem: str | None) -> None:
-        """Count a block write that found no room (``disk_full``); the first for want of room on
-        the filesystem (``filesystem``: why) is logged, once per store."""
-        self._disk_full += 1
+    def _refused(self, filesystem: str | None, counted: bool = True) -> None:
+        """Count a block write that found no room (``disk_full``; not ``counted``: the caller
+        does); the first for want of room on the filesystem (``filesystem``: why) is logged, once
+        per store."""
+        if counted:
+            self._disk_full += 1
         if filesystem is not None and not self._warned_filesystem:
             self._warned_filesystem = True
             logger.warning("tierkv: %s", filesystem)
@@ -1432,12 +1445,15 @@ class TieredStore:
         and at every flush: without it, write-through's promise (a restart finds every flushed
         block) broke for good on a disk that was full a moment, and the block was lost for good
         once evicted. Where the disk still has no room it stays in memory, as before."""
-        header = self._unwritten.pop(meta.key, None)
-        if (header is None or meta.disk is not DiskState.NONE or self._writer is None or self._disk is None
-                or self._disk_failed):
+        # Left in _unwritten until _queue_write tracks its write: taken out first, another
+        # signal's handler raising before then lost it, and the block was never written.
+        header = self._unwritten.get(meta.key)
+        if header is None:
+            return
+        if meta.disk is not DiskState.NONE or self._writer is None or self._disk is None or self._disk_failed:
+            self._unwritten.pop(meta.key, None)
             return
         if not self._disk_room(meta.record_bytes):
-            self._unwritten[meta.key] = header
             return
         source = block
         if tier is Tier.DEVICE:
@@ -1566,14 +1582,22 @@ class TieredStore:
         return True
 
     def _set_inflight(self, key: bytes, job: Job[Any]) -> None:
-        self._inflight[key] = job
-        if job.lease is not None:
-            job.lease.hold()
+        # The entry and its buffer's hold together (Lease.hold_in): another signal's handler
+        # raising between them left a hold that no pop let go, or an entry whose pop let go of
+        # the host tier's hold.
+        if job.lease is None:
+            self._inflight[key] = job
+        else:
+            job.lease.hold_in(self._inflight, key, job)
 
     def _pop_inflight(self, key: bytes) -> None:
-        job = self._inflight.pop(key, None)
-        if job is not None and job.lease is not None:
-            job.lease.unhold()
+        job = self._inflight.get(key)
+        if job is None:
+            return
+        if job.lease is None:
+            self._inflight.pop(key, None)
+        else:
+            job.lease.unhold_from(self._inflight, key)  # as _set_inflight's
 
     def _evict_from_disk(self) -> int:
         """Evict the least recently used unpinned disk block; its bytes, or 0 if there is none."""
@@ -1725,51 +1749,54 @@ class TieredStore:
             self._reap_writes(list(self._pending_writes) if keys is None else keys)
 
     def _reap_writes(self, keys: Iterable[bytes]) -> None:
-        """``_reap``'s work for the block writes of ``keys``."""
+        """``_reap``'s work for the block writes of ``keys``.
+
+        A write leaves ``_pending_writes`` last, its work before that idempotent, and what it
+        counts counted by the statement that takes it out, with no call between them (where no
+        signal's handler runs): another signal's handler raising part-way (Ctrl-C alone is held
+        off) leaves it to the next reap, which neither loses nor doubles that work. Taken out
+        first, a failed write cut short left its block PENDING for good, its host buffer let go
+        (the next open planning it failed on a KeyError)."""
         for key in keys:
             entry = self._pending_writes.get(key)
             if entry is None or not entry[0].done():
                 continue
             job, header = entry
             meta = self._index.blocks.get(key)
-            error = job.error()  # outside the try: a signal handler's exception is not the disk's
+            error = job.error()  # outside any try: a signal handler's exception is not the disk's
             if error is None:
-                # Out of _pending_writes last: an exception before (another signal's handler)
-                # leaves the write for the next reap, rather than its block PENDING for good.
                 if meta is not None and meta.disk is DiskState.PENDING:
                     self._index.set_disk(meta, DiskState.DURABLE)
                 self._pop_inflight(key)
                 del self._pending_writes[key]
                 continue
-            del self._pending_writes[key]
-            self._pop_inflight(key)
-            try:
-                raise error
-            except WriteAbandoned:
-                pass  # close(timeout) gave up on it: not a fault of the disk
-            except DiskFull as exc:
+            # WriteAbandoned: close(timeout) gave up on it, not a fault of the disk.
+            refused = isinstance(error, DiskFull)
+            faulted = not refused and not isinstance(error, (WriteAbandoned, WriteNotQueued))
+            if isinstance(error, WriteAbandoned):
+                meta = None
+            elif refused:
                 # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
                 # room for it: not a fault. The block stays in memory if it rests there, and its
-                # write is tried again when it leaves memory and at each flush. At the
-                # cap as much again leaves the disk, so the free list has room for the next
-                # writes; a full filesystem gains nothing by it (freed pages stay in the file).
-                full_filesystem = isinstance(exc, FilesystemFull)
-                self._refused(str(exc) if full_filesystem else None)
-                if meta is not None:
-                    self._index.set_disk(meta, DiskState.NONE)
-                    if meta.resident is None:
-                        self._remove(meta)
-                    else:
-                        self._unwritten[key] = header
-                    if not full_filesystem:
-                        self._free_disk(meta.record_bytes)
-                continue
-            except Exception as exc:  # noqa: BLE001 - any write failure degrades to memory-only
-                self._disk_fault(exc)
-                if meta is not None:
-                    self._index.set_disk(meta, DiskState.NONE)
-                    if meta.resident is None:
-                        self._remove(meta)
+                # write is tried again when it leaves memory and at each flush (so is one that
+                # was never queued). At the cap as much again leaves the disk, so the free list
+                # has room for the next writes; a full filesystem gains nothing by it (freed
+                # pages stay in the file).
+                self._refused(str(error) if isinstance(error, FilesystemFull) else None, counted=False)
+            elif faulted:
+                self._disk_fault(error, counted=False)  # any write failure degrades to memory-only
+            if meta is not None and meta.disk is not DiskState.DURABLE:
+                self._index.set_disk(meta, DiskState.NONE)
+                if meta.resident is None:
+                    self._remove(meta)
+                elif not faulted:
+                    self._unwritten[key] = header
+                if refused and not isinstance(error, FilesystemFull):
+                    self._free_disk(meta.record_bytes)
+            self._pop_inflight(key)
+            del self._pending_writes[key]
+            self._disk_full += refused
+            self._disk_errors += faulted
 
     def _apply_writes(self, ops: list[DiskOp]) -> list[BaseException | None]:
         """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
@@ -1849,9 +1876,17 @@ class TieredStore:
         try:
             self._writer.submit(op, job)
         except BaseException as exc:
-            job.set_error(WriteNotQueued(f"not queued: {exc!r}"))  # owed by the next reap, not a disk fault
+            self._unless_queued(job, exc)  # owed by the next reap, not a disk fault
             raise
         return job
+
+    def _unless_queued(self, job: Job[None], exc: BaseException) -> None:
+        """Fail a tracked write whose ``submit`` ``exc`` cut short with ``WriteNotQueued``, unless
+        the writer queued it all the same (``BackgroundWriter.holds``): then it lands, or fails, as
+        any other."""
+        assert self._writer is not None
+        if not self._writer.holds(job):
+            job.set_error(WriteNotQueued(f"not queued: {exc!r}"))
 
     def _reap_deletes(self) -> None:
         """Move failed deletes to the owed list (and count the fault). Never waits.

@@ -392,8 +392,8 @@ def _lower_priority() -> None:
 
 class WriteNotQueued(RuntimeError):
     """A job its caller tracked before ``BackgroundWriter.submit``, which an exception (another
-    signal's handler) cut short: its item may or may not be queued, and is owed again, not taken
-    for the disk's failure (written twice at worst)."""
+    signal's handler) cut short before its item was queued (``BackgroundWriter.holds``): its
+    item is written again, not taken for the disk's failure."""
 
 
 class WriteAbandoned(RuntimeError):
