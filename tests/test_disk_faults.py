@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lmdb
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ import tierkv
 import tierkv.tiers.disk
 from tierkv import TieredStore
 from tierkv.codec import RecordHeader, record_size
-from tierkv.index import DiskState, Tier
+from tierkv.index import BlockMeta, DiskState, Tier
 from tierkv.owed import OwedOps
 from tierkv.store import _session_id
 from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, DropSessions, FilesystemFull, PutBlock,
@@ -2717,3 +2718,60 @@ def test_a_host_buffer_held_for_a_queued_write_is_held_exactly_while_recorded(tm
         assert key not in store._inflight
     in_step(None)
 
+
+
+def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_owes_none_twice(model, stores, tmp_path,
+                                                                                       monkeypatch):
+    # Before: an owed op was taken off the retry's list only after its narrowed copy was queued
+    # (or its blocks still PENDING owed apart, as a new op): another signal's handler raising in
+    # between left both, the op put back owed and the copy queued (or owed), and once the copy
+    # failed on the failed disk, the same blocks owed twice (owed_deletes counting them twice,
+    # each retried at every probe).
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
+    store = make_store(stores, tmp_path / "kv")
+    for i in range(4):
+        converse(store, model, random_ids(21, 1470 + i), f"s{i}")
+    store.flush()
+    _a_failed_disk_recording_its_tries(store)
+    for i in range(4):
+        store.forget(session=f"s{i}")
+    store.flush()
+    owed = list(store._owed)
+    deletes = [op for op in owed if isinstance(op, DeleteBlocks)]
+    assert len(owed) >= 8 and len(deletes) >= 2
+    for key in deletes[0].keys[:1] + deletes[1].keys:
+        # Stored again, its write still queued: the owed delete of it waits, owed apart.
+        meta = BlockMeta(key, key, None, np.zeros(1, dtype=np.int64), 1, 1)
+        store._index.add(meta)
+        store._index.set_disk(meta, DiskState.PENDING)
+    writer, store._writer = store._writer, _PaperWriter()
+
+    def units():
+        seen: dict[tuple, set[int]] = {}
+        for op in [*store._owed, *(op for op, _ in store._deletes)]:  # a queued op fails: owed again
+            for part in (op.drops if isinstance(op, DropSessions) else [op]):
+                if not isinstance(part, PutRefs):  # one a session whatever the retry (OwedOps)
+                    for key in part.keys:
+                        seen.setdefault((type(part).__name__, getattr(part, "sid", None), key), set()).add(id(part))
+        return seen
+
+    def reset():
+        store._owed, store._deletes = OwedOps(), deque()
+        for op in owed:
+            store._owed.append(op)
+
+    def owed_once(sent):
+        twice = {unit: ids for unit, ids in units().items() if len(ids) > 1}
+        assert not twice, (sent, len(twice))
+        store._retry_deletes()  # the next flush's, what this one queued still queued
+        twice = {unit: ids for unit, ids in units().items() if len(ids) > 1}
+        assert not twice, (sent, len(twice), "retried again")
+        reset()
+
+    reset()
+    try:
+        assert raised_on_the_way_in(lambda: (store._retry_deletes(), nullcontext())[1], owed_once) > 20
+    finally:
+        store._writer, store._deletes = writer, deque()

@@ -2000,44 +2000,72 @@ class TieredStore:
     def _queue_owed(self, owed: list[DeleteBlocks | DropRefs | PutRefs]) -> list[Job[None]]:
         """``_retry_deletes``' work for ``owed``; the jobs of what it queued. ``owed`` is left
         holding what it did not get to: nothing once it returns; where an exception cut it short,
-        the op it landed in and those after it (that op may be queued too: a retry of an op whose
-        write is queued or landed writes nothing stale, each retry being filtered as above)."""
-        jobs: list[Job[None] | None] = []
-        done = 0
-        try:
-            for op in owed:
-                self._queue_one_owed(op, jobs)
-                done += 1
-        finally:
-            del owed[:done]
-        return [job for job in jobs if job is not None]
+        what was left of the op it landed in and the ops after it.
 
-    def _queue_one_owed(self, op: DeleteBlocks | DropRefs | PutRefs, jobs: list[Job[None] | None]) -> None:
-        """``_queue_owed``'s work for one owed op."""
+        Each op is replaced in ``owed`` by what is left to do of it (``_owed_parts``, the op itself
+        where nothing of it is left out) in one statement, and each part leaves ``owed`` in the
+        statement after the call that owes or queues it: another signal's handler raising between
+        (Ctrl-C alone is held off) leaves that part both owed and put back, or queued and put
+        back, one object either way, owed once (``OwedOps`` is keyed by the op; a queued one that
+        fails is owed as itself), and at worst written twice. Before, the op stayed in ``owed``
+        until its narrowed copy was queued, or its blocks still PENDING owed as a new op: one
+        raising between left the op put back and its copy owed as well, the same blocks owed
+        twice (``owed_deletes`` counting them twice, each retried at every probe)."""
+        jobs: list[Job[None]] = []
+        # Ops a retry cut short queued and put back, still queued: owed as they are (a failure
+        # owes them as themselves), not queued again as copies that could fail too.
+        queued = {id(part) for op, job in self._deletes if not job.done()
+                  for part in (op.drops if isinstance(op, DropSessions) else [op])}
+        while owed:
+            if id(owed[0]) in queued:
+                self._owed.append(owed[0])
+                del owed[0]
+                continue
+            later, now = self._owed_parts(owed[0])
+            owed[0:1] = later + now  # no call: the op, or its parts
+            for op in later:
+                self._owed.append(op)
+                del owed[0]
+            for op in now:
+                job = self._submit(op)
+                del owed[0]
+                if job is not None:
+                    jobs.append(job)
+        return jobs
+
+    def _owed_parts(self, op: DeleteBlocks | DropRefs | PutRefs) -> tuple[list[DeleteBlocks | DropRefs | PutRefs],
+                                                                            list[DeleteBlocks | DropRefs | PutRefs]]:
+        """What is left to do of an owed op: (the ops to owe again, the ops to queue), filtered as
+        ``_retry_deletes`` says. Reads only."""
         if isinstance(op, PutRefs):  # one a session (OwedOps), all it owes
             keys = self._owed_refs(op)
-            if keys:
-                jobs.append(self._submit(PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)))
-        elif isinstance(op, DeleteBlocks):
+            return [], [PutRefs(op.sid, self._index.sessions[op.sid].tenant, keys)] if keys else []
+        if isinstance(op, DeleteBlocks):
             state = {k: (self._index.blocks[k].disk if k in self._index.blocks else DiskState.NONE)
                      for k in op.keys}
+            owe: list[DeleteBlocks | DropRefs | PutRefs] = []
+            queue: list[DeleteBlocks | DropRefs | PutRefs] = []
             later = [k for k in op.keys if state[k] is DiskState.PENDING]
-            if later:
+            if len(later) == len(op.keys):
+                owe.append(op)
+            elif later:
                 wait = set(later)  # a forget's op holds dozens of blocks: sets, not list scans
-                self._owed.append(_narrowed(op, later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
+                owe.append(_narrowed(op, later, [r for r in op.refs if r[KEY_BYTES:] in wait]))
             now = [k for k in op.keys if state[k] is DiskState.NONE]
             gone = set(now)
             refs = [r for r in op.refs
                     if r[KEY_BYTES:] in gone and not self._live_ref(r[:KEY_BYTES], r[KEY_BYTES:])]
-            if now:
-                jobs.append(self._submit(_narrowed(op, now, refs)))
-        else:
-            keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
-            drop_session = op.drop_session and op.sid not in self._index.sessions
-            if keys or drop_session:
-                # As _narrowed: a superseded tail's references, retried, are still a close's to give up.
-                jobs.append(self._submit(dataclasses.replace(op, keys=keys, drop_session=drop_session,
-                                                             holders=self._holders(keys))))
+            if len(now) == len(op.keys) and len(refs) == len(op.refs):
+                queue.append(op)
+            elif now:
+                queue.append(_narrowed(op, now, refs))
+            return owe, queue
+        keys = [k for k in op.keys if not self._live_ref(op.sid, k)]
+        drop_session = op.drop_session and op.sid not in self._index.sessions
+        if not keys and not drop_session:
+            return [], []
+        # As _narrowed: a superseded tail's references, retried, are still a close's to give up.
+        return [], [dataclasses.replace(op, keys=keys, drop_session=drop_session, holders=self._holders(keys))]
 
     def _owed_refs(self, op: PutRefs) -> list[bytes]:
         """The references of an owed ``PutRefs`` still to write: held, to blocks still on disk."""
