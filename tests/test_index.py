@@ -477,3 +477,37 @@ def test_a_removal_another_signals_handler_cuts_short_leaves_no_key_outside_the_
     assert raised_on_the_way_in(lambda: (idx.remove(key(1)), nullcontext())[1], in_step) > 4
     _in_step(idx)
     assert idx.blocks == {}
+
+
+def test_a_reference_another_signals_handler_cuts_short_is_made_on_both_sides_or_neither() -> None:
+    # Before: ref added the key to the session, then the session to the block, in two calls; a
+    # handler raising between left the session naming a block that did not name it: ref again
+    # saw the reference made, and the block's removal left the key in the session (a KeyError
+    # at the session's next commit). unref likewise.
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+
+    idx = Index()
+    a = meta(1)
+    idx.add(a)
+
+    def both_or_neither(sent: list) -> None:
+        info = idx.sessions.get(b"s1")
+        assert (info is not None and key(1) in info.keys) == (b"s1" in a.sessions), sent
+
+    def ref_cut(sent: list) -> None:
+        both_or_neither(sent)
+        idx.unref(b"s1", a)
+
+    def unref_cut(sent: list) -> None:
+        both_or_neither(sent)
+        idx.ref(b"s1", None, "alice", a)
+
+    assert raised_on_the_way_in(lambda: (idx.ref(b"s1", None, "alice", a), nullcontext())[1], ref_cut) >= 2
+    assert a.sessions == {b"s1"}
+    assert raised_on_the_way_in(lambda: (idx.unref(b"s1", a), nullcontext())[1], unref_cut) >= 2
+    assert a.sessions == set() and idx.sessions[b"s1"].keys == set()
+    idx.ref(b"s1", None, "alice", a)
+    idx.remove(key(1))
+    assert idx.sessions[b"s1"].keys == set()

@@ -167,12 +167,16 @@ class Index:
             info.name = name  # read back from disk, where names are not kept; known again
         if meta.key in info.keys:
             return False
-        info.keys.add(meta.key)
-        meta.sessions.add(sid)
+        # Both sides with no call between (in-place set operators, not methods), where no signal's
+        # handler runs: one raising between two add()s left the session naming a block that did
+        # not name it, whose removal then left the key behind (a KeyError at its next commit).
+        info.keys |= {meta.key}
+        meta.sessions |= {sid}
         return True
 
     def unref(self, sid: bytes, meta: BlockMeta) -> None:
-        meta.sessions.discard(sid)
         info = self.sessions.get(sid)
+        # As ref's: both sides together.
+        meta.sessions -= {sid}
         if info is not None:
-            info.keys.discard(meta.key)
+            info.keys -= {meta.key}
