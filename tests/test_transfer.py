@@ -860,3 +860,38 @@ def test_a_submit_another_signals_handler_cuts_short_counts_an_item_only_if_queu
     rec.release.set()
     writer.flush(timeout=WAIT)
     assert rec.applied == ["gate", *queued] and writer.queued() == 0 and writer.backlog() == 0
+
+
+def test_a_wait_below_another_signals_handler_cuts_short_leaves_the_writer_unhurt(
+        writers: list[BackgroundWriter]) -> None:
+    # Before: wait_below waited on a Condition of the counters' lock; a handler (a SIGALRM
+    # timeout during a commit's wait for a slow disk) raising in Condition.wait once it had let
+    # the lock go made the ``with`` let go of it again: a RuntimeError ("release unlocked lock")
+    # raised in place of the handler's, or, had the writer taken the lock meanwhile, its hold let
+    # go under it (its own release then failed, and the thread with every write after it). And
+    # one raising in the writer thread's is_alive() made CPython mark the live thread stopped:
+    # wait_below returned at once from then on, and close took a writer in a transaction for
+    # one that had ended.
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, size_of=lambda item: 10)
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    writer.submit("behind")
+
+    def unhurt(sent: list) -> None:
+        assert writer._counts.acquire(blocking=False), sent
+        writer._counts.release()
+        assert writer.alive(), sent  # not taken for gone (CPython's Thread.is_alive cut short)
+
+    # A short timeout: the backlog stays over the bound, each try waits it out or is cut short.
+    assert raised_on_the_way_in(lambda: (writer.wait_below(0, timeout=0.01), nullcontext())[1], unhurt) > 4
+    waiting = threading.Thread(target=writer.wait_below, args=(0,))
+    waiting.start()
+    rec.release.set()
+    waiting.join(WAIT)
+    assert not waiting.is_alive() and writer.wait_below(0, timeout=0)
+    assert rec.applied == ["gate", "behind"] and writer.backlog() == 0 and not writer._waiters

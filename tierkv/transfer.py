@@ -457,11 +457,19 @@ class BackgroundWriter(Generic[T]):
         # behind a slow disk.
         self._sizes: dict[int, tuple[int, int]] = {}
         self._queued = 0  # the counts of the items in ``_sizes``: ``queued``
-        # The counters' lock, entered as a plain lock by the submitting (main) thread: a
-        # Condition's __enter__ is Python, and another signal's handler raising as its lock's
-        # acquire returned left the lock taken for good (the writer's next _settled hung).
+        # The counters' lock, entered as a plain lock (C) by the main thread too. Not a Condition:
+        # its __enter__ and wait are Python, and another signal's handler raising as its lock's
+        # acquire returned left the lock taken for good (the writer's next _settled hung), or
+        # raising in wait once it had let the lock go made the ``with`` let go of it again (a
+        # RuntimeError in place of the handler's, or the writer's own hold let go under it).
         self._counts = threading.Lock()
-        self._drained = threading.Condition(self._counts)
+        # ``wait_below``'s waiters, a lock each, held until ``_wake`` lets it go.
+        self._waiters: list[Any] = []
+        # Set by the thread as it ends; read, not Thread.is_alive(): another signal's handler
+        # raising inside is_alive (its tstate lock's acquire returning) makes CPython's except
+        # there let go of the live thread's lock and mark it stopped for good (wait_below then
+        # returned at once, and close took a writer inside a transaction for one that ended).
+        self._exited = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -515,24 +523,50 @@ class BackgroundWriter(Generic[T]):
         def under() -> bool:
             return self._backlog <= limit and (items is None or self._queued <= items)
 
+        def done() -> bool:
+            return under() or self._exited or self._abandon.is_set()
+
         if self.on_thread():
             return under()
-        with self._drained:
-            return self._drained.wait_for(lambda: under() or not self._thread.is_alive()
-                                          or self._abandon.is_set(), timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # A lock of its own, held, that _wake lets go: waited for in one C call, which a
+            # signal's handler raising leaves with nothing held. One left in _waiters by such an
+            # exception is let go by the next _wake, for no one.
+            waiter = threading.Lock()
+            waiter.acquire()
+            with self._counts:
+                if done():
+                    return True
+                self._waiters.append(waiter)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return done()
+            if not waiter.acquire(timeout=-1 if left is None else left):
+                with self._counts:  # timed out: not left for a _wake that may never come
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
 
     def settled_items(self) -> int:
         """Items ever applied or failed."""
         return self._settled_items
 
     def _settled(self, batch: Sequence[tuple[T, Job[None]]]) -> None:
-        with self._drained:
+        with self._counts:
             settled = [self._sizes.pop(id(job)) for _, job in batch if id(job) in self._sizes]
             if settled:
                 self._backlog -= sum(size for size, _ in settled)
                 self._queued -= sum(count for _, count in settled)
                 self._settled_items += len(settled)
-                self._drained.notify_all()
+        if settled:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Let every ``wait_below`` look again."""
+        with self._counts:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item submitted before this call has been applied (or the writer
@@ -569,10 +603,9 @@ class BackgroundWriter(Generic[T]):
                 self._closed = True
                 self._queue.put(None)
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._exited:
             self._abandon.set()
-            with self._counts:  # not the Condition's Python __enter__ (see _counts)
-                self._drained.notify_all()  # waiters stop waiting for writes that may never land
+            self._wake()  # waiters stop waiting for writes that may never land
             self._thread.join(grace)
         return self._abandoned
 
@@ -587,7 +620,7 @@ class BackgroundWriter(Generic[T]):
 
     def alive(self) -> bool:
         """The thread still runs (before ``close``, or in a batch that ``close`` stopped waiting for)."""
-        return self._thread.is_alive()
+        return not self._exited
 
     def _run(self) -> None:
         batch: list[tuple[T, Job[None]]] = []
@@ -598,6 +631,9 @@ class BackgroundWriter(Generic[T]):
             self._loop(batch)
         except BaseException as exc:  # noqa: BLE001 - handed to every job, queued or to come
             self._fail(batch, exc)
+        finally:
+            self._exited = True
+            self._wake()  # waiters see the thread gone
 
     def _fail(self, batch: list[tuple[T, Job[None]]], exc: BaseException) -> None:
         """The thread cannot go on (an error outside ``apply``): every item, those of the batch it
@@ -615,8 +651,7 @@ class BackgroundWriter(Generic[T]):
                     job.set_error(exc)
                     self._settled([(item, job)])
             if self._stopping:
-                with self._drained:
-                    self._drained.notify_all()  # waiters see the thread gone
+                self._wake()  # waiters see the thread gone
                 return  # close's signal was taken already: nothing is queued behind it
             entry = self._queue.get()
             if entry is None:
