@@ -1751,10 +1751,12 @@ class TieredStore:
     def _reap_writes(self, keys: Iterable[bytes]) -> None:
         """``_reap``'s work for the block writes of ``keys``.
 
-        A write leaves ``_pending_writes`` last, its work before that idempotent, and what it
-        counts counted by the statement that takes it out, with no call between them (where no
-        signal's handler runs): another signal's handler raising part-way (Ctrl-C alone is held
-        off) leaves it to the next reap, which neither loses nor doubles that work. Taken out
+        A write leaves ``_pending_writes`` last, its work before that idempotent (but for the
+        room a refusal at the map's cap makes, ``_free_disk``, which a reap run again makes again:
+        blocks evicted early, nothing lost), and what it counts counted by the statement that
+        takes it out, with no call between them (where no signal's handler runs): another
+        signal's handler raising part-way (Ctrl-C alone is held off) leaves it to the next reap,
+        which neither loses nor doubles that work. Taken out
         first, a failed write cut short left its block PENDING for good, its host buffer let go
         (the next open planning it failed on a KeyError)."""
         for key in keys:
