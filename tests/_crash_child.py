@@ -1,7 +1,7 @@
 """Subprocess for tests/test_crash.py: commits conversations forever, flushing now and then.
 
     python tests/_crash_child.py PATH SEED [churn] [nolinger]
-    python tests/_crash_child.py PATH tail|tail_then_forget|uncommitted record|head
+    python tests/_crash_child.py PATH tail|tail_then_forget|unindexed_heads|uncommitted copied|record|head
 
 After every third conversation it calls ``store.flush()`` and prints ``FLUSHED <i>``: every
 conversation up to ``i`` is then durable. Between flushes, commits keep spilling through the
@@ -116,10 +116,11 @@ def tail_then_forget(path: str) -> None:
 
 
 def uncommitted(path: str, where: str) -> None:
-    """A session's turn killed inside the write transaction of its blocks (exit 9): ``record``
-    once its first block's record and head are in the map, ``head`` between the two. Sessions
-    forgotten before it left free pages for LMDB to reuse."""
-    from tierkv.tiers import heads
+    """A session's turn killed inside the write transaction of its blocks (exit 9): ``copied``
+    at the first look for where LMDB put a value (just after the copy into the map of the first
+    one), ``record`` once its first block's record is written, ``head`` as its first head is
+    made. Sessions forgotten before it left free pages for LMDB to reuse."""
+    from tierkv.tiers import disk, heads
     from tierkv.tiers.disk import DiskTier
 
     model = make_model("llama")
@@ -130,28 +131,61 @@ def uncommitted(path: str, where: str) -> None:
         cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
         store.forget(session=f"old{i}")
         store.flush()
-    put = DiskTier._put_record
+    encode = disk.encode_array
 
-    def dying(self: DiskTier, txn: object, key: bytes, value: object, batch: object) -> None:
-        put(self, txn, key, value, batch)  # type: ignore[arg-type]
+    def dying(*args: object, **kwargs: object) -> object:
+        encode(*args, **kwargs)  # type: ignore[arg-type]
         os._exit(9)
 
-    def head_dying(*args: object) -> None:
-        os._exit(9)  # the head is encoded just before its put
+    def exit_now(*args: object) -> None:
+        os._exit(9)
 
     if where == "record":
-        DiskTier._put_record = dying  # type: ignore[method-assign]
+        disk.encode_array = dying  # type: ignore[assignment]
+    elif where == "copied":
+        DiskTier._offset = exit_now  # type: ignore[method-assign]
     else:
-        heads.encode = head_dying  # type: ignore[assignment]
+        heads.encode = exit_now  # type: ignore[assignment]
     ids = random_ids(17, 7)
     cache = store.open(model, ids, session="alice")
     cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
     store.flush()
 
 
+def unindexed_heads(path: str) -> None:
+    """A store whose blocks lost their heads (as an earlier build left them) reopened, and killed
+    (exit 9) once the transaction writing their new heads has put them, before its commit."""
+    import ctypes
+
+    from tierkv.tiers import vm
+    from tierkv.tiers.disk import DiskTier
+
+    model = make_model("llama")
+    ids = random_ids(17, 7)
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, ids, session="alice")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    tier = DiskTier(path, 1 << 30, 4)
+    with tier.env.begin(write=True, buffers=True) as txn:
+        for key, value in list(txn.cursor(db=tier._heads)):
+            ctypes.memset(vm.address(value), 0, len(value))  # their token ids must not stay in free pages
+            txn.delete(bytes(key), db=tier._heads)
+    tier.close()
+    put_heads = DiskTier._put_heads
+
+    def dying(self: DiskTier, *args: object) -> None:
+        put_heads(self, *args)  # type: ignore[arg-type]
+        os._exit(9)
+
+    DiskTier._put_heads = dying  # type: ignore[method-assign]
+    TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0).flush()
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "uncommitted":
         uncommitted(sys.argv[1], sys.argv[3])
+    elif sys.argv[2] == "unindexed_heads":
+        unindexed_heads(sys.argv[1])
     elif sys.argv[2] == "tail":
         tail(sys.argv[1])
     elif sys.argv[2] == "tail_then_forget":

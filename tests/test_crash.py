@@ -21,9 +21,9 @@ import torch
 from _crash_child import CHURN_DISK_BUDGET, conversation, forgotten
 from conftest import make_model, random_ids
 import tierkv.store
-from tierkv import TieredStore
+from tierkv import TieredStore, cli
 from tierkv.codec import MAGIC
-from tierkv.tiers.disk import StoreInUse, Touch
+from tierkv.tiers.disk import DiskTier, StoreInUse, Touch
 from tierkv.store import _session_id
 
 CHILD = Path(__file__).with_name("_crash_child.py")
@@ -126,18 +126,24 @@ def test_a_forget_in_the_batch_of_a_turn_that_replaced_a_tail_finds_that_tail_af
                            model.generate(first, max_new_tokens=3, do_sample=False))
 
 
-@pytest.mark.parametrize("where", ["record", "head"])
-def test_a_kill_inside_a_write_transaction_leaves_none_of_its_records_in_the_file(tmp_path, where):
+@pytest.mark.parametrize("where, check", [("copied", False), ("record", False), ("head", False), ("record", True)])
+def test_a_kill_inside_a_write_transaction_leaves_none_of_its_records_in_the_file(tmp_path, where, check):
     """With writemap LMDB puts a record in its final pages, free ones, before the commit: a kill
     before it left the record (KV, and the token ids of its head) in the file, where no forget
     found it. The next open's first write zeroes what the lock file's intent names, and no live
-    record. Killed before its head was put, the record was not named yet either."""
+    record. ``copied``: killed just after LMDB's copy of the first value into the map, which came
+    before its place could be named; values are now put as zeros first, and written once named.
+    ``check``: `tierkv check --repair` run in between (it finds nothing to repair) keeps the
+    lock file's intent for the open."""
     path = tmp_path / "kv"
     child = subprocess.run([sys.executable, str(CHILD), str(path), "uncommitted", where], capture_output=True,
                            text=True, timeout=300)
     assert child.returncode == 9, child.stderr
     magics = lambda: (path / "data.mdb").read_bytes().count(MAGIC)  # noqa: E731
-    assert magics() == (2 if where == "record" else 1)  # the killed transaction's first record (and its head)
+    assert magics() == (1 if where == "record" else 0)  # the killed transaction's first record, named
+    if check:
+        assert cli.main(["check", str(path), "--repair"]) == cli.EXIT_OK
+        assert magics() == 1
     model = make_model("llama")
     ids = random_ids(17, 7)
     with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
@@ -155,6 +161,31 @@ def test_a_kill_inside_a_write_transaction_leaves_none_of_its_records_in_the_fil
         assert cache.restored_tokens == out.shape[1] - 1  # the reopen after a clean close zeroed nothing live
         assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=2, do_sample=False),
                            model.generate(nxt, max_new_tokens=2, do_sample=False))
+
+
+def test_a_kill_inside_a_transaction_writing_heads_leaves_none_of_them_in_the_file(tmp_path):
+    """Heads written for blocks that lacked one (``PutHeads``) hold the blocks' token ids: a
+    kill before their commit left them in free pages, named nowhere, where a later forget of
+    those blocks did not reach them. The next write zeroes them with the records' (the open's
+    own scan would write the heads again, over the same pages: the tier is opened bare)."""
+    path = tmp_path / "kv"
+    child = subprocess.run([sys.executable, str(CHILD), str(path), "unindexed_heads"], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 9, child.stderr
+    magics = lambda: (path / "data.mdb").read_bytes().count(MAGIC)  # noqa: E731
+    tier = DiskTier(path, 1 << 30, 4)
+    try:
+        scan = tier.scan()
+        blocks = len(scan.headers)
+        assert blocks > 0 and len(scan.unindexed) == blocks  # the heads never committed
+        assert magics() == 2 * blocks  # the records, and the killed transaction's heads
+        tier.apply([])
+        assert magics() == blocks
+    finally:
+        tier.close()
+    with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:
+        store.flush()
+        assert magics() == 2 * blocks == 2 * store._disk.record_count()
 
 
 def shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -445,6 +445,47 @@ def test_records_of_a_write_that_never_committed_leave_no_token_ids_in_the_file(
         assert secret[0, start:start + B].numpy().astype("<i8").tobytes() not in data
 
 
+def test_a_record_or_head_is_written_only_where_the_lock_file_names_it_synced(model, stores, tmp_path,
+                                                                             monkeypatch):
+    """With writemap LMDB copied a value into the map inside ``put``, before its place could be
+    named in the lock file: a kill then, or a power loss after the OS wrote those pages back
+    but before the lock file's note, left the record's KV (or its head's token ids) in free
+    pages, named nowhere. Every record and head must land in the map only where the lock file,
+    as last synced, already names it."""
+    path = tmp_path / "kv"
+    store = make_store(stores, path, device_budget=0, host_budget=0)
+    disk = store._disk
+    real_sync, synced = os.fdatasync, [b""]
+
+    def fdatasync(fd: int) -> None:
+        real_sync(fd)
+        if fd == disk._lock_fd:
+            synced[0] = os.pread(fd, 1 << 20, 0)
+
+    def named(address: int, length: int) -> bool:
+        note = synced[0][tierkv.tiers.disk._INTENT_AT:]
+        pairs = {note[i:i + 16] for i in range(16, len(note) - 15, 16)}
+        return (address - disk._map_start).to_bytes(8, "little") + length.to_bytes(8, "little") in pairs
+
+    encode, memmove, landed = tierkv.tiers.disk.encode_array, tierkv.tiers.disk.ctypes.memmove, []
+
+    def encode_array(header, payload, out=None, min_bytes=0):
+        landed.append(out is not None and named(out.ctypes.data, len(out)))
+        return encode(header, payload, out, min_bytes)
+
+    def copy(dst: int, src: object, length: int) -> object:
+        landed.append(named(dst, length))
+        return memmove(dst, src, length)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(tierkv.tiers.disk, "encode_array", encode_array)
+    monkeypatch.setattr(tierkv.tiers.disk.ctypes, "memmove", copy)
+    converse(store, model, random_ids(24, 791), "s")
+    store.flush()
+    assert store.stats()["disk"]["blocks"] == 4
+    assert len(landed) == 8 and all(landed)  # four records, four heads
+
+
 def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes_it_refuses(
         model, stores, tmp_path, monkeypatch):
     # Every commit evicted durable blocks to make room for writes the full filesystem then

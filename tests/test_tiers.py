@@ -1003,15 +1003,15 @@ def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
     with opened(path) as tier:
         tier.scan()
         offset, length = tier._where[key(1)]
-        put_record, failed = DiskTier._put_record, []
+        put_records, failed = DiskTier._put_records, []
 
-        def full_once(self, txn, k, value, batch):
-            if not failed:
-                failed.append(k)
+        def full_once(self, txn, run, batch):
+            if run and not failed:
+                failed.append(run[0][0].header.key)
                 raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL")
-            return put_record(self, txn, k, value, batch)
+            return put_records(self, txn, run, batch)
 
-        monkeypatch.setattr(DiskTier, "_put_record", full_once)
+        monkeypatch.setattr(DiskTier, "_put_records", full_once)
         page = tier.page_size
         # LMDB's open reads the file's first pages ahead, a few of them this record's: those are
         # zeroed in place.

@@ -108,22 +108,34 @@ def encode_array(header: RecordHeader, payload: bytes | bytearray | memoryview,
     so a background writer encoding megabytes does not stall the thread that decodes; reusing
     ``out`` spares the page faults of fresh multi-MiB allocations.
     """
+    view = payload_view(header, payload)
+    head = record_head(header, min_bytes)
+    start = len(head)
+    total = start + view.nbytes + _CHECKSUM.size
+    out = out[:total] if out is not None and out.nbytes >= total else np.empty(total, dtype=np.uint8)
+    out[:start] = np.frombuffer(head, dtype=np.uint8)
+    np.copyto(out[start : start + view.nbytes], np.frombuffer(view, dtype=np.uint8))
+    stop = start + view.nbytes
+    out[stop:] = np.frombuffer(_CHECKSUM.pack(xxhash.xxh3_64_intdigest(out[:stop])), dtype=np.uint8)
+    return out
+
+
+def payload_view(header: RecordHeader, payload: bytes | bytearray | memoryview) -> memoryview:
+    """``payload`` as the bytes ``encode_array`` copies; ``ValueError`` where ``header`` cannot
+    frame it (a dtype not stored, a length its shape does not give)."""
     if header.dtype not in ITEMSIZE:
         raise ValueError(f"dtype {header.dtype!r} cannot be stored; supported: {sorted(ITEMSIZE)}")
     view = memoryview(payload).cast("B")
     if view.nbytes != header.payload_nbytes:
         raise ValueError(f"payload is {view.nbytes} bytes but shape {header.shape} of {header.dtype} needs {header.payload_nbytes}")
+    return view
+
+
+def record_head(header: RecordHeader, min_bytes: int = 0) -> bytes:
+    """The first bytes ``encode_array`` writes (magic, length and header: the record's head),
+    without the payload."""
     head = _packed_header(header, min_bytes)
-    prefix = _PREFIX.pack(MAGIC, len(head))
-    start = len(prefix) + len(head)
-    total = start + view.nbytes + _CHECKSUM.size
-    out = out[:total] if out is not None and out.nbytes >= total else np.empty(total, dtype=np.uint8)
-    out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    out[len(prefix) : start] = np.frombuffer(head, dtype=np.uint8)
-    np.copyto(out[start : start + view.nbytes], np.frombuffer(view, dtype=np.uint8))
-    stop = start + view.nbytes
-    out[stop:] = np.frombuffer(_CHECKSUM.pack(xxhash.xxh3_64_intdigest(out[:stop])), dtype=np.uint8)
-    return out
+    return _PREFIX.pack(MAGIC, len(head)) + head
 
 
 def encode(header: RecordHeader, payload: bytes | bytearray | memoryview) -> bytes:
