@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -485,9 +486,14 @@ def test_clear_of_a_damaged_store_says_what_to_do_and_clear_all_always_clears(
     digest = file_digest(path)
     assert cli.main(["clear", str(path), "--tenant", "acme"]) == cli.EXIT_USAGE
     assert file_digest(path) == digest  # refused before anything was written
+    with open(path / "tierkv.lock", "r+b") as lock:  # the intent of a write a kill cut short
+        lock.seek(disk._INTENT_AT)
+        lock.write(struct.pack("<QQQQ", os.stat(path / "data.mdb").st_ino, 2, 1 << 16, 4096))
     assert cli.main(["clear", str(path), "--all"]) == cli.EXIT_OK
     assert f"removed the store's files (data.mdb, lock.mdb in {path};" in capsys.readouterr().out
     assert sorted(os.listdir(path)) == ["tierkv.lock"]
+    # Dropped: it named data.mdb by its inode, which the new store's data.mdb may be given.
+    assert (path / "tierkv.lock").stat().st_size < disk._INTENT_AT
     restored, stats = reopened(path, model, built)  # a new store
     assert stats["disk"]["blocks"] == 0 and set(restored.values()) == {0}
 

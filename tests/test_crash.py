@@ -23,7 +23,7 @@ from conftest import make_model, random_ids
 import tierkv.store
 from tierkv import TieredStore, cli
 from tierkv.codec import MAGIC
-from tierkv.tiers.disk import DiskTier, StoreInUse, Touch
+from tierkv.tiers.disk import _INTENT_AT, DiskTier, StoreInUse, Touch
 from tierkv.store import _session_id
 
 CHILD = Path(__file__).with_name("_crash_child.py")
@@ -179,8 +179,26 @@ def test_a_kill_inside_a_transaction_writing_heads_leaves_none_of_them_in_the_fi
         blocks = len(scan.headers)
         assert blocks > 0 and len(scan.unindexed) == blocks  # the heads never committed
         assert magics() == 2 * blocks  # the records, and the killed transaction's heads
-        tier.apply([])
+        lock, env, seen = path / "tierkv.lock", tier.env, []
+
+        class Watched:  # the lock file as the write that zeroes them begins
+            def __getattr__(self, name: str) -> object:
+                return getattr(env, name)
+
+            def begin(self, **kw: object) -> object:
+                seen.append(lock.read_bytes())
+                return env.begin(**kw)
+
+        noted = lock.read_bytes()[_INTENT_AT:]
+        tier.env = Watched()  # type: ignore[assignment]
+        try:
+            tier.apply([])
+        finally:
+            tier.env = env
         assert magics() == blocks
+        # The note is dropped with that write's commit, which syncs the zeros: dropped before,
+        # a power loss could keep the drop and lose the zeros.
+        assert seen[0][_INTENT_AT:] == noted and len(lock.read_bytes()) < _INTENT_AT
     finally:
         tier.close()
     with TieredStore(path, device="cpu", block_size=4, device_budget=0, host_budget=0) as store:

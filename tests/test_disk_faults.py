@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -484,6 +485,52 @@ def test_a_record_or_head_is_written_only_where_the_lock_file_names_it_synced(mo
     store.flush()
     assert store.stats()["disk"]["blocks"] == 4
     assert len(landed) == 8 and all(landed)  # four records, four heads
+
+
+def test_an_open_keeps_the_lock_files_note_in_place(tmp_path, monkeypatch):
+    """The lock file's note of a write a kill cut short (``DiskTier._intend``) is kept by every
+    open until a write zeroes what it names. Kept by cutting the file and writing it back, it was
+    lost to a kill (or a power loss) in between."""
+    path = tmp_path / "kv"
+    DiskTier(path, 1 << 30, B).close()
+    lock = path / "tierkv.lock"
+    note = struct.pack("<QQQQ", os.stat(path / "data.mdb").st_ino, 9, 1 << 16, 4096)
+    with open(lock, "r+b") as f:
+        f.seek(tierkv.tiers.disk._INTENT_AT)
+        f.write(note)
+    ftruncate = os.ftruncate
+
+    def killed(fd: int, length: int) -> None:
+        ftruncate(fd, length)
+        raise KeyboardInterrupt  # where a kill would end the process
+
+    monkeypatch.setattr(os, "ftruncate", killed)
+    try:
+        fd = DiskTier._lock_directory(str(path))
+    except KeyboardInterrupt:
+        fd = None
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    assert lock.read_bytes()[tierkv.tiers.disk._INTENT_AT:] == note
+    assert fd is not None
+    assert lock.read_bytes()[:tierkv.tiers.disk._INTENT_AT].rstrip(b"\0") == str(os.getpid()).encode()
+    os.close(fd)
+
+
+def test_a_note_past_a_mebibyte_is_read_whole(tmp_path):
+    """A write of heads for every block of a large store (``PutHeads`` at open) names more than
+    the 65,535 places that the first MiB of the note held: those past it were not zeroed."""
+    path = tmp_path / "kv"
+    DiskTier(path, 1 << 30, B).close()
+    tier = DiskTier(path, 1 << 30, B)
+    try:
+        assert os.path.getsize(path / "data.mdb") >= 70_001
+        pairs = [(offset, 1) for offset in range(70_000)]
+        committed = tier.env.info()["last_txnid"]
+        note = struct.pack("<QQ", tier._data_ino, committed + 1) + b"".join(struct.pack("<QQ", *p) for p in pairs)
+        os.pwrite(tier._lock_fd, note, tierkv.tiers.disk._INTENT_AT)
+        assert len(pairs) > (1 << 20) // 16 and tier._read_intent(committed) == pairs
+    finally:
+        tier.close()
 
 
 def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes_it_refuses(

@@ -42,9 +42,11 @@ holder's pid, at ``_INTENT_AT``: data.mdb's inode, the transaction's id, then (o
 pairs), and that note synced, are its bytes written there; the sync comes before any byte that the
 OS could write back, so it holds across a power loss too (one ``fdatasync`` of the lock file per
 run of block writes, a transaction's in the common case: 3.5-4 ms here). The note is dropped
-(truncated) after the commit. An open keeps a note it finds; ``scan`` takes it where it names
-this file and the transaction after the last committed one, and the next write zeroes those
-places before it begins.
+(truncated) after the commit. An open keeps a note it finds (overwriting the pid in place, never
+cutting the file); ``scan`` takes it where it names this file and the transaction after the last
+committed one, and the next write zeroes those places before it begins, and drops the note once
+its own commit has synced the zeros. ``remove_store`` drops it: it names the removed file's
+inode, which the filesystem may give the next store's.
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
@@ -119,7 +121,7 @@ _UNZEROED_KEY = b"unzeroed"
 _LOCK_FILE = "tierkv.lock"
 # In the lock file, past the holder's pid: where the records and heads of the write transaction
 # in flight lie (``DiskTier._intend``): u64 data.mdb's inode, u64 the transaction's id, then u64
-# pairs (offset, length). With writemap LMDB puts a record in its final pages
+# pairs (offset, length), to the file's end. With writemap LMDB puts a record in its final pages
 # before the commit, and a process killed before it left them in free pages, where no forget or
 # clear found them. The module's docstring gives the protocol.
 _INTENT_AT = 64
@@ -486,6 +488,10 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
     removed = ["data.mdb"]
     try:
         os.unlink(data)
+        if lock is not None:
+            # The intent of a write a kill cut short names that file by its inode, which the
+            # filesystem may give the next store's data.mdb.
+            os.ftruncate(lock, len(str(os.getpid())))
         for name in ("lock.mdb", _REPAIR_DIR):
             target = os.path.join(path, name)
             if os.path.isdir(target) and not os.path.islink(target):
@@ -1050,6 +1056,7 @@ class DiskTier:
         # by ``scan``), in pages free in the last committed snapshot: zeroed before the next write.
         self._uncommitted: list[tuple[int, int]] = []
         self._uncommitted_txn = 0
+        self._intent_zeroed = False  # those zeroed, the intent to drop with the next commit
         self._ledger_written = False
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
@@ -1127,12 +1134,14 @@ class DiskTier:
             raise StoreInUse(f"{path!r} is in use by another TieredStore (pid {holder}); a store directory "
                              "serves one process at a time: close the other store first, or give each "
                              "process its own directory") from None
-        # The intent a killed writer left is kept for the store's next scan (the CLI takes the lock too).
-        intent = os.pread(fd, 1 << 20, _INTENT_AT) if os.fstat(fd).st_size > _INTENT_AT else b""
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        if intent.strip(b"\0"):
-            os.pwrite(fd, intent, _INTENT_AT)
+        # The intent a killed writer left is kept for the store's next scan (the CLI takes the lock
+        # too), in place: cut and written back, a kill or a power loss in between lost it.
+        size = os.fstat(fd).st_size
+        if size > _INTENT_AT and os.pread(fd, size - _INTENT_AT, _INTENT_AT).strip(b"\0"):
+            os.pwrite(fd, str(os.getpid()).encode().ljust(_INTENT_AT, b"\0"), 0)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
 
     def _unlock(self) -> None:
@@ -2003,8 +2012,9 @@ class DiskTier:
                 # once, and a record not zeroed now is dropped from it (the next transaction may
                 # reuse its pages), whatever raises below.
                 self._ledger_written = bool(unzeroed)
-                if batch.intended:
+                if batch.intended or self._intent_zeroed:
                     self._intent_done()
+                    self._intent_zeroed = False
                 previous, self._pending = self._pending, batch.deferred
                 try:
                     for key, where in batch.moves.items():
@@ -2300,9 +2310,10 @@ class DiskTier:
     def _read_intent(self, committed: int) -> list[tuple[int, int]]:
         """The places the lock file's intent names, where its transaction never committed: one
         past ``committed`` (the last that did), in this very file (a rebuild replaced it)."""
-        if self._lock_fd is None or os.fstat(self._lock_fd).st_size <= _INTENT_AT:
+        size = os.fstat(self._lock_fd).st_size if self._lock_fd is not None else 0
+        if size <= _INTENT_AT:
             return []
-        raw = os.pread(self._lock_fd, 1 << 20, _INTENT_AT)
+        raw = os.pread(self._lock_fd, size - _INTENT_AT, _INTENT_AT)  # type: ignore[arg-type]
         pairs = [_PAIR.unpack_from(raw, i) for i in range(0, len(raw) - _PAIR.size + 1, _PAIR.size)]
         if not pairs or pairs[0] != (self._data_ino, committed + 1):
             return []
@@ -2317,7 +2328,10 @@ class DiskTier:
             uncommitted, self._uncommitted = self._uncommitted, []
             if self.env.info()["last_txnid"] == self._uncommitted_txn:  # else those pages may be reused
                 self._zero(uncommitted)
-            self._intent_done()
+            # Dropped once the zeros are on disk, with the next commit's sync: dropped now, a power
+            # loss could keep the drop and lose the zeros. (Until then this transaction, of the same
+            # id, writes its own intent over it: either names only pages free before it.)
+            self._intent_zeroed = True
         if not self._unzeroed:
             return
         if self.env.info()["last_txnid"] != self._unzeroed_txn:
