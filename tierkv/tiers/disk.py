@@ -2317,8 +2317,10 @@ class DiskTier:
         pairs = [_PAIR.unpack_from(raw, i) for i in range(0, len(raw) - _PAIR.size + 1, _PAIR.size)]
         if not pairs or pairs[0] != (self._data_ino, committed + 1):
             return []
-        end = os.fstat(self._data_fd).st_size  # type: ignore[arg-type]
-        return [(offset, length) for offset, length in pairs[1:] if length and offset + length <= end]
+        # The open cuts the file back to the pages in use and some headroom (``_allocate_map``): a
+        # place across that end lost its tail, not its head, which a place dropped whole kept.
+        end = min(os.fstat(self._data_fd).st_size, self.env.info()["map_size"])  # type: ignore[arg-type]
+        return [(offset, min(length, end - offset)) for offset, length in pairs[1:] if length and offset < end]
 
     def _zero_owed(self) -> None:
         """Zero the evicted records the ledger row of the last committed transaction names (a
