@@ -1002,6 +1002,56 @@ def test_generate_on_a_cache_that_holds_every_id_is_refused(arch: str) -> None:
         assert_next_turn_exact(store, model, ids, restored=20)
 
 
+def a_conversation_its_reply_begins_again(model: torch.nn.Module) -> torch.Tensor:
+    """Two ids ``[x, 7]`` after which ``model`` greedily generates ``x``: its reply begins the
+    conversation again."""
+    with torch.no_grad():
+        firsts = torch.arange(3, VOCAB)
+        ids = torch.stack([firsts, torch.full_like(firsts, 7)], dim=1)
+        begins = torch.nonzero(model(ids).logits[:, -1].argmax(-1) == firsts)
+    assert len(begins), "no conversation of this model's replies begins again"
+    return ids[int(begins[0, 0])].unsqueeze(0)
+
+
+@pytest.mark.parametrize("decoding", ["prompt_lookup", "second generate", "chunked", "only the new ids"])
+@pytest.mark.parametrize("arch", ["llama", "bloom"])
+def test_ids_past_the_conversation_that_repeat_it_are_not_taken_for_it_fed_again(arch: str, decoding: str) -> None:
+    """generate() feeding ids past the cache that start with the whole conversation: a reply that
+    began it again, after which prompt lookup proposes the rest (its candidates' forward), or a
+    second generate() whose new message repeats it. Each was refused as generate() feeding every
+    id again (found by helper-73's fuzzing of generation modes: the first turn of a short
+    conversation with prompt lookup failed), where plain generate() runs; generate() given only
+    the ids the cache holds still is (test_generate_on_a_cache_that_holds_every_id_is_refused)."""
+    model = make_model("llama") if arch == "llama" else bloom()
+    ids = a_conversation_its_reply_begins_again(model)
+    modes = dict(return_dict_in_generate=True, output_logits=True)
+    with TieredStore(None, block_size=4) as store:
+        cache = store.open(model, ids, session="s")
+        if decoding == "prompt_lookup":
+            got = greedy(model, ids, past_key_values=cache, prompt_lookup_num_tokens=3, **modes)
+            assert_as_plain(got, greedy(model, ids, prompt_lookup_num_tokens=3, **modes))
+            assert got.sequences[0, 2] == ids[0, 0]  # the reply began the conversation again
+            assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
+            assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
+            return
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        assert out[0, 2] == ids[0, 0] and cache.get_seq_length() == 2
+        # Past the two ids the cache holds, generate() feeds [x, 7, ...]: the conversation again.
+        later = torch.cat([out, ids[:, 1:], random_ids(2, 5)], dim=1)
+        plain = greedy(model, later, **modes)
+        if decoding == "only the new ids":
+            got = greedy(model, later[:, 2:], past_key_values=cache, attention_mask=torch.ones_like(later), **modes)
+            assert torch.equal(got.sequences[:, -NEW:], plain.sequences[:, -NEW:])
+            for a, b in zip(got.logits, plain.logits):
+                torch.testing.assert_close(a, b)
+            return
+        got = greedy(model, later, past_key_values=cache, **modes,
+                     **(dict(prefill_chunk_size=2) if decoding == "chunked" else {}))
+        assert_as_plain(got, plain)
+        assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
+        assert_next_turn_exact(store, model, got.sequences, restored=got.sequences.shape[1] - 1)
+
+
 @pytest.mark.parametrize("decoding", ["assistant", "prompt_lookup", "second generate"])
 def test_forwards_past_the_conversation_pass_with_a_masked_pad_in_the_prompt(decoding: str) -> None:
     # generate() counts positions over the mask: past a masked pad they stay below the cache's length.

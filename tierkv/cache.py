@@ -37,7 +37,9 @@ and holds no policy:
   ``open`` restores and ``commit`` keeps wherever it appears. A forward that raised part-way
   through the layers (out of memory, Ctrl-C) left the first layers ahead of the last: any forward
   after it is refused, and ``commit`` keeps what every layer holds (``held_tokens``). A cache that holds every id of its
-  conversation is refused those ids fed again (``generate`` feeds them all to such a cache).
+  conversation is refused those ids fed again (``generate`` feeds them all to such a cache), unless
+  ``generate`` took them from past the cache (its prefill, decode steps, assisted decoding's
+  candidates: ``_check_generate_ids``), where a reply may repeat the conversation.
 * ``token_ids_of(input_ids)`` validates a ``(1, L)`` integer tensor and returns int64 numpy ids.
 * ``TieredCache`` is built by ``TieredStore.open`` with the restored blocks as jobs. Layer ``i``
   waits for them (on CUDA: orders its stream after layer ``i``'s own copies, no host sync) and
@@ -831,8 +833,17 @@ def _check_generate_ids(cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         return
     cache._decode_step = kwargs.get("is_first_iteration") is not True  # decode steps do not pass it
     input_ids = args[0] if args else kwargs.get("input_ids")
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and \
-            kwargs.get("next_sequence_length") == input_ids.shape[1] - cache.get_seq_length():
+    fed = kwargs.get("next_sequence_length")
+    held = cache.get_seq_length()
+    # The forward this prepares feeds ids past the cache, taken from ids that hold it (a decode
+    # step, assisted decoding's candidates, a prefill), or ids its prefill found to extend it:
+    # not the whole conversation fed again, however its first ids read (see _note_past).
+    # Kept as the cache's length then: the forwards at that length (a wrapper's and its inner
+    # model's) are the one prepared, and a forward after the cache grew is another.
+    extends = cache._prefill_extends or (isinstance(fed, int) and fed > 0 and isinstance(input_ids, torch.Tensor)
+                                         and input_ids.dim() == 2 and fed == input_ids.shape[1] - held)
+    cache._extends = held if extends else None
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and fed == input_ids.shape[1] - held:
         # generate() says these ids hold the cached ones (it feeds the model those past them).
         # It does not in a chunked prefill's chunks, nor where it was given only the new ids
         # with a mask over the whole conversation: the forward hook checks those as fed. Its
@@ -973,6 +984,7 @@ def _install_checked_prefill(cls: type) -> None:
             # first, as every generate() of every model runs this.
             config = args[1] if len(args) > 1 else kwargs.get("generation_config")
             model_kwargs = args[2] if len(args) > 2 else kwargs.get("model_kwargs")
+            extending: TieredCache | None = None
             if isinstance(model_kwargs, dict):
                 cache = _cache_of(model_kwargs)
                 if isinstance(cache, TieredCache) and getattr(config, "use_cache", None) is False:
@@ -992,7 +1004,23 @@ def _install_checked_prefill(cls: type) -> None:
                     # it, and keeps nothing of them past it), not for only the new ids under a mask.
                     count = (embeds.shape[1] if given.shape[1] == 0 and isinstance(embeds, torch.Tensor)
                              and embeds.dim() == 3 else given.shape[1])
-                    _check_prefill_length(cache, count, _mask_length(model_kwargs, config, self))
+                    length = _mask_length(model_kwargs, config, self)
+                    _check_prefill_length(cache, count, length)
+                    held = cache.get_seq_length()
+                    if count > 0 and (length == count > held or length == held + count != count):
+                        # Its forwards feed ids past the cache (those past it in the whole
+                        # conversation, or only the new ids): never the conversation fed again.
+                        extending = cache
+            if extending is not None:
+                extending._prefill_extends = True
+                try:
+                    return run(self, *args, **kwargs)
+                finally:
+                    extending._prefill_extends = False
+            return run(self, *args, **kwargs)
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            config = args[1] if len(args) > 1 else kwargs.get("generation_config")
             if getattr(config, "prefill_chunk_size", None) is None:
                 return inner(self, *args, **kwargs)
             try:
@@ -1478,6 +1506,10 @@ class TieredCache(Cache):
         # generate() is about to run a forward after its prefill (_check_generate_ids): one where
         # it may switch MoE experts to their decode kernel (check_computed_as_opened).
         self._decode_step = False
+        # The cache's length when generate() prepared a forward of ids past it (_check_generate_ids),
+        # and whether its prefill is of ids found to extend the cache (_install_checked_prefill).
+        self._extends: int | None = None
+        self._prefill_extends = False
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -1604,7 +1636,7 @@ class TieredCache(Cache):
         decode, self._decode_step = self._decode_step, False  # one prepare, one forward
         self.check_computed_as_opened(adapters=prefill, decode=decode)
         self._check_model(module)
-        self._check_inputs(input_ids, kwargs, done)
+        self._check_inputs(input_ids, kwargs, done, self._extends == done)
         self._last_checked = (done, seen)
         self._hooked = True
 
@@ -1756,14 +1788,14 @@ class TieredCache(Cache):
                                  "commit the cache with the sequences that generate() returned, then open a new one "
                                  "with the edited conversation: cache = store.open(model, input_ids)")
 
-    def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any], done: int) -> None:
+    def _check_inputs(self, input_ids: Any, kwargs: dict[str, Any], done: int, extends: bool = False) -> None:
         """A forward's inputs. While the cache holds less than its conversation they must be its
         next ids (every row alike, where beams expand the batch), at their own positions, as ids
         (not embeddings, not with token types), under at most a 2-D mask; a mask that hides a
         token ends what ``commit`` keeps there, and one that hides a restored token is refused.
         Past the conversation, the ids fed are noted (no device sync) for ``commit``; the whole
         conversation fed again there is refused. Layers that disagree (a forward that raised
-        part-way) refuse every forward."""
+        part-way) refuse every forward. ``extends``: generate() feeds ids past the cache (``_check_generate_ids``)."""
         want = self.input_ids
         # The last layer's keys and values both: out of memory between its two concatenations
         # left its keys a token ahead of its values, with every layer's keys alike.
@@ -1802,7 +1834,7 @@ class TieredCache(Cache):
                              f"was given {given.shape[0]}: commit it (which keeps the conversation's KV) and open "
                              "a new cache, or pick a row first with cache.batch_select_indices")
         if done >= len(want):
-            self._note_past(input_ids, embeds, kwargs, done)
+            self._note_past(input_ids, embeds, kwargs, done, extends)
             return
         if embeds is not None:
             raise ValueError("a TieredCache was given inputs_embeds; its blocks are keyed on token ids, so KV "
@@ -1843,9 +1875,13 @@ class TieredCache(Cache):
             self._note(len(want), input_ids[:, n:], None,
                        positions[..., n:] if isinstance(positions, torch.Tensor) else None)
 
-    def _note_past(self, input_ids: Any, embeds: Any, kwargs: dict[str, Any], done: int) -> None:
+    def _note_past(self, input_ids: Any, embeds: Any, kwargs: dict[str, Any], done: int, extends: bool = False
+                   ) -> None:
         """A forward past the conversation: noted for ``commit``, which keeps its KV only where it
-        was computed from known ids, unmasked, at their own positions."""
+        was computed from known ids, unmasked, at their own positions. Ids that start with the
+        whole conversation are refused as fed again, unless generate() took them from past the
+        cache (``extends``): a reply that repeats the conversation, or assisted decoding's
+        candidates after a reply that began it again."""
         want = self.input_ids
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
@@ -1856,7 +1892,7 @@ class TieredCache(Cache):
             return
         # generate() given a cache that holds every id it is given feeds them all again. Read
         # (a device sync) only for a forward as long as the conversation, never a decode step.
-        if input_ids.shape[1] >= len(want) > 1 and \
+        if not extends and input_ids.shape[1] >= len(want) > 1 and \
                 (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
             if kwargs.get("use_cache") is False:
                 raise ValueError(_NO_CACHE_USE)
@@ -1986,6 +2022,7 @@ class TieredCache(Cache):
     # known by the ids fed before them there.
     def crop(self, *args: Any, **kwargs: Any) -> None:
         super().crop(*args, **kwargs)
+        self._extends = None  # a forward prepared before the crop ran already (assisted decoding's)
         length = self.get_seq_length()
         if not length:
             # Empty (1, H, 0, D) layers would meet beams unexpanded (transformers repeats only
