@@ -391,6 +391,39 @@ def test_decoders_of_other_families_equal_plain_generate(tmp_path: Path, case: s
             ids = torch.cat([out, user_tokens(turn, seed=700)], dim=1)
 
 
+@pytest.mark.parametrize("decoding", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_through_the_cross_attention_wrapper_gpt2_puts_round_the_cache(tmp_path: Path,
+                                                                                        decoding: str) -> None:
+    """GPT-2 built with add_cross_attention wraps the cache it is given in an EncoderDecoderCache,
+    which assisted decoding crops: transformers' wrapper refused to crop anything but a
+    DynamicCache (a TypeError where a DynamicCache runs). Exact through disk, turn after turn."""
+    model_type, fields, _ = DECODER_CASES["gpt2-cross-attention"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=512, **fields)).eval()
+    ids = random_ids(PROMPT, seed=7)
+    # The user quotes an earlier span: prompt lookup has candidates to propose, and crops the rejected.
+    ids = torch.cat([ids, ids[:, 3:9]], dim=1)
+    expected_restored = 0
+    with new_store(tmp_path, "disk") as store:
+        for turn in range(2):
+            kwargs: dict[str, Any] = dict(prompt_lookup_num_tokens=3) if decoding == "prompt_lookup" else \
+                dict(assistant_model=make_model("gpt2", seed=1))
+            cache = store.open(model, ids, session="wrapped")
+            assert_opened(cache, "disk", expected_restored)
+            got = model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True, **kwargs)
+            plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                                   output_logits=True, **kwargs)
+            assert_tokens_equal(got.sequences, plain.sequences, f"{decoding} turn {turn}")
+            for a, b in zip(got.logits, plain.logits):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert cache.commit(got.sequences) == got.sequences.shape[1] - 1
+            expected_restored = got.sequences.shape[1] - 1
+            ids = torch.cat([got.sequences, user_tokens(turn, seed=700)], dim=1)
+
+
 def test_a_model_feeding_more_layers_than_its_config_declares_is_refused(tmp_path: Path) -> None:
     model = make_model("gpt2")
     model.config.n_layer = 1  # GPT-2 still runs its 2 layers (Llama would run the first only)

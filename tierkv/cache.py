@@ -63,7 +63,9 @@ Generation details handled here:
 * assisted decoding (``prompt_lookup_num_tokens``, assistant models) re-feeds the whole prompt on
   its first forward in transformers 5.x whatever the cache holds, and announces itself through
   ``activate_past_recording``; the cache then drops what it restored, so the prompt is recomputed
-  once and the output stays exact.
+  once and the output stays exact. GPT-2 built with ``add_cross_attention`` wraps the cache in an
+  ``EncoderDecoderCache``, which assisted decoding crops: its check that the wrapped cache is a
+  ``DynamicCache`` accepts a ``TieredCache`` too (``_install_tiered_self_attention``).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ import numpy as np
 import torch
 import xxhash
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 try:
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -2132,6 +2134,31 @@ class TieredCache(Cache):
 
 # The caches the wrappers of prepare_inputs_for_generation look into (_check_generate_ids).
 _CHECKED_CACHES = (TieredCache, EncoderDecoderCache)
+
+
+def _install_tiered_self_attention() -> None:
+    """Let an ``EncoderDecoderCache`` whose self-attention cache is a ``TieredCache`` be cropped
+    and cut to rows as one holding a ``DynamicCache`` is. GPT-2 built with ``add_cross_attention``
+    wraps whatever cache it is given in one (an empty cross-attention cache beside it: tierkv
+    refuses encoder states), and generate() then crops that wrapper in assisted decoding, whose
+    check (``check_dynamic_cache``) refused anything but a ``DynamicCache``: prompt lookup and
+    assistant models raised a TypeError there, where a ``DynamicCache`` runs (found by helper-73).
+    Any other self-attention cache meets transformers' own check, as before."""
+    defined = getattr(EncoderDecoderCache, "check_dynamic_cache", None)
+    if not callable(defined) or getattr(defined, "_tierkv", False):
+        return
+
+    @functools.wraps(defined)
+    def check_dynamic_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.self_attention_cache, TieredCache) and isinstance(self.cross_attention_cache, DynamicCache):
+            return None
+        return defined(self, *args, **kwargs)
+
+    check_dynamic_cache._tierkv = True  # type: ignore[attr-defined]
+    EncoderDecoderCache.check_dynamic_cache = check_dynamic_cache  # type: ignore[method-assign]
+
+
+_install_tiered_self_attention()
 
 
 def _crop_fed(fed: _Fed, length: int) -> _Fed:
