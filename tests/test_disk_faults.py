@@ -558,6 +558,118 @@ def test_a_killed_writes_record_across_the_files_end_is_zeroed_up_to_it(tmp_path
         tier.close()
 
 
+class _Killed(BaseException):
+    """Where a kill ends the process: nothing of the writer's cleanup runs."""
+
+
+def _write_op(n: int) -> PutBlock:
+    header = RecordHeader(key=n.to_bytes(16, "big"), parent=(n - 1).to_bytes(16, "big"), tenant="acme",
+                          fingerprint=b"fp", dtype="float32", shape=(2, 2, 1, B, 8),
+                          token_ids=np.arange(n * B, n * B + B, dtype="<i8").tobytes(), seq=n)
+    return PutBlock(header, Job.completed(torch.full((2, 2, 1, B, 8), float(n))), record_size(header))
+
+
+def test_an_aborted_writes_note_goes_with_the_next_commit(tmp_path, monkeypatch):
+    """A write transaction that raised after noting its records' places in the lock file left
+    that note there past the next commit when that one wrote no block (references, stamps). The
+    next write's note, written over it, named fewer places: those past them, the aborted
+    write's, stayed, and a kill before its commit had the next open zero them, in pages the
+    commit in between had taken for the references' B-tree (the store damaged)."""
+    path = tmp_path / "kv"
+    tier = DiskTier(path, 1 << 30, B)
+    sid = lambda n: b"S" + n.to_bytes(15, "big")  # noqa: E731
+    tier.apply([_write_op(1), PutRefs(sid(0), "acme", [(1).to_bytes(16, "big")])])
+    encode = tierkv.tiers.disk.encode_array
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tierkv.tiers.disk, "encode_array", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tier.apply([_write_op(n) for n in range(2, 12)])
+    monkeypatch.setattr(tierkv.tiers.disk, "encode_array", encode)
+    many = [k.to_bytes(16, "big") for k in range(1000, 1100)]
+    tier.apply([PutRefs(sid(n), "acme", many) for n in range(1, 40)] + [Touch({(1).to_bytes(16, "big"): 5})])
+    assert os.path.getsize(path / "tierkv.lock") == len(str(os.getpid()))
+    intend = DiskTier._intend
+
+    def noted_then_killed(self: DiskTier, txn: object, batch: object) -> None:
+        intend(self, txn, batch)
+        raise _Killed
+
+    monkeypatch.setattr(DiskTier, "_intend", noted_then_killed)
+    monkeypatch.setattr(DiskTier, "_zero_written", lambda self, batch: None)
+    with pytest.raises(_Killed):
+        tier.apply([_write_op(20)])
+    monkeypatch.undo()
+    tier.env.close()  # the process dies: no close, no commit
+    os.close(tier._lock_fd)
+    tier = DiskTier(path, 1 << 30, B)
+    try:
+        tier.scan()
+        tier.apply([])
+        found = tier.scan()
+        assert sum(len(keys) for _, _, keys in found.sessions.values()) == 1 + 39 * 100
+    finally:
+        tier.close()
+
+
+def test_a_notes_drop_after_a_commit_that_changed_nothing_follows_a_sync(tmp_path, monkeypatch):
+    """The next open zeroes what a killed write's note names, and the next commit drops the note:
+    LMDB commits a transaction that changed nothing without a sync, and the note went while its
+    zeros were still only in the page cache (a power loss then kept the drop and lost them)."""
+    path = tmp_path / "kv"
+    tier = DiskTier(path, 1 << 30, B)
+    tier.apply([_write_op(1)])
+    intend = DiskTier._intend
+
+    def noted_then_killed(self: DiskTier, txn: object, batch: object) -> None:
+        intend(self, txn, batch)
+        raise _Killed
+
+    monkeypatch.setattr(DiskTier, "_intend", noted_then_killed)
+    monkeypatch.setattr(DiskTier, "_zero_written", lambda self, batch: None)
+    with pytest.raises(_Killed):
+        tier.apply([_write_op(2)])
+    monkeypatch.undo()
+    tier.env.close()
+    os.close(tier._lock_fd)
+    tier = DiskTier(path, 1 << 30, B)
+    events: list[str] = []
+
+    class Env:
+        def __init__(self, env: lmdb.Environment) -> None:
+            self.env = env
+
+        def sync(self, force: bool = False) -> None:
+            events.append("sync")
+            self.env.sync(force)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.env, name)
+
+    real_env, tier.env = tier.env, Env(tier.env)  # type: ignore[assignment]
+    ftruncate = os.ftruncate
+
+    def truncate(fd: int, length: int) -> None:
+        if fd == tier._lock_fd:
+            events.append("drop")
+        ftruncate(fd, length)
+
+    try:
+        assert tier.scan().headers and tier._uncommitted
+        committed = real_env.info()["last_txnid"]
+        monkeypatch.setattr(os, "ftruncate", truncate)
+        tier.apply([])
+        monkeypatch.undo()
+        assert real_env.info()["last_txnid"] == committed  # nothing changed: no sync of LMDB's
+        assert events == ["sync", "drop"]
+    finally:
+        monkeypatch.undo()
+        tier.env = real_env
+        tier.close()
+
+
 def test_a_full_filesystem_at_the_disk_budget_evicts_no_durable_block_for_writes_it_refuses(
         model, stores, tmp_path, monkeypatch):
     # Every commit evicted durable blocks to make room for writes the full filesystem then

@@ -1056,7 +1056,9 @@ class DiskTier:
         # by ``scan``), in pages free in the last committed snapshot: zeroed before the next write.
         self._uncommitted: list[tuple[int, int]] = []
         self._uncommitted_txn = 0
-        self._intent_zeroed = False  # those zeroed, the intent to drop with the next commit
+        # The lock file's note names only zeroed places (a killed write's, an aborted one's): it
+        # is dropped with the next commit.
+        self._intent_zeroed = False
         self._ledger_written = False
         # A store reopened with a smaller budget keeps its file (LMDB never shrinks one); the
         # store evicts down to the budget and the freed pages are reused.
@@ -2013,6 +2015,10 @@ class DiskTier:
                 # reuse its pages), whatever raises below.
                 self._ledger_written = bool(unzeroed)
                 if batch.intended or self._intent_zeroed:
+                    if not batch.intended:
+                        # A transaction that changed nothing commits without a sync: the zeros
+                        # the note's drop vouches for must reach the disk first all the same.
+                        self.env.sync(True)
                     self._intent_done()
                     self._intent_zeroed = False
                 previous, self._pending = self._pending, batch.deferred
@@ -2155,6 +2161,12 @@ class DiskTier:
     def _zero_written(self, batch: _Batch) -> None:
         """Zero what an attempt that did not commit wrote (``_Batch.written``)."""
         written, batch.written = batch.written, []
+        if batch.intended:
+            # Its note goes with the next commit, which syncs these zeros: kept past it (a commit
+            # without block writes writes no note of its own), the next note, written over it,
+            # named the pages that commit took too, and a kill before that one's commit had the
+            # next open zero them (the store damaged).
+            self._intent_zeroed = True
         batch.intended = 0  # a retry writes its own intent over this one's
         if self._map_start is None:
             return
