@@ -1002,6 +1002,25 @@ def test_generate_on_a_cache_that_holds_every_id_is_refused(arch: str) -> None:
         assert_next_turn_exact(store, model, ids, restored=20)
 
 
+def test_a_forward_after_a_generate_that_raised_before_its_forward_is_checked_as_its_own() -> None:
+    """generate() prepared a decode step (ids past the cache), and its forward raised before any
+    layer (out of memory in the embedding; Ctrl-C alike): the cache, which holds the whole
+    conversation, kept taking the next forward at that length for the prepared one, so the whole
+    conversation fed again by hand passed unrefused (its KV held twice, at positions past it)."""
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        with out_of_memory_at([model.get_input_embeddings()], 2), pytest.raises(torch.OutOfMemoryError):
+            greedy(model, ids, past_key_values=cache)  # the prefill's forward, then a decode step's
+        assert cache.get_seq_length() == 20
+        with torch.no_grad(), pytest.raises(ValueError, match="holds all 20 ids"):
+            model(ids, past_key_values=cache)
+        assert cache.get_seq_length() == 20
+        assert cache.commit(ids) == 20
+        assert_next_turn_exact(store, model, ids, restored=20)
+
+
 def a_conversation_its_reply_begins_again(model: torch.nn.Module) -> torch.Tensor:
     """Two ids ``[x, 7]`` after which ``model`` greedily generates ``x``: its reply begins the
     conversation again."""

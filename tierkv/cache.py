@@ -845,6 +845,7 @@ def _check_generate_ids(cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     extends = cache._prefill_extends or (isinstance(fed, int) and fed > 0 and isinstance(input_ids, torch.Tensor)
                                          and input_ids.dim() == 2 and fed == input_ids.shape[1] - held)
     cache._extends = held if extends else None
+    cache._prepared = _UNPREPARED  # the ids it feeds, once prepared (_prepared)
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and fed == input_ids.shape[1] - held:
         # generate() says these ids hold the cached ones (it feeds the model those past them).
         # It does not in a chunked prefill's chunks, nor where it was given only the new ids
@@ -852,6 +853,21 @@ def _check_generate_ids(cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         # prefill says so (is_first_iteration, which decode steps do not pass): every cached
         # id is compared then, once per generate() call.
         cache._check_prefix(input_ids, whole=kwargs.get("is_first_iteration") is True)
+
+
+_UNPREPARED: Any = object()
+
+
+def _prepared(cache: Any, inputs: Any) -> Any:
+    """``inputs``, what ``prepare_inputs_for_generation`` returned for ``cache``: the ids it feeds
+    past the cache are noted (``TieredCache._prepared``), for the forward hook to tell that
+    forward from another at the same length (``_note_past``)."""
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    if isinstance(cache, TieredCache) and cache._extends is not None:
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        cache._prepared = ids if isinstance(ids, torch.Tensor) else None
+    return inputs
 
 
 def _checked_prepare(defined: Any) -> Any:
@@ -866,9 +882,10 @@ def _checked_prepare(defined: Any) -> Any:
             cache = kwargs.get("past_key_values")  # _cache_of, inlined: a call less per decode step
             if cache is None:
                 cache = kwargs.get("cache")
-            if isinstance(cache, _CHECKED_CACHES):
-                _check_generate_ids(cache, args, kwargs)
-            return inner(*args, **kwargs)
+            if not isinstance(cache, _CHECKED_CACHES):
+                return inner(*args, **kwargs)
+            _check_generate_ids(cache, args, kwargs)
+            return _prepared(cache, inner(*args, **kwargs))
     elif isinstance(defined, (classmethod, types.FunctionType)):
         inner = defined.__func__ if isinstance(defined, classmethod) else defined
 
@@ -876,9 +893,10 @@ def _checked_prepare(defined: Any) -> Any:
             cache = kwargs.get("past_key_values")
             if cache is None:
                 cache = kwargs.get("cache")
-            if isinstance(cache, _CHECKED_CACHES):
-                _check_generate_ids(cache, args, kwargs)
-            return inner(self, *args, **kwargs)
+            if not isinstance(cache, _CHECKED_CACHES):
+                return inner(self, *args, **kwargs)
+            _check_generate_ids(cache, args, kwargs)
+            return _prepared(cache, inner(self, *args, **kwargs))
     else:
         return None
     try:
@@ -1512,6 +1530,10 @@ class TieredCache(Cache):
         # and whether its prefill is of ids found to extend the cache (_install_checked_prefill).
         self._extends: int | None = None
         self._prefill_extends = False
+        # The ids that forward feeds (None: not known; _UNPREPARED: its prepare raised), for telling
+        # it from another forward at the same length: one after a generate() that raised between
+        # its prepare and its forward.
+        self._prepared: Any = _UNPREPARED
         self.input_ids = input_ids
         self.root = root
         self.session = session
@@ -1877,6 +1899,16 @@ class TieredCache(Cache):
             self._note(len(want), input_ids[:, n:], None,
                        positions[..., n:] if isinstance(positions, torch.Tensor) else None)
 
+    def _prepared_ids(self, input_ids: torch.Tensor) -> bool:
+        """``input_ids`` are those generate() prepared a forward of past the cache with (or it is
+        not known which): not a forward of another caller at that length. One after a generate()
+        that raised between the two (out of memory, Ctrl-C, in its forward before any layer) was
+        taken for it, and the whole conversation fed again passed unrefused."""
+        prepared = self._prepared
+        if prepared is None or prepared is _UNPREPARED:
+            return prepared is None
+        return prepared.shape == input_ids.shape and torch.equal(prepared.to(input_ids.device), input_ids)
+
     def _note_past(self, input_ids: Any, embeds: Any, kwargs: dict[str, Any], done: int, extends: bool = False
                    ) -> None:
         """A forward past the conversation: noted for ``commit``, which keeps its KV only where it
@@ -1894,8 +1926,9 @@ class TieredCache(Cache):
             return
         # generate() given a cache that holds every id it is given feeds them all again. Read
         # (a device sync) only for a forward as long as the conversation, never a decode step.
-        if not extends and input_ids.shape[1] >= len(want) > 1 and \
-                (input_ids[0, :len(want)].detach().cpu().numpy() == want).all():
+        if input_ids.shape[1] >= len(want) > 1 and \
+                (input_ids[0, :len(want)].detach().cpu().numpy() == want).all() and \
+                not (extends and self._prepared_ids(input_ids)):
             if kwargs.get("use_cache") is False:
                 raise ValueError(_NO_CACHE_USE)
             if done == len(want) > self.restored_tokens and input_ids.shape[1] == done + 1:
