@@ -35,7 +35,7 @@ from tierkv.index import BlockMeta, DiskState, Tier
 from tierkv.owed import OwedOps
 from tierkv.store import _session_id
 from tierkv.tiers.disk import (DeleteBlocks, DiskFull, DiskTier, DropRefs, DropSessions, FilesystemFull, PutBlock,
-                               PutRefs, Touch, op_count, slack)
+                               PutHeads, PutRefs, Touch, op_count, slack)
 from tierkv.transfer import Job, WriteNotQueued
 
 B = 8
@@ -569,6 +569,24 @@ def _write_op(n: int) -> PutBlock:
     return PutBlock(header, Job.completed(torch.full((2, 2, 1, B, 8), float(n))), record_size(header))
 
 
+def _killed_after_its_note(tier: DiskTier, ops: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tier.apply(ops)`` as a process killed right after its write noted its places in the lock
+    file: nothing of the writer's cleanup runs, and the tier is left as a dead process leaves it."""
+    intend = DiskTier._intend
+
+    def noted_then_killed(self: DiskTier, txn: object, batch: object) -> None:
+        intend(self, txn, batch)
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskTier, "_intend", noted_then_killed)
+        patch.setattr(DiskTier, "_zero_written", lambda self, batch: None)
+        with pytest.raises(_Killed):
+            tier.apply(ops)
+    tier.env.close()
+    os.close(tier._lock_fd)
+
+
 def test_an_aborted_writes_note_goes_with_the_next_commit(tmp_path, monkeypatch):
     """A write transaction that raised after noting its records' places in the lock file left
     that note there past the next commit when that one wrote no block (references, stamps). The
@@ -591,19 +609,7 @@ def test_an_aborted_writes_note_goes_with_the_next_commit(tmp_path, monkeypatch)
     many = [k.to_bytes(16, "big") for k in range(1000, 1100)]
     tier.apply([PutRefs(sid(n), "acme", many) for n in range(1, 40)] + [Touch({(1).to_bytes(16, "big"): 5})])
     assert os.path.getsize(path / "tierkv.lock") == len(str(os.getpid()))
-    intend = DiskTier._intend
-
-    def noted_then_killed(self: DiskTier, txn: object, batch: object) -> None:
-        intend(self, txn, batch)
-        raise _Killed
-
-    monkeypatch.setattr(DiskTier, "_intend", noted_then_killed)
-    monkeypatch.setattr(DiskTier, "_zero_written", lambda self, batch: None)
-    with pytest.raises(_Killed):
-        tier.apply([_write_op(20)])
-    monkeypatch.undo()
-    tier.env.close()  # the process dies: no close, no commit
-    os.close(tier._lock_fd)
+    _killed_after_its_note(tier, [_write_op(20)], monkeypatch)
     tier = DiskTier(path, 1 << 30, B)
     try:
         tier.scan()
@@ -621,19 +627,7 @@ def test_a_notes_drop_after_a_commit_that_changed_nothing_follows_a_sync(tmp_pat
     path = tmp_path / "kv"
     tier = DiskTier(path, 1 << 30, B)
     tier.apply([_write_op(1)])
-    intend = DiskTier._intend
-
-    def noted_then_killed(self: DiskTier, txn: object, batch: object) -> None:
-        intend(self, txn, batch)
-        raise _Killed
-
-    monkeypatch.setattr(DiskTier, "_intend", noted_then_killed)
-    monkeypatch.setattr(DiskTier, "_zero_written", lambda self, batch: None)
-    with pytest.raises(_Killed):
-        tier.apply([_write_op(2)])
-    monkeypatch.undo()
-    tier.env.close()
-    os.close(tier._lock_fd)
+    _killed_after_its_note(tier, [_write_op(2)], monkeypatch)
     tier = DiskTier(path, 1 << 30, B)
     events: list[str] = []
 
@@ -667,6 +661,37 @@ def test_a_notes_drop_after_a_commit_that_changed_nothing_follows_a_sync(tmp_pat
     finally:
         monkeypatch.undo()
         tier.env = real_env
+        tier.close()
+
+
+def test_a_write_after_a_rebuild_drops_the_replaced_files_note_before_its_own(tmp_path, monkeypatch):
+    """A kill left a note; `tierkv check --repair` (``rebuild``) replaced data.mdb, and the note,
+    naming the old file, stayed. The first write after it (the heads the rebuild leaves to the
+    next scan) wrote its own note over the start of that one, and a kill then had the next open
+    zero the old note's places past it too: in the new file, pages of its live tables (the store
+    damaged, MDB_BAD_DBI at the next scan)."""
+    path = tmp_path / "kv"
+    tier = DiskTier(path, 1 << 30, B)
+    tier.apply([_write_op(n) for n in range(1, 61)])
+    tier.apply([DeleteBlocks([n.to_bytes(16, "big") for n in range(1, 31)])])
+    for stamp in range(3):  # commits, until LMDB reuses the deleted records' pages
+        tier.apply([Touch({(40).to_bytes(16, "big"): stamp})])
+    _killed_after_its_note(tier, [_write_op(n) for n in range(100, 130)], monkeypatch)
+    tier = DiskTier(path, 1 << 30, B)
+    tier.rebuild((), B)
+    tier = DiskTier(path, 1 << 30, B)
+    unindexed = list(tier.scan().unindexed.items())
+    assert len(unindexed) == 30
+    _killed_after_its_note(tier, [PutHeads(dict(unindexed[:5]))], monkeypatch)
+    tier = DiskTier(path, 1 << 30, B)
+    try:
+        tier.scan()
+        tier.apply([])
+        assert len(tier.scan().headers) == 30
+        for n in range(31, 61):
+            _, tensor = tier.load(n.to_bytes(16, "big"), lambda shape, dtype: torch.empty(shape, dtype=dtype))
+            assert torch.all(tensor == float(n))
+    finally:
         tier.close()
 
 

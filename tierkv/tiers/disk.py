@@ -46,7 +46,9 @@ run of block writes, a transaction's in the common case: 3.5-4 ms here). The not
 cutting the file); ``scan`` takes it where it names this file and the transaction after the last
 committed one, and the next write zeroes those places before it begins, and drops the note once
 its own commit has synced the zeros. ``remove_store`` drops it: it names the removed file's
-inode, which the filesystem may give the next store's.
+inode, which the filesystem may give the next store's. A write finding a note of another file
+(one a rebuild replaced) or of another transaction drops it before writing its own: only a note
+of the very transaction it is (a killed one's) names pages free before it.
 
 Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in short read transactions;
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
@@ -2141,7 +2143,15 @@ class DiskTier:
             return
         try:
             if batch.intended == 0:
-                os.pwrite(self._lock_fd, _PAIR.pack(self._data_ino, txn.id()), _INTENT_AT)
+                header = _PAIR.pack(self._data_ino, txn.id())
+                if os.fstat(self._lock_fd).st_size > _INTENT_AT and \
+                        os.pread(self._lock_fd, _PAIR.size, _INTENT_AT) != header:
+                    # Another file's note (one a rebuild replaced) or a committed transaction's:
+                    # the places it names past this note's may be in use now, and a kill before
+                    # this commit had the next open zero them. (Only a note of this very
+                    # transaction, a killed one's, names pages free before it: kept.)
+                    os.ftruncate(self._lock_fd, _INTENT_AT)
+                os.pwrite(self._lock_fd, header, _INTENT_AT)
             new = batch.written[batch.intended:]
             os.pwrite(self._lock_fd, b"".join(_PAIR.pack(*where) for where in new),
                       _INTENT_AT + _PAIR.size * (1 + batch.intended))
