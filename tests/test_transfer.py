@@ -52,6 +52,7 @@ def test_pending_job_times_out() -> None:
     with pytest.raises(TimeoutError):
         job.wait(timeout=0)
     assert job.done() is False
+    assert not job._event._waiters  # a wait that timed out is not kept listed
 
 
 def test_set_result_completes_once() -> None:
@@ -895,3 +896,103 @@ def test_a_wait_below_another_signals_handler_cuts_short_leaves_the_writer_unhur
     waiting.join(WAIT)
     assert not waiting.is_alive() and writer.wait_below(0, timeout=0)
     assert rec.applied == ["gate", "behind"] and writer.backlog() == 0 and not writer._waiters
+
+
+def test_a_job_wait_another_signals_handler_cuts_short_leaves_its_completion_free() -> None:
+    # Before: Job.wait was threading.Event.wait, Python: a handler (a SIGALRM timeout) raising in
+    # its Condition's __enter__ as the lock's acquire returned left the Event's lock taken for
+    # good, and the completing thread's set_result (Event.set) blocked on it for ever.
+    from conftest import raised_on_the_way_in
+
+    jobs: list[Job[int]] = []
+
+    def wait() -> None:
+        jobs.append(Job())
+        jobs[-1].wait(timeout=0.01)  # never completed: times out, or is cut short
+
+    def completes(sent: list) -> None:
+        if not jobs or jobs[-1].done():
+            return  # cut short before this try's job was made
+        job = jobs[-1]
+        completer = threading.Thread(target=job.set_result, args=(len(jobs),), daemon=True)
+        completer.start()
+        completer.join(WAIT)
+        assert not completer.is_alive(), f"set_result hung after a wait cut short at {sent}"
+        assert job.wait(timeout=0) == len(jobs), sent
+
+    with pytest.raises(TimeoutError):  # unless cut short: each try times out
+        wait()
+    jobs.clear()
+    assert raised_on_the_way_in(lambda: _timing_out(wait), completes) > 2
+
+
+def _timing_out(wait: Callable[[], object]) -> object:
+    """``wait()`` with its TimeoutError taken as the end of a try, as a context for the harness."""
+    from contextlib import nullcontext
+
+    try:
+        wait()
+    except TimeoutError:
+        pass
+    return nullcontext()
+
+
+def test_a_flush_another_signals_handler_cuts_short_leaves_the_writer_unhurt() -> None:
+    # As above, through flush(): its marker's job waited on in the caller's thread; a wait cut
+    # short as the Event's lock was taken hung the writer at the marker's set_result, and every
+    # flush and close after it; one cut short inside Condition.wait raised "release unlocked
+    # lock" in place of the handler's exception.
+    from conftest import raised_on_the_way_in
+
+    rec = Recorder(hold_first=True)
+    writer: BackgroundWriter = BackgroundWriter(rec, name="test-writer")
+    try:
+        writer.submit("gate")
+        assert rec.started.wait(WAIT)  # the markers stay queued behind the held batch
+        flushes = raised_on_the_way_in(lambda: _timing_out(lambda: writer.flush(timeout=0.01)),
+                                       lambda sent: None)
+        assert flushes > 2
+        rec.release.set()
+        writer.submit("after")
+        writer.flush(timeout=WAIT)  # TimeoutError: the writer hung at a marker's completion
+        assert rec.applied == ["gate", "after"]
+    finally:
+        rec.release.set()
+        writer.close(timeout=WAIT, grace=WAIT)
+
+
+def test_a_set_result_another_signals_handler_cuts_short_still_wakes_every_waiter() -> None:
+    # A completion in the main thread (a CUDA copy's done()) cut short as it let its waiters go,
+    # after the first: the others, in other threads, see the job done at their wait's next look
+    # rather than block for ever on a lock no one lets go.
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+
+    tries: list[tuple[Job[int], list[threading.Thread]]] = []
+    got: list[int] = []
+
+    def prepare() -> None:
+        job: Job[int] = Job()
+        waiters = [threading.Thread(target=lambda: got.append(job.wait()), daemon=True) for _ in range(3)]
+        for waiter in waiters:
+            waiter.start()
+        while len(job._event._waiters) < len(waiters):  # every waiter blocked: listed
+            time.sleep(0.001)
+        tries.append((job, waiters))
+
+    def every_waiter_woken(sent: list) -> None:
+        job, waiters = tries[-1]
+        if not job.done():
+            job.set_result(len(tries))  # cut short before it completed: completed now
+        for waiter in waiters:
+            waiter.join(WAIT)
+            assert not waiter.is_alive(), f"a waiter of a set_result cut short at {sent} was never woken"
+        assert got == [len(tries)] * len(waiters), sent
+        got.clear()
+        prepare()  # the next try's, outside the way in
+
+    prepare()
+    assert raised_on_the_way_in(lambda: (tries[-1][0].set_result(len(tries)), nullcontext())[1],
+                                every_waiter_woken) >= 2
+    every_waiter_woken([])

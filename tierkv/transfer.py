@@ -33,9 +33,71 @@ logger = logging.getLogger("tierkv")
 
 T = TypeVar("T")
 _PENDING = object()
+# A blocked wait looks at the flag again this often (seconds): see ``_Flag.wait``.
+_RECHECK = 1.0
+
+
+class _Flag:
+    """A job's completion: ``threading.Event``'s ``is_set``/``set``/``wait``, made of plain locks
+    taken in C only, so that another signal's handler raising in a waiting thread (a SIGALRM
+    timeout around ``flush``) leaves no lock held behind it.
+
+    Event.wait is Python (its Condition's ``__enter__``, ``Condition.wait``): a handler raising
+    as the Condition's lock was taken left it held for good, and the completing thread (the disk
+    writer, at a flush marker's ``set_result``) blocked in ``set`` for ever, and every ``flush``
+    and ``close`` after it; one raising in ``Condition.wait`` once the lock was let go raised
+    ``RuntimeError: release unlocked lock`` in place of the handler's exception.
+
+    Here each waiter blocks on a lock of its own, taken before it is listed, that ``set`` lets
+    go; ``set`` never waits for a waiter, only for the list's lock, held by ``with`` alone
+    (no handler runs between a C lock's acquire and its ``with``). A waiter a handler cut short
+    may stay listed, and is let go for no one. A ``set`` a handler cut short between raising the
+    flag and letting its waiters go (a main-thread completion: a CUDA copy's ``done``) leaves
+    them to see the flag when their wait next looks (``_RECHECK``)."""
+
+    __slots__ = ("_flag", "_lock", "_waiters")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._waiters: list[Any] = []
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._lock:
+            # Raised under the lock: a waiter listed after this never is, it sees the flag.
+            self._flag = True
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        waiter = threading.Lock()
+        waiter.acquire()
+        with self._lock:
+            if self._flag:
+                return True
+            self._waiters.append(waiter)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag:
+            left = _RECHECK if deadline is None else min(_RECHECK, deadline - time.monotonic())
+            if left <= 0:
+                with self._lock:  # timed out: not kept listed by a job polled with timeouts
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+                break
+            if waiter.acquire(timeout=left):
+                break
+        return self._flag
+
+
 # Shared by every job made complete: a block read or handed over makes one per block per turn,
-# and an Event (a Condition and two locks) of its own cost more than the rest of the job.
-_DONE = threading.Event()
+# and a flag (two locks) of its own cost more than the rest of the job.
+_DONE = _Flag()
 _DONE.set()
 _DONE_LOCK = threading.Lock()
 
@@ -46,7 +108,7 @@ class Job(Generic[T]):
     __slots__ = ("_event", "_value", "_error", "_poll", "_lock", "lease")
 
     def __init__(self, poll: Callable[[], bool] | None = None) -> None:
-        self._event = threading.Event()
+        self._event = _Flag()
         self._value: Any = _PENDING
         self._error: BaseException | None = None
         # A poll function turns an external completion signal (a CUDA event) into done().
@@ -95,8 +157,7 @@ class Job(Generic[T]):
         return self._error
 
     def wait(self, timeout: float | None = None) -> T:
-        # is_set() first: a restore waits on every block once per layer, mostly done long since,
-        # and Event.wait takes a condition's lock even then.
+        # is_set() first: a restore waits on every block once per layer, mostly done long since.
         if not self._event.is_set() and not self._event.wait(timeout):
             raise TimeoutError("move did not complete in time")
         if self._error is not None:
@@ -109,7 +170,7 @@ class _Fence:
 
     __slots__ = ("_event", "_cuda_event")
 
-    def __init__(self, event: threading.Event, cuda_event: Any = None) -> None:
+    def __init__(self, event: _Flag, cuda_event: Any = None) -> None:
         self._event = event
         self._cuda_event = cuda_event
 
