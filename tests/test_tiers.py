@@ -206,6 +206,40 @@ def test_host_tier_with_a_pool_holds_the_buffers_of_its_blocks() -> None:
     assert lease.holders == 0 and lease.retired and host.stats()["in_use"] == 0  # back in the pool
 
 
+def test_a_host_tier_put_or_pop_another_signals_handler_cuts_short_holds_each_buffer_exactly_while_it_rests() -> None:
+    # Before: put made the entry, then held the block's buffer, and pop dropped the entry, then
+    # let go of the hold: another signal's handler (a SIGALRM timeout) raising between them left
+    # a resting block with no hold, whose pop let go of another holder's (a queued write's), the
+    # buffer retired under it, or a hold no one let go, the buffer lost to the pool.
+    from tierkv.pool import HostPool
+
+    from conftest import raised_on_the_way_in
+
+    host = HostTier(1 << 20, pinned=False, pool=HostPool(1 << 20, pinned=False))
+    jobs = {}
+    for i in range(3):
+        t, lease = host.alloc((1024,), torch.float32)
+        assert lease is not None
+        lease.hold()  # another holder's (a queued write's): never let go by the tier
+        job = Job.completed(t)
+        job.lease = lease
+        jobs[bytes([i]) * 16] = job
+
+    def one_hold_left(key: bytes, sent: list) -> None:
+        host.pop(key)  # where the cut left it resting, or half popped: its hold let go once
+        lease = jobs[key].lease
+        assert lease.holders == 1 and not lease.retired and key not in host and host.used == 0, sent
+
+    for key, job in jobs.items():
+        assert raised_on_the_way_in(lambda: (host.put(key, job, 4096), contextlib.nullcontext())[1],
+                                    lambda sent: one_hold_left(key, sent)) >= 2
+        assert key in host and job.lease.holders == 2 and host.used == 4096
+        assert raised_on_the_way_in(lambda: (host.pop(key), contextlib.nullcontext())[1],
+                                    lambda sent: (one_hold_left(key, sent), host.put(key, job, 4096))) >= 2
+        one_hold_left(key, [])
+    assert host.stats()["in_use"] == 3 * 4096  # the other holders' still
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_host_tier_pinned_alloc() -> None:
     from tierkv.pool import HostPool

@@ -3,7 +3,8 @@ device and host tiers.
 
 Protocol: ``fits(n)`` says whether ``n`` more bytes stay within the budget; ``put`` refuses (returns
 False) rather than exceed it, since capacity is the caller's decision, not an error; ``pop``
-frees; ``peak`` is the most bytes it ever held at once. Entries are ``Job``s of tensors: a
+frees, its entry and bytes together (no call between them, where another signal's handler could
+raise); ``peak`` is the most bytes it ever held at once. Entries are ``Job``s of tensors: a
 block being copied in is already accounted for and readable (a reader waits on the job, or a
 copy engine chains on it without a host sync). Tensors are never written after their job
 completes, so a reader may hold one while it is moved.
@@ -49,9 +50,12 @@ class MemoryTier:
         return None if entry is None else entry[0]
 
     def pop(self, key: bytes) -> Job[torch.Tensor] | None:
-        entry = self._blocks.pop(key, None)
+        entry = self._blocks.get(key)
         if entry is None:
             return None
+        # No call between the entry's removal and its bytes' (dict.pop was one): another signal's
+        # handler raising there left ``used`` counting a block gone, the budget short for good.
+        del self._blocks[key]
         self.used -= entry[1]
         return entry[0]
 
