@@ -1321,25 +1321,28 @@ def test_a_retried_superseded_delete_of_a_session_forgotten_since_is_not_given_u
 
 @pytest.mark.parametrize("timeout", [None, 5.0])
 def test_a_close_cut_short_is_finished_by_the_next(model, stores, tmp_path, caplog, timeout):
-    # The first close has a timeout, so it waits in the writer's join, not in a flush first.
+    # The first close has a timeout, so it waits for the writer's end, not in a flush first.
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=B)
     converse(store, model, random_ids(30, 701), "s")
     entered, release = _a_held_writer(store)  # the writer stays in its transaction until the second close waits for it
     store._writer.nudge()
     assert entered.wait(60)
-    thread = store._writer._thread
-    join = thread.join
+    ended = store._writer._ended  # what close() waits on for the writer's end
     joins: list = []
 
-    def interrupted_join(wait=None):
-        joins.append(wait)
-        if len(joins) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while close() waits for the writer
-        release.set()
-        return join(wait)
+    class InterruptedEnd:
+        def set(self) -> None:
+            ended.set()
 
-    thread.join = interrupted_join
+        def wait(self, wait=None):
+            joins.append(wait)
+            if len(joins) == 1:
+                raise KeyboardInterrupt  # Ctrl-C while close() waits for the writer
+            release.set()
+            return ended.wait(wait)
+
+    store._writer._ended = InterruptedEnd()
     with pytest.raises(KeyboardInterrupt):
         store.close(5.0)
     assert store._closed and not store._released

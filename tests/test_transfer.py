@@ -4,6 +4,7 @@ and flushes and drains. Threads are synchronised with events, never with sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -996,3 +997,39 @@ def test_a_set_result_another_signals_handler_cuts_short_still_wakes_every_waite
     assert raised_on_the_way_in(lambda: (tries[-1][0].set_result(len(tries)), nullcontext())[1],
                                 every_waiter_woken) >= 2
     every_waiter_woken([])
+
+
+def test_a_close_another_signals_handler_cuts_short_can_be_finished() -> None:
+    # Before: close joined the thread (Thread.join) and set its abandon Event, both Python: a
+    # handler (a SIGALRM timeout) raising as join's acquire of the live thread's lock returned
+    # made CPython's except there let go of that lock and mark the thread stopped (every later
+    # join returned at once: a close called again to finish did not wait for the batch in
+    # flight), and one raising as Event.set's Condition lock was taken left it held (a close
+    # called again blocked for ever in set).
+    from conftest import raised_on_the_way_in
+
+    rec = Recorder(hold_first=True)
+    writer: BackgroundWriter = BackgroundWriter(rec, name="test-writer")
+    try:
+        writer.submit("gate")
+        assert rec.started.wait(WAIT)  # in the first batch until released: close times out
+
+        def close() -> object:
+            writer.close(timeout=0, grace=0.001)
+            return contextlib.nullcontext()
+
+        def finishable(sent: list) -> None:
+            assert writer.alive() and writer._thread.is_alive(), f"the writer taken for ended at {sent}"
+            abandon = threading.Thread(target=writer._abandon.set, daemon=True)
+            abandon.start()
+            abandon.join(WAIT)
+            assert not abandon.is_alive(), f"the abandon flag's set hung after a close cut short at {sent}"
+
+        assert raised_on_the_way_in(close, finishable) > 2
+        rec.release.set()
+        closing = threading.Thread(target=writer.close, kwargs=dict(timeout=WAIT, grace=WAIT), daemon=True)
+        closing.start()
+        closing.join(WAIT * 2)
+        assert not closing.is_alive() and not writer.alive()
+    finally:
+        rec.release.set()

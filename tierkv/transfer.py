@@ -507,7 +507,9 @@ class BackgroundWriter(Generic[T]):
         self._closed = False
         # Orders submissions against close(): nothing is queued behind the stop signal.
         self._gate = threading.Lock()
-        self._abandon = threading.Event()
+        # A _Flag, not an Event: Event.set is Python, and another signal's handler raising in a
+        # close as its Condition's lock was taken left it held (a close called again hung in set).
+        self._abandon = _Flag()
         self._abandoned = 0
         self._stopping = False  # the writer took close's signal from the queue
         # Bytes (``size_of``) submitted and not yet applied or failed: ``wait_below``.
@@ -531,6 +533,10 @@ class BackgroundWriter(Generic[T]):
         # there let go of the live thread's lock and mark it stopped for good (wait_below then
         # returned at once, and close took a writer inside a transaction for one that ended).
         self._exited = False
+        # Set last as the thread ends: waited for, not Thread.join, whose acquire of the live
+        # thread's lock is is_alive's own (a close cut short there marked the thread stopped, and
+        # a close called again to finish it returned before the batch in flight was done).
+        self._ended = _Flag()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -640,7 +646,7 @@ class BackgroundWriter(Generic[T]):
         # Decided under the gate: a marker the writer already took is done by now too, and
         # joining a writer that is not closing waited forever.
         if closed:
-            self._thread.join(timeout)
+            self._wait_ended(timeout)
         else:
             job.wait(timeout)
 
@@ -657,18 +663,28 @@ class BackgroundWriter(Generic[T]):
 
         The batch in flight is waited for up to ``grace`` seconds more (None: until it is done):
         ``alive()`` then says whether the thread still runs, in an ``apply`` that does not return
-        (a hung disk). Calling close again waits again: a close cut short (an interrupt) can be
-        finished."""
+        (a hung disk). Calling close again waits again: a close cut short (an interrupt, another
+        signal's handler) can be finished."""
         with self._gate:
             if not self._closed:
                 self._closed = True
                 self._queue.put(None)
-        self._thread.join(timeout)
+        self._wait_ended(timeout)
         if not self._exited:
             self._abandon.set()
             self._wake()  # waiters stop waiting for writes that may never land
-            self._thread.join(grace)
+            self._wait_ended(grace)
+        if self._exited:
+            # Ending, a few bytecodes from gone: joined so that close leaves no thread behind.
+            # A join cut short here marks stopped a thread that is ending anyway.
+            self._thread.join()
         return self._abandoned
+
+    def _wait_ended(self, timeout: float | None) -> None:
+        if self.on_thread():
+            # As Thread.join did: the thread would wait for its own end for ever.
+            raise RuntimeError("the background writer cannot be closed from its own thread")
+        self._ended.wait(timeout)
 
     @property
     def closed(self) -> bool:
@@ -695,6 +711,7 @@ class BackgroundWriter(Generic[T]):
         finally:
             self._exited = True
             self._wake()  # waiters see the thread gone
+            self._ended.set()
 
     def _fail(self, batch: list[tuple[T, Job[None]]], exc: BaseException) -> None:
         """The thread cannot go on (an error outside ``apply``): every item, those of the batch it
