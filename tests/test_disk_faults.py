@@ -1941,6 +1941,19 @@ def _a_failed_disk_recording_its_tries(store: TieredStore) -> list[list[object]]
     return tried
 
 
+def _owed_after_forgets_on_a_failed_disk(store: TieredStore, model, sessions: int, seed: int) -> list[object]:
+    """``sessions`` conversations flushed to disk, then the disk failing and every session
+    forgotten: the deletes and reference drops the store now owes."""
+    for i in range(sessions):
+        converse(store, model, random_ids(21, seed + i), f"s{i}")
+    store.flush()
+    _a_failed_disk_recording_its_tries(store)
+    for i in range(sessions):
+        store.forget(session=f"s{i}")
+    store.flush()
+    return list(store._owed)
+
+
 def test_a_failed_disk_probes_a_forgets_owed_deletes_one_transaction_a_flush(model, stores, tmp_path):
     # Before: the probe took OWED_RETRY_PROBE owed ops, one transaction's worth when each delete
     # held one block; a forget's owed deletes hold FORGET_DELETE_KEYS blocks each, which the writer
@@ -2492,14 +2505,7 @@ def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none
     # (a section's exit cut short is test_interrupts' test).
     monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
     store = make_store(stores, tmp_path / "kv")
-    for i in range(6):
-        converse(store, model, random_ids(21, 1430 + i), f"s{i}")
-    store.flush()
-    _a_failed_disk_recording_its_tries(store)
-    for i in range(6):
-        store.forget(session=f"s{i}")
-    store.flush()
-    owed = list(store._owed)
+    owed = _owed_after_forgets_on_a_failed_disk(store, model, 6, 1430)
     assert len(owed) == 12
     # A writer that queues in a list, applying nothing: what a cut-short retry queued stays in
     # hand to count.
@@ -2984,14 +2990,7 @@ def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_owes_none_
 
     monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
     store = make_store(stores, tmp_path / "kv")
-    for i in range(4):
-        converse(store, model, random_ids(21, 1470 + i), f"s{i}")
-    store.flush()
-    _a_failed_disk_recording_its_tries(store)
-    for i in range(4):
-        store.forget(session=f"s{i}")
-    store.flush()
-    owed = list(store._owed)
+    owed = _owed_after_forgets_on_a_failed_disk(store, model, 4, 1470)
     deletes = [op for op in owed if isinstance(op, DeleteBlocks)]
     assert len(owed) >= 8 and len(deletes) >= 2
     for key in deletes[0].keys[:1] + deletes[1].keys:
