@@ -823,6 +823,32 @@ def test_the_writers_queue_counts_items_of_no_size_until_applied_or_failed() -> 
     assert writer.wait_below(0, timeout=0, items=0)
 
 
+def test_a_wait_below_whose_wake_was_lost_still_sees_the_backlog_drain() -> None:
+    # Before: wait_below without a timeout blocked on its lock until a _wake let it go; close's
+    # _wake in the main thread, cut short by another signal's handler between taking the waiters'
+    # list and letting them go, left them blocked for good. It looks again every _RECHECK now, as
+    # _Flag.wait does.
+    gate = threading.Event()
+
+    def apply(items: Sequence[int]) -> list[BaseException | None]:
+        assert gate.wait(10)
+        return [None] * len(items)
+
+    writer: BackgroundWriter[int] = BackgroundWriter(apply, name="lost-wake", size_of=lambda item: item)
+    writer.submit(10)
+    waiter = threading.Thread(target=writer.wait_below, args=(0,), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not writer._waiters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer._waiters
+    writer._wake = lambda: None  # every wake from now on lost, as a cut-short one is
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and writer.backlog() == 0
+    writer.close()
+
+
 def test_a_submit_another_signals_handler_cuts_short_counts_an_item_only_if_queued(
         writers: list[BackgroundWriter]) -> None:
     # Before: submit entered its counters' Condition, whose __enter__ is Python: a handler (a

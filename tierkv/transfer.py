@@ -609,7 +609,9 @@ class BackgroundWriter(Generic[T]):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return done()
-            if not waiter.acquire(timeout=-1 if left is None else left):
+            # Looked at again every _RECHECK, as _Flag.wait: a _wake cut short in the main thread
+            # (close's) between taking the list and letting its waiters go wakes them for no one.
+            if not waiter.acquire(timeout=_RECHECK if left is None else min(left, _RECHECK)):
                 with self._counts:  # timed out: not left for a _wake that may never come
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
