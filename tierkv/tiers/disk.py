@@ -1972,7 +1972,7 @@ class DiskTier:
                     if created:
                         # A handle opened in a transaction lives only if that transaction commits.
                         self._heads = self.env.open_db(b"heads", txn=txn)
-                    run: list[tuple[PutBlock, memoryview]] = []  # block writes not put yet
+                    run: dict[bytes, tuple[PutBlock, memoryview]] = {}  # block writes not put yet, by key
                     for i, op in enumerate(ops):
                         if isinstance(op, PutBlock):
                             if full or short:
@@ -1984,25 +1984,25 @@ class DiskTier:
                             except BaseException as exc:  # noqa: BLE001 - reported through this op's job
                                 results[i] = exc
                                 continue
-                            if any(other.header.key == op.header.key for other, _ in run):
+                            if op.header.key in run:
                                 # Its put frees the pages of the earlier one's, which a put after
                                 # it may take before the earlier one is written there.
-                                self._put_records(txn, run, batch)
-                                run = []
-                            run.append((op, payload))
+                                self._put_records(txn, run.values(), batch)
+                                run = {}
+                            run[op.header.key] = (op, payload)
                             continue
                         if isinstance(op, (DeleteBlocks, PutHeads)):
                             # A delete or a head after a block write must find it written. The
                             # other ops touch no record or head: the run, and its one sync of
                             # the lock file, go on past them.
-                            self._put_records(txn, run, batch)
-                            run = []
+                            self._put_records(txn, run.values(), batch)
+                            run = {}
                         if isinstance(op, PutHeads):
                             if not (full or short):
                                 self._put_heads(txn, op, batch)
                         else:
                             self._apply_one(txn, op, batch)
-                    self._put_records(txn, run, batch)
+                    self._put_records(txn, run.values(), batch)
                     unzeroed = self._pending + batch.deferred
                     if unzeroed:
                         txn.put(_UNZEROED_KEY, msgpack.packb({"txn": txn.id(), "ranges": unzeroed}), db=self._meta)
@@ -2077,7 +2077,8 @@ class DiskTier:
                 # keeping those owed and retrying them, where a write into a hole was a SIGBUS.
                 raise OSError(errno.ENOSPC, no_room) from exc
 
-    def _put_records(self, txn: lmdb.Transaction, run: Sequence[tuple[PutBlock, memoryview]], batch: _Batch) -> None:
+    def _put_records(self, txn: lmdb.Transaction, run: Collection[tuple[PutBlock, memoryview]], batch: _Batch
+                     ) -> None:
         """Put block records (``payload``s encoded) and their heads, each first as zeros of its
         length. With writemap LMDB copies a value into its final pages, free ones, inside ``put``,
         and only then tells where they are: a kill during or just after the copy of the record
