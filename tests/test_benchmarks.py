@@ -242,11 +242,12 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
         assert tiered["moved_bytes"]["device_to_host"] > 0 and tiered["gb_per_s"]["device_to_host"] is None
     else:
         assert tiered["gb_per_s"]["device_to_host"] > 0 and tiered["gb_per_s"]["host_to_device"] > 0
-    # KV bytes read back: no more than the disk hits' (a block still on its way to disk is a disk
-    # hit served from the write's own buffer, with no read).
-    kv_per_token = report["kv_bytes_per_token"]
+    # KV bytes read back, whole records: at most a block's for each disk hit token (a restore may use
+    # one token of a block it reads whole; a block still on its way to disk is a disk hit served from
+    # the write's own buffer, with no read).
+    kv_per_token, block = report["kv_bytes_per_token"], report["args"]["block_size"]
     assert tiered["moved_bytes"]["disk_to_host"] % kv_per_token == 0
-    assert tiered["moved_bytes"]["disk_to_host"] <= tiered["hit_tokens"]["disk"] * kv_per_token
+    assert tiered["moved_bytes"]["disk_to_host"] <= tiered["hit_tokens"]["disk"] * block * kv_per_token
     assert "hit_tokens" not in policies["resident"]  # no store: nothing it could count
     for name in ("resident", "unbounded", "tierkv", "tierkv-no-disk"):
         row = policies[name]
@@ -275,6 +276,8 @@ def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: P
     # The table reports "-" for the GB/s of directions that moved nothing, not 0.00.
     no_disk_line = next(line for line in table.splitlines() if line.startswith("| tierkv-no-disk |"))
     assert no_disk_line.split(" | ")[8] == "-/-/-/-"
+    # What the moves count: whole blocks, against hits of the tokens used.
+    assert "of whole blocks: a restore that uses only part of a block reads" in table
 
 
 class _EchoModel:

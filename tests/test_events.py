@@ -173,6 +173,32 @@ def test_moved_bytes_count_kv_bytes_to_and_from_disk_alike(model, tmp_path) -> N
         assert restored == kept and store.stats()["moved_bytes"]["disk_to_host"] == block_bytes(model, kept)
 
 
+@pytest.mark.parametrize("held_in", ["disk", "host"])
+def test_a_restore_using_part_of_a_block_moves_the_whole_block_and_hits_count_the_tokens_used(
+        model, tmp_path, held_in: str) -> None:
+    # What stats() says moved_bytes counts: the disk read reads and checksums the whole record,
+    # and a block restored through the host goes whole to the device tier (which keeps all of it).
+    ids = random_ids(3 * B, 1)
+    host_budget = 0 if held_in == "disk" else "1MiB"
+    with TieredStore(tmp_path / "kv", device="cpu", device_budget=0, host_budget=host_budget, block_size=B) as store:
+        first = store.open(model, ids, session="a")
+        out = generate(model, ids, first)
+        first.commit(out)
+        store.flush()
+        before = store.stats()["moved_bytes"]
+        # The same first block and a half, then other ids: the second block is used for half its tokens.
+        asked = torch.cat([out[:, :B + B // 2], random_ids(B, 2)], dim=1)
+        assert not torch.equal(asked[:, B + B // 2:2 * B], out[:, B + B // 2:2 * B])
+        cache = store.open(model, asked, session="b")
+        after = store.stats()
+    assert cache.restored_tokens == B + B // 2 and after["hits"][held_in] == B + B // 2
+    moved = {d: after["moved_bytes"][d] - before[d] for d in DIRECTIONS}
+    if held_in == "disk":
+        assert moved["disk_to_host"] == block_bytes(model, 2 * B)
+    else:
+        assert moved["disk_to_host"] == 0 and moved["host_to_device"] == block_bytes(model, 2 * B)
+
+
 def test_a_store_emits_one_event_per_open_and_commit_and_moves_that_add_up_to_stats(model, tmp_path) -> None:
     path = tmp_path / "kv"
     # Three blocks fit the device: the second session demotes the first to the host tier.

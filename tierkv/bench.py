@@ -487,7 +487,11 @@ def markdown(run_: dict, summary: dict) -> str:
               "(numpy's default). Decode tok/s: the median over turns of a turn's reply tokens after the first over "
               "the time from its first token to generate's return.",
               "[1] " + ("On a CPU device tier the moves between device and host are hand-overs that copy nothing "
-                        "(no GB/s). " if cpu else "") + "KV bytes, without the records' headers and padding.",
+                        "(no GB/s). " if cpu else "") + "KV bytes, without the records' headers and padding, "
+              "of whole blocks: a restore that uses only part of a block reads (and checksums) the whole record from "
+              "disk, and a block restored through the host moves whole to the device tier, which then holds all of "
+              "it; hit tokens count only the tokens used, so the moved bytes may exceed the hits' KV bytes "
+              "(kv_bytes_per_token in the JSON).",
               "[2] To disk: bytes over the writer's time in its transactions less its waits for a CPU (it runs at a "
               "lower priority than the turns; the JSON's to_disk_wall_gb_per_s counts them). From disk: records "
               "written earlier in this run, mostly read from the page cache; a disk hit whose write was still queued is "

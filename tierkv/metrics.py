@@ -97,7 +97,8 @@ _COUNTERS = {  # family names without _total: the exposition appends it
     "tierkv_evictions": ("Blocks evicted from a tier to make room.", []),
     "tierkv_corrupt_records": ("Disk records dropped as unreadable (checksum, version, fingerprint).", []),
     "tierkv_disk_errors": ("Disk tier operations that failed with an I/O error.", []),
-    "tierkv_moved_bytes": ("Bytes moved between tiers, by direction, since the store opened.", ["direction"]),
+    "tierkv_moved_bytes": ("KV bytes of whole blocks moved between tiers, by direction, since the store opened.",
+                           ["direction"]),
     "tierkv_events_dropped": ("Store events lost because scrapes were too rare for the event queue.", []),
 }
 _HISTOGRAMS = {

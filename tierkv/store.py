@@ -2427,7 +2427,9 @@ class TieredStore:
         damaged pages, not the disk: ``tierkv check --repair``), ``disk_full`` (block writes that found the map at its
         cap, or the filesystem without room for them), ``owed_deletes`` (deletes not yet on disk
         because of errors); ``moved_bytes`` (KV
-        bytes, without the records' headers and padding) and ``move_seconds`` per direction (wall
+        bytes of whole blocks, without the records' headers and padding: a restore that uses part of
+        a block reads the whole record and checksums it, and moves the whole block to the device
+        tier, while ``hits`` count the tokens used) and ``move_seconds`` per direction (wall
         time), ``write_cpu_wait_seconds`` (the part of the writes' time spent waiting for a CPU);
         ``pending_writes``; ``commit_wait_seconds`` (time commits waited for a disk writer
         ``WRITE_BACKLOG_BYTES`` or ``WRITE_BACKLOG_OPS`` behind); ``host_pool`` (CUDA's pinned
