@@ -254,6 +254,12 @@ def check_trace_report(report: dict, device_budget: int, host_budget: int) -> No
         assert len(row["ttft_ms"]) == len(prompt_lengths(report["args"]))
         assert row["ttft_p50_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 50)))
         if name != "resident":
+            # The first commit (which stores the shared system prompt too) apart, the percentiles the
+            # later turns'.
+            commits = row["commit_ms"]
+            assert len(commits) == len(row["commit_cpu_ms"]) == len(row["ttft_ms"])
+            assert row["commit_first_ms"] == commits[0]
+            assert row["commit_p99_ms"] == pytest.approx(float(np.percentile(commits[1:], 99)))
             assert 0 < row["commit_p50_ms"] <= row["commit_p99_ms"]
             # The hits plot's data, in the JSON: cumulative per turn, ending at the row's totals.
             after = row["hit_tokens_after_each_turn"]
@@ -278,6 +284,10 @@ def test_chat_trace_runs_every_policy_exactly_and_writes_its_reports(tmp_path: P
     assert no_disk_line.split(" | ")[8] == "-/-/-/-"
     # What the moves count: whole blocks, against hits of the tokens used.
     assert "of whole blocks: a restore that uses only part of a block reads" in table
+    # Each store's first commit (it stores the shared system prompt too) apart from the percentiles.
+    first = report["policies"]["tierkv"]["commit_first_ms"]
+    tiered_line = next(line for line in table.splitlines() if line.startswith("| tierkv |"))
+    assert tiered_line.split(" | ")[10].endswith(f"({first:.2f})") and "[5] Wall time of cache.commit()" in table
 
 
 class _EchoModel:
