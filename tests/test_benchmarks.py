@@ -921,3 +921,26 @@ def test_ttft_benchmark_refuses_a_checkpoint_it_cannot_run(flags: list[str], mes
     result = subprocess.run([sys.executable, "-m", "benchmarks.ttft", "--repeats", "1", *flags], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_chat_trace_hits_plot_numbers_turns_from_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hits plot's x axis counts turns as the table does (1 to --turns): plotted by index, the
+    first turn's hits stood at turn 0 and the last turn at 39 of 40."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from tierkv.bench import PolicyResult, plots
+
+    lines: dict[str, list] = {}
+    plot = matplotlib.axes.Axes.plot
+
+    def recorded(self, *args, label=None, **kwargs):
+        lines[label] = [list(np.asarray(a)) for a in args]
+        return plot(self, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    hits = [{"device": 0, "host": 0, "disk": 0}, {"device": 8, "host": 0, "disk": 0},
+            {"device": 8, "host": 4, "disk": 2}]
+    result = PolicyResult("tierkv", ttft=[0.1, 0.2, 0.3], hits_over_time=hits)
+    assert "hits_over_time.png" in plots({"results": {"tierkv": result}}, tmp_path)
+    assert lines["disk"] == [[1, 2, 3], [0, 0, 2]]

@@ -558,10 +558,12 @@ def plots(run_: dict, out: Path) -> list[str]:
     tiered = results.get("tierkv")
     if tiered is not None and tiered.hits_over_time:
         fig, ax = plt.subplots(figsize=(7, 4))
+        # Turns numbered as the table counts them: plotted by index, the first turn's hits read turn 0.
+        turns = np.arange(1, len(tiered.hits_over_time) + 1)
         for tier in ("device", "host", "disk"):
-            ax.plot([h[tier] for h in tiered.hits_over_time], label=tier)
+            ax.plot(turns, [h[tier] for h in tiered.hits_over_time], label=tier)
         ax.set_xlabel("turn")
-        ax.set_ylabel("cumulative hit tokens")
+        ax.set_ylabel("hit tokens up to that turn")
         ax.set_title("tierkv (c): hit tokens per tier over time")
         ax.legend()
         fig.tight_layout()
