@@ -486,6 +486,8 @@ def test_chat_trace_quick_sets_defaults_that_explicit_flags_override() -> None:
     (["--round-turns", "-1"], "--round-turns must be 0 or more"),
     (["--device-budget", "ten%"], "give a percentage of the working set"),
     (["--host-budget=-5%"], "give a percentage of the working set"),
+    (["--host-budget", "-5%"], "--host-budget -5%: a budget is 0 or more"),  # argparse: "expected one argument"
+    (["--disk-budget", "-1MiB", "--quick"], "--disk-budget -1MiB: a budget is 0 or more"),
     (["--disk-budget", "3 parsecs"], "or a percentage of the working set"),
     (["--device-budget", "12XB"], "unknown byte unit"),
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),

@@ -573,6 +573,8 @@ def plots(run_: dict, out: Path) -> list[str]:
     return written
 
 
+BUDGET_FLAGS = ("--device-budget", "--host-budget", "--disk-budget")
+
 # --quick's trace: defaults only, so that a flag given beside it still wins.
 QUICK = dict(sessions=8, turns=40, layers=2, hidden=256, context=1024)
 # The random model's size without --quick.
@@ -612,6 +614,12 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
     parser.add_argument("--quick", action="store_true",
                         help="a small trace, under 3 minutes on 2 CPU cores: "
                              + ", ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
+    given = sys.argv[1:] if argv is None else list(argv)
+    for flag, value in zip(given, given[1:]):
+        # argparse takes "-5%" or "-1MiB" for an option and answers "expected one argument".
+        if flag in BUDGET_FLAGS and value.startswith("-") and not value.startswith("--") and value != "-h":
+            parser.error(f"{flag} {value}: a budget is 0 or more; give a percentage of the working set like "
+                         "\"10%\", or a byte size like \"64MiB\"")
     args = parser.parse_args(argv)
     if args.quick:
         # A checkpoint keeps its own size: --quick shortens only its trace.
