@@ -946,3 +946,12 @@ def test_chat_trace_hits_plot_numbers_turns_from_one(tmp_path: Path, monkeypatch
     result = PolicyResult("tierkv", ttft=[0.1, 0.2, 0.3], hits_over_time=hits)
     assert "hits_over_time.png" in plots({"results": {"tierkv": result}}, tmp_path)
     assert lines["disk"] == [[1, 2, 3], [0, 0, 2]]
+
+
+def test_chat_trace_says_why_the_offloaded_policy_did_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv.bench import offloaded_skipped
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert offloaded_skipped().startswith("needs CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, the trace run with --cpu
+    assert offloaded_skipped().startswith("--cpu given")

@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> dict:
             for store in stores.values():
                 store.close()
     if "offloaded" not in results:
-        results["offloaded"] = PolicyResult("offloaded", skipped="needs CUDA")
+        results["offloaded"] = PolicyResult("offloaded", skipped=offloaded_skipped())
         if progress is not None:
             progress.update(len(turns))
     if progress is not None:
@@ -386,6 +386,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
+
+
+def offloaded_skipped() -> str:
+    """Why policy (e) did not run in a CPU trace: on a machine with CUDA, "needs CUDA" read as if
+    it had none, when --cpu kept the trace off it."""
+    if torch.cuda.is_available():
+        return "--cpu given (it offloads a CUDA device's KV to the host)"
+    return "needs CUDA (it offloads a CUDA device's KV to the host)"
 
 
 def disk_write_seconds(stats: dict) -> float:
