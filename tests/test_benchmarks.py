@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -955,3 +957,22 @@ def test_chat_trace_says_why_the_offloaded_policy_did_not_run(monkeypatch: pytes
     assert offloaded_skipped().startswith("needs CUDA")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, the trace run with --cpu
     assert offloaded_skipped().startswith("--cpu given")
+
+
+def test_chat_trace_help_gives_every_flags_default() -> None:
+    """Most trace flags had no help: --help named neither their meaning nor their default."""
+    from tierkv import bench
+
+    parser_of: list[argparse.ArgumentParser] = []
+    parse = argparse.ArgumentParser.parse_args
+
+    def kept(self, *args, **kwargs):
+        parser_of.append(self)
+        return parse(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", kept)
+        bench.parse_args(["--out", tempfile.gettempdir()])
+    for action in parser_of[0]._actions:
+        if action.default not in (None, False, argparse.SUPPRESS):
+            assert action.help and "default" in action.help, action.option_strings

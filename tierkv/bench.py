@@ -594,24 +594,30 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
     """The trace's flags, checked: a bad value exits through ``parser.error`` saying what to give."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=120)
-    parser.add_argument("--zipf", type=float, default=1.1, help="session popularity exponent, 0: uniform")
-    parser.add_argument("--system-tokens", type=int, default=256)
-    parser.add_argument("--user-median", type=int, default=48)
-    parser.add_argument("--user-max", type=int, default=512)
-    parser.add_argument("--reply-median", type=int, default=16)
-    parser.add_argument("--reply-max", type=int, default=64)
+    parser.add_argument("--sessions", type=int, default=16, help="sessions (default: %(default)s)")
+    parser.add_argument("--turns", type=int, default=120, help="turns in all, over every session (default: %(default)s)")
+    parser.add_argument("--zipf", type=float, default=1.1,
+                        help="session popularity exponent, 0: uniform (default: %(default)s)")
+    parser.add_argument("--system-tokens", type=int, default=256,
+                        help="the system prompt every session starts with (default: %(default)s)")
+    parser.add_argument("--user-median", type=int, default=48,
+                        help="a user message's median tokens, lengths log-normal (default: %(default)s)")
+    parser.add_argument("--user-max", type=int, default=512,
+                        help="a user message's most tokens (default: %(default)s)")
+    parser.add_argument("--reply-median", type=int, default=16,
+                        help="a reply's median tokens, lengths log-normal (default: %(default)s)")
+    parser.add_argument("--reply-max", type=int, default=64, help="a reply's most tokens (default: %(default)s)")
     parser.add_argument("--context", type=int, default=2048,
-                        help="a conversation longer than this starts over from the system prompt")
+                        help="a conversation longer than this starts over from the system prompt (default: "
+                             "%(default)s)")
     trace_model.add_model_flags(parser, layers=RANDOM_MODEL["layers"], hidden=RANDOM_MODEL["hidden"])
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64, help="the stores' tokens per block (default: %(default)s)")
     budget_help = "budget of (c) and (d): a percentage of the working set or a byte size like 64MiB (default: %(default)s)"
     parser.add_argument("--device-budget", default="10%", help="device " + budget_help)
     parser.add_argument("--host-budget", default="30%", help="host " + budget_help)
     parser.add_argument("--disk-budget", default="1TiB",
                         help="disk budget of (c), a percentage or byte size as above (default: %(default)s, unlimited)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the trace's and the random model's (default: %(default)s)")
     # 8: the default trace's 120 turns and --quick's 40 make 15 and 5 rounds, so that each of the five
     # policies a CPU runs plays first, second, ... equally often.
     parser.add_argument("--round-turns", type=int, default=8,
