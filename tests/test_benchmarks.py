@@ -437,6 +437,27 @@ def test_chat_trace_disk_budget_flag_reaches_the_store(tmp_path: Path) -> None:
     assert policies["tierkv"]["budgets"]["disk"] == 3 * 2**20 and policies["tierkv-no-disk"]["budgets"]["disk"] == 0
 
 
+def test_chat_trace_says_when_budgets_make_one_policy_measure_another(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A device budget holding the whole working set, or a disk budget of 0, ran without a word:
+    (c) and (d) then measured (b), or (c) measured (d), under their own names."""
+    import json
+
+    from benchmarks import chat_trace
+    from tierkv.bench import budget_notes
+
+    assert budget_notes(99, 1, 100) == [] and len(budget_notes(100, 0, 100)) == 2
+    chat_trace.main([*TOY_TRACE, "--turns", "2", "--device-budget", "100%", "--disk-budget", "0",
+                     "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert len(report["budget_notes"]) == 2
+    for note in report["budget_notes"]:
+        assert f"note: {note}" in captured.err and f"**Note:** {note}." in captured.out
+    assert "measure what (b) does" in report["budget_notes"][0] and "measures what (d) does" in report["budget_notes"][1]
+    assert report["policies"]["tierkv"]["hit_tokens"]["disk"] == 0
+
+
 def test_chat_trace_prints_its_table_before_the_reports_and_says_when_they_cannot_be_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import tierkv.bench as bench

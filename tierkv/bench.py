@@ -258,6 +258,19 @@ def mark_exact(policies: list[Policy], reduced_precision: bool = False) -> float
     return tolerance
 
 
+def budget_notes(device_budget: int, disk_budget: int, working_set: int) -> list[str]:
+    """What budgets that are no error, yet leave (c) or (d) measuring another policy, make of them:
+    the run goes on (a user may mean it), and its table says so."""
+    notes = []
+    if device_budget >= working_set:
+        notes.append(f"the device budget ({device_budget} bytes) holds the whole working set ({working_set} bytes): "
+                     "(c) and (d) evict nothing and measure what (b) does; give one below 100% to compare tiers")
+    if disk_budget == 0:
+        notes.append("the disk budget is 0: (c) keeps nothing on disk and measures what (d) does; give more, or "
+                     "leave --disk-budget out (unlimited)")
+    return notes
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
@@ -315,6 +328,9 @@ def run(args: argparse.Namespace) -> dict:
     dev_budget = budget_bytes(args.device_budget, ws, "--device-budget")
     host_budget = budget_bytes(args.host_budget, ws, "--host-budget")
     disk_budget = budget_bytes(args.disk_budget, ws, "--disk-budget")
+    notes = budget_notes(dev_budget, disk_budget, ws)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)  # before the minutes of the run: a mistyped budget can be fixed
     budgets = {"unbounded": (1 << 50, 0, None), "tierkv": (dev_budget, host_budget, "disk"),
                "tierkv-no-disk": (dev_budget, host_budget, None)}
     stores: dict[str, TieredStore] = {}
@@ -381,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
     if progress is not None:
         progress.close()
     return {"args": vars(args), "device": str(device), "model": trace_model.describe(model, args.model),
-            "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token, "turns": len(turns), "logit_tolerance": tolerance,
+            "budget_notes": notes, "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token, "turns": len(turns), "logit_tolerance": tolerance,
             "results": results}
 
 
@@ -480,7 +496,8 @@ def markdown(run_: dict, summary: dict) -> str:
              f"{a['system_tokens']} tokens, context {a['context']}, {run_['model']} "
              f"on {run_['device']}; working set {run_['working_set_bytes'] / 2**20:.1f} MiB of KV; "
              f"budgets of (c) and (d) device {a['device_budget']}, host {a['host_budget']}, (c) disk {a['disk_budget']}; "
-             f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.", "",
+             f"policies taking turns in rounds of {a['round_turns'] or run_['turns']} turns.",
+             *(f"**Note:** {note}." for note in run_.get("budget_notes", [])), "",
              "| policy | TTFT p50 ms | p95 | p99 | decode tok/s | hit tokens dev/host/disk | miss tokens | "
              "moved MiB d2h/h2d/to disk/from disk [1] | GB/s d2h/h2d/to disk/from disk [2] | "
              "peak MiB at rest dev/host/disk (budget) [3] | commit ms p50/p99 (first) [5] | exact [4] |",
@@ -702,6 +719,7 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
         (out / "results.json").write_text(json.dumps({"args": run_["args"], "device": run_["device"],
                                                       "model": run_["model"],
                                                       "logit_tolerance": run_["logit_tolerance"], "working_set_bytes": run_["working_set_bytes"],
+                                                      "budget_notes": run_["budget_notes"],
                                                       "kv_bytes_per_token": run_["kv_bytes_per_token"],
                                                       **summary}, indent=2, default=str))
         written = plots(run_, out)
