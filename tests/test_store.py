@@ -1922,6 +1922,16 @@ def test_models_attending_in_both_directions_are_refused(tiny_model):
             model = AutoModelForCausalLM.from_config(config).eval()
             with pytest.raises(ValueError, match=f"attends in both directions .*{remedy}"):
                 store.open(model, ids)
+        # A decoder whose self-attention says is_causal=False is not told to set is_decoder=True,
+        # which it has (BigBirdPegasusForCausalLM; the advice was that).
+        config = AutoConfig.for_model("bigbird_pegasus", vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                      decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                                      encoder_ffn_dim=64, decoder_ffn_dim=64)
+        pegasus = AutoModelForCausalLM.from_config(config).eval()
+        assert pegasus.config.is_decoder
+        with pytest.raises(ValueError, match="is built as a decoder .*is_causal=False.* without a TieredCache") as caught:
+            store.open(pegasus, ids)
+        assert "build it with is_decoder=True" not in str(caught.value)
         for model_type in ("bert", "big_bird"):
             decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **small, is_decoder=True)).eval()
             cache = store.open(decoder, ids)

@@ -349,6 +349,16 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         if flag is not None and writes_cache and \
                 not getattr(module, "is_cross_attention", False) and \
                 not {"encoder_attn", "crossattention", "cross_attn", "cross_attention"} & set(module_name.split(".")):
+            if flag == "is_causal" and getattr(text_config, "is_decoder", False) and \
+                    not getattr(text_config, "use_bidirectional_attention", False):
+                # BigBirdPegasusForCausalLM: a decoder whose own self-attention says is_causal=False
+                # (its eager mask is causal, but a kernel that skips the mask reads the flag).
+                # The remedy for BERT-like models, is_decoder=True, is already what it has (the
+                # sweep of helper-80 found that advice given to a model built with it).
+                raise ValueError(f"{name} is built as a decoder (is_decoder=True), yet {module_name} declares "
+                                 "is_causal=False, which attention kernels that skip the mask read as attention in "
+                                 "both directions: tierkv cannot tell that a prefix's KV does not depend on the "
+                                 f"tokens after it, so it does not serve this model{_WITHOUT_TIERKV}")
             remedy = ("it was built with use_bidirectional_attention=True" if
                       getattr(text_config, "use_bidirectional_attention", False) else
                       "build it with is_decoder=True for a BERT-like model loaded as a causal LM")
