@@ -320,7 +320,17 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         v_dim = getattr(layer_config, "v_head_dim", None)
         qk_dim = getattr(layer_config, "qk_head_dim", None) or (
             (getattr(layer_config, "qk_nope_head_dim", 0) or 0) + (getattr(layer_config, "qk_rope_head_dim", 0) or 0))
-        if getattr(layer_config, "kv_lora_rank", None) or (v_dim and qk_dim and v_dim != qk_dim):
+        rank = getattr(layer_config, "kv_lora_rank", None)
+        if rank:
+            # What the cache holds is the latent and the rotary keys (transformers' MLA caches them
+            # compressed), whatever the heads' dims: with qk_head_dim == v_head_dim (GLM-4.7-Flash's
+            # 256 and 256) the message said "keys of head_dim 256, values of 256" were not of one shape.
+            rope = getattr(layer_config, "qk_rope_head_dim", None)
+            raise ValueError(f"{name} uses multi-head latent attention: its cache holds a compressed latent of "
+                             f"width {rank} (kv_lora_rank) as its keys and rotary keys of width {rope} "
+                             "(qk_rope_head_dim) as its values; tierkv stores keys and values of one shape, so it "
+                             f"does not support it yet{_WITHOUT_TIERKV}")
+        if v_dim and qk_dim and v_dim != qk_dim:
             raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
                              f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet"
                              f"{_WITHOUT_TIERKV}")
