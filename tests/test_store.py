@@ -1967,6 +1967,11 @@ def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model
         r"has \['mlp'\] layers.*no attention and hold no KV": AutoConfig.for_model(
             "nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
             layer_types=["full_attention", "mlp"], **heads),
+        # Its forward hands the inner model the cache by position: refused at the first forward,
+        # after open had accepted it (helper-80's sweep).
+        r"CpmAntForCausalLM.forward hands CpmAntModel.forward its cache as positional argument 4": AutoConfig.for_model(
+            "cpmant", vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128,
+            num_hidden_layers=2, prompt_length=4, position_bias_num_buckets=32, position_bias_max_distance=64),
     }
     ids = random_ids(21)
     with TieredStore(None, device="cpu", block_size=B) as store:

@@ -15,7 +15,9 @@ and holds no policy:
   implementation where it is not grouped_mm, torch's matmul precision where it is not the default
   (``_matmul_precision``: TF32, bf16), and which adapters peft's
   layers apply (a cache's first forward checks those again). Weights the fingerprint cannot read
-  (torch's quantised modules) and a model on the meta device are refused. RoPE recomputed from
+  (torch's quantised modules), a model on the meta device and one whose forward hands an inner
+  model the cache by position (read from its source: the hook cannot check such a call) are
+  refused. RoPE recomputed from
   each forward's length (dynamic NTK, longrope) gives the model a ``position_limit``: the store
   restores and keeps KV within it only.
 * ``describe_model`` also puts a forward pre-hook on the model (``_check_forward``), which does
@@ -70,6 +72,7 @@ Generation details handled here:
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import inspect
@@ -78,6 +81,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -303,6 +307,14 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         raise ValueError(f"{name} generates audio codebooks: its generate() rewrites the ids it is given (a "
                          "delay pattern over num_codebooks rows), so the KV it computes is not that of the "
                          "conversation's ids. tierkv supports text decoders; use it without tierkv")
+    handed = _cache_handed_by_position(model)
+    if handed is not None:
+        # Refused here, not at the first forward, where the hook on the inner model finds the
+        # cache among its positional arguments (CPM-Ant, found by helper-80's sweep: open
+        # accepted it, then generate() raised a message about how the caller passed the cache).
+        raise ValueError(f"{handed}, where tierkv cannot check what each forward feeds the cache (ids edited on "
+                         f"the way, forwards of other rows); tierkv supports models that pass it by keyword"
+                         f"{_WITHOUT_TIERKV}")
     if "langs" in inputs:
         raise ValueError(f"{name} adds language embeddings (langs, which generate() fills in from the config) to "
                          "the ids' KV, which tierkv keys on token ids alone. Use it without tierkv")
@@ -375,6 +387,38 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
             raise ValueError(f"{name} attends in both directions ({module_name} has {flag}=False): a prefix's "
                              f"KV depends on the tokens after it, so stored KV would not equal recomputation "
                              f"({remedy}). tierkv supports causal decoder-only models")
+
+
+def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
+    """Where a forward of ``model`` or of a transformers model inside it calls an inner one
+    (``self.<name>(...)``) with enough positional arguments to fill the inner forward's cache
+    parameter: that call's cache reaches the inner forward positionally. Read from the source;
+    a forward whose source cannot be read, or that passes ``*args``, is not judged here (the
+    forward hook still refuses such a call when it happens)."""
+    for part in (m for m in model.modules() if isinstance(m, PreTrainedModel)):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(part).forward))))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        children = dict(part.named_children())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+                continue
+            inner = children.get(node.func.attr)
+            if not isinstance(inner, PreTrainedModel) or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            try:
+                parameters = list(inspect.signature(inner.forward).parameters.values())
+            except (TypeError, ValueError):
+                continue
+            positional = [p.name for p in parameters
+                          if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+            at = next((i for i, n in enumerate(positional) if n in ("cache", "past_key_values")), None)
+            if at is not None and len(node.args) > at:
+                return (f"{type(part).__name__}.forward hands {type(inner).__name__}.forward its cache as positional "
+                        f"argument {at + 1} ({positional[at]})")
+    return None
 
 
 def _refuse_hidden_weights(model: torch.nn.Module) -> None:
