@@ -997,3 +997,15 @@ def test_chat_trace_help_gives_every_flags_default() -> None:
     for action in parser_of[0]._actions:
         if action.default not in (None, False, argparse.SUPPRESS):
             assert action.help and "default" in action.help, action.option_strings
+
+
+def test_arch_sweep_classes_an_exact_model_and_a_refused_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The developers' architecture sweep runs: GPT-2 through its three turns (mixed tiers, then a
+    restart) equals plain generate, and Mistral's sliding window is refused at open."""
+    from benchmarks import arch_sweep
+
+    monkeypatch.setattr(arch_sweep, "SCRATCH", tmp_path)
+    exact = arch_sweep.one("gpt2")
+    assert exact["cls"] == "exact", exact
+    refused = arch_sweep.one("mistral")
+    assert refused["cls"] == "refused" and "sliding_attention" in refused["why"], refused
