@@ -395,6 +395,7 @@ def test_missing_field_is_corrupt(field: str) -> None:
         ("key", -1),
         ("seq", "x"),
         ("seq", None),
+        ("seq", -1),  # commit sequence numbers count up from 0
     ],
 )
 def test_malformed_field_is_corrupt(field: str, value: object) -> None:
