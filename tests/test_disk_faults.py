@@ -138,6 +138,39 @@ def test_a_full_map_keeps_blocks_in_memory_and_evicts_instead_of_failing(model, 
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
+def test_a_write_refused_at_the_maps_cap_evicts_its_own_size_from_disk_and_no_more(model, stores, tmp_path):
+    """The room a refusal at the cap makes is the refused record's: one durable block of its
+    size leaves the disk, not two (a ``<=`` in ``_free_disk`` evicted one more for every
+    refusal, unseen where the test above only asks that evictions made room)."""
+    store = make_store(stores, tmp_path / "kv", device_budget="4MiB", host_budget=0)
+    keys: list[bytes] = []
+    for i in range(4):
+        ids = random_ids(B, 740 + i)
+        cache = store.open(model, ids, session=f"s{i}")
+        cache.commit(generate(model, ids, cache, new=1))  # one full block, no tail
+        keys.extend(k for k in store._index.blocks if k not in keys)
+    store.flush()
+    assert len(keys) == 4 and all(store._index.blocks[k].disk is DiskState.DURABLE for k in keys)
+    apply = store._disk.apply
+
+    def refusing(ops):
+        rest = iter(apply([op for op in ops if not isinstance(op, PutBlock)]))
+        return [DiskFull("the map is at its cap") if isinstance(op, PutBlock) else next(rest) for op in ops]
+
+    store._disk.apply = refusing
+    ids = random_ids(B, 750)
+    cache = store.open(model, ids, session="s4")
+    cache.commit(generate(model, ids, cache, new=1))
+    store.flush()  # reaps the refusal, whose evictions land before it returns
+    store._disk.apply = apply
+    assert store.stats()["disk_full"] == 1
+    # The least recently used block alone left the disk; it rests in memory still.
+    assert [store._index.blocks[k].disk for k in keys] == [DiskState.NONE] + [DiskState.DURABLE] * 3
+    store.close()
+    on_disk = _records(tmp_path / "kv")
+    assert keys[0] not in on_disk and set(keys[1:]) <= on_disk
+
+
 def _fail_deletes(store: TieredStore) -> dict[str, int]:
     """Make every write batch that carries a delete fail, as a disk error would."""
     apply = store._disk.apply
