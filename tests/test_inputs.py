@@ -1761,6 +1761,26 @@ def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:
             model(input_ids=turn[:, 36:], attention_mask=bad, past_key_values=cache, use_cache=True)
 
 
+def test_a_crop_back_to_the_token_a_mask_hid_keeps_what_is_fed_again_from_there() -> None:
+    """A crop to exactly the hidden token leaves no KV that the mask touched: the tokens fed again
+    from it on, unmasked, are kept by commit (a crop that kept the mark at exactly its new length
+    made commit keep only the tokens before it)."""
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    mask = torch.ones_like(ids)
+    mask[0, 12] = 0
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="s")
+        with torch.no_grad():
+            model(input_ids=ids[:, :16], attention_mask=mask[:, :16], past_key_values=cache, use_cache=True)
+        cache.crop(-4)
+        assert cache.get_seq_length() == 12
+        with torch.no_grad():
+            model(input_ids=ids[:, 12:19], past_key_values=cache, use_cache=True)
+        assert cache.commit(ids) == 19
+        assert_next_turn_exact(store, model, ids, restored=19)
+
+
 def test_a_tiered_cache_iterates_as_a_dynamic_cache_does() -> None:
     """``for keys, values, _ in cache`` and ``DynamicCache(cache)`` raised TypeError."""
     from transformers import DynamicCache
