@@ -956,6 +956,30 @@ def test_delete_zeroes_the_head_and_the_record_in_place(disk: DiskTier) -> None:
     assert ctypes.string_at(record_at, lengths[1]) == bytes(lengths[1])
 
 
+def test_sync_forces_the_map_and_its_zeros_to_disk(disk: DiskTier) -> None:
+    """``sync`` (a flush's promise of durability) forces LMDB's sync of the map: the zeros a delete
+    writes into the map after its transaction commits reach the disk through it alone. A test
+    reading the file cannot tell (the page cache shows the zeros either way): the call is watched."""
+    real = disk.env
+    forced: list[bool] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def sync(self, force: bool = False) -> None:
+            forced.append(force)
+            real.sync(force)
+
+    disk.apply([put_op(1)])
+    disk.env = Spy()  # type: ignore[assignment]
+    try:
+        disk.sync()
+    finally:
+        disk.env = real
+    assert forced == [True]
+
+
 def check_only_block_2_went(tier: DiskTier, data: str | pathlib.Path, offset: int, length: int) -> None:
     """Blocks 1 and 3 load as written; the file holds zeros where block 2's record was."""
     for n in (1, 3):
