@@ -1160,6 +1160,26 @@ def test_a_second_generate_whose_mask_hides_a_generated_token_keeps_what_came_be
         assert_next_turn_exact(store, model, second.sequences, restored=22)
 
 
+def test_a_second_generate_whose_mask_hides_the_last_restored_token_is_refused() -> None:
+    """As at a first generate: a later generate on the cache whose mask hides a restored token, the
+    last one too, is refused (an off-by-one there cropped that token and computed it again,
+    while the cache still counted it restored)."""
+    model = make_model("llama")
+    ids = random_ids(20, 1)
+    with TieredStore(None, block_size=8) as store:
+        out = one_turn(store, model, ids)
+        later = torch.cat([out, random_ids(2, 7)], dim=1)
+        cache = store.open(model, later, session="s")
+        restored = cache.restored_tokens
+        assert restored == out.shape[1] - 1
+        first = greedy(model, later, past_key_values=cache)
+        again = torch.cat([first, random_ids(2, 8)], dim=1)
+        mask = torch.ones_like(again)
+        mask[0, restored - 1] = 0
+        with pytest.raises(ValueError, match=f"hides token {restored - 1}, which this cache restored"):
+            greedy(model, again, past_key_values=cache, attention_mask=mask)
+
+
 @pytest.mark.parametrize("edit", ["reply", "prompt", "restored"])
 def test_a_second_generate_on_one_cache_refuses_ids_edited_where_the_cache_holds_kv(edit: str) -> None:
     # generate() feeds the model only the ids past the cache: an id edited before them (a reply
