@@ -134,6 +134,23 @@ def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
+def test_a_corrupt_disk_block_ends_the_restore_before_a_tail_in_memory(tiny_model, tmp_path):
+    """A restore is a prefix: the tail the host tier holds past a corrupt disk block is not
+    restored (a restore that went on past the miss put the tail's KV at the miss's tokens, and
+    the test above, all on disk, cannot tell: the reads past a miss are dropped before)."""
+    model = tiny_model("llama")
+    with host_tail(model, tmp_path, 40) as (store, nxt):
+        cache = store.open(model, nxt)
+        assert cache.restored_from == {"device": 0, "host": 4, "disk": 2 * B}
+        second = cache._restored_keys[1]
+        del cache
+        disk = store._disk
+        damage_in_place(disk.env, disk._blocks, second, lambda record: flipped(record, -20))
+        cache = store.open(model, nxt)
+        assert cache.restored_from == {"device": 0, "host": 0, "disk": B} and store.stats()["corrupt"] == 1
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+
+
 @pytest.mark.parametrize("first", ["fewer tokens", "crop first", "beams", "chunked prefill"])
 def test_a_first_forward_other_than_the_new_tokens_in_one_row_assembles_the_layer_as_before(tiny_model, tmp_path,
                                                                                           first):
