@@ -121,6 +121,24 @@ def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the
         assert cache.get_seq_length() == got.shape[1] - 1
 
 
+def test_blocks_the_host_tier_can_take_are_read_into_it_not_into_the_buffer(tiny_model, tmp_path):
+    """Only a block that no memory tier can take is read in place: one the host tier can take is
+    read into a host buffer and rests there, so the next turn restores it from memory (read in
+    place whenever the device tier could not take it, it stayed on disk only)."""
+    model = tiny_model("llama")
+    out = stored_conversation(model, tmp_path / "kv", random_ids(3 * B + 3, 50))
+    held = out.shape[1] - 1
+    with disk_only(tmp_path / "kv", host_budget="1MiB") as store:
+        nxt = torch.cat([out, random_ids(2, 51)], dim=1)
+        cache = store.open(model, nxt)
+        assert cache.restored_from == {"device": 0, "host": 0, "disk": held}
+        assert not any(job is IN_PLACE for job, _ in restore_of(cache).blocks)
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
+        assert store.stats()["host"]["blocks"] == 4
+        cache = store.open(model, nxt)
+        assert cache.restored_from == {"device": 0, "host": held, "disk": 0}
+
+
 def test_a_corrupt_block_cuts_the_restore_short_and_the_buffer_past_it_is_never_used(tiny_model, tmp_path):
     model = tiny_model("llama")
     with returning(model, tmp_path, 30, 2) as (store, nxt):
