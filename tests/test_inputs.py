@@ -1585,6 +1585,8 @@ def test_reset_drops_the_kv_where_transformers_would_zero_it(monkeypatch: pytest
         cache.reset()
         assert cache.get_seq_length() == 0
         assert all(layer.held_tokens() == 0 for layer in cache.layers)
+        # Let go of, not only marked unused (held to the next forward, as much memory as the KV).
+        assert all(layer._keys is None and layer._values is None for layer in cache.layers)
         out = greedy(model, turn, past_key_values=cache)
         assert torch.equal(out, greedy(model, turn))
         assert cache.commit(out) == out.shape[1] - 1
