@@ -481,6 +481,31 @@ def test_an_exit_raised_in_a_read_past_the_first_miss_is_not_swallowed():
 
 
 
+def test_an_exit_raised_in_a_helpers_read_is_raised_by_run():
+    """What a helper's read raises that is no ``Exception`` (a ``sys.exit()`` in it) is raised by
+    ``run``, as in the calling thread: a helper's task that set its future's result instead
+    swallowed it, and ``run`` returned as if that read had missed."""
+    pool = ReadPool(1)
+    caller = threading.get_ident()
+    helper_read = threading.Event()
+
+    def read(i: int) -> bool:
+        if threading.get_ident() != caller:
+            helper_read.set()
+            raise SystemExit(3)
+        # The calling thread's first read waits for the helper's (started at once: ``ready`` is set).
+        assert helper_read.wait(60)
+        return True
+
+    ready = threading.Event()
+    ready.set()
+    try:
+        with pytest.raises(SystemExit):
+            pool.run([0, 1, 2], read, ready)
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("from_a_handler", [True, False])
 def test_a_signal_handlers_error_in_a_read_past_the_first_miss_is_raised(from_a_handler):
     """A handler's ``Exception`` (a SIGALRM timeout) landing in the calling thread's read of an
