@@ -3060,3 +3060,36 @@ def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_owes_none_
         assert raised_on_the_way_in(lambda: (store._retry_deletes(), nullcontext())[1], owed_once) > 20
     finally:
         store._writer, store._deletes = writer, deque()
+
+
+def test_a_tracked_delete_whose_not_queued_failure_an_exception_cuts_short_is_still_owed(model, stores, tmp_path):
+    # Before: a submit cut short by one signal's handler is failed as WriteNotQueued in its
+    # except (_unless_queued); a second handler raising there (before set_error, or inside it
+    # between the job's error and its flag) left the job tracked in _deletes, never queued and
+    # never done: every reap after it passed it by, the op owed by no one (the forgotten KV kept
+    # in the file), and Job.error() named a failure of a job not done.
+    store = make_store(stores, tmp_path / "kv")
+    converse(store, model, random_ids(30, 708), "a")
+    store.flush()
+    key = next(iter(store._index.blocks))
+    jobs: list[Job[None]] = []
+
+    def track():
+        op, job = DeleteBlocks([key], [], False), Job()
+        store._deletes.append((op, job))  # tracked, as _submit does before the writer's submit
+        jobs.append(job)
+
+    def owed_once(sent):
+        job = jobs[-1]
+        assert job.done() or job.error() is None, sent  # a failure only of a job done
+        store._reap_deletes()  # the next reap owes it
+        assert not store._deletes, sent
+        assert [op.keys for op in store._owed] == [[key]], sent
+        store._owed.take()
+        store._owed.put_back([])
+        track()
+
+    track()
+    first = TimeoutError("the first handler's")
+    assert raised_on_the_way_in(lambda: (store._unless_queued(jobs[-1], first), nullcontext())[1], owed_once) >= 3
+    owed_once(None)

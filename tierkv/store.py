@@ -1761,7 +1761,7 @@ class TieredStore:
         (the next open planning it failed on a KeyError)."""
         for key in keys:
             entry = self._pending_writes.get(key)
-            if entry is None or not entry[0].done():
+            if entry is None or not self._done_or_not_queued(entry[0]):
                 continue
             job, header = entry
             meta = self._index.blocks.get(key)
@@ -1882,6 +1882,19 @@ class TieredStore:
             raise
         return job
 
+    def _done_or_not_queued(self, job: Job[None]) -> bool:
+        """A tracked write's job is done, or failed now as ``WriteNotQueued`` where the writer
+        does not hold it: ``_unless_queued`` cut short in its turn (a second signal's handler
+        raising in the first one's cleanup) left it tracked, never queued and never done, passed
+        by every reap after it (a delete owed by no one, a block PENDING for good). Only under the
+        store's lock, where no ``submit`` of it is under way."""
+        if job.done():
+            return True
+        if self._writer is None or self._writer.holds(job):
+            return False
+        job.set_error(WriteNotQueued("not queued: its submit was cut short"))
+        return job.done()
+
     def _unless_queued(self, job: Job[None], exc: BaseException) -> None:
         """Fail a tracked write whose ``submit`` ``exc`` cut short with ``WriteNotQueued``, unless
         the writer queued it all the same (``BackgroundWriter.holds``): then it lands, or fails, as
@@ -1904,7 +1917,7 @@ class TieredStore:
         i = 0  # the ops before it are not done
         while i < len(deletes):
             op, job = deletes[i]
-            if not job.done():
+            if not self._done_or_not_queued(job):
                 i += 1
                 continue
             error = job.error()  # not wait() in a try: its except took a signal handler's exception for the op's

@@ -154,7 +154,10 @@ class Job(Generic[T]):
         """The exception a done job failed with; None if it succeeded (or is not done). Raises
         nothing: an ``except`` around ``wait`` also catches what a signal's handler raises in
         that call, and took it for the job's failure."""
-        return self._error
+        # Only once done: a main-thread set_error that another signal's handler cut short between
+        # the error and the flag (an _unless_queued in a first handler's cleanup) left a job not
+        # done naming a failure (the next set_error, a reap's, still completes it).
+        return self._error if self._event.is_set() else None
 
     def wait(self, timeout: float | None = None) -> T:
         # is_set() first: a restore waits on every block once per layer, mostly done long since.
