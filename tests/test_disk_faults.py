@@ -2526,6 +2526,9 @@ class _PaperWriter:
     def holds(self, job: Job[None]) -> bool:
         return any(queued is job for _, queued in self.queued)
 
+    def holds(self, job: Job[None]) -> bool:
+        return any(queued is job for _, queued in self.queued)
+
 
 def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none(model, stores, tmp_path,
                                                                                   monkeypatch):
@@ -3093,3 +3096,59 @@ def test_a_tracked_delete_whose_not_queued_failure_an_exception_cuts_short_is_st
     first = TimeoutError("the first handler's")
     assert raised_on_the_way_in(lambda: (store._unless_queued(jobs[-1], first), nullcontext())[1], owed_once) >= 3
     owed_once(None)
+
+
+def test_a_reap_of_writes_refused_at_the_maps_cap_an_exception_cuts_short_makes_the_room_once(model, stores,
+                                                                                              tmp_path):
+    # Before: a write refused at the map's cap (DiskFull) evicted as much again from disk
+    # (_free_disk) before it left _pending_writes; another signal's handler raising part-way
+    # left it to the next reap, which evicted that much again: durable blocks dropped for
+    # nothing, once more for each cut.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    converse(store, model, random_ids(41, 1470), "a")  # durable blocks, the victims
+    store.flush()
+    apply = store._writer._apply
+    store._writer._apply = lambda items: [DiskFull("map full") if isinstance(op, PutBlock) else None for op in items]
+    converse(store, model, random_ids(21, 1471), "b")
+    store._writer.flush()
+    store._writer._apply = apply
+    key = next(iter(store._pending_writes))
+    entry = store._pending_writes[key]
+    assert isinstance(entry[0].error(), DiskFull)
+    metas = list(store._index.blocks.values())
+    assert all(m.resident is not None for m in metas)  # evictions from disk leave them in the index
+    disk, order = {m.key: m.disk for m in metas}, list(store._index.lru[Tier.DISK])
+    writer, paper = store._writer, _PaperWriter()
+    store._writer = paper  # the evictions' deletes kept, not applied: each point starts alike
+
+    def state() -> tuple:
+        return ({k: m.disk for k, m in store._index.blocks.items()}, store._index.bytes[Tier.DISK], key in
+                store._pending_writes, set(store._unwritten), store._disk_full, getattr(store, "_disk_goal", None))
+
+    def reset() -> None:
+        for meta in metas:
+            store._index.set_disk(meta, disk[meta.key])
+        lru = store._index.lru[Tier.DISK]
+        lru.clear()
+        lru.update(dict.fromkeys(order))  # the victims' order too
+        store._pending_writes[key] = entry
+        store._unwritten.clear()
+        store._disk_full, store._disk_goal = 0, None
+        store._deletes.clear()
+        paper.queued.clear()
+
+    try:
+        store._reap(keys=[key])
+        expected = state()
+        evicted = [k for k, state_ in expected[0].items() if state_ is DiskState.NONE and disk[k] is not DiskState.NONE]
+        assert len(evicted) >= 2 and expected[2:] == (False, {key}, 1, None)  # its own, and room for it
+
+        def made_once(sent):
+            store._reap(keys=[key])  # the next reap finishes what the exception cut short
+            assert state() == expected, sent
+            reset()
+
+        reset()
+        assert raised_on_the_way_in(lambda: (store._reap(keys=[key]), nullcontext())[1], made_once) > 10
+    finally:
+        store._writer = writer

@@ -436,6 +436,9 @@ class TieredStore:
         # tried again when they leave memory and at every flush (``_write_again``).
         self._unwritten: dict[bytes, RecordHeader] = {}
         self._inflight: dict[bytes, Job[Any]] = {}  # host copies of blocks whose disk write is queued
+        # The disk tier's bytes that reaps of writes refused at the map's cap evict down to
+        # (``_free_disk``); None when none asks.
+        self._disk_goal: int | None = None
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._orphaned_pins: deque[bytes] = deque()  # see _let_go
@@ -1610,14 +1613,16 @@ class TieredStore:
             self._remove(meta)
         return meta.record_bytes
 
-    def _free_disk(self, nbytes: int) -> None:
-        """Evict least-recently-used disk blocks worth ``nbytes``, below what the budget asks."""
-        freed = 0
-        while freed < nbytes:
-            evicted = self._evict_from_disk()
-            if evicted == 0:
-                return
-            freed += evicted
+    def _free_disk(self) -> None:
+        """Evict least-recently-used disk blocks down to ``_disk_goal``, below what the budget asks.
+
+        A goal in bytes, not bytes to free: an eviction that another signal's handler cuts short
+        once the block's bytes left the disk tier is not evicted again by the next call. Bytes
+        counted as freed ran the evictions of a reap that such an exception cut short again."""
+        while self._disk_goal is not None and self._index.bytes[Tier.DISK] > self._disk_goal:
+            if self._evict_from_disk() == 0:
+                break
+        self._disk_goal = None
 
     def _delete_on_disk(self, metas: Iterable[BlockMeta], evicted: bool = False,
                         superseded: tuple[bytes, str | None] | None = None) -> None:
@@ -1751,14 +1756,16 @@ class TieredStore:
     def _reap_writes(self, keys: Iterable[bytes]) -> None:
         """``_reap``'s work for the block writes of ``keys``.
 
-        A write leaves ``_pending_writes`` last, its work before that idempotent (but for the
-        room a refusal at the map's cap makes, ``_free_disk``, which a reap run again makes again:
-        blocks evicted early, nothing lost), and what it counts counted by the statement that
-        takes it out, with no call between them (where no signal's handler runs): another
+        A write leaves ``_pending_writes`` last, its work before that idempotent, and what it
+        counts counted by the statement that takes it out, with no call between them (where no
+        signal's handler runs), the room a refusal at the map's cap makes too (``_disk_goal``,
+        made by ``_free_disk`` after; a reap run again made it again): another
         signal's handler raising part-way (Ctrl-C alone is held off) leaves it to the next reap,
         which neither loses nor doubles that work. Taken out
         first, a failed write cut short left its block PENDING for good, its host buffer let go
         (the next open planning it failed on a KeyError)."""
+        if self._disk_goal is not None:
+            self._free_disk()  # the room a reap cut short still owes, before another write's
         for key in keys:
             entry = self._pending_writes.get(key)
             if entry is None or not self._done_or_not_queued(entry[0]):
@@ -1781,9 +1788,7 @@ class TieredStore:
                 # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
                 # room for it: not a fault. The block stays in memory if it rests there, and its
                 # write is tried again when it leaves memory and at each flush (so is one that
-                # was never queued). At the cap as much again leaves the disk, so the free list
-                # has room for the next writes; a full filesystem gains nothing by it (freed
-                # pages stay in the file).
+                # was never queued).
                 self._refused(str(error) if isinstance(error, FilesystemFull) else None, counted=False)
             elif faulted:
                 self._disk_fault(error, counted=False)  # any write failure degrades to memory-only
@@ -1793,12 +1798,21 @@ class TieredStore:
                     self._remove(meta)
                 elif not faulted:
                     self._unwritten[key] = header
-                if refused and not isinstance(error, FilesystemFull):
-                    self._free_disk(meta.record_bytes)
+            # At the cap as much again leaves the disk, so the free list has room for the next
+            # writes; a full filesystem gains nothing by it (freed pages stay in the file). From
+            # the header: a block that left the index before a cut asked for it too.
+            room = self._footprint(header) if refused and not isinstance(error, FilesystemFull) and \
+                (meta is None or meta.disk is not DiskState.DURABLE) else 0
             self._pop_inflight(key)
+            disk_bytes = self._index.bytes[Tier.DISK]
+            # No call from here to the write's leaving: no signal's handler runs in between.
+            if room:
+                self._disk_goal = disk_bytes - room
             del self._pending_writes[key]
             self._disk_full += refused
             self._disk_errors += faulted
+            if room:
+                self._free_disk()
 
     def _apply_writes(self, ops: list[DiskOp]) -> list[BaseException | None]:
         """The writer thread's batch: one LMDB transaction, then its bytes counted as one move."""
