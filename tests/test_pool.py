@@ -10,6 +10,7 @@ never overlap.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
@@ -631,3 +632,93 @@ def test_store_workload_does_fall_back_when_nearly_full() -> None:
     # The same workload at 99% fill: tails strand granules, so the check above can fail.
     fallbacks, _ = store_workload(0.99, 0, steps=3000, tail_share=0.15)
     assert fallbacks > 0
+
+
+# -- another signal's handler raising part-way -------------------------------------------------------
+
+
+def _books_in_step(pool: HostPool, arenas: Arenas) -> None:
+    """The pool's books agree with themselves, whatever was handed out: each arena its runs and
+    starts, free runs apart, and the space counted in use or free, never both or neither."""
+    # An arena allocated as the handler cut its listing short is dropped: never handed out.
+    listed = [arena.numel() // G for arena in pool._arenas]
+    assert len(listed) == len(pool._runs) == len(pool._starts) and listed == arenas.granules[:len(listed)]
+    assert pool._allocated == sum(listed)
+    assert pool._starts == [sorted(r) for r in pool._runs]
+    runs = free_runs(pool)
+    for (a1, s1, n1), (a2, s2, _) in zip(runs, runs[1:]):
+        assert a1 != a2 or s1 + n1 < s2, (runs, a1, s1)
+    assert pool.in_use + sum(n for _, _, n in runs) == sum(listed)
+
+
+def test_a_reclaim_another_signals_handler_cuts_short_frees_each_buffer_once() -> None:
+    """Before: reclaim freed the retired buffers one by one and replaced the retiring list at its
+    end; a handler (a SIGALRM timeout) raising part-way left the freed ones retiring, and the
+    next reclaim freed them again: their runs free twice, handed out to two buffers at once. And
+    a free cut as ``pop`` returned left a start without its run (a KeyError at the next free)."""
+    from conftest import raised_on_the_way_in
+
+    def setup() -> tuple[HostPool, Arenas, list[Lease]]:
+        pool, arenas = make_pool(8, 8)
+        leases = [take(pool, n) for n in (1, 2, 1, 2, 2)]
+        jobs = []
+        for i in (3, 1, 2):  # retired in this order: the last merges with runs on both sides
+            leases[i].hold()
+            jobs.append(FakeJob())
+            leases[i].after(jobs[-1])
+            leases[i].unhold()
+        for job in jobs:
+            job.finished = True
+        return pool, arenas, [leases[0], leases[4]]
+
+    current = [setup()]
+
+    def freed_once(sent):
+        pool, arenas, occupied = current[0]
+        _books_in_step(pool, arenas)
+        pool.reclaim()  # the next one finishes it
+        verify_pool(pool, arenas, occupied, retiring=0)
+        assert free_runs(pool) == [(0, 1, 5)], sent
+        assert take(pool, 5).start == 1 and pool.alloc((G,), torch.uint8)[1] is None  # no space twice
+        current[0] = setup()
+
+    assert raised_on_the_way_in(lambda: (current[0][0].reclaim(), contextlib.nullcontext())[1], freed_once) >= 6
+
+
+def test_an_alloc_another_signals_handler_cuts_short_keeps_the_books() -> None:
+    """Before: a handler raising as a run was taken (``bisect``'s return, ``Lease``'s start) left
+    a start without its run or a run's rest out of the free space, and one as a new arena was
+    listed (``append``'s return) left an arena without runs (an IndexError at each later request
+    in it) or one counted nowhere. A buffer handed out as alloc is cut short after it is lost to
+    the pool (no one holds it to let it go), but counted in use."""
+    from conftest import raised_on_the_way_in
+
+    def setup() -> tuple[HostPool, Arenas, list[Lease]]:
+        pool, arenas = make_pool(12, 4)
+        leases = [take(pool, n) for n in (1, 2, 1)]  # the first arena full
+        leases[1].hold()
+        leases[1].unhold()  # a run in its middle free
+        return pool, arenas, [leases[0], leases[2]]
+
+    current = [setup()]
+
+    def in_step(sent):
+        pool, arenas, occupied = current[0]
+        _books_in_step(pool, arenas)
+        got = [take(pool, n) for n in (2, 1)]  # and it goes on: the rest of the space, exactly
+        while True:
+            lease = pool.alloc((G,), torch.uint8)[1]
+            if lease is None:
+                break
+            got.append(lease)
+        for lease in [*occupied, *got]:
+            lease.hold()
+            lease.unhold()
+        _books_in_step(pool, arenas)
+        assert pool._allocated <= 12 and pool.in_use in (0, 1, 3), sent  # at most the one cut short
+        current[0] = setup()
+
+    for granules in (1, 3):  # from the free run in the middle; from a new arena
+        points = raised_on_the_way_in(lambda: (current[0][0].alloc((granules * G,), torch.uint8),
+                                               contextlib.nullcontext())[1], in_step)
+        assert points >= 4, points

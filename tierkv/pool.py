@@ -20,6 +20,11 @@ Space is counted in granules; free runs coalesce with their neighbours when a bu
 and a request takes the smallest run that fits (best fit), so blocks of one size (every full
 block of a model) reuse each other's runs exactly and tails do not strand space between them.
 Arenas are allocated on first need, up to ``capacity`` bytes, and never freed before the pool.
+
+Another signal's handler (a SIGALRM timeout; Ctrl-C is held off by the store) may raise at any
+call inside these: each change to the books is made with no call between its parts, and a
+retired buffer is freed once (``Lease.freed``). A lease that ``alloc`` took but whose caller
+never got it, or never held it, stays counted in use: nothing tells that it is abandoned.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ ARENA_BYTES = 256 << 20
 class Lease:
     """One buffer of the pool: its place, its holders, and the jobs that must finish before reuse."""
 
-    __slots__ = ("_pool", "arena", "start", "granules", "holders", "jobs", "retired")
+    __slots__ = ("_pool", "arena", "start", "granules", "holders", "jobs", "retired", "freed")
 
     def __init__(self, pool: "HostPool", arena: int, start: int, granules: int) -> None:
         self._pool = pool
@@ -48,6 +53,7 @@ class Lease:
         self.holders = 0
         self.jobs: list[Any] = []
         self.retired = False
+        self.freed = False  # back in the free space (``HostPool._free``)
 
     def hold(self) -> None:
         with self._pool._lock:
@@ -135,8 +141,6 @@ class HostPool:
                 lease = self._take(need)
             if lease is None:
                 self.fallbacks += 1
-            else:
-                self.in_use += need
         if lease is None:
             try:
                 return torch.empty(shape, dtype=dtype, pin_memory=self.pinned), None
@@ -162,12 +166,20 @@ class HostPool:
             return None
         length, arena, start = best
         runs, starts = self._runs[arena], self._starts[arena]
+        i = bisect.bisect_left(starts, start)
+        lease = Lease(self, arena, start, need)
+        # No call from here on, where another signal's handler could raise (CPython runs them at
+        # a call's start or a C call's return): the run taken, its rest left and the space
+        # counted together. A cut between them left a start without its run (a KeyError at a
+        # later free), a run's rest out of the free space, or a run taken and counted by no one.
         del runs[start]
-        starts.pop(bisect.bisect_left(starts, start))
         if length > need:
             runs[start + need] = length - need
-            bisect.insort(starts, start + need)
-        return Lease(self, arena, start, need)
+            starts[i] = start + need  # still in order: below the next run's start
+        else:
+            del starts[i]
+        self.in_use += need
+        return lease
 
     def _grow(self) -> bool:
         granules = min(self._arena_granules, self.capacity // GRANULE - self._allocated)
@@ -180,10 +192,13 @@ class HostPool:
             # and no later request pays for another refused arena.
             self._grow_refused = True
             return False
-        self._arenas.append(arena)
+        # In place, with no call between (``append`` is one, where a signal's handler runs as it
+        # returns): an arena without its runs, or runs without their starts, made every later
+        # request of that arena fail on an IndexError, or hand out another arena's memory.
+        self._arenas += [arena]
+        self._runs += [{0: granules}]
+        self._starts += [[0]]
         self._allocated += granules
-        self._runs.append({0: granules})
-        self._starts.append([0])
         return True
 
     # -- return ----------------------------------------------------------------------------------
@@ -194,6 +209,8 @@ class HostPool:
                 return
             waiting = []
             for lease in self._retiring:
+                if lease.freed:
+                    continue  # by a reclaim another signal's handler cut short before its end
                 lease.jobs = [j for j in lease.jobs if not j.done()]
                 if lease.jobs:
                     waiting.append(lease)
@@ -202,21 +219,35 @@ class HostPool:
             self._retiring = waiting
 
     def _free(self, lease: Lease) -> None:
+        """Return a lease's run to the free space, once (``Lease.freed``): a reclaim another
+        signal's handler cut short after this kept the lease retiring, and the next freed it
+        again (two leases then shared a buffer). Its changes are made with no call between them,
+        where no handler runs; before, one raising as ``pop`` returned left a start without its
+        run, or a run out of the free space."""
         if self._poison:
             offset = lease.start * GRANULE
             self._arenas[lease.arena][offset:offset + lease.granules * GRANULE].fill_(0xFF)
-        self.in_use -= lease.granules
         runs, starts = self._runs[lease.arena], self._starts[lease.arena]
         start, length = lease.start, lease.granules
         i = bisect.bisect_left(starts, start)
-        if i < len(starts) and starts[i] == start + length:  # merge with the run after
-            length += runs.pop(starts.pop(i))
-        if i > 0 and starts[i - 1] + runs[starts[i - 1]] == start:  # and the run before
-            start = starts[i - 1]
-            runs[start] += length
+        end = starts[i] if i < len(starts) and starts[i] == start + length else None  # the run after
+        before = starts[i - 1] if i > 0 and starts[i - 1] + runs[starts[i - 1]] == start else None
+        # No call from here on.
+        if end is not None:
+            length += runs[end]
+            del runs[end]
+            if before is not None:
+                del starts[i]
+            else:
+                starts[i] = start
+        elif before is None:
+            starts[i:i] = [start]
+        if before is not None:
+            runs[before] += length
         else:
             runs[start] = length
-            starts.insert(i, start)
+        self.in_use -= lease.granules
+        lease.freed = True
 
     def stats(self) -> dict[str, int]:
         with self._lock:
