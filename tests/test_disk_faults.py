@@ -3152,3 +3152,62 @@ def test_a_reap_of_writes_refused_at_the_maps_cap_an_exception_cuts_short_makes_
         assert raised_on_the_way_in(lambda: (store._reap(keys=[key]), nullcontext())[1], made_once) > 10
     finally:
         store._writer = writer
+
+
+def test_a_block_removal_an_exception_cuts_short_still_untracks_the_sessions_it_left_hollow(model, tmp_path):
+    # Before: _remove took the block out of the index, then untracked each session it left
+    # with no block of its own (_untrack_if_hollow); another signal's handler raising between
+    # them, or part-way through the untracking, left such a session tracked for good (the bound
+    # on sessions broken, its rows kept in LMDB), or a session naming blocks that no longer
+    # named it (and an untracking run again then saw a block of its own and stopped).
+    made: list[TieredStore] = []
+    prefix = random_ids(16, 1480)[0].tolist()
+
+    def setup() -> tuple[TieredStore, bytes, BlockMeta, _PaperWriter]:
+        store = TieredStore(tmp_path / f"kv{len(made)}", device="cpu", block_size=B)
+        made.append(store)
+        converse(store, model, torch.tensor([prefix + [5, 6, 7]]), "a")
+        converse(store, model, torch.tensor([prefix + [9, 10, 11, 12, 13, 14, 15, 16, 17]]), "b")
+        store.flush()
+        sid = _session_id(None, "a")
+        own = [store._index.blocks[k] for k in store._index.sessions[sid].keys
+               if store._index.blocks[k].sessions == {sid}]
+        assert len(own) == 1 and len(store._index.sessions[sid].keys) > 1  # its tail; the prefix is shared
+        store._writer, paper = _PaperWriter(), store._writer  # type: ignore[assignment]
+        return store, sid, own[0], paper
+
+    def untracked_once(store: TieredStore, sid: bytes) -> None:
+        index = store._index
+        assert sid not in index.sessions
+        for other, info in index.sessions.items():
+            assert any(index.blocks[k].sessions == {other} for k in info.keys)
+            assert all(other in index.blocks[k].sessions for k in info.keys)
+        assert all(sid not in meta.sessions for meta in index.blocks.values())
+        drops = [op for op, _ in store._writer.queued if isinstance(op, DropRefs) and op.sid == sid]
+        assert len(drops) >= 1 and drops[-1].drop_session
+
+    current = [setup()]
+    try:
+        store, sid, meta, _ = current[0]
+        store._remove(meta)
+        untracked_once(store, sid)
+
+        def cut(sent):
+            store, sid, meta, writer = current[0]
+            if meta.key in store._index.blocks:
+                store._remove(meta)  # not begun, or in no tier: dropped by the store again (_settle)
+            store._reap()  # the next operation's
+            untracked_once(store, sid)
+            store._writer = writer
+            store.close()
+            current[0] = setup()
+
+        store._writer = current[0][3]
+        store.close()
+        current[0] = setup()
+        assert raised_on_the_way_in(lambda: (current[0][0]._remove(current[0][2]), nullcontext())[1], cut) > 4
+    finally:
+        for store in made:
+            if isinstance(store._writer, _PaperWriter):
+                store._writer = None
+            store.close()

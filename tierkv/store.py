@@ -451,6 +451,9 @@ class TieredStore:
         self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
+        # Sessions a block's removal may have left with no block of their own, until
+        # _untrack_if_hollow has looked at them (_reap looks at those an exception left here).
+        self._hollow: set[bytes] = set()
         self._owed = OwedOps()
         # A forget's (or the evictions') block deletes, gathered into one op until it holds
         # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
@@ -1683,6 +1686,9 @@ class TieredStore:
         """Take a block out of the index; a session left with no block of its own goes too (in
         LMDB as well), so a long-running store does not keep every session it ever saw."""
         sids = list(meta.sessions)
+        # Noted before the block goes: another signal's handler raising between its removal and
+        # the untracking left a hollow session tracked for good (_reap looks at it now).
+        self._hollow.update(sids)
         self._index.remove(meta.key)
         self._unwritten.pop(meta.key, None)
         for sid in sids:
@@ -1698,23 +1704,39 @@ class TieredStore:
         prompt) lived, and their number grew with every session ever seen.
 
         On disk its rows go with a ``DropRefs`` that also writes a keeping session's reference to
-        each block (``_holders``), as every ``DropRefs`` does."""
+        each block (``_holders``), as every ``DropRefs`` does.
+
+        Noted in ``_hollow`` until done, the session leaving the index last, so that one another
+        signal's handler cut short is finished by the next look (``_reap``), its ``DropRefs``
+        queued at least once (twice where the cut fell between it and the session's leaving);
+        a block that no longer names it is not its own. Before, a cut after the session left
+        lost its ``DropRefs`` (its rows kept in LMDB), and one part-way through its blocks left it
+        naming blocks that did not name it, which a look again took for its own."""
         info = self._index.sessions.get(sid)
-        if info is None or sid in self._committing:
+        if sid in self._committing:
             # A session part-way through its commit is not hollow: the blocks it has placed so far
             # are referenced on disk ahead of their writes, but in the index only at its end, and
             # its DropRefs would delete those references (forget would not find the blocks).
             return
         blocks = self._index.blocks
-        if any(len(blocks[key].sessions) == 1 for key in info.keys):
+        own = info is None
+        for key in () if info is None else info.keys:
+            holders = blocks[key].sessions
+            if len(holders) == 1 and sid in holders:
+                own = True
+                break
+        if own:
+            self._hollow.discard(sid)
             return
+        self._hollow.add(sid)
         keys = list(info.keys)
         for key in keys:
             blocks[key].sessions.discard(sid)
-        del self._index.sessions[sid]
         self._owed.drop_refs(sid)  # a retry would write none of them
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
+        del self._index.sessions[sid]
+        self._hollow.discard(sid)
 
     def _holders(self, keys: Iterable[bytes]) -> list[tuple[bytes, str | None, bytes]]:
         """For each of ``keys`` still on disk and referenced, one session that references it:
@@ -1743,6 +1765,8 @@ class TieredStore:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
         block stays in memory only. Never waits."""
         if keys is None:
+            for sid in list(self._hollow):  # left by a removal an exception cut short
+                self._untrack_if_hollow(sid)
             if self._orphaned_pins:
                 left: list[bytes] = []
                 while self._orphaned_pins:
