@@ -3211,3 +3211,18 @@ def test_a_block_removal_an_exception_cuts_short_still_untracks_the_sessions_it_
             if isinstance(store._writer, _PaperWriter):
                 store._writer = None
             store.close()
+
+
+def test_a_memory_eviction_an_exception_cuts_short_leaves_no_block_pinned(model, stores, tmp_path):
+    # Before: _make_room pinned the block it evicts before its try; another signal's handler
+    # raising as the pin's append returned left the block pinned for good (never evicted again,
+    # the tier kept over what its budget makes room for).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    converse(store, model, random_ids(41, 1491), "a")
+    store.flush()
+    nbytes = store._device.budget - store._device.used + 1  # one block must go to the host tier
+
+    def unpinned(sent):
+        assert not store._pinned, sent
+
+    assert raised_on_the_way_in(lambda: (store._make_room(Tier.DEVICE, nbytes), nullcontext())[1], unpinned) > 4

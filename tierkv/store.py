@@ -1538,8 +1538,10 @@ class TieredStore:
             # Pinned while it moves: the room its write or its host copy makes on disk or in the
             # host tier must not evict it from the disk meanwhile.
             moving: list[bytes] = []
-            self._pin(moving, [meta.key])
             try:
+                # Inside the try: another signal's handler raising as the pin's append returned
+                # left the block pinned for good (never evicted again).
+                self._pin(moving, [meta.key])
                 self._evict(tier, meta)
             finally:
                 self._unpin(moving)
