@@ -3213,6 +3213,44 @@ def test_a_block_removal_an_exception_cuts_short_still_untracks_the_sessions_it_
             store.close()
 
 
+def test_an_eviction_from_disk_an_exception_cuts_short_leaves_no_record_unknown_and_no_block_nowhere(model, tmp_path):
+    # Before: the index let go of the record (DiskState.NONE), then the delete was queued, then
+    # a block resting nowhere else left the index; another signal's handler raising between
+    # them left a record in the file that the index no longer knew and no delete reached (a
+    # forget of its session left it and its reference there: the forgotten KV back after a
+    # restart), or a block in the index in no tier, never evicted again.
+    made: list[TieredStore] = []
+
+    def setup() -> TieredStore:
+        store = TieredStore(tmp_path / f"kv{len(made)}", device="cpu", block_size=B, device_budget=0, host_budget=0)
+        made.append(store)
+        converse(store, model, random_ids(41, 1490), "a")
+        store.flush()
+        assert all(m.resident is None and m.disk is DiskState.DURABLE for m in store._index.blocks.values())
+        return store
+
+    def consistent(sent):
+        store = current[0]
+        store._reap()  # the next operation's
+        store.flush()
+        with store._disk.env.begin() as txn:
+            on_disk = {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)}
+        index = store._index
+        assert on_disk == {k for k, m in index.blocks.items() if m.disk is not DiskState.NONE}, sent
+        assert all(m.resident is not None or m.disk is not DiskState.NONE for m in index.blocks.values()), sent
+        assert index.bytes[Tier.DISK] == sum(m.record_bytes for m in index.blocks.values()
+                                              if m.disk is not DiskState.NONE), sent
+        store.close()
+        current[0] = setup()
+
+    current = [setup()]
+    try:
+        assert raised_on_the_way_in(lambda: (current[0]._evict_from_disk(), nullcontext())[1], consistent) > 20
+    finally:
+        for store in made:
+            store.close()
+
+
 def test_a_memory_eviction_an_exception_cuts_short_leaves_no_block_pinned(model, stores, tmp_path):
     # Before: _make_room pinned the block it evicts before its try; another signal's handler
     # raising as the pin's append returned left the block pinned for good (never evicted again,

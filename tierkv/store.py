@@ -454,6 +454,12 @@ class TieredStore:
         # Sessions a block's removal may have left with no block of their own, until
         # _untrack_if_hollow has looked at them (_reap looks at those an exception left here).
         self._hollow: set[bytes] = set()
+        # Blocks an eviction from disk or a drop is taking out, until their entry follows the
+        # tiers (_settle): one another signal's handler cut short is settled by the next _reap.
+        self._unsettled: set[bytes] = set()
+        # Deletes on disk under way (``_delete_on_disk``), by id: one an exception cut short is
+        # done again by the next _reap.
+        self._deleting: dict[int, tuple[Any, ...]] = {}
         self._owed = OwedOps()
         # A forget's (or the evictions') block deletes, gathered into one op until it holds
         # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
@@ -570,6 +576,7 @@ class TieredStore:
         counting it in ``stats()['disk_errors']`` and marking the disk failed, as ``close`` does."""
         with self._lock, defer_interrupts():
             self._check_open()
+            self._finish_deletes()  # before any write again: a noted delete lands ahead of it
             self._write_stamps()
             probing = self._disk_failed
             probes = self._retry_deletes(OWED_RETRY_PROBE if probing else None)
@@ -1613,9 +1620,12 @@ class TieredStore:
         if meta is None:
             return 0
         self._evictions += 1
+        # Noted first: a cut between the delete and the removal of a block resting nowhere else
+        # left it in the index in no tier, never evicted again, its session holding it.
+        self._unsettled.add(meta.key)
         self._delete_on_disk([meta], evicted=True)
-        if meta.resident is None:
-            self._remove(meta)
+        self._settle(meta)
+        self._unsettled.discard(meta.key)
         return meta.record_bytes
 
     def _free_disk(self) -> None:
@@ -1637,14 +1647,45 @@ class TieredStore:
         keys: list[bytes] = []
         refs: list[bytes] = []
         footprint = 0
+        gone: list[BlockMeta] = []
         for meta in metas:
             if meta.disk is not DiskState.NONE:
                 keys.append(meta.key)
                 footprint += meta.record_bytes
-                refs.extend(sid + meta.key for sid in meta.sessions)
-                self._index.set_disk(meta, DiskState.NONE)
-                self._pending_writes.pop(meta.key, None)
-                self._pop_inflight(meta.key)
+                refs.extend([sid + meta.key for sid in meta.sessions])
+                gone.append(meta)
+        if not gone:
+            return
+        # Noted until the delete is queued (or gathered), the index letting go of the records
+        # first (an open that finds a durable block's record gone takes it for damage): another
+        # signal's handler raising in between left records that the index no longer knew and no
+        # delete reached (a forget of their session left them and its references in the file:
+        # the forgotten KV back after a restart). The next _reap does a noted delete again
+        # (_finish_deletes), at worst queueing it twice.
+        note = (gone, keys, refs, footprint, evicted, superseded)
+        place = id(note)
+        self._deleting[place] = note
+        self._let_go_of_records(gone)
+        self._queue_deletes(keys, refs, footprint, evicted, superseded)
+        del self._deleting[place]
+
+    def _let_go_of_records(self, gone: list[BlockMeta]) -> None:
+        for meta in gone:
+            self._index.set_disk(meta, DiskState.NONE)
+            self._pending_writes.pop(meta.key, None)
+            self._pop_inflight(meta.key)
+
+    def _finish_deletes(self) -> None:
+        """Do again the deletes on disk that an exception cut short (``_delete_on_disk``)."""
+        for place, (gone, keys, refs, footprint, evicted, superseded) in list(self._deleting.items()):
+            # Only blocks still the index's: one stored again since is not let go of.
+            self._let_go_of_records([m for m in gone if self._index.blocks.get(m.key) is m])
+            self._queue_deletes(keys, refs, footprint, evicted, superseded)
+            del self._deleting[place]
+
+    def _queue_deletes(self, keys: list[bytes], refs: list[bytes], footprint: int, evicted: bool,
+                       superseded: tuple[bytes, str | None] | None) -> None:
+        """``_delete_on_disk``'s ``DeleteBlocks``, gathered or queued."""
         if not keys or self._writer is None:
             return
         if self._gathering and superseded is None:
@@ -1756,18 +1797,26 @@ class TieredStore:
 
     def _drop(self, meta: BlockMeta, superseded: tuple[bytes, str | None] | None = None) -> None:
         """Remove a block from every tier and the index (``superseded``: see ``DeleteBlocks``)."""
+        self._unsettled.add(meta.key)  # as _evict_from_disk's
         if meta.resident is Tier.DEVICE:
             self._device.pop(meta.key)
         elif meta.resident is Tier.HOST:
             self._host.pop(meta.key)
         self._delete_on_disk([meta], superseded=superseded)
         self._remove(meta)
+        self._unsettled.discard(meta.key)
 
     def _reap(self, keys: Iterable[bytes] | None = None) -> None:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
         block stays in memory only. Never waits."""
         if keys is None:
-            for sid in list(self._hollow):  # left by a removal an exception cut short
+            self._finish_deletes()
+            for key in list(self._unsettled):  # left by an exception (another signal's handler)
+                meta = self._index.blocks.get(key)
+                if meta is not None:
+                    self._settle(meta)
+                self._unsettled.discard(key)
+            for sid in list(self._hollow):  # as those
                 self._untrack_if_hollow(sid)
             if self._orphaned_pins:
                 left: list[bytes] = []
