@@ -3264,3 +3264,28 @@ def test_a_memory_eviction_an_exception_cuts_short_leaves_no_block_pinned(model,
         assert not store._pinned, sent
 
     assert raised_on_the_way_in(lambda: (store._make_room(Tier.DEVICE, nbytes), nullcontext())[1], unpinned) > 4
+
+
+def test_a_new_block_an_exception_cuts_short_is_placed_or_dropped_whole(model, stores, tmp_path):
+    # Before: _store_block added the block to the index before the try that drops it from
+    # wherever it got; another signal's handler raising part-way through the add (as the first
+    # token's int() returned) left it in the index in no tier, never evicted, never stored again.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    ids = random_ids(17, 1492)
+    cache = store.open(model, ids, session="a")
+    out = generate(model, ids, cache)
+    tokens = out[0].numpy()
+    made = [0]
+
+    def store_one():
+        made[0] += 1
+        store._store_block(made[0].to_bytes(16, "big"), b"\0" * 16, cache, tokens[:B], 0, B)
+        return nullcontext()
+
+    def whole(sent):
+        index = store._index
+        assert all(m.resident is not None or m.disk is not DiskState.NONE for m in index.blocks.values()), sent
+        assert store._device.used == index.bytes[Tier.DEVICE] and set(store._device._blocks) == set(index.lru[Tier.DEVICE])
+
+    assert raised_on_the_way_in(store_one, whole) > 10
+    cache.commit(out)

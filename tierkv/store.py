@@ -1340,8 +1340,10 @@ class TieredStore:
                               token_ids=ids.astype("<i8").tobytes(), seq=self._tick())
         meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=self._footprint(header))
-        self._index.add(meta)
         try:
+            # Inside the try: another signal's handler raising part-way through the add left the
+            # block in the index in no tier.
+            self._index.add(meta)
             return self._place_block(meta, header, tensor, ref)
         except BaseException:
             # A copy that raised (out of memory for a host buffer, Ctrl-C): the block is dropped
