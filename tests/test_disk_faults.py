@@ -3289,3 +3289,23 @@ def test_a_new_block_an_exception_cuts_short_is_placed_or_dropped_whole(model, s
 
     assert raised_on_the_way_in(store_one, whole) > 10
     cache.commit(out)
+
+
+def test_a_memory_eviction_an_exception_cuts_short_leaves_the_index_naming_only_what_the_tiers_hold(model, stores,
+                                                                                                   tmp_path):
+    # Before: _evict popped the block from its tier, then told the index; another signal's
+    # handler raising between them left the index naming a block the tier no longer held, which
+    # no _reap settled: the tier's bytes and the index's apart for good (1536 bytes here, after
+    # more turns too), and the block an LRU victim whose eviction would free nothing.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    converse(store, model, random_ids(41, 1493), "a")
+    store.flush()
+    nbytes = store._device.budget - store._device.used + 1
+
+    def in_step(sent):
+        store._reap()  # the next operation's
+        index = store._index
+        for tier, space in ((Tier.DEVICE, store._device), (Tier.HOST, store._host)):
+            assert space.used == index.bytes[tier] and set(space._blocks) == set(index.lru[tier]), sent
+
+    assert raised_on_the_way_in(lambda: (store._make_room(Tier.DEVICE, nbytes), nullcontext())[1], in_step) > 4

@@ -1560,6 +1560,10 @@ class TieredStore:
         """Move ``meta`` out of the device tier (to the host tier if it has room) or out of the host
         tier, writing it to disk first if its write found no room before (``_unwritten``)."""
         space = self._device if tier is Tier.DEVICE else self._host
+        # Noted first, settled by the next _reap if a cut leaves it: another signal's handler
+        # raising between the tier's pop and the index's update left the index naming a block the
+        # tier no longer held (the index's bytes and the tier's apart for good).
+        self._unsettled.add(meta.key)
         if tier is Tier.HOST and meta.key in self._unwritten:
             # Queued while the tier still holds its buffer, which the write then holds too.
             self._write_again(meta, space.get(meta.key), tier)  # type: ignore[arg-type]
@@ -1584,6 +1588,7 @@ class TieredStore:
             # Also when its host copy raised (out of memory for a pinned buffer): a block in
             # no tier leaves the index, or later commits would take it as stored.
             self._settle(meta)
+            self._unsettled.discard(meta.key)
 
     def _settle(self, meta: BlockMeta) -> bool:
         """Make a block's index entry follow the tiers, after a move that ended or that an
