@@ -35,6 +35,11 @@ Protocol of one conversation turn::
   consistent; it is not held off while a call waits for the lock to start, it stops an open's
   disk reads at the next block, and an open that then finds the lock taken raises at once,
   leaving its pins to the next call that takes the lock.
+* Another signal's handler (a ``SIGALRM`` timeout) is not held off. Bookkeeping it cuts short
+  is noted before it begins and finished by the next call's ``_reap``: a block's entry following
+  its tiers (``_unsettled``), a delete on disk queued again (``_deleting``), a session left with
+  no block of its own untracked (``_hollow``), the room a refused write asked for (``_disk_goal``),
+  a write whose queueing was cut short failed as not queued.
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
   the writes it still held were lost at every exit without ``close()``.
