@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import shutil
-import statistics
 import tempfile
 import time
 import warnings

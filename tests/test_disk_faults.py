@@ -2526,9 +2526,6 @@ class _PaperWriter:
     def holds(self, job: Job[None]) -> bool:
         return any(queued is job for _, queued in self.queued)
 
-    def holds(self, job: Job[None]) -> bool:
-        return any(queued is job for _, queued in self.queued)
-
 
 def test_a_retry_of_owed_deletes_an_exception_cuts_short_at_any_point_loses_none(model, stores, tmp_path,
                                                                                   monkeypatch):
