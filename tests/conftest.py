@@ -64,6 +64,7 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     import gc
 
     main = threading.get_ident()
+    grad = torch.is_grad_enabled()
     kept: list[BaseException] = []
     previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
     # No collection on the way in: the callbacks it runs (hypothesis registers one once its tests
@@ -100,9 +101,13 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
             # This point's exception, not an earlier one's: code under test that swallows it (an
             # ``except Exception`` around the call it landed in) fails here.
             assert raised, f"the handler's exception at {sent} was swallowed"
+            # A grad mode switched by the code on the way (a ``with torch.no_grad():`` whose exit
+            # the exception cut short) stays switched in the caller's thread for good.
+            assert torch.is_grad_enabled() == grad, f"autograd left {'on' if grad else 'off'} by the cut at {sent}"
             check(sent)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        torch.set_grad_enabled(grad)  # for the tests after this one, whatever failed here
         kept.clear()
         if collecting:
             gc.enable()

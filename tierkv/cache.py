@@ -2222,11 +2222,13 @@ class TieredCache(Cache):
         """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim).
         Without autograd history: KV from a forward run with grad enabled (``model()`` outside
         ``torch.no_grad()``) holds that forward's graph, every activation it saved, which a
-        stored block must not keep alive outside every budget."""
-        with torch.no_grad():
-            return torch.stack([
-                torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers
-            ]).contiguous()
+        stored block must not keep alive outside every budget. Detached rather than stacked under
+        ``torch.no_grad()``: another signal's handler raising as that block's exit began left
+        autograd off in the caller's thread for good."""
+        return torch.stack([
+            torch.stack((layer.keys[0, :, start:end].detach(), layer.values[0, :, start:end].detach()))
+            for layer in self.layers
+        ]).contiguous()
 
 
 # The caches the wrappers of prepare_inputs_for_generation look into (_check_generate_ids).

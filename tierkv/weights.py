@@ -218,21 +218,22 @@ def digest_weights(params: tuple[torch.nn.Parameter, ...]) -> bytes:
     copied to the host slice by slice; a tensor subclass that cannot be viewed as bytes (some
     quantised formats) is hashed through its sampled values instead."""
     h = xxhash.xxh3_128()
-    with torch.no_grad():
-        for p in params:
-            h.update(f"{tuple(p.shape)}:{p.dtype}:".encode())
-            data = p.detach()
-            try:
-                flat = data.contiguous().reshape(-1).view(torch.uint8)
-            except (RuntimeError, TypeError, NotImplementedError):
-                h.update(torch.take(data, sample_index(data.numel(), data.device)).to(torch.float64).cpu()
-                         .numpy().tobytes())
-                continue
-            if flat.device.type == "cpu":
-                h.update(flat.numpy())
-                continue
-            for start in range(0, flat.numel(), _DIGEST_SLICE):
-                h.update(flat[start:start + _DIGEST_SLICE].cpu().numpy())
+    # Every tensor detached, not read under torch.no_grad(): another signal's handler raising as
+    # that block's exit began left autograd off in the caller's thread for good.
+    for p in params:
+        h.update(f"{tuple(p.shape)}:{p.dtype}:".encode())
+        data = p.detach()
+        try:
+            flat = data.contiguous().reshape(-1).view(torch.uint8)
+        except (RuntimeError, TypeError, NotImplementedError):
+            h.update(torch.take(data, sample_index(data.numel(), data.device)).to(torch.float64).cpu()
+                     .numpy().tobytes())
+            continue
+        if flat.device.type == "cpu":
+            h.update(flat.numpy())
+            continue
+        for start in range(0, flat.numel(), _DIGEST_SLICE):
+            h.update(flat[start:start + _DIGEST_SLICE].cpu().numpy())
     return h.digest()
 
 
@@ -270,9 +271,8 @@ class WeightSample:
         """The same bytes, one ``take`` per parameter on its own device."""
         device = self.params[0].device
         by_size: dict[int, list[torch.Tensor]] = {}
-        with torch.no_grad():
-            for p, idx in zip(self.params, self.index):
-                by_size.setdefault(p.element_size(), []).append(_taken_bits(p, idx).to(device=device))
+        for p, idx in zip(self.params, self.index):  # _taken_bits detaches: no grad mode switched
+            by_size.setdefault(p.element_size(), []).append(_taken_bits(p, idx).to(device=device))
         return torch.cat([bits for size in sorted(by_size) for bits in by_size[size]]).cpu().numpy().tobytes()
 
 
