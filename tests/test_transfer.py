@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -495,6 +496,40 @@ def test_an_exception_from_apply_fails_the_whole_batch(writers: list[BackgroundW
     writer.flush(timeout=WAIT)
     assert later.wait(0) is None
     assert rec.batches[-1] == ["later"]
+
+
+def _writer_nice(writers: list[BackgroundWriter]) -> int:
+    """The niceness of a writer's thread, read from inside its ``apply``."""
+    seen: list[int] = []
+
+    def apply(items: Sequence[object]) -> list[BaseException | None]:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return [None] * len(items)
+
+    writer: BackgroundWriter = BackgroundWriter(apply, name="niced")
+    writers.append(writer)
+    writer.submit(1).wait(WAIT)
+    return seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread niceness is Linux's")
+def test_the_writer_thread_runs_niced_and_never_above_the_thread_that_made_it(writers: list[BackgroundWriter]) -> None:
+    # A spill must yield the CPU to the decode step's threads: nothing checked that it did. And
+    # set to 10 outright, a writer made by a thread niced past 10 (a batch job under `nice -n 19`,
+    # as root) was raised above it, taking the CPU from the work it was to yield to.
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert _writer_nice(writers) == max(10, base)
+    found: list[int] = []
+
+    def niced_maker() -> None:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(15, base))  # lowering one's own priority needs no privilege
+        found.append(_writer_nice(writers))
+
+    maker = threading.Thread(target=niced_maker)
+    maker.start()
+    maker.join(WAIT)
+    assert found == [max(15, base)]
 
 
 def test_a_writer_thread_that_cannot_start_fails_its_jobs_rather_than_hang(

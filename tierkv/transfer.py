@@ -449,7 +449,10 @@ def _lower_priority() -> None:
     """Nice the calling thread (Linux): a spill must yield the CPU to the decode step's threads,
     whose parallel regions stall behind any one of them that loses its core."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        me = threading.get_native_id()
+        # Never raised: a thread made by one niced past 10 (`nice -n 19`) stays there, which
+        # only root's setpriority would otherwise have undone.
+        os.setpriority(os.PRIO_PROCESS, me, max(10, os.getpriority(os.PRIO_PROCESS, me)))
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
         pass
 
