@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tierkv.units import parse_bytes, whole_number
+from tierkv.units import format_bytes, parse_bytes, seconds_or_none, whole_number
 
 BINARY = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 DECIMAL = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
@@ -307,3 +307,31 @@ def test_whole_numbers_take_numpy_integers(value: object) -> None:
 def test_whole_numbers_refuse_the_rest_naming_the_argument(value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="block_size .*; 256 is a good default"):
         whole_number(value, "block_size", 1, "; 256 is a good default")
+
+
+def test_whole_numbers_take_both_bounds_and_refuse_one_past_either() -> None:
+    # Nothing held the bounds inclusive: a minimum refused at itself (port=0, block_size=1) passed.
+    assert whole_number(1, "n", 1) == 1 and whole_number(8, "n", 1, maximum=8) == 8
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        whole_number(0, "n", 1)
+    with pytest.raises(ValueError, match="n must be <= 8, got 9"):
+        whole_number(9, "n", 1, maximum=8)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, None), (math.inf, None), (0, 0.0), (2, 2.0), (np.float32(0.5), 0.5)])
+def test_a_timeout_is_seconds_or_none_and_infinity_is_none(value: object, expected: float | None) -> None:
+    # inf is None's "as long as it takes" (the docstring's word): kept as inf, close(timeout=inf)
+    # took the timed path, skipping the flush None's close runs first; nothing checked it.
+    assert seconds_or_none(value, "timeout") == expected
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (math.nan, ValueError), (True, TypeError), ("5", TypeError)])
+def test_a_bad_timeout_is_refused_naming_it(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="timeout"):
+        seconds_or_none(value, "timeout")
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+                                         (1 << 30, "1.0 GiB"), (1 << 50, "1024.0 TiB")])
+def test_byte_counts_are_written_in_the_largest_power_of_1024_they_reach(n: int, text: str) -> None:
+    assert format_bytes(n) == text
