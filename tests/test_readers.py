@@ -11,6 +11,7 @@ import lmdb
 import pytest
 import torch
 
+import tierkv.locks
 import tierkv.store as store_module
 from conftest import ARCHITECTURES, damage_in_place, flipped, raised_on_the_way_in, random_ids
 from tierkv import TieredStore
@@ -121,6 +122,43 @@ def test_readers_past_the_limit_wait_for_one_to_leave():
     for t in (first, second, third):
         t.join(5)
     assert order[-1] == "third" and lock._readers == 0
+
+
+def test_a_reader_leaving_lets_one_waiting_for_a_slot_in_at_once(monkeypatch):
+    # Nothing checked that a reader leaving while others stay wakes a reader waiting for its slot:
+    # without the wake, the waiter came in only at its next look (_RECHECK_S), a stall in every
+    # open of many threads past LMDB's reader slots. Its looks are put off here, so only the wake
+    # lets it in while the second reader stays.
+    monkeypatch.setattr(tierkv.locks, "_RECHECK_S", 600.0)
+    lock = SharedLock(limit=2)
+    inside, first_out, done = threading.Barrier(3, timeout=5), threading.Event(), threading.Event()
+    entered = threading.Event()
+
+    def reader(leave):
+        with lock.shared():
+            inside.wait()
+            leave.wait(5)
+
+    def third():
+        with lock.shared():
+            entered.set()
+
+    first = threading.Thread(target=reader, args=(first_out,))
+    second = threading.Thread(target=reader, args=(done,))
+    first.start()
+    second.start()
+    inside.wait()
+    late = threading.Thread(target=third, daemon=True)
+    late.start()
+    while not lock._cond._waiters:  # the third waits for a slot
+        time.sleep(0.001)
+    first_out.set()
+    first.join(5)
+    try:
+        assert entered.wait(5) and lock._readers == 1  # in beside the second, which has not left
+    finally:
+        done.set()
+        second.join(5)
 
 
 class Timeout(Exception):
