@@ -729,6 +729,17 @@ def test_clear_removes_exactly_the_entries_asked_for(built: Built, copy: Callabl
     assert "(sessions 'alice', 'bob' of every tenant)" in results["sessions"].out
 
 
+def test_clear_of_a_session_of_one_tenant_leaves_that_name_in_every_other_tenant(
+        built: Built, copy: Callable[..., Path], model: torch.nn.Module, capsys: pytest.CaptureFixture[str]) -> None:
+    # Every session name above is one tenant's alone, so a clear that forgot the name in every
+    # tenant, --tenant ignored, passed: it removed another tenant's conversation.
+    path = copy("tenant-session")
+    assert cli.main(["clear", str(path), "--session", "alice", "--tenant", "zeta"]) == 0
+    assert capsys.readouterr().out.startswith("removed 0 blocks (session 'alice' of tenant zeta)")
+    restored, stats = reopened(path, model, built)
+    assert restored == FULL and (stats["disk"]["blocks"], stats["sessions"]) == (BLOCKS, 4)
+
+
 def test_clear_refuses_names_that_are_not_utf8(built: Built, capsys: pytest.CaptureFixture[str]) -> None:
     # A terminal in another encoding hands Python undecodable bytes as lone surrogates.
     for flags in (["--session", "caf\udce9"], ["--tenant", "caf\udce9"]):
