@@ -206,6 +206,31 @@ def test_host_tier_with_a_pool_holds_the_buffers_of_its_blocks() -> None:
     assert lease.holders == 0 and lease.retired and host.stats()["in_use"] == 0  # back in the pool
 
 
+def test_a_cleared_host_tier_keeps_no_pool_alive() -> None:
+    # The store's close clears the tier and drops its pool, whose arenas (pinned, the host budget
+    # and more) must go with it while the user still holds a cache referring to the closed store:
+    # nothing checked that the hold records of the blocks resting at close went too (each lease
+    # refers to its pool, arenas and all).
+    import gc
+    import weakref
+
+    from tierkv.pool import HostPool
+
+    pool = HostPool(1 << 20, pinned=False)
+    host = HostTier(1 << 20, pinned=False, pool=pool)
+    for i in range(2):
+        t, lease = host.alloc((4, 8), torch.float32)
+        job = Job.completed(t)
+        job.lease = lease
+        assert host.put(bytes([i]) * 16, job, 128)
+    del t, lease, job
+    gone = weakref.ref(pool)
+    host.clear()
+    host.pool = pool = None  # as TieredStore.close
+    gc.collect()
+    assert gone() is None and len(host) == 0 and host.used == 0
+
+
 def test_a_host_tier_put_or_pop_another_signals_handler_cuts_short_holds_each_buffer_exactly_while_it_rests() -> None:
     # Before: put made the entry, then held the block's buffer, and pop dropped the entry, then
     # let go of the hold: another signal's handler (a SIGALRM timeout) raising between them left
