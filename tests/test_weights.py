@@ -270,3 +270,21 @@ def test_a_replaced_weight_is_freed_at_once_not_held_by_the_sample():
         weight.data = weight.data.clone()  # as model.half() or model.to(...) replace every storage
     gc.collect()
     assert alive() is None, "the fingerprint's sample kept a replaced weight's memory"
+
+
+def test_the_digest_reads_every_byte_of_every_tensor_with_its_shape_and_dtype():
+    # Nothing here held digest_weights to its word: one skipping a tensor (the last), or hashing
+    # bytes without their shapes and dtypes, passed every test of this file.
+    from tierkv.weights import digest_weights
+
+    params = tuple(torch.arange(n * 7, dtype=torch.float32).reshape(n, 7) for n in (3, 5, 2))
+    base = digest_weights(params)
+    for i, p in enumerate(params):
+        for where in (0, p.numel() // 2, p.numel() - 1):
+            changed = [q.clone() for q in params]
+            changed[i].view(-1)[where] += 1
+            assert digest_weights(tuple(changed)) != base, (i, where)
+    flat = torch.arange(12, dtype=torch.float32)
+    assert len({digest_weights((flat.reshape(3, 4),)), digest_weights((flat.reshape(4, 3),)),
+                digest_weights((flat.view(torch.int32).reshape(3, 4),))}) == 3  # same bytes each
+
