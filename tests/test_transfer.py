@@ -672,6 +672,28 @@ def test_close_with_a_timeout_abandons_what_is_still_queued(writers: list[Backgr
     assert rec.applied == ["gate"]
 
 
+def test_close_with_a_timeout_still_applies_what_may_not_be_abandoned(writers: list[BackgroundWriter]) -> None:
+    # The store's forgets (their deletes and reference drops) may not be given up: a forgotten
+    # conversation would stay on disk. Nothing checked that ``abandonable`` was asked: a close
+    # that abandoned every item passed.
+    rec = Recorder(hold_first=True)
+    writer = start(writers, rec, abandonable=lambda item: item != "forget")
+    writer.submit("gate")
+    assert rec.started.wait(WAIT)
+    jobs = {item: writer.submit(item) for item in ("write", "forget", "write again")}
+    result: list[int] = []
+    closer = threading.Thread(target=lambda: result.append(writer.close(timeout=0.01)))
+    closer.start()
+    assert writer._abandon.wait(WAIT)  # noqa: SLF001 - the timeout expired with the batch in flight
+    rec.release.set()
+    closer.join(WAIT)
+    assert result == [2] and rec.applied == ["gate", "forget"]
+    assert jobs["forget"].wait(WAIT) is None
+    for item in ("write", "write again"):
+        with pytest.raises(WriteAbandoned):
+            jobs[item].wait(WAIT)
+
+
 def test_submit_after_close_raises(writers: list[BackgroundWriter]) -> None:
     writer = start(writers, Recorder())
     writer.close(timeout=WAIT)
