@@ -731,6 +731,31 @@ def test_the_demo_runs_the_turns_asked_for_and_removes_its_store_whatever_ends_i
     assert not left_behind(tmp_path)
 
 
+def test_the_demo_fails_when_a_reply_differs_from_recomputation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # Its exactness column is what the demo shows; nothing checked that a reply differing from
+    # plain transformers' ends it with exit 1 (as `tierkv --help` says) rather than a "NO" scrolling by.
+    import tierkv.demo as demo
+
+    generate = demo.timed_generate
+
+    def off_by_one_token(model, ids, reply_tokens, store=None, session=None):
+        out, ttft, cache = generate(model, ids, reply_tokens, store, session)
+        if store is not None:
+            out = out.clone()
+            out[:, -1] = (out[:, -1] + 1) % model.config.vocab_size  # never fed: commit takes it
+        return out, ttft, cache
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(demo.tempfile, "tempdir", None)
+    monkeypatch.setattr(demo, "timed_generate", off_by_one_token)
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--quick", "--layers", "1", "--hidden", "64", "--system-tokens", "16", "--reply-tokens", "2",
+                   "--sessions", "1", "--turns", "1"])
+    assert "differs from recomputation" in str(exc.value.code)  # a message: exit status 1
+    assert capsys.readouterr().out.rstrip().endswith("NO") and not left_behind(tmp_path)
+
+
 def test_the_demos_quick_sets_defaults_that_flags_given_with_it_override(monkeypatch: pytest.MonkeyPatch) -> None:
     import tierkv.demo as demo
 
