@@ -694,6 +694,39 @@ def test_close_with_a_timeout_still_applies_what_may_not_be_abandoned(writers: l
             jobs[item].wait(WAIT)
 
 
+def test_wait_below_on_the_writers_own_thread_says_whether_the_backlog_is_under_without_waiting(
+        writers: list[BackgroundWriter]) -> None:
+    # Nothing checked its answer there: one saying True at any backlog passed.
+    answers: list[tuple[bool, bool]] = []
+    writer: BackgroundWriter
+
+    def apply(items: Sequence[int]) -> list[BaseException | None]:
+        answers.append((writer.wait_below(0), writer.wait_below(sum(items))))  # the batch is still counted
+        return [None] * len(items)
+
+    writer = BackgroundWriter(apply, name="own-thread", size_of=lambda item: item)
+    writers.append(writer)
+    writer.submit(100).wait(WAIT)
+    assert answers == [(False, True)] and writer.wait_below(0, timeout=WAIT)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux's schedstat")
+def test_cpu_wait_seconds_is_the_threads_wait_for_a_cpu_not_its_time_on_one() -> None:
+    # schedstat holds the time on a CPU, then the time waiting, runnable, for one: a reading of
+    # the first passed every test, and the writer's CPU waits the store counts were its run time.
+    from tierkv.transfer import cpu_wait_seconds
+
+    def waited() -> float:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+
+    before = waited()
+    sum(range(200_000))  # some time on a CPU, to tell the two apart
+    seconds = cpu_wait_seconds()
+    after = waited()
+    assert seconds is not None and before <= seconds <= after
+
+
 def test_submit_after_close_raises(writers: list[BackgroundWriter]) -> None:
     writer = start(writers, Recorder())
     writer.close(timeout=WAIT)
