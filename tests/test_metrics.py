@@ -192,6 +192,17 @@ class FakeStore:
                 "sessions": 0}
 
 
+def test_the_disk_failed_gauge_follows_stats() -> None:
+    # Every scrape above is of a store whose disk never failed: a gauge stuck at 0 passed.
+    store = FakeStore()
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    assert one(samples(generate_latest(registry).decode()), "tierkv_disk_failed") == 0
+    healthy = store.stats
+    store.stats = lambda: {**healthy(), "disk_failed": True}
+    assert one(samples(generate_latest(registry).decode()), "tierkv_disk_failed") == 1
+
+
 def test_concurrent_scrapes_neither_double_count_nor_lose_events() -> None:
     store = FakeStore()
     collector = StoreCollector(store)
