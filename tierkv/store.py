@@ -39,7 +39,9 @@ Protocol of one conversation turn::
   is noted before it begins and finished by the next call's ``_reap``: a block's entry following
   its tiers (``_unsettled``), a delete on disk queued again (``_deleting``), a session left with
   no block of its own untracked (``_hollow``), the room a refused write asked for (``_disk_goal``),
-  a write whose queueing was cut short failed as not queued.
+  a write whose queueing was cut short failed as not queued, a forget's session dropped
+  (``_forgetting``; it leaves the index last), a gathering of deletes whose exit was cut short
+  ended and what it gathered queued (each taken out of ``_gathered`` only once queued).
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
   the writes it still held were lost at every exit without ``close()``.
@@ -465,6 +467,8 @@ class TieredStore:
         # Deletes on disk under way (``_delete_on_disk``), by id: one an exception cut short is
         # done again by the next _reap.
         self._deleting: dict[int, tuple[Any, ...]] = {}
+        # Sessions a forget is dropping, and their blocks' keys (_forget_session).
+        self._forgetting: dict[bytes, list[bytes]] = {}
         self._owed = OwedOps()
         # A forget's (or the evictions') block deletes, gathered into one op until it holds
         # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
@@ -1728,14 +1732,18 @@ class TieredStore:
         """Queue the deletes gathered, then (unless ``deletes_only``) the sessions' references,
         after the deletes of their blocks as when each session's went alone; ``holders`` as they
         are now, at the end of the forget (a keeping session forgotten later in it keeps nothing)."""
-        op, self._gathered = self._gathered, None
+        # Each taken out once queued (_submit tracks it): another signal's handler raising before
+        # then lost it (forgotten records, or a forgotten session's references, left in the
+        # file). Cut after, it is queued twice, by the gathering's exit: deletes are idempotent.
+        op = self._gathered
         if op is not None:
             self._submit(op, gathered=True)
+            self._gathered = None
         while self._gathered_drops and not deletes_only:
             drops = [DropRefs(sid, keys, drop_session=True, holders=self._holders(keys))
                      for sid, keys in self._gathered_drops[:FORGET_DELETE_KEYS]]
-            del self._gathered_drops[:FORGET_DELETE_KEYS]
             self._submit(drops[0] if len(drops) == 1 else DropSessions(drops), gathered=True)
+            del self._gathered_drops[:FORGET_DELETE_KEYS]
 
     def _remove(self, meta: BlockMeta) -> None:
         """Take a block out of the index; a session left with no block of its own goes too (in
@@ -1822,6 +1830,14 @@ class TieredStore:
         """Record finished disk writes (of ``keys``, or all): DURABLE on success; on failure the
         block stays in memory only. Never waits."""
         if keys is None:
+            if self._gathering or self._gathered is not None or self._gathered_drops:
+                # Every _reap() runs outside the gathering sections: one here is left by an exit
+                # another signal's handler cut short as it began (the store gathering for good,
+                # what it gathered queued by no one until another write came).
+                self._gathering = False
+                self._submit_gathered()
+            for sid, forgotten in list(self._forgetting.items()):  # a forget cut short
+                self._forget_session(sid, forgotten)
             self._finish_deletes()
             for key in list(self._unsettled):  # left by an exception (another signal's handler)
                 meta = self._index.blocks.get(key)
@@ -2381,9 +2397,19 @@ class TieredStore:
             if owner is not None and forgotten(*owner):
                 op.forgotten = True  # type: ignore[union-attr]
 
-    def _forget_session(self, sid: bytes, keys: list[bytes]) -> int:
-        """Drop a session's references to ``keys`` and the blocks no other session references,
-        from every tier and the disk; returns how many blocks were dropped."""
+    def _forget_session(self, sid: bytes, keys: list[bytes] | None = None) -> int:
+        """Drop a session's references to its blocks (``keys``: those of a forget cut short) and
+        the blocks no other session references, from every tier and the disk; returns how many
+        blocks were dropped.
+
+        Noted (``_forgetting``) until done, the session leaving the index last: another signal's
+        handler raising part-way (before, as the session's pop returned) left blocks naming a
+        session the index no longer had (a KeyError at a later forget or commit), and forgotten
+        blocks kept; the next ``_reap`` finishes it (its ``DropRefs`` at worst queued twice)."""
+        if keys is None:
+            info = self._index.sessions.get(sid)
+            keys = [] if info is None else list(info.keys)
+        self._forgetting[sid] = keys
         dropped = []
         tails = []
         self._owed.drop_refs(sid)  # out of the index: a retry would write none of them
@@ -2406,6 +2432,8 @@ class TieredStore:
             self._gathered_drops.append((sid, keys))
         elif self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
+        self._index.sessions.pop(sid, None)
+        del self._forgetting[sid]
         return len(dropped)
 
     def _drop_extensions(self, tails: list[BlockMeta]) -> list[bytes]:
@@ -2518,7 +2546,7 @@ class TieredStore:
                 else (lambda sid, t: sid == _session_id(tenant, session)))  # type: ignore[arg-type]
             with self._gathering_deletes():
                 for sid in sids:
-                    removed += self._forget_session(sid, list(self._index.sessions.pop(sid).keys))
+                    removed += self._forget_session(sid)
                 if session is None:
                     for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
                         self._drop(meta)
