@@ -3224,12 +3224,17 @@ def test_an_eviction_from_disk_an_exception_cuts_short_leaves_no_record_unknown_
         converse(store, model, random_ids(41, 1490), "a")
         store.flush()
         assert all(m.resident is None and m.disk is DiskState.DURABLE for m in store._index.blocks.values())
+        base[0], base[1] = store._evictions, len(store._index.blocks)
         return store
 
     def consistent(sent):
         store = current[0]
         store._reap()  # the next operation's
         store.flush()
+        # Each eviction counted once it is done: counted first, one cut short before it began
+        # was counted again when the block was evicted.
+        assert store._evictions - base[0] == base[1] - sum(
+            m.disk is not DiskState.NONE for m in store._index.blocks.values()), sent
         with store._disk.env.begin() as txn:
             on_disk = {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)}
         index = store._index
@@ -3240,6 +3245,7 @@ def test_an_eviction_from_disk_an_exception_cuts_short_leaves_no_record_unknown_
         store.close()
         current[0] = setup()
 
+    base = [0, 0]
     current = [setup()]
     try:
         assert raised_on_the_way_in(lambda: (current[0]._evict_from_disk(), nullcontext())[1], consistent) > 20

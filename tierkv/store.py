@@ -1635,7 +1635,8 @@ class TieredStore:
         meta = self._victim(Tier.DISK)
         if meta is None:
             return 0
-        self._evictions += 1
+        # Counted by the delete (_delete_on_disk, or _finish_deletes for one cut short), as its
+        # note goes: counted here first, one a cut left undone was counted again when evicted.
         # Noted first: a cut between the delete and the removal of a block resting nowhere else
         # left it in the index in no tier, never evicted again, its session holding it.
         self._unsettled.add(meta.key)
@@ -1683,7 +1684,9 @@ class TieredStore:
         self._deleting[place] = note
         self._let_go_of_records(gone)
         self._queue_deletes(keys, refs, footprint, evicted, superseded)
-        del self._deleting[place]
+        if evicted:
+            self._evictions += len(keys)
+        del self._deleting[place]  # no call since the count: a signal's handler cannot run between
 
     def _let_go_of_records(self, gone: list[BlockMeta]) -> None:
         for meta in gone:
@@ -1697,6 +1700,8 @@ class TieredStore:
             # Only blocks still the index's: one stored again since is not let go of.
             self._let_go_of_records([m for m in gone if self._index.blocks.get(m.key) is m])
             self._queue_deletes(keys, refs, footprint, evicted, superseded)
+            if evicted:
+                self._evictions += len(keys)
             del self._deleting[place]
 
     def _queue_deletes(self, keys: list[bytes], refs: list[bytes], footprint: int, evicted: bool,
