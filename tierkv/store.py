@@ -689,7 +689,8 @@ class TieredStore:
         """Drain (or, past ``timeout``, drop) the queued writes; how many block writes were dropped."""
         if self._writer is None:
             return 0
-        # Also after flush() retried them: a close cut short and called again skips flush().
+        # Also after flush() retried them: a close cut short and called again skips flush(). Its
+        # reap also finishes what another signal's handler cut short (a noted delete, a forget).
         self._retry_deletes()
         abandoned = self._writer.close(timeout, grace)
         dropped = 0
