@@ -424,23 +424,22 @@ def test_a_vision_language_model_is_refused() -> None:
         store.open(fuyu, random_ids(12, 1))
 
 
-def test_multi_head_latent_attention_is_refused() -> None:
-    config = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+def _latent_model(model_type: str, **widths: int) -> torch.nn.Module:
+    """A tiny MoE model with multi-head latent attention of the given widths."""
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)
-    model = AutoModelForCausalLM.from_config(config).eval()
+                                  topk_group=1, first_k_dense_replace=1, q_lora_rank=None, **widths)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_multi_head_latent_attention_is_refused() -> None:
+    model = _latent_model("deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)
     with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="latent attention"):
         store.open(model, random_ids(12, 1))
     # Heads whose keys and values have one head_dim (GLM-4.7-Flash's 256 and 256) still cache the
     # latent and the rotary keys: the message names those, not "keys of head_dim 16, values of 16".
-    config = AutoConfig.for_model("glm4_moe_lite", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=None,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = _latent_model("glm4_moe_lite", kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
     with TieredStore(None, block_size=8) as store, pytest.raises(
             ValueError, match=r"latent attention: its cache holds a compressed latent of width 24 \(kv_lora_rank\) "
                               r"as its keys and rotary keys of width 8 \(qk_rope_head_dim\)"):
