@@ -1913,7 +1913,7 @@ class TieredStore:
             room = self._footprint(header) if refused and not isinstance(error, FilesystemFull) and \
                 (meta is None or meta.disk is not DiskState.DURABLE) else 0
             self._pop_inflight(key)
-            disk_bytes = self._index.bytes[Tier.DISK]
+            disk_bytes = self._index.bytes[Tier.DISK] if room else 0  # Tier's hash is a call: before the span
             # No call from here to the write's leaving: no signal's handler runs in between.
             if room:
                 self._disk_goal = disk_bytes - room
