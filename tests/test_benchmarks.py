@@ -1034,3 +1034,30 @@ def test_arch_sweep_classes_an_exact_model_and_a_refused_one(tmp_path: Path, mon
     assert exact["cls"] == "exact", exact
     refused = arch_sweep.one("mistral")
     assert refused["cls"] == "refused" and "sliding_attention" in refused["why"], refused
+
+
+def test_chat_trace_reports_returning_turns_apart_from_first_ones() -> None:
+    import numpy as np
+
+    from tierkv.bench import PolicyResult, Turn, returning_turns, summarise
+
+    # Session 0 comes back twice, then starts over (a reset: nothing of its conversation to reuse),
+    # then comes back once more; session 1 comes once.
+    sessions_resets = [(0, False), (1, False), (0, False), (0, False), (0, True), (0, False)]
+    turns = [Turn(s, np.array([3]), 2, reset) for s, reset in sessions_resets]
+    returning = returning_turns(turns)
+    assert returning == [False, False, True, True, False, True]
+    # First turns slow for every policy, returning ones fast for the store: the p50 over every
+    # turn hides what the returning ones gain.
+    results = {"recompute": PolicyResult("recompute", ttft=[1.0, 1.0, 1.1, 1.2, 1.0, 1.3]),
+               "unbounded": PolicyResult("unbounded", ttft=[1.0, 1.0, 0.02, 0.03, 1.0, 0.04]),
+               "tierkv": PolicyResult("tierkv", ttft=[1.0, 1.0, 0.03, 0.06, 1.0, 0.05])}
+    summary = summarise({"results": results, "returning": returning})
+    assert summary["policies"]["tierkv"]["ttft_returning_p50_ms"] == pytest.approx(50.0)
+    assert summary["policies"]["recompute"]["ttft_returning_p50_ms"] == pytest.approx(1200.0)
+    assert summary["ratios"]["ttft_p50 returning turns tierkv / recompute"] == pytest.approx(50 / 1200)
+    assert summary["ratios"]["ttft_p50 returning turns tierkv / unbounded"] == pytest.approx(50 / 30)
+    assert summary["ratios"]["ttft_p50 tierkv / recompute"] == pytest.approx(0.53 / 1.05)
+    # A trace without a returning turn has no such ratio, rather than a NaN one.
+    none_back = summarise({"results": results, "returning": [False] * 6})
+    assert not any("returning" in k for k in none_back["ratios"])

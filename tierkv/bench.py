@@ -114,6 +114,19 @@ def make_trace(args: argparse.Namespace, vocab: int) -> tuple[np.ndarray, list[T
     return system, turns
 
 
+def returning_turns(turns: list[Turn]) -> list[bool]:
+    """Per turn, whether it continues a conversation the trace played before: its session came back,
+    and its conversation did not start over (a reset). Only these can reuse a prefix beyond the
+    shared system prompt: the returning-session TTFT users ask about, which the percentiles over
+    every turn dilute with first turns, where every policy computes the whole prompt."""
+    seen: set[int] = set()
+    returning = []
+    for t in turns:
+        returning.append(t.session in seen and not t.reset)
+        seen.add(t.session)
+    return returning
+
+
 def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_per_token: int,
                       block_size: int) -> int:
     """KV bytes of everything the trace ever holds, as a store that evicts nothing holds it: the
@@ -398,7 +411,7 @@ def run(args: argparse.Namespace) -> dict:
         progress.close()
     return {"args": vars(args), "device": str(device), "model": trace_model.describe(model, args.model),
             "budget_notes": notes, "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token, "turns": len(turns), "logit_tolerance": tolerance,
-            "results": results}
+            "returning": returning_turns(turns), "results": results}
 
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
@@ -430,6 +443,7 @@ def achieved_gb_per_s(moved: dict[str, int], seconds: dict[str, float]) -> dict[
 def summarise(run_: dict) -> dict:
     rows = {}
     base = run_["results"]
+    returning = run_["returning"]
     for name, r in base.items():
         if r.skipped:
             rows[name] = {"skipped": r.skipped}
@@ -437,6 +451,7 @@ def summarise(run_: dict) -> dict:
         row = {"ttft_ms": [t * 1e3 for t in r.ttft],  # per turn, in the trace's order
                "ttft_p50_ms": percentile(r.ttft, 50) * 1e3, "ttft_p95_ms": percentile(r.ttft, 95) * 1e3,
                "ttft_p99_ms": percentile(r.ttft, 99) * 1e3,
+               "ttft_returning_p50_ms": percentile([t for t, back in zip(r.ttft, returning) if back], 50) * 1e3,
                "decode_tokens_per_s": statistics.median(r.decode_tps) if r.decode_tps else float("nan"),
                "exact": r.exact, "logit_error": r.logit_error, "replies_parted_at_turn": r.parted_at}
         if r.final_stats is not None:
@@ -476,6 +491,10 @@ def summarise(run_: dict) -> dict:
         ratios["ttft_p50 tierkv / recompute"] = p50["tierkv"] / p50["recompute"]
     if p50.get("tierkv-no-disk") and p50.get("recompute"):
         ratios["ttft_p50 tierkv-no-disk / recompute"] = p50["tierkv-no-disk"] / p50["recompute"]
+    back = {name: rows[name].get("ttft_returning_p50_ms") for name in rows}
+    for a, b in (("tierkv", "recompute"), ("tierkv", "unbounded")):
+        if back.get(a) and back.get(b) and math.isfinite(back[a]) and math.isfinite(back[b]):
+            ratios[f"ttft_p50 returning turns {a} / {b}"] = back[a] / back[b]
     # Paired: the same turn under both policies, so that turns' spread of lengths cancels out.
     for a, b in (("tierkv", "unbounded"), ("tierkv", "recompute"), ("tierkv", "resident")):
         if a in rows and b in rows and "skipped" not in rows[a] and "skipped" not in rows[b]:
@@ -525,8 +544,10 @@ def markdown(run_: dict, summary: dict) -> str:
                      f"({row['logit_error']:.1e}{parted_s(row)}) |")
     cpu = run_["device"] == "cpu"
     lines += ["", f"TTFT percentiles interpolate linearly between the nearest of each policy's {run_['turns']} turns "
-              "(numpy's default). Decode tok/s: the median over turns of a turn's reply tokens after the first over "
-              "the time from its first token to generate's return.",
+              f"(numpy's default); the ratios' \"returning turns\" are the {sum(run_['returning'])} that continue a "
+              "conversation played before (not a session's first turn, not one that starts over), whose p50 is in "
+              "the JSON (ttft_returning_p50_ms). Decode tok/s: the median over turns of a turn's reply tokens after "
+              "the first over the time from its first token to generate's return.",
               "[1] " + ("On a CPU device tier the moves between device and host are hand-overs that copy nothing "
                         "(no GB/s). " if cpu else "") + "KV bytes, without the records' headers and padding, "
               "of whole blocks: a restore that uses only part of a block reads (and checksums) the whole record from "
