@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import lmdb
 import numpy as np
@@ -49,14 +49,17 @@ def _raise_handler_raised(signum: int, frame: object) -> None:
     raise HandlerRaised
 
 
-def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], None]) -> int:
+def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], None],
+                         within: Collection[str] = ()) -> int:
     """``with enter():`` again and again, a real SIGUSR1 sent each time at the next point on the
     way in where CPython runs a signal handler (a Python function's start, a C call's return,
     found with ``sys.setprofile``), its handler raising ``HandlerRaised``; every exception kept
     alive (as ``sys.last_value`` keeps one) to the end; each must reach this caller (one the code
     swallowed fails: so must the standard library's on the way, as ``logging``'s ``LogRecord``
-    does). ``check(sent)`` after each, ``sent`` naming the point. Returns how many points there
-    were."""
+    does). ``check(sent)`` after each, ``sent`` naming the point. ``within``: only the points in
+    the frames of functions of those names (the calls they make, their C calls' returns), for a
+    test of their steps whose callees' own points other tests cut at. Returns how many points
+    there were."""
     import signal
     import sys
     import threading
@@ -79,7 +82,8 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
             sent: list[tuple[str, str]] = []
 
             def profile(frame, event, arg, point=point):
-                if event in ("call", "c_return"):
+                if event in ("call", "c_return") and (
+                        not within or (frame.f_back if event == "call" else frame).f_code.co_name in within):
                     seen[0] += 1
                     if seen[0] == point:
                         sent.append((event, frame.f_code.co_name))

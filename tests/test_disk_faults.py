@@ -3382,3 +3382,61 @@ def test_a_forget_an_exception_cuts_short_is_finished_by_the_next_call(model, st
     assert 0 < len(index.blocks) < before  # a's own blocks gone, the shared kept
     finished(None)
     assert raised_on_the_way_in(lambda: (store.forget(session="a"), nullcontext())[1], finished) > 20
+
+
+def test_a_forget_cut_short_drops_the_conversations_continuations_too(model, stores, tmp_path, monkeypatch):
+    # Before: the redo the next reap runs started from the blocks it dropped itself, the first
+    # run's lists of those it had dropped and of the partial tails among them lost with the cut:
+    # turns without a session that continued a's conversations (below a block of a's own; beside
+    # a's tail, under a block b keeps) stayed in the index and on disk, and the blocks dropped
+    # before the cut were never noted as forgotten (a turn opened before could write them back).
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    shared = random_ids(16, 1494)[0].tolist()
+    beside = shared + [5, 6, 7, 8]  # a's tail under b's block
+    below = shared + list(range(40, 48)) + [50, 51, 52, 53]  # a's own block, and a tail
+    sid = _session_id(None, "a")
+    index = store._index
+
+    def turn(ids: list[int], session: str | None) -> None:  # a forward, not generate(): cheaper
+        ids = torch.tensor([ids])
+        cache = store.open(model, ids, session=session)
+        with torch.no_grad():
+            model(ids[:, cache.restored_tokens:], past_key_values=cache)
+        assert cache.commit(ids) == ids.shape[1]
+
+    gone: set[bytes] = set()
+
+    def again() -> None:  # one store, a's conversations and their continuations again: each point alike
+        turn(beside, "a")
+        turn(beside + list(range(30, 40)), None)  # a block extending a's tail, and a tail below it
+        turn(below, "a")
+        turn(below[:24] + list(range(60, 72)), None)  # a block below a's own, and a tail below it
+        store.flush()
+        gone.clear()
+        gone.update(k for k, m in index.blocks.items() if m.sessions <= {sid})
+
+    def finished(sent):
+        store._reap()  # the next call's
+        if sid in index.sessions:  # cut before it began, whole: the caller's forget again
+            store.forget(session="a")
+        store.flush()
+        assert sid not in index.sessions and gone.isdisjoint(index.blocks), sent
+        assert all(meta.sessions for meta in index.blocks.values()), sent
+        assert all(store._forgotten_blocks.get(key) == store._forget_clock for key in gone), sent
+        with store._disk.env.begin() as txn:
+            on_disk = {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)}
+        assert on_disk == {k for k, m in index.blocks.items() if m.disk is not DiskState.NONE}, sent
+        again()
+
+    turn(shared + [20, 21, 22], "b")
+    again()
+    sessionless = [m for m in index.blocks.values() if not m.sessions]
+    assert sorted(m.n_tokens for m in sessionless) == [4, 6, B, B] and len(gone) == 7
+    store.forget(session="a")
+    finished(None)
+    # At forget's own steps and its drops' (the points deeper in a drop: the test above).
+    assert raised_on_the_way_in(lambda: (store.forget(session="a"), nullcontext())[1], finished,
+                                within={"_forget_session", "_drop_extensions", "_drop_below", "_drop"}) > 50

@@ -40,7 +40,8 @@ Protocol of one conversation turn::
   its tiers (``_unsettled``), a delete on disk queued again (``_deleting``), a session left with
   no block of its own untracked (``_hollow``), the room a refused write asked for (``_disk_goal``),
   a write whose queueing was cut short failed as not queued, a forget's session dropped
-  (``_forgetting``; it leaves the index last), a gathering of deletes whose exit was cut short
+  (``_forgetting``, with the blocks it dropped, whose continuations no session references go
+  too; the session leaves the index last), a gathering of deletes whose exit was cut short
   ended and what it gathered queued (each taken out of ``_gathered`` only once queued).
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
@@ -467,8 +468,9 @@ class TieredStore:
         # Deletes on disk under way (``_delete_on_disk``), by id: one an exception cut short is
         # done again by the next _reap.
         self._deleting: dict[int, tuple[Any, ...]] = {}
-        # Sessions a forget is dropping, and their blocks' keys (_forget_session).
-        self._forgetting: dict[bytes, list[bytes]] = {}
+        # Sessions a forget is dropping: their blocks' keys, the keys it dropped so far and the
+        # partial tails among those (_forget_session).
+        self._forgetting: dict[bytes, tuple[list[bytes], list[bytes], list[BlockMeta]]] = {}
         self._owed = OwedOps()
         # A forget's (or the evictions') block deletes, gathered into one op until it holds
         # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
@@ -1842,8 +1844,8 @@ class TieredStore:
                 # what it gathered queued by no one until another write came).
                 self._gathering = False
                 self._submit_gathered()
-            for sid, forgotten in list(self._forgetting.items()):  # a forget cut short
-                self._forget_session(sid, forgotten)
+            for sid in list(self._forgetting):  # a forget cut short
+                self._forget_session(sid)
             self._finish_deletes()
             for key in list(self._unsettled):  # left by an exception (another signal's handler)
                 meta = self._index.blocks.get(key)
@@ -2411,13 +2413,19 @@ class TieredStore:
         Noted (``_forgetting``) until done, the session leaving the index last: another signal's
         handler raising part-way (before, as the session's pop returned) left blocks naming a
         session the index no longer had (a KeyError at a later forget or commit), and forgotten
-        blocks kept; the next ``_reap`` finishes it (its ``DropRefs`` at worst queued twice)."""
-        if keys is None:
-            info = self._index.sessions.get(sid)
-            keys = [] if info is None else list(info.keys)
-        self._forgetting[sid] = keys
-        dropped = []
-        tails = []
+        blocks kept; the next ``_reap`` finishes it (its ``DropRefs`` at worst queued twice).
+        Each block it drops (and each partial tail) is in the note before it goes: the redo drops
+        the unreferenced continuations below and beside those too, which it no longer finds in the
+        index. Before, it started from the blocks it dropped itself: a turn without a session that
+        continued the conversation stayed in the index and on disk (below a parent no lookup
+        reaches), and the blocks dropped before the cut were never noted in ``_forgotten_blocks``."""
+        note = self._forgetting.get(sid)
+        if note is None:
+            if keys is None:
+                info = self._index.sessions.get(sid)
+                keys = [] if info is None else list(info.keys)
+            note = self._forgetting[sid] = (keys, [], [])
+        keys, dropped, tails = note
         self._owed.drop_refs(sid)  # out of the index: a retry would write none of them
         for key in keys:
             meta = self._index.blocks.get(key)
@@ -2425,12 +2433,12 @@ class TieredStore:
                 continue
             meta.sessions.discard(sid)
             if not meta.sessions:
-                self._drop(meta)
-                dropped.append(key)
+                dropped.append(key)  # twice where a cut fell before its drop: harmless
                 if meta.n_tokens < self.block_size:
                     tails.append(meta)
-        dropped += self._drop_extensions(tails)
-        dropped += self._drop_below(list(dropped))
+                self._drop(meta)
+        self._drop_extensions(tails, dropped)
+        self._drop_below(list(dropped), dropped)
         self._note_forgotten_blocks(dropped)
         if self._writer is not None and self._gathering:
             # Queued with the other sessions' of this forget (_submit_gathered): a tenant of
@@ -2442,13 +2450,12 @@ class TieredStore:
         del self._forgetting[sid]
         return len(dropped)
 
-    def _drop_extensions(self, tails: list[BlockMeta]) -> list[bytes]:
+    def _drop_extensions(self, tails: list[BlockMeta], dropped: list[bytes]) -> None:
         """Drop the blocks beside dropped partial tails that extend them and that no session
         references: a turn without a session that continued the conversation stored its block
         (the tail's tokens and more) under the tail's parent, not below the tail (found by
         helper-36: the forgotten tail's ids and KV stayed, and a returning session restored them).
-        Returns their keys."""
-        dropped = []
+        Noted in ``dropped`` before each drop."""
         for tail in tails:
             head = tail.token_ids.tobytes()
             siblings = self._index.all_children(tail.parent)
@@ -2459,23 +2466,20 @@ class TieredStore:
                 ids = meta.token_ids.tobytes()
                 if not meta.sessions and meta.n_tokens > tail.n_tokens and ids.startswith(head) and \
                         not any(len(other) < len(ids) and ids.startswith(other) for other in held):
-                    self._drop(meta)
                     dropped.append(meta.key)
-        return dropped
+                    self._drop(meta)
 
-    def _drop_below(self, parents: list[bytes]) -> list[bytes]:
+    def _drop_below(self, parents: list[bytes], dropped: list[bytes]) -> None:
         """Drop the blocks below dropped ones that no session references: turns without a session
         that continued a forgotten conversation. Their KV was computed over it, and no lookup
         reaches them once their parent is gone (found by helper-33: they stayed at rest, on disk
-        and after a restart, until evicted). Returns their keys."""
-        dropped = []
+        and after a restart, until evicted). Noted in ``dropped`` before each drop."""
         while parents:
             for meta in self._index.all_children(parents.pop()):
                 if not meta.sessions:
-                    self._drop(meta)
-                    parents.append(meta.key)
                     dropped.append(meta.key)
-        return dropped
+                    parents.append(meta.key)
+                    self._drop(meta)
 
     def _note_forgotten_blocks(self, keys: list[bytes]) -> None:
         self._forgotten_blocks_floor = _remember(self._forgotten_blocks, keys, self._forget_clock,
