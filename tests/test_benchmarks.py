@@ -1061,3 +1061,25 @@ def test_chat_trace_reports_returning_turns_apart_from_first_ones() -> None:
     # A trace without a returning turn has no such ratio, rather than a NaN one.
     none_back = summarise({"results": results, "returning": [False] * 6})
     assert not any("returning" in k for k in none_back["ratios"])
+
+
+def test_arch_sweep_in_bfloat16_against_plain_and_the_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SWEEP_DTYPE=bfloat16 builds the model in bf16; each turn's tokens and logits equal plain generate's
+    and, bit for bit, the control's (the previous turn's DynamicCache cropped to what tierkv restored). A
+    difference from plain that the control shares is drift (transformers'), one it does not is WRONG."""
+    from benchmarks import arch_sweep
+
+    monkeypatch.setattr(arch_sweep, "SCRATCH", tmp_path)
+    monkeypatch.setattr(arch_sweep, "DTYPE", "bfloat16")
+    exact = arch_sweep.one("gpt2")
+    assert exact["cls"] == "exact" and exact["dtype"] == "bfloat16", exact
+    assert [sum(t["restored"].values()) > 0 for t in exact["turns"]] == [False, True, True], exact
+    assert all(t["control_same"] and t["control_rel"] == 0.0 for t in exact["turns"]), exact
+    # Any difference from plain counts (a tolerance below 0): tierkv still equals the control.
+    monkeypatch.setitem(arch_sweep.LOGIT_TOL, "bfloat16", -1.0)
+    drift = arch_sweep.one("gpt2")
+    assert drift["cls"] == "drift" and "the control (no tierkv) gives tierkv's tokens" in drift["why"], drift
+    # And no agreement with the control either.
+    monkeypatch.setattr(arch_sweep, "CONTROL_TOL", -1.0)
+    wrong = arch_sweep.one("gpt2")
+    assert wrong["cls"] == "WRONG" and "turn 0" in wrong["why"] and "control: tokens" in wrong["why"], wrong
