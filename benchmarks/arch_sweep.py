@@ -422,7 +422,8 @@ MODES = {
 
 def modes_one(model_type: str) -> dict:
     """Turn 0 greedy; turn 1 (restored from device, host and disk) in each generation mode against
-    plain generate in that mode, then commit and a greedy turn 2 against plain."""
+    plain generate in that mode (where they differ, against modes_control too: drift where it gives
+    tierkv's tokens), then commit and a greedy turn 2 against plain."""
     import torch
     from tierkv import TieredStore
     model = build(model_type)
@@ -452,7 +453,11 @@ def modes_one(model_type: str) -> dict:
                 with torch.no_grad():
                     mine = model.generate(ids, max_new_tokens=NEW, past_key_values=cache, **kw)
                 if not torch.equal(mine, plain):
-                    out["modes"][mode] = f"WRONG turn 1: tierkv {mine[:, -NEW:].tolist()} plain {plain[:, -NEW:].tolist()}"
+                    stage = "turn 1 control"
+                    ctl = modes_control(model, ids, cache.restored_tokens, kw)
+                    cls = "drift" if ctl is not None and torch.equal(ctl, mine) else "WRONG"
+                    out["modes"][mode] = (f"{cls} turn 1: tierkv {mine[:, -NEW:].tolist()} plain {plain[:, -NEW:].tolist()}"
+                                          f" control {None if ctl is None else ctl[:, -NEW:].tolist()}")
                     continue
                 stage = "turn 1 commit"
                 cache.commit(mine[:1])
@@ -468,6 +473,24 @@ def modes_one(model_type: str) -> dict:
             where = "refused" if isinstance(e, (ValueError, TypeError)) and tierkv_frame(e) else "crash"
             out["modes"][mode] = f"{where} {stage}: {type(e).__name__}: {str(e)[:300]}"
     return out
+
+
+def modes_control(model, ids, restored: int, kw: dict):
+    """Turn 1 of modes_one with no tierkv: turn 0's DynamicCache cropped to ``restored`` tokens (as
+    ``control`` does for the greedy turns); None where that cache cannot be cropped."""
+    import torch
+    caches: list = []
+    try:
+        greedy(model, ids_of(21, 1), cache_out=caches)
+        cache = caches[-1]
+        cache.crop(restored - cache.get_seq_length())
+        if kw.get("num_beams", 1) > 1:
+            cache.batch_repeat_interleave(kw["num_beams"])  # generate does not expand a cache handed to it
+        torch.manual_seed(7)
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=NEW, past_key_values=cache, **kw)
+    except Exception:
+        return None
 
 
 def modes_worker(types: list[str]) -> None:

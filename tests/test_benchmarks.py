@@ -1083,3 +1083,21 @@ def test_arch_sweep_in_bfloat16_against_plain_and_the_control(tmp_path: Path, mo
     monkeypatch.setattr(arch_sweep, "CONTROL_TOL", -1.0)
     wrong = arch_sweep.one("gpt2")
     assert wrong["cls"] == "WRONG" and "turn 0" in wrong["why"] and "control: tokens" in wrong["why"], wrong
+
+
+def test_arch_sweep_modes_control_is_plain_generate_from_a_cropped_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modes' control (turn 0's DynamicCache cropped, repeated for the beams, then generate) runs in
+    every mode and gives plain generate's tokens where the model has no drift (GPT-2, float32)."""
+    import torch
+    from benchmarks import arch_sweep
+
+    monkeypatch.setattr(arch_sweep, "DTYPE", "float32")
+    model = arch_sweep.build("gpt2")
+    got, _ = arch_sweep.greedy(model, arch_sweep.ids_of(21, 1))
+    ids = torch.cat([got, arch_sweep.ids_of(6, 100)], dim=1)
+    for mode, kw in arch_sweep.MODES.items():
+        torch.manual_seed(7)
+        with torch.no_grad():
+            plain = model.generate(ids, max_new_tokens=arch_sweep.NEW, **kw)
+        ctl = arch_sweep.modes_control(model, ids, 16, kw)
+        assert ctl is not None and torch.equal(ctl, plain), mode
