@@ -1085,9 +1085,10 @@ def test_arch_sweep_in_bfloat16_against_plain_and_the_control(tmp_path: Path, mo
     assert wrong["cls"] == "WRONG" and "turn 0" in wrong["why"] and "control: tokens" in wrong["why"], wrong
 
 
-def test_arch_sweep_modes_control_is_plain_generate_from_a_cropped_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The modes' control (turn 0's DynamicCache cropped, repeated for the beams, then generate) runs in
-    every mode and gives plain generate's tokens where the model has no drift (GPT-2, float32)."""
+def test_arch_sweep_modes_controls_are_plain_generate_from_earlier_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modes' controls (turn 1: turn 0's DynamicCache cropped, repeated for the beams, then generate;
+    turn 2: turn 0's whole blocks and turn 1's KV after them, spliced) run in every mode and give plain
+    generate's tokens where the model has no drift (GPT-2, float32)."""
     import torch
     from benchmarks import arch_sweep
 
@@ -1100,4 +1101,9 @@ def test_arch_sweep_modes_control_is_plain_generate_from_a_cropped_cache(monkeyp
         with torch.no_grad():
             plain = model.generate(ids, max_new_tokens=arch_sweep.NEW, **kw)
         ctl = arch_sweep.modes_control(model, ids, 16, kw)
-        assert ctl is not None and torch.equal(ctl, plain), mode
+        assert ctl is not None and torch.equal(ctl[0], plain), mode
+        ids2 = torch.cat([plain[:1], arch_sweep.ids_of(5, 101)], dim=1)
+        second = arch_sweep.turn2_control(model, ids, ids2, 16, 25, ids.shape[1], kw)
+        tokens, logits = arch_sweep.greedy(model, ids2)
+        assert second is not None and torch.equal(second[0], tokens), mode
+        assert arch_sweep.logit_rel(second[1], logits) < 1e-5, mode
