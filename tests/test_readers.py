@@ -4,10 +4,12 @@ records several threads read (``TieredStore._read_disk_blocks``): exact against 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import lmdb
+import numpy as np
 import pytest
 import torch
 
@@ -247,6 +249,120 @@ def test_a_waiting_exclusive_holder_gets_in_when_a_leaving_readers_wake_up_is_cu
     writer.join(5)
     assert got == [True] and lock.locked()
     lock.release()
+
+
+def _cut_as_it_starts(name: str, body) -> int:
+    """Run ``body()`` with a real signal sent as each Python function called ``name`` starts (where
+    CPython runs a pending handler: before the function's first line), its handler raising
+    ``Timeout``; returns how many times it raised."""
+    import signal
+
+    main, cut = threading.get_ident(), []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == name and threading.get_ident() == main:
+            cut.append(name)
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, _raise_timeout)
+    try:
+        sys.setprofile(profile)
+        try:
+            body()
+        finally:
+            sys.setprofile(None)
+    except Timeout:
+        pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    return len(cut)
+
+
+def test_a_reader_whose_exit_a_handler_cut_short_is_let_go_once_its_with_is_gone():
+    """A handler raising as a shared ``with``'s ``__exit__`` starts (Python code, so CPython runs
+    one there) left the reader counted for good: every exclusive holder after it, a close or a
+    remap, waited forever. Its ``with`` is gone from the stack: an exclusive holder in another
+    thread lets it go at its next look, the reader's own thread at once, and a nested holding
+    whose ``with`` is still running stays held."""
+    lock = SharedLock()
+    stale: list[str] = []
+
+    def read_and_leave():
+        with lock.shared():
+            pass
+
+    assert _cut_as_it_starts("exit_shared", read_and_leave) == 1
+    assert lock._readers == 1  # the cut left it
+    got: list[bool] = []
+    writer = threading.Thread(target=lambda: got.append(lock.acquire(timeout=5)))
+    writer.start()
+    writer.join(10)
+    assert got == [True] and lock._readers == 0
+    lock.release()
+
+    # Let go of by the thread's next holding, at once; what ``enter_shared``'s caller gave to
+    # let go of with it is called (the disk tier's read transaction).
+    def held_and_left():
+        lock.enter_shared(sys._getframe(), lambda: stale.append("aborted"))
+
+    held_and_left()
+    assert lock._readers == 1 and not stale
+    assert lock.acquire(blocking=False) and stale == ["aborted"] and lock._readers == 0
+    lock.release()
+    held_and_left()
+    with lock.shared():
+        assert lock._readers == 1 and stale == ["aborted"] * 2
+    assert lock._readers == 0
+
+    # Held twice by one thread (the protocol says never; were it so): the outer ``with`` still
+    # runs, so its holding stays while an exclusive holder waits.
+    with lock.shared():
+        with lock.shared():
+            assert lock._readers == 2
+        assert lock._readers == 1
+        assert not lock.acquire(timeout=0.6)  # past two looks: nothing let go
+        assert lock._readers == 1
+
+
+def test_a_read_transaction_whose_exit_a_handler_cut_short_holds_nothing_for_good(tiny_model, tmp_path):
+    """A handler raising as ``reading()``'s or a read's ``__exit__`` starts: the lock's shared
+    side and the read transaction stayed held, and the thread's later reads went through the
+    stale transaction. Now the next open reads through a transaction of its own (a record
+    written since is seen), and a close gets the lock instead of waiting forever."""
+    model = tiny_model("llama")
+    store = TieredStore(tmp_path / "kv", device="cpu", device_budget=0, host_budget=0, block_size=B)
+    try:
+        ids = random_ids(13, 1601)
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        cache.commit(out)
+        store.flush()
+        plain = model.generate(out, max_new_tokens=2, do_sample=False)
+        for name in ("__exit__", "exit_shared"):
+            lock = store._disk._resize_lock
+
+            def one_thread_read():
+                with store._disk.reading():
+                    store._disk.read_into(next(iter(store._index.blocks)), lambda h: np.empty(
+                        (h.shape[0] * h.shape[1] * h.shape[2], h.shape[3], h.shape[4] * 4), np.uint8))
+
+            assert _cut_as_it_starts(name, one_thread_read) >= 1, name
+            assert lock._readers == 1, name  # left held by the cut
+            cache = store.open(model, out)  # the thread's next read lets go of it
+            assert lock._readers == 0 and store._disk._reading.txn is None, name
+            assert cache.restored_tokens == out.shape[1] - 1
+            assert torch.equal(model.generate(out, past_key_values=cache, max_new_tokens=2, do_sample=False),
+                               plain), name
+            del cache
+        # Cut again, then a close from another thread (a server's shutdown): it gets the lock.
+        assert _cut_as_it_starts("exit_shared", one_thread_read) == 1
+        closed: list[int] = []
+        closer = threading.Thread(target=lambda: closed.append(store.close(timeout=20)))
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive() and closed, "close waited for a reader that had left"
+    finally:
+        store.close(timeout=1)
 
 
 # -- ReadPool --------------------------------------------------------------------------------------

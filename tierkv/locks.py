@@ -12,13 +12,24 @@ comes past it waits for one of them to leave), as where each holds one of a fixe
 A signal handler's exception (``KeyboardInterrupt``, a ``SIGALRM`` timeout) landing in ``with``
 on either side leaves the lock as it found it, but for one point Python leaves open: CPython runs
 a pending handler as a Python function starts, and ``__exit__`` is one, so a handler that raises
-just as the ``with`` body ends leaves that side held (as it would with any lock written in Python).
+just as a shared ``with`` body ends leaves that reader counted. Such a reader is found and let go:
+each is held under its thread with the frame that entered it (the ``with`` statement's), which is
+on that thread's stack for as long as the ``with`` runs. A thread's readers whose frames are no
+longer on its stack are stale; they go when that thread takes either side again, and when an
+exclusive holder, or a reader waiting for a slot, has waited ``_RECHECK_S`` (before, a close or a
+remap after such a cut waited forever). Hence one rule more: never suspend a generator or
+coroutine inside a shared ``with`` (its frame leaves the stack while the lock is held).
+``on_stale``, given by ``enter_shared``'s caller, is called for a reader let go that way (the disk
+tier aborts the read transaction that reader left open).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 # How long a waiter sleeps before it looks at the lock again without being woken: a wake-up a
@@ -39,36 +50,29 @@ class _Shared:
         self._lock = lock
 
     def __enter__(self) -> None:
-        lock = self._lock
-        counted = False
-        try:
-            with lock._mutex:
-                while lock._writer or lock._waiting or (lock.limit is not None and lock._readers >= lock.limit):
-                    lock._cond.wait(_RECHECK_S)
-                lock._readers += 1
-                counted = True  # no call between the two: no handler runs there
-        except BaseException:
-            if counted:
-                # Raised as the mutex was let go (handlers run after a C call returns): the
-                # ``with`` never started, so nothing would call ``__exit__``. Inline, as a
-                # function's start would run a handler again.
-                with lock._mutex:
-                    lock._readers -= 1
-                    lock._cond.notify_all()
-            raise
+        self._lock.enter_shared(sys._getframe(1))
 
     def __exit__(self, *exc: Any) -> None:
-        lock = self._lock
-        with lock._mutex:
-            lock._readers -= 1
-            if not lock._readers or lock.limit is not None:
-                lock._cond.notify_all()  # an exclusive holder, or a reader waiting for a slot
+        self._lock.exit_shared()
+
+
+def on_stack(frame: FrameType | None, top: FrameType | None) -> bool:
+    """Whether ``frame`` is ``top`` or one of its callers."""
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
+#: A reader: the frame whose ``with`` holds it, and what to call if it is let go as stale.
+_Reader = tuple[FrameType, Callable[[], object] | None]
 
 
 class SharedLock:
     """Shared (``shared()``) or exclusive (the lock itself) holding; see the module's protocol."""
 
-    __slots__ = ("_mutex", "_cond", "_readers", "_writer", "_waiting", "limit", "_shared")
+    __slots__ = ("_mutex", "_cond", "_holders", "_count", "_writer", "_waiting", "limit", "_shared")
 
     def __init__(self, limit: int | None = None) -> None:
         # Taken with ``with`` on the C lock itself, never the Condition's: a C lock's enter and
@@ -76,34 +80,120 @@ class SharedLock:
         # a pending handler, which then left the state's lock held for good.
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
-        self._readers = 0
+        self._holders: dict[int, list[_Reader]] = {}  # thread ident -> its readers, innermost last
+        self._count = 0  # readers in all
         self._writer = False
         self._waiting = 0  # exclusive holders waiting: readers wait behind them
         self.limit = limit
         self._shared = _Shared(self)
 
+    @property
+    def _readers(self) -> int:
+        return self._count
+
     def shared(self) -> _Shared:
         """A context manager holding the lock shared (one per lock: it keeps no state)."""
         return self._shared
+
+    def enter_shared(self, owner: FrameType, on_stale: Callable[[], object] | None = None) -> None:
+        """Hold the lock shared for the ``with`` that ``owner`` (a frame) runs, until
+        ``exit_shared`` in the same thread; ``on_stale`` as in the module's protocol. For context
+        managers of other objects that hold it (``with lock.shared():`` is the plain way)."""
+        me = threading.get_ident()
+        counted = False
+        try:
+            with self._mutex:
+                if me in self._holders:
+                    self._drop_stale(me, sys._getframe())
+                while self._writer or self._waiting or (self.limit is not None and self._count >= self.limit):
+                    if not self._cond.wait(_RECHECK_S) and self.limit is not None:
+                        self._sweep()
+                self._holders.setdefault(me, []).append((owner, on_stale))
+                self._count += 1
+                counted = True  # no call between the two: no handler runs there
+        except BaseException:
+            if counted:
+                # Raised as the mutex was let go (handlers run after a C call returns): the
+                # ``with`` never started, so nothing would call ``__exit__``. Inline, as a
+                # function's start would run a handler again.
+                with self._mutex:
+                    mine = self._holders.get(me)
+                    if mine and mine[-1][0] is owner:
+                        mine.pop()
+                        self._count -= 1
+                        if not mine:
+                            del self._holders[me]
+                    self._cond.notify_all()
+            raise
+
+    def exit_shared(self) -> None:
+        """Let go of this thread's innermost shared holding."""
+        me = threading.get_ident()
+        with self._mutex:
+            mine = self._holders.get(me)
+            if mine:  # none: let go of already, as stale (a frame that went on after the cut)
+                mine.pop()
+                self._count -= 1
+                if not mine:
+                    del self._holders[me]
+            if not self._count or self.limit is not None:
+                self._cond.notify_all()  # an exclusive holder, or a reader waiting for a slot
+
+    def _drop_stale(self, ident: int, top: FrameType | None) -> None:
+        """(Mutex held.) Let go of the readers of thread ``ident`` whose frames are not on its
+        stack, ``top`` its innermost frame (None: the thread has ended)."""
+        mine = self._holders.get(ident)
+        if not mine:
+            return
+        live = [reader for reader in mine if top is not None and on_stack(reader[0], top)]
+        if len(live) == len(mine):
+            return
+        stale = [reader for reader in mine if reader not in live]
+        if live:
+            self._holders[ident] = live
+        else:
+            del self._holders[ident]
+        self._count -= len(stale)
+        self._cond.notify_all()
+        for _, on_stale in stale:
+            if on_stale is not None:
+                try:
+                    on_stale()
+                except Exception:  # noqa: BLE001 - it lets go of what a reader left; the reader is gone either way
+                    pass
+
+    def _sweep(self) -> None:
+        """(Mutex held.) Let go of every thread's stale readers (the module's protocol)."""
+        frames = sys._current_frames()
+        try:
+            for ident in list(self._holders):
+                self._drop_stale(ident, frames.get(ident))
+        finally:
+            del frames  # frames of every thread: none kept past this
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """Exclusive holding, as ``threading.Lock.acquire``: False when it was not had in time."""
         got = False
         try:
             with self._mutex:
-                if self._writer or self._readers:
+                me = threading.get_ident()
+                if me in self._holders:
+                    # A thread that held the lock shared would wait for itself here: those left.
+                    self._drop_stale(me, sys._getframe())
+                if self._writer or self._count:
                     if not blocking:
                         return False
                     deadline = None if timeout < 0 else time.monotonic() + timeout
                     self._waiting += 1
                     free = False
                     try:
-                        while self._writer or self._readers:
+                        while self._writer or self._count:
                             left = _RECHECK_S if deadline is None else min(_RECHECK_S, deadline - time.monotonic())
                             if left <= 0:
                                 break
-                            self._cond.wait(left)
-                        free = not self._writer and not self._readers
+                            if not self._cond.wait(left) and self._count:
+                                self._sweep()
+                        free = not self._writer and not self._count
                     finally:
                         self._waiting -= 1
                         if not free:

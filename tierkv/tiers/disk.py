@@ -82,11 +82,13 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import functools
 import logging
 import os
 import shutil
 import stat
 import struct
+import sys
 import threading
 import weakref
 
@@ -96,6 +98,7 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import lmdb
@@ -107,7 +110,7 @@ import torch
 from ..codec import (FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into,
                      encode_array, payload_view, record_head, record_size)
 from ..hashing import HASH_VERSION, KEY_BYTES
-from ..locks import SharedLock
+from ..locks import SharedLock, on_stack
 from ..transfer import Job
 from ..units import absolute_path
 from . import heads as index_entry
@@ -227,9 +230,16 @@ _PREFETCH_GAP = 16 * 4096
 
 
 class _HeldTxn(threading.local):
-    """The read transaction of this thread's ``DiskTier.reading()``, if any."""
+    """The read transaction of this thread's ``DiskTier.reading()``, if any, and the frame whose
+    ``with`` holds it."""
 
     txn: lmdb.Transaction | None = None
+    owner: FrameType | None = None
+
+
+def _abort(begun: list[lmdb.Transaction]) -> None:
+    for txn in begun:
+        txn.abort()
 
 
 class _Reading:
@@ -238,8 +248,10 @@ class _Reading:
     pending handler) left the transaction, the lock's shared side and the thread's ``_reading``
     held for as long as the exception lived (a program keeping it, as ``sys.last_value`` does):
     a remap or a close after it waited for good, and the thread's later reads went through that
-    stale transaction. As with ``SharedLock``, a handler raising as ``__exit__`` starts is the
-    one point left open."""
+    stale transaction. A handler raising as ``__exit__`` starts still leaves them, as with
+    ``SharedLock``, and as there they are found stale (``locks.py``): the lock lets go of the
+    reader and aborts its transaction, and this thread's reads take no transaction whose ``with``
+    is no longer on their stack."""
 
     __slots__ = ("_tier",)
 
@@ -248,10 +260,14 @@ class _Reading:
 
     def __enter__(self) -> None:
         tier = self._tier
-        tier._resize_lock.shared().__enter__()
+        owner = sys._getframe(1)
+        begun: list[lmdb.Transaction] = []  # aborted by the lock if it lets go of this reader as stale
+        tier._resize_lock.enter_shared(owner, functools.partial(_abort, begun))
         try:
-            # Nothing after the store: the ``with`` statement's own cleanup covers from here.
-            tier._reading.txn = tier._read_txn()
+            # Nothing after the stores: the ``with`` statement's own cleanup covers from here.
+            begun.append(tier._read_txn())
+            tier._reading.owner = owner
+            tier._reading.txn = begun[0]
         except BaseException:
             self.__exit__()
             raise
@@ -259,11 +275,12 @@ class _Reading:
     def __exit__(self, *exc: Any) -> None:
         tier = self._tier
         txn, tier._reading.txn = tier._reading.txn, None
+        tier._reading.owner = None
         try:
             if txn is not None:
                 txn.abort()  # a read transaction: nothing to commit
         finally:
-            tier._resize_lock.shared().__exit__(None, None, None)
+            tier._resize_lock.exit_shared()
 
 
 class StoreInUse(ValueError):
@@ -1888,9 +1905,14 @@ class DiskTier:
         Raises ``KeyError`` if it is absent and ``CorruptRecord`` if it fails any check. Call
         ``prefetch`` first when the page cache may not hold the record (one synchronous read per
         page otherwise)."""
-        txn = self._reading.txn
-        if txn is not None:  # inside this thread's ``reading()``
-            return self._read_in(txn, key, into)
+        held = self._reading
+        txn = held.txn
+        if txn is not None:
+            if on_stack(held.owner, sys._getframe(1)):  # inside this thread's ``reading()``
+                return self._read_in(txn, key, into)
+            # Left by a ``reading()`` whose exit a signal handler's exception cut short: the lock
+            # aborts it as it lets go of that reader (at the shared holding below).
+            held.txn = held.owner = None
         with self._resize_lock.shared(), self._read_txn() as txn:
             return self._read_in(txn, key, into)
 
