@@ -11,6 +11,7 @@ test calls the served app as an ASGI app directly (``call_asgi``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -285,20 +286,58 @@ def test_streaming_delivers_the_non_streamed_reply_and_commits(server: Server) -
     assert cached(nxt) == plain["usage"]["prompt_tokens"] + plain["usage"]["completion_tokens"] - 1
 
 
+def test_a_stream_without_include_usage_has_no_usage(server: Server) -> None:
+    messages = conversation("no usage")
+    for options in ({}, {"stream_options": {}}, {"stream_options": {"include_usage": False}}):
+        events = server.stream(messages, key="k-no-usage", **{"stream_options": None, **options})
+        assert events[-1] == "[DONE]" and all(c["choices"] and "usage" not in c for c in events[:-1]), options
+
+
 def test_stop_strings_cut_the_reply_streamed_or_not(server: Server) -> None:
     messages = conversation("stop")
     full = text(server.chat(messages, key="k-stop", max_tokens=24))
     assert len(full) >= 11, "the conversation must yield a reply long enough to cut"
+    # Two stops the same token completes, the later one found first: the reply ends before the earlier.
+    end = next(j for j in range(3, len(full)) if full[j - 1] not in full[:j - 1])
     # One character (nothing held back), two, three, and two stops at once: the token completing a
     # stop string reaches the stream before generation stops, and none of the stop may be sent.
-    for stop in ([full[5]], [full[5:7]], full[3:6], [full[8:10], full[6]], [full[9:11], "@@@@"]):
+    for stop in ([full[5]], [full[0]], [full[5:7]], full[3:6], [full[8:10], full[6]], [full[9:11], "@@@@"],
+                 [full[end - 1], full[end - 3:end]]):
         stops = [stop] if isinstance(stop, str) else stop
         cut = server.chat(messages, key="k-stop", max_tokens=24, stop=stop)
         at = min(i for i in (full.find(s) for s in stops) if i >= 0)
         assert text(cut) == full[:at] and cut["choices"][0]["finish_reason"] == "stop", stop
+        # Generation stops at the token completing the first stop string (one byte per token), not at max_tokens.
+        assert cut["usage"]["completion_tokens"] == min(full.find(s) + len(s) for s in stops if s in full), stop
         events = server.stream(messages, key="k-stop", max_tokens=24, stop=stop)
-        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
-        assert streamed == text(cut), stop
+        deltas = [c["choices"][0]["delta"]["content"] for c in events[1:-1]
+                  if c["choices"] and "content" in c["choices"][0]["delta"]]
+        assert "".join(deltas) == text(cut) and all(deltas), (stop, deltas)  # no empty chunk while a stop is held
+    # The prompt's text is not the reply's: a stop string the user's message ends with stops nothing.
+    assert "speaking." not in full and messages[-1]["content"].endswith("speaking.")
+    assert text(server.chat(messages, key="k-stop", max_tokens=24, stop="speaking.")) == full
+
+
+def test_max_tokens_its_default_and_limit_and_the_finish_reason_of_each_end(server: Server) -> None:
+    messages = conversation("finish")
+    no_end = {"260": -100}  # <|end|>: the reply runs to its limit
+    body = {"messages": messages, "temperature": 0, "logit_bias": no_end}
+
+    def tokens(**fields: Any) -> dict[str, Any]:
+        r = server.post({**body, **fields}, key="k-finish")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    default = tokens()
+    assert default["usage"]["completion_tokens"] == server.settings.default_max_tokens
+    assert default["choices"][0]["finish_reason"] == "length"
+    newer = tokens(max_tokens=3, max_completion_tokens=5)  # OpenAI's newer name wins
+    assert newer["usage"]["completion_tokens"] == 5
+    limit = server.settings.max_output_tokens  # the limit itself is accepted
+    assert tokens(max_tokens=limit)["usage"]["completion_tokens"] == limit
+    ended = tokens(max_tokens=4, logit_bias={"260": 100})
+    assert ended["choices"][0]["finish_reason"] == "stop" and text(ended) == ""
+    assert ended["usage"]["completion_tokens"] == 1
 
 
 def test_concurrent_sessions_each_get_the_reply_they_get_alone(server: Server) -> None:
@@ -403,6 +442,50 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
     assert not logged.records, [r.getMessage() for r in logged.records]
     # Had the turn run, it would have committed this very prompt.
     assert cached(server.chat(messages, key="k-gone-plain", session="gone")) == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_running_turn_whose_client_left_stops_at_its_next_token(server: Server, monkeypatch: pytest.MonkeyPatch,
+                                                                  streamed: bool) -> None:
+    engine = server.state.engine
+    model = engine.model
+    forward = model.forward
+    calls, running, release = [0], threading.Event(), threading.Event()
+
+    @functools.wraps(forward)  # generate reads the forward's signature
+    def gated(*args: Any, **kwargs: Any) -> Any:  # holds the turn after its first token
+        calls[0] += 1
+        if calls[0] == 2:
+            running.set()
+            release.wait(30)
+        return forward(*args, **kwargs)
+
+    results: list[Any] = []
+    run = engine._run
+
+    def recorded(*args: Any) -> Any:
+        results.append(run(*args))
+        return results[-1]
+
+    monkeypatch.setattr(model, "forward", gated)
+    monkeypatch.setattr(engine, "_run", recorded)
+    body = json.dumps({"messages": conversation(f"left running {streamed}"), "temperature": 0, "max_tokens": 64,
+                       "logit_bias": {"260": -100}, "stream": streamed}).encode()
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nX-API-Key: k-left-running\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert running.wait(30), "the turn never started"
+        wait_for_pending(server, 0, "the server never noticed the client leave")
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while not results:
+        assert time.monotonic() < deadline, "the turn never ended"
+        time.sleep(0.02)
+    # Two tokens (the one generated when the client left, the next one), not 64.
+    assert results[0].completion_tokens == 2 and results[0].finish_reason == "length"
 
 
 ASGI_SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "query_string": b"",
