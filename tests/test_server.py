@@ -181,6 +181,46 @@ def test_deleting_a_session_forgets_it_for_its_own_tenant_only(server: Server) -
     assert cached(server.chat(messages, key="k-del", session="bob")) == 0
 
 
+def test_the_session_header_wins_over_the_body_s_user(server: Server) -> None:
+    server.chat(conversation("header wins"), key="k-wins", session="from-header", user="from-user")
+    for sid, removed in (("from-user", False), ("from-header", True)):
+        gone = httpx.delete(f"{server.url}/v1/sessions/{sid}", headers={"X-API-Key": "k-wins"}, timeout=30)
+        assert gone.status_code == 200 and (gone.json()["blocks_removed"] > 0) == removed, sid
+
+
+def test_a_delete_comes_after_the_session_s_turns_already_queued(server: Server,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Else the queued turn commits the session back right after it was forgotten.
+    messages = conversation("delete queued")
+    store, forgotten = server.state.store, threading.Event()
+    forget = store.forget
+
+    def noted(*args: Any, **kwargs: Any) -> int:
+        forgotten.set()
+        return forget(*args, **kwargs)
+
+    monkeypatch.setattr(store, "forget", noted)
+    gate = threading.Event()
+    held = server.state.engine.submit(gate.wait)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            turn = pool.submit(server.chat, messages, "k-del-queued", "q")
+            wait_for_pending(server, 1, "the turn was never queued")
+            gone = pool.submit(httpx.delete, f"{server.url}/v1/sessions/q", headers={"X-API-Key": "k-del-queued"},
+                               timeout=30)
+            deadline = time.monotonic() + 30  # until the delete arrived: queued behind the turn, or done
+            while server.state.engine._executor._work_queue.qsize() < 2 and not forgotten.is_set():
+                assert time.monotonic() < deadline, "the delete never arrived"
+                time.sleep(0.02)
+            gate.set()
+            turn.result(timeout=60)
+            assert gone.result(timeout=60).json()["blocks_removed"] > 0
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    assert cached(server.chat(messages, key="k-del-queued", session="q")) == 0
+
+
 def test_a_session_id_with_a_slash_can_be_deleted(server: Server) -> None:
     messages = conversation("slash")
     first = server.chat(messages, key="k-slash", session="team/alice")
