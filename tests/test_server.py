@@ -1140,6 +1140,56 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
     assert isinstance(streamed, ServerClosing) and isinstance(plain, ServerClosing)
 
 
+def test_shutdown_lets_the_running_turn_commit_before_the_store_closes(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    state = ServerState.start(Settings(store=str(tmp_path / "kv"), **SMALL))
+    engine = state.engine
+    forward = engine.model.forward
+    calls, running, release = [0], threading.Event(), threading.Event()
+
+    @functools.wraps(forward)
+    def gated(*args: Any, **kwargs: Any) -> Any:  # holds the turn after its first token
+        calls[0] += 1
+        if calls[0] == 2:
+            running.set()
+            release.wait(30)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", gated)
+    from examples.server.engine import Turn
+
+    ids = engine.tokenizer.encode_chat([("user", "the turn running at shutdown")])
+    turn = engine.submit(engine._run, Turn(ids=ids, session="s", tenant=None, max_tokens=4), None, None)
+    closer = threading.Thread(target=state.close)
+    try:
+        assert running.wait(30), "the turn never started"
+        closer.start()
+        deadline = time.monotonic() + 30
+        while not engine._closing:  # the shutdown began
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        release.set()
+        closer.join(60)
+    assert turn.result(timeout=0).completion_tokens == 4
+    with TieredStore(tmp_path / "kv", block_size=SMALL["block_size"]) as reopened:
+        assert reopened.stats()["disk"]["blocks"] > 0  # the turn's commit reached the disk before the close
+
+
+def test_a_startup_that_fails_after_the_store_opened_closes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import examples.server.app as module
+
+    def broken(settings: Settings) -> Any:
+        raise ValueError("no model")
+
+    monkeypatch.setattr(module, "build_model", broken)
+    with pytest.raises(ValueError, match="no model") as refused:
+        ServerState.start(Settings(store=str(tmp_path / "kv"), **SMALL))
+    # While the caller still holds the exception (its traceback holds the store): not "in use by another TieredStore".
+    TieredStore(tmp_path / "kv", block_size=SMALL["block_size"]).close()
+    del refused
+
+
 def test_requests_the_graceful_shutdown_cancels_get_a_503_without_a_traceback() -> None:
     # uvicorn --timeout-graceful-shutdown: once it runs out, uvicorn cancels the requests still
     # running, and logged the CancelledError the app let out with a traceback, then sent a bare
