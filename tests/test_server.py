@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from examples.server.app import ServerState, create_app, tenant_name
 from examples.server.engine import build_model
 from examples.server.settings import Settings
+from examples.server.tokenizer import VOCAB_SIZE
 from tierkv import TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -689,6 +690,16 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
      "stream_options", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": False, "stream_options": {}}, 400,
      "stream_options", "invalid_value"),
+    # More fields this server cannot honour, and values out of OpenAI's ranges.
+    *[({"messages": [{"role": "user", "content": "hi"}], field: value}, 400, field, code) for field, value, code in (
+        ("logprobs", True, "unsupported_parameter"), ("tools", [{"type": "function"}], "unsupported_parameter"),
+        ("function_call", {"name": "f"}, "unsupported_value"), ("audio", {"voice": "x"}, "unsupported_parameter"),
+        ("verbosity", "high", "unsupported_value"), ("web_search_options", {}, "unsupported_parameter"),
+        ("top_p", 0, "invalid_value"), ("temperature", -0.5, "invalid_value"), ("n", 0, "invalid_value"),
+        ("frequency_penalty", 2.5, "invalid_value"), ("top_logprobs", 21, "invalid_value"),
+        ("stop", "", "invalid_value"), ("stop", ["a", ""], "invalid_value"),
+        ("logit_bias", {"65": -101}, "invalid_value"),
+        ("max_tokens", "5", "invalid_type"))],
 ])
 def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, param: str | None,
                                         code: str | None) -> None:
@@ -701,6 +712,45 @@ def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, 
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
+
+
+def test_a_request_with_several_faults_is_told_of_the_first_parameter_and_its_reasons_only(server: Server) -> None:
+    r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten", "temperature": 3},
+                    key="k-bad")
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_tokens" and error["message"].startswith("max_tokens: ")
+    assert "less than or equal to 2" not in error["message"], error  # the temperature's reason
+
+
+def test_each_limit_is_accepted_and_one_past_it_refused(server: Server) -> None:
+    json_type = {"Content-Type": "application/json", "X-API-Key": "k-limits"}
+    limit = server.settings.max_body_bytes
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    exact = body + b" " * (limit - len(body))
+    for raw, status in ((exact, 200), (exact + b" ", 413)):
+        assert server.post(None, raw=raw, headers=json_type).status_code == status
+        # Without a declared length (chunked): counted as it arrives.
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=iter([raw[:1000], raw[1000:]]), headers=json_type,
+                       timeout=60)
+        assert "content-length" not in r.request.headers and r.status_code == status
+    # A declared length over the limit is refused before any of the body comes.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % (limit + 1))
+        assert client.recv(64).startswith(b"HTTP/1.1 413 ")
+    # Prompt tokens: 2 + (bytes + 2) per message; "\u00e9" is two bytes.
+    tokens = server.settings.max_input_tokens
+    assert (tokens - 4) % 2 == 0
+    fits = "\u00e9" * ((tokens - 4) // 2)
+    r = server.post({"messages": [{"role": "user", "content": fits}], "max_tokens": 1}, key="k-limits")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens, r.text
+    r = server.post({"messages": [{"role": "user", "content": fits + "x"}], "max_tokens": 1}, key="k-limits")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # Four stop strings, and the ends of logit_bias's ranges.
+    r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stop": ["a", "b", "c", "d"],
+                     "logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 100}}, key="k-limits")
+    assert r.status_code == 200, r.text
 
 
 def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: Server) -> None:
@@ -719,6 +769,12 @@ def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: S
                        {**history[2], "refusal": None, "tool_calls": [], "function_call": None, "audio": None},
                        history[3]]
     assert text(server.chat(neutral_history, key="k-neutral")) == plain
+    # An assistant's content: null (OpenAI's, beside a tool call) is the empty text; text parts join as they are.
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    assert text(server.chat([*messages, {"role": "assistant", "content": None}, {"role": "user", "content": parts}],
+                            key="k-neutral")) == \
+        text(server.chat([*messages, {"role": "assistant", "content": ""}, {"role": "user", "content": "Hello"}],
+                         key="k-neutral"))
 
 
 def openai_penalised_greedy(model: torch.nn.Module, tokenizer: Any, messages: list[dict[str, Any]], n: int,
@@ -759,10 +815,14 @@ def test_frequency_and_presence_penalties_and_logit_bias_are_openai_s(server: Se
 
 def test_other_refusals_are_openai_errors_too(server: Server) -> None:
     ok = {"messages": [{"role": "user", "content": "hi"}]}
-    for r, status in ((httpx.get(f"{server.url}/v1/nowhere"), 404),
-                      (httpx.get(f"{server.url}/v1/chat/completions"), 405),
-                      (server.post(ok, headers={"Authorization": "Basic abc"}), 401)):
+    for r, status, code in ((httpx.get(f"{server.url}/v1/nowhere"), 404, "not_found"),
+                            (httpx.get(f"{server.url}/v1/chat/completions"), 405, "method_not_allowed"),
+                            (server.post(ok, headers={"Authorization": "Basic abc"}), 401, "invalid_api_key"),
+                            (server.post(ok, headers={"Authorization": "Bearer"}), 401, "invalid_api_key")):
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "invalid_request_error"
+        if status == 405:
+            assert r.headers["allow"] == "POST"  # what to use instead
     assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"  # and the server is still well
 
 
