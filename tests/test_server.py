@@ -619,6 +619,35 @@ def test_a_seed_makes_sampling_reproducible_and_replies_stay_printable(server: S
     assert all(" " <= c <= "~" or c in "\t\n" for c in a)  # what round-trips through the byte tokenizer
 
 
+def test_sampled_replies_are_plain_transformers_sampling_with_openai_s_defaults(server: Server) -> None:
+    model, tokenizer = build_model(server.settings)
+    messages = conversation("sampled")
+    ids = torch.tensor([tokenizer.encode_chat((m["role"], m["content"]) for m in messages)])
+
+    def reference(temperature: float, top_p: float, seed: int) -> str:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = model.generate(ids, max_new_tokens=16, do_sample=True, temperature=temperature, top_p=top_p,
+                                 top_k=0, suppress_tokens=list(tokenizer.suppress_ids), eos_token_id=tokenizer.end_id,
+                                 pad_token_id=tokenizer.end_id)  # top_k=0: OpenAI's API has no top-k
+        return tokenizer.decode(out[0, ids.shape[1]:].tolist())
+
+    rng = torch.random.get_rng_state()
+    assert text(server.chat(messages, key="k-sampled", temperature=1.5, top_p=0.9, seed=11, max_tokens=16)) == \
+        reference(1.5, 0.9, 11)
+    # A seed is the request's own: the process's generator is left as it was, for the unseeded requests.
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    # Without temperature and top_p: OpenAI's defaults, 1 and 1 (not greedy).
+    r = server.post({"messages": messages, "seed": 5, "max_tokens": 16}, key="k-sampled")
+    assert r.status_code == 200 and text(r.json()) == reference(1.0, 1.0, 5)
+    assert r.json()["model"] == server.settings.model_name  # no model asked for: the one served
+    # Building the model (at startup) does not reseed the process's generator either.
+    torch.rand(1)  # off the state that building the model would seed
+    rng = torch.random.get_rng_state()
+    build_model(server.settings)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
 BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
 
 
