@@ -879,6 +879,14 @@ def test_settings_come_from_the_environment_then_the_flags() -> None:
     assert parse_args(["--block-size", "32"], env).block_size == 32 and parse_args([], env).port == 9000
     with pytest.raises(ValueError, match="TIERKV_BLOCK_SIZE"):
         Settings.from_env({"TIERKV_BLOCK_SIZE": "big"})
+    # "none" in any case, or empty: no disk tier; an empty device: auto.
+    assert Settings.from_env({"TIERKV_STORE": " None "}).store is None
+    assert Settings.from_env({"TIERKV_STORE": "none", "TIERKV_DEVICE": ""}).device is None
+    # The limits' own ends are accepted.
+    from examples.server.settings import MAX_POSITIONS
+
+    assert Settings(store=None, max_input_tokens=MAX_POSITIONS - 512, max_output_tokens=512, default_max_tokens=512,
+                    port=0, block_size=1).max_input_tokens == MAX_POSITIONS - 512
 
 
 def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
@@ -912,6 +920,9 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--tiny-hidden", "320"], "tiny_hidden must be 64, 128, 192 or a multiple of 128"),
     (["--max-input-tokens", "8000"], "max_input_tokens + max_output_tokens must be <= 8192"),
     (["--port", "70000"], "port must be in 0..65535"),
+    (["--port", "-1"], "port must be in 0..65535"),
+    (["--block-size", "0"], "block_size must be >= 1, got 0"),
+    (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
     (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--seed", str(-(2**63) - 1)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--store", __file__], "is a file; give a directory"),
