@@ -1264,7 +1264,7 @@ def test_shutdown_lets_the_running_turn_commit_before_the_store_closes(tmp_path:
         assert running.wait(30), "the turn never started"
         closer.start()
         deadline = time.monotonic() + 30
-        while not engine._closing:  # the shutdown began
+        while not engine._closing:  # the engine's close began: a store closed before it is closed by now
             assert time.monotonic() < deadline
             time.sleep(0.02)
     finally:
