@@ -72,7 +72,7 @@ _Reader = tuple[FrameType, Callable[[], object] | None]
 class SharedLock:
     """Shared (``shared()``) or exclusive (the lock itself) holding; see the module's protocol."""
 
-    __slots__ = ("_mutex", "_cond", "_holders", "_count", "_writer", "_waiting", "limit", "_shared")
+    __slots__ = ("_mutex", "_cond", "_holders", "_writer", "_waiting", "limit", "_shared")
 
     def __init__(self, limit: int | None = None) -> None:
         # Taken with ``with`` on the C lock itself, never the Condition's: a C lock's enter and
@@ -80,8 +80,10 @@ class SharedLock:
         # a pending handler, which then left the state's lock held for good.
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
-        self._holders: dict[int, list[_Reader]] = {}  # thread ident -> its readers, innermost last
-        self._count = 0  # readers in all
+        # Thread ident -> its readers, innermost last. The readers' count is not kept apart: a
+        # handler's exception between a change to it and one to these lists (a C call's return
+        # lies between any two) left them disagreeing, where nothing could ever mend the count.
+        self._holders: dict[int, list[_Reader]] = {}
         self._writer = False
         self._waiting = 0  # exclusive holders waiting: readers wait behind them
         self.limit = limit
@@ -89,7 +91,7 @@ class SharedLock:
 
     @property
     def _readers(self) -> int:
-        return self._count
+        return sum(map(len, self._holders.values()))
 
     def shared(self) -> _Shared:
         """A context manager holding the lock shared (one per lock: it keeps no state)."""
@@ -100,29 +102,28 @@ class SharedLock:
         ``exit_shared`` in the same thread; ``on_stale`` as in the module's protocol. For context
         managers of other objects that hold it (``with lock.shared():`` is the plain way)."""
         me = threading.get_ident()
+        reader = (owner, on_stale)
         counted = False
         try:
             with self._mutex:
                 if me in self._holders:
                     self._drop_stale(me, sys._getframe())
-                while self._writer or self._waiting or (self.limit is not None and self._count >= self.limit):
+                while self._writer or self._waiting or (self.limit is not None and self._readers >= self.limit):
                     if not self._cond.wait(_RECHECK_S) and self.limit is not None:
                         self._sweep()
-                self._holders.setdefault(me, []).append((owner, on_stale))
-                self._count += 1
-                counted = True  # no call between the two: no handler runs there
+                mine = self._holders.setdefault(me, [])
+                counted = True  # first: a handler runs only once the append below has returned
+                mine.append(reader)
         except BaseException:
             if counted:
-                # Raised as the mutex was let go (handlers run after a C call returns): the
-                # ``with`` never started, so nothing would call ``__exit__``. Inline, as a
-                # function's start would run a handler again.
+                # Raised as the mutex was let go or the append returned (handlers run after a C
+                # call returns): the ``with`` never started, so nothing would call ``__exit__``.
+                # Inline, as a function's start would run a handler again. Cut short itself, it
+                # leaves a reader whose frame is leaving: a stale one, let go later.
                 with self._mutex:
                     mine = self._holders.get(me)
-                    if mine and mine[-1][0] is owner:
+                    if mine and mine[-1] is reader:
                         mine.pop()
-                        self._count -= 1
-                        if not mine:
-                            del self._holders[me]
                     self._cond.notify_all()
             raise
 
@@ -133,10 +134,9 @@ class SharedLock:
             mine = self._holders.get(me)
             if mine:  # none: let go of already, as stale (a frame that went on after the cut)
                 mine.pop()
-                self._count -= 1
                 if not mine:
                     del self._holders[me]
-            if not self._count or self.limit is not None:
+            if not self._readers or self.limit is not None:
                 self._cond.notify_all()  # an exclusive holder, or a reader waiting for a slot
 
     def _drop_stale(self, ident: int, top: FrameType | None) -> None:
@@ -144,16 +144,16 @@ class SharedLock:
         stack, ``top`` its innermost frame (None: the thread has ended)."""
         mine = self._holders.get(ident)
         if not mine:
+            self._holders.pop(ident, None)  # an empty list a cut exit left
             return
         live = [reader for reader in mine if top is not None and on_stack(reader[0], top)]
         if len(live) == len(mine):
             return
-        stale = [reader for reader in mine if reader not in live]
+        stale = [reader for reader in mine if not any(reader is kept for kept in live)]
         if live:
             self._holders[ident] = live
         else:
             del self._holders[ident]
-        self._count -= len(stale)
         self._cond.notify_all()
         for _, on_stale in stale:
             if on_stale is not None:
@@ -180,20 +180,20 @@ class SharedLock:
                 if me in self._holders:
                     # A thread that held the lock shared would wait for itself here: those left.
                     self._drop_stale(me, sys._getframe())
-                if self._writer or self._count:
+                if self._writer or self._readers:
                     if not blocking:
                         return False
                     deadline = None if timeout < 0 else time.monotonic() + timeout
                     self._waiting += 1
                     free = False
                     try:
-                        while self._writer or self._count:
+                        while self._writer or self._readers:
                             left = _RECHECK_S if deadline is None else min(_RECHECK_S, deadline - time.monotonic())
                             if left <= 0:
                                 break
-                            if not self._cond.wait(left) and self._count:
+                            if not self._cond.wait(left) and self._readers:
                                 self._sweep()
-                        free = not self._writer and not self._count
+                        free = not self._writer and not self._readers
                     finally:
                         self._waiting -= 1
                         if not free:
