@@ -485,22 +485,30 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
     assert cached(server.chat(messages, key="k-gone-plain", session="gone")) == 0
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-def test_a_running_turn_whose_client_left_stops_at_its_next_token(server: Server, monkeypatch: pytest.MonkeyPatch,
-                                                                  streamed: bool) -> None:
-    engine = server.state.engine
-    model = engine.model
+def hold_after_first_token(model: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Patch ``model.forward`` to hold a turn at its second forward (after its first token) until
+    ``release`` is set; ``running`` is set once it holds there."""
     forward = model.forward
     calls, running, release = [0], threading.Event(), threading.Event()
 
     @functools.wraps(forward)  # generate reads the forward's signature
-    def gated(*args: Any, **kwargs: Any) -> Any:  # holds the turn after its first token
+    def gated(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
             running.set()
             release.wait(30)
         return forward(*args, **kwargs)
 
+    monkeypatch.setattr(model, "forward", gated)
+    return running, release
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_running_turn_whose_client_left_stops_at_its_next_token(server: Server, monkeypatch: pytest.MonkeyPatch,
+                                                                  streamed: bool) -> None:
+    engine = server.state.engine
+    model = engine.model
+    running, release = hold_after_first_token(model, monkeypatch)
     results: list[Any] = []
     run = engine._run
 
@@ -508,7 +516,6 @@ def test_a_running_turn_whose_client_left_stops_at_its_next_token(server: Server
         results.append(run(*args))
         return results[-1]
 
-    monkeypatch.setattr(model, "forward", gated)
     monkeypatch.setattr(engine, "_run", recorded)
     body = json.dumps({"messages": conversation(f"left running {streamed}"), "temperature": 0, "max_tokens": 64,
                        "logit_bias": {"260": -100}, "stream": streamed}).encode()
@@ -1243,18 +1250,7 @@ def test_shutdown_lets_the_running_turn_commit_before_the_store_closes(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     state = ServerState.start(Settings(store=str(tmp_path / "kv"), **SMALL))
     engine = state.engine
-    forward = engine.model.forward
-    calls, running, release = [0], threading.Event(), threading.Event()
-
-    @functools.wraps(forward)
-    def gated(*args: Any, **kwargs: Any) -> Any:  # holds the turn after its first token
-        calls[0] += 1
-        if calls[0] == 2:
-            running.set()
-            release.wait(30)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.model, "forward", gated)
+    running, release = hold_after_first_token(engine.model, monkeypatch)
     from examples.server.engine import Turn
 
     ids = engine.tokenizer.encode_chat([("user", "the turn running at shutdown")])

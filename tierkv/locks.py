@@ -149,7 +149,8 @@ class SharedLock:
         live = [reader for reader in mine if top is not None and on_stack(reader[0], top)]
         if len(live) == len(mine):
             return
-        stale = [reader for reader in mine if not any(reader is kept for kept in live)]
+        kept = {id(reader) for reader in live}
+        stale = [reader for reader in mine if id(reader) not in kept]
         if live:
             self._holders[ident] = live
         else:
