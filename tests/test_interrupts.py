@@ -4,7 +4,9 @@ later turns stay exact, a forget is whole and no owed delete is lost."""
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -351,15 +353,21 @@ def assert_ctrl_c_raised() -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_sections_exit_cut_short_at_any_point_never_swallows_ctrl_c_for_good() -> None:
+@pytest.mark.parametrize("kept", [False, True], ids=["dropped", "kept"])
+def test_a_sections_exit_cut_short_at_any_point_never_swallows_ctrl_c_for_good(kept: bool) -> None:
     """Another signal's handler raising as a section's ``__exit__`` began (CPython runs handlers
     at a function's start) left the section counted for good, by a depth never taken back: every
     later Ctrl-C of the process was recorded and never raised (helper-68). Cut short at each
     call of the exit in turn, nested or outermost: afterwards Ctrl-C is raised at once outside a
-    section and as a section exits, and SIGINT's handler is the program's again."""
+    section and as a section exits, and SIGINT's handler is the program's again. ``kept``: the
+    exceptions are kept alive (as a REPL's ``sys.last_value`` or a server's error log keeps
+    one): the cut ``__exit__``'s frame, and its ``self``, with them; sections held by weak
+    references counted as open for as long, and every Ctrl-C meanwhile was recorded and never
+    raised."""
     from conftest import HandlerRaised, _raise_handler_raised
 
     main = threading.get_ident()
+    keep: list[BaseException] = []
     previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
     try:
         for nested in (False, True):
@@ -376,20 +384,29 @@ def test_a_sections_exit_cut_short_at_any_point_never_swallows_ctrl_c_for_good()
                             signal.pthread_kill(main, signal.SIGUSR1)
 
                 try:
-                    with defer_interrupts():
-                        with defer_interrupts() if nested else _nothing():
-                            sys.setprofile(profile)
-                    sys.setprofile(None)
-                except HandlerRaised:
-                    pass
+                    _sections(nested, profile)
+                except HandlerRaised as exc:
+                    if kept:
+                        keep.append(exc)
                 finally:
                     sys.setprofile(None)
                 if not sent:
                     break
                 assert_ctrl_c_raised()
             assert point > 3, point  # the exits' calls were each cut short in turn
+        assert len(keep) > 6 or not kept
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        keep.clear()
+
+
+def _sections(nested: bool, profile) -> None:
+    # Entered in a function of their own, as the store's are: the frame of a ``with`` cut short
+    # is off the stack once the exception is out of it.
+    with defer_interrupts():
+        with defer_interrupts() if nested else _nothing():
+            sys.setprofile(profile)
+    sys.setprofile(None)
 
 
 class _nothing:
@@ -687,3 +704,53 @@ def test_raised_by_signal_handler_tells_a_handlers_exception_whatever_its_argume
     with pytest.raises(TimeoutError) as raised:
         _not_a_handler(sys._getframe(1))  # the test's caller's frame
     assert not raised_by_signal_handler(raised.value)
+
+
+def _own_exits(loop: ast.For) -> list[ast.stmt]:
+    """The ``break``s of ``loop`` itself and the ``return``s in its body (not those of a nested
+    loop's or function's)."""
+    found: list[ast.stmt] = []
+
+    def visit(node: ast.AST, nested_loop: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.Return) or isinstance(child, ast.Break) and not nested_loop:
+                found.append(child)
+            visit(child, nested_loop or isinstance(child, (ast.For, ast.While, ast.AsyncFor)))
+
+    for statement in loop.body:
+        visit(ast.Module(body=[statement], type_ignores=[]), False)
+    return found
+
+
+def test_no_generator_is_left_suspended_for_its_close_to_swallow_a_handlers_exception() -> None:
+    """A short-circuiting ``any()``/``all()``/``next()`` over a generator expression, or a loop
+    over a generator left by ``break`` or ``return``, leaves the generator suspended; its
+    ``close()`` as it is freed runs a pending signal handler, and that handler's exception is
+    lost ("Exception ignored in <generator>"): a SIGALRM timeout or SIGTERM's ``sys.exit`` that
+    landed there vanished (found by cutting ``store.open`` at every point: whether a Ctrl-C
+    section was open, whether a read landed in place). Lists, or loops over them, finish."""
+    generators = {"modules", "named_modules", "children", "named_children", "parameters",
+                  "named_parameters", "buffers", "named_buffers", "walk"}
+    trees = {path: ast.parse(path.read_text(encoding="utf-8"))
+             for path in sorted(pathlib.Path(tierkv.__file__).parent.rglob("*.py"))}
+    for tree in trees.values():  # tierkv's own generator functions
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any([isinstance(n, (ast.Yield, ast.YieldFrom))
+                                                          for n in ast.walk(node)]):
+                generators.add(node.name)
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("any", "all", "next") and node.args and isinstance(node.args[0], ast.GeneratorExp):
+                found.append(f"{path.name}:{node.lineno} {node.func.id}() over a generator expression")
+            if isinstance(node, ast.For) and _own_exits(node):
+                it = node.iter
+                called = it.func.attr if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) else \
+                    it.func.id if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) else None
+                if isinstance(it, ast.GeneratorExp) or called in generators:
+                    found.append(f"{path.name}:{node.lineno} a loop over a generator, left early")
+    assert not found, found
+    assert len(generators) > 9  # the check saw tierkv's own

@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
         print(f"error: could not write the reports to {out} ({exc}); the table above is the run's", file=sys.stderr)
         raise SystemExit(4) from None
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {out / w}" for w in written))
-    if not all(r.exact for r in run_["results"].values() if not r.skipped):
+    if not all([r.exact for r in run_["results"].values() if not r.skipped]):
         raise SystemExit("a policy's replies differ from recomputation: please report this as a bug"
                          + ("" if args.dtype == "float32" else f" (after a rerun with --dtype float32: {args.dtype} "
                                                                "checks only to its own rounding)"))

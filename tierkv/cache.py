@@ -278,8 +278,8 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         parameters = {}  # type: ignore[assignment]
     inputs = set(parameters)
     # A forward(*args, **kwargs) (a subclass's, a decorator's) names nothing it takes.
-    catch_all = "input_ids" not in inputs and any(
-        p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in parameters.values())
+    catch_all = "input_ids" not in inputs and any([
+        p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in parameters.values()])
     if inputs and not catch_all and isinstance(model, PreTrainedModel) and not inputs & {"cache", "past_key_values"}:
         raise ValueError(f"{name} takes no KV cache (its forward has no cache or past_key_values argument), so "
                          "there is no KV for tierkv to store or restore; use a model that generates with a cache")
@@ -395,18 +395,18 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
     parameter: that call's cache reaches the inner forward positionally. Read from the source;
     a forward whose source cannot be read, or that passes ``*args``, is not judged here (the
     forward hook still refuses such a call when it happens)."""
-    for part in (m for m in model.modules() if isinstance(m, PreTrainedModel)):
+    for part in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(part).forward))))
         except (OSError, TypeError, SyntaxError, IndentationError):
             continue
         children = dict(part.named_children())
-        for node in ast.walk(tree):
+        for node in list(ast.walk(tree)):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
                 continue
             inner = children.get(node.func.attr)
-            if not isinstance(inner, PreTrainedModel) or any(isinstance(a, ast.Starred) for a in node.args):
+            if not isinstance(inner, PreTrainedModel) or any([isinstance(a, ast.Starred) for a in node.args]):
                 continue
             try:
                 parameters = list(inspect.signature(inner.forward).parameters.values())
@@ -414,7 +414,7 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
                 continue
             positional = [p.name for p in parameters
                           if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-            at = next((i for i, n in enumerate(positional) if n in ("cache", "past_key_values")), None)
+            at = ([i for i, n in enumerate(positional) if n in ("cache", "past_key_values")] or [None])[0]
             if at is not None and len(node.args) > at:
                 return (f"{type(part).__name__}.forward hands {type(inner).__name__}.forward its cache as positional "
                         f"argument {at + 1} ({positional[at]})")
@@ -428,7 +428,7 @@ def _refuse_hidden_weights(model: torch.nn.Module) -> None:
     one fingerprint, and each would be served the other's KV."""
     for name, module in model.named_modules():
         if type(module).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized")) or \
-                any(isinstance(value, torch.ScriptObject) for value in vars(module).values()):
+                any([isinstance(value, torch.ScriptObject) for value in vars(module).values()]):
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             raise ValueError(f"{type(model).__name__}'s {name or 'root'} ({kind}) holds its weights "
                              "outside the model's parameters (torch.ao quantization packs them), where tierkv's "
@@ -625,7 +625,7 @@ def _static_facts(model: Any) -> _Static:
     # model's, and its forward call the inner forward directly, without the wrapper's own hooks
     # (peft does both; so does torch.compile's module): the inner hook checks those forwards.
     for part in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
-        if not any(hook is _check_forward for hook in part._forward_pre_hooks.values()):
+        if not any([hook is _check_forward for hook in part._forward_pre_hooks.values()]):
             part.register_forward_pre_hook(_check_forward, with_kwargs=True)
     # Their classes' prepare_inputs_for_generation is checked (describe_model installs it).
     prepare_classes = tuple(dict.fromkeys(
@@ -657,8 +657,8 @@ def _static_facts(model: Any) -> _Static:
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
-                   positions_from_pad=any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
-                                          not isinstance(m, torch.nn.Embedding) for m in model.modules()),
+                   positions_from_pad=any([hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
+                                          not isinstance(m, torch.nn.Embedding) for m in model.modules()]),
                    text_config=text_config, config_seen=_snapshot(_covered(text_config)),
                    config_raw=_snapshot(vars(config)), adapters=_adapter_layers(model),
                    experts_configs=_experts_configs(model), prepare_classes=prepare_classes,
@@ -858,7 +858,7 @@ def _check_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     cache = _cache_of(kwargs)
     if isinstance(cache, TieredCache):
         cache._check_forward(module, kwargs.get("input_ids", args[0] if args else None), kwargs)
-    elif any(isinstance(a, TieredCache) for a in args):
+    elif any([isinstance(a, TieredCache) for a in args]):
         # Also where a model's own forward hands its inner model the cache by position (CPM-Ant's,
         # which changes the ids on the way): that forward's checks cannot be run.
         raise ValueError(f"a TieredCache reached {type(module).__name__}.forward as a positional argument, where "
@@ -1250,7 +1250,7 @@ def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
         # Not cast: fractional positions (RoPE takes them) would be truncated into equal ones.
         return bool((rows == ids).all())
     expected = ids.tobytes()
-    return all(row.tobytes() == expected for row in rows.astype(np.int64, copy=False))
+    return all([row.tobytes() == expected for row in rows.astype(np.int64, copy=False)])
 
 
 def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = None) -> np.ndarray:
@@ -1528,8 +1528,10 @@ _KEYED_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "input
 
 def _unkeyed_input(kwargs: dict[str, Any]) -> str | None:
     """The name of a forward's tensor input that changes its KV besides the ids, or None."""
-    return next((name for name, value in kwargs.items()
-                 if value is not None and name not in _KEYED_INPUTS and isinstance(value, torch.Tensor)), None)
+    for name, value in kwargs.items():
+        if value is not None and name not in _KEYED_INPUTS and isinstance(value, torch.Tensor):
+            return name
+    return None
 
 
 class _Fed(NamedTuple):
@@ -1711,7 +1713,7 @@ class TieredCache(Cache):
         done = self.get_seq_length()
         seen = (input_ids, *(kwargs.get(name) for name in _CHECKED_KWARGS))
         last = self._last_checked
-        if last is not None and last[0] == done and all(a is b for a, b in zip(last[1], seen)):
+        if last is not None and last[0] == done and all([a is b for a, b in zip(last[1], seen)]):
             # The inner model's hook on its first forward: its wrapper's hook checked these very
             # inputs a moment ago; only whether it computes the opened model's KV is new.
             self._check_model(module)
@@ -1818,7 +1820,7 @@ class TieredCache(Cache):
     def _is_fine(self, module: torch.nn.Module) -> bool:
         if self._model is None or module is self._model():
             return True
-        return any(ref() is module for ref in self._also_fine)
+        return any([ref() is module for ref in self._also_fine])
 
     def _check_model(self, module: torch.nn.Module) -> None:
         """A forward on a model other than the one this cache was opened with is refused, unless
@@ -1833,8 +1835,8 @@ class TieredCache(Cache):
         fine = [ref() for ref in self._also_fine]
         # Related to the opened model or to one found fine (a copy's own inner model, whose hook
         # runs inside the copy's forward).
-        related = any(m is module for known in (opened, *fine) if known is not None for m in known.modules()) or \
-            any(m is opened or any(m is f for f in fine) for m in module.modules())
+        related = any([m is module for known in (opened, *fine) if known is not None for m in known.modules()]) or \
+            any([m is opened or any([m is f for f in fine]) for m in module.modules()])
         if not related and describe_model(module).fingerprint != self.model_info.fingerprint:
             was = f"{type(opened).__name__} object" if opened is not None else "model that no longer exists"
             raise ValueError(f"this TieredCache was opened with another {was}, whose weights or config differ "

@@ -448,7 +448,7 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
     if found.tables:
         tables = ", ".join(f"{name} ({why})" for name, why in found.tables.items())
         return (f"the tierkv store at {absolute_path(path)!r} is damaged in its LMDB structure: {tables}",
-                not any(name in UNOPENABLE for name in found.unsafe), set())
+                not any([name in UNOPENABLE for name in found.unsafe]), set())
     with _refusals():
         try:
             tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])

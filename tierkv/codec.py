@@ -200,10 +200,10 @@ def _parse_header(buf: memoryview, trailer: int = _CHECKSUM.size) -> tuple[Recor
     if missing:
         raise CorruptRecord(f"header fields missing or malformed: {missing} absent")
     fields = {n: raw[n] for n in names}
-    if not all(isinstance(fields[n], bytes) for n in ("key", "parent", "fp", "ids")):
+    if not all([isinstance(fields[n], bytes) for n in ("key", "parent", "fp", "ids")]):
         raise CorruptRecord("header fields missing or malformed: key, parent, fp and ids must be bytes")
     shape, seq = fields["shape"], fields["seq"]
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**40 for d in shape):
+    if not isinstance(shape, list) or not all([type(d) is int and 0 <= d < 2**40 for d in shape]):
         raise CorruptRecord("header fields missing or malformed: shape must list non-negative ints")
     if type(seq) is not int or seq < 0:
         raise CorruptRecord("header fields missing or malformed: seq must be a non-negative int")

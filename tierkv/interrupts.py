@@ -25,10 +25,15 @@ functions (``signal``'s wrappers convert each handler to an enum through a raise
 handler the program installs meanwhile is left in place; a child forked by another thread
 meanwhile gets the program's handler back. If an exception (another signal's handler raising)
 cuts the swap back short, the recording handler delivers each SIGINT at once until the next
-section puts the program's handler back. The open sections are weak references to their
-``defer_interrupts`` objects: one whose exit such an exception cut short before it took itself
-out is freed with its ``with`` and counts no more (a count of them stayed up for good, and every
-later Ctrl-C was recorded and never raised).
+section puts the program's handler back. Each open section is kept by a weak reference to its
+``defer_interrupts`` object, with the frame whose ``with`` entered it, and counts only while the
+object lives and that frame is on the main thread's stack: one whose exit such an exception cut
+short before it took itself out counts no more once the exception is dropped, or has left the
+``with``'s function if it is kept alive (as a REPL's ``sys.last_value`` or a server's error log
+keeps one, with the cut ``__exit__``'s frame and its ``self``). A count of them stayed up for
+good, and so did weak references alone while the exception was kept: every later Ctrl-C was
+recorded and never raised. So a section is entered by a ``with`` in a plain function, never in
+a generator that suspends inside it.
 
 Other signals are not held off: ``raised_by_signal_handler`` tells their handlers' exceptions
 from errors of the code they interrupted, for code that drops some errors (reads past a miss).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import weakref
 from types import FrameType, TracebackType
@@ -54,12 +60,13 @@ _MAIN = threading.main_thread().ident
 
 
 class _State:
-    # The main thread's open sections, outermost first, each by a weak reference: a section whose
-    # ``__exit__`` an exception cut short as it began (another signal's handler raising there)
-    # never took itself out, and counted by a depth it stayed open for good, holding every later
-    # Ctrl-C of the process off, never delivered. Its ``defer_interrupts`` object is freed as the
-    # exception leaves its ``with``, and a dead reference counts for nothing.
-    sections: list[weakref.ref[Any]] = []
+    # The main thread's open sections, outermost first, each by a weak reference and with the
+    # frame running its ``with``: a section whose ``__exit__`` an exception cut short as it began
+    # (another signal's handler raising there) never took itself out, and counted by a depth it
+    # stayed open for good, holding every later Ctrl-C of the process off, never delivered. Its
+    # object is freed with the exception, or its frame leaves the stack as the exception leaves
+    # the ``with``'s function, whatever still holds the exception: then it counts for nothing.
+    sections: list[tuple[weakref.ref[Any], FrameType]] = []
     # The handler the outermost section replaced: set before the swap, cleared only once it is
     # back, so that an exception between the two (another signal's handler raising) never
     # leaves the recording handler in place with nothing to restore.
@@ -71,17 +78,54 @@ def _handler() -> Any:
     return _State.previous if _State.previous is not None else _sig.default_int_handler
 
 
+def _live(sections: list[tuple[weakref.ref[Any], FrameType]],
+          top: FrameType | None) -> list[tuple[weakref.ref[Any], FrameType]]:
+    """Those of ``sections`` still open: whose object lives and whose frame is ``top`` or one of
+    its callers. The walk up stops once every one is found: a section's frame is a few calls
+    above the check, as a rule."""
+    if not sections:
+        return sections
+    # As a rule every one is open, and met innermost first on the way up.
+    i, frame = len(sections) - 1, top
+    while frame is not None:
+        ref, entered = sections[i]
+        if entered is frame:
+            if ref() is None:
+                break
+            i -= 1
+            if i < 0:
+                return sections
+            continue  # an outer one of the same frame's
+        frame = frame.f_back
+    alive = [entry for entry in sections if entry[0]() is not None]
+    wanted = {id(frame) for _, frame in alive}
+    found = set()
+    while top is not None and len(found) < len(wanted):
+        if id(top) in wanted:
+            found.add(id(top))
+        top = top.f_back
+    if len(found) == len(wanted) and len(alive) == len(sections):
+        return sections
+    return [entry for entry in alive if id(entry[1]) in found]
+
+
 def _open_sections() -> int:
-    """The main thread's sections still open; those left by an exit cut short are dropped. Only
-    the main thread changes the list: another thread reads a copy."""
+    """The main thread's sections still open (called in it); those left by an exit cut short
+    are dropped. Only the main thread changes the list: another thread reads it whole."""
     sections = _State.sections
-    if any(ref() is None for ref in sections):
-        _State.sections = sections = [ref for ref in sections if ref() is not None]
-    return len(sections)
+    live = _live(sections, sys._getframe(1))
+    if live is not sections:
+        _State.sections = live  # one statement: no signal's handler runs inside it
+    return len(live)
 
 
 def _any_open() -> bool:
-    return any(ref() is not None for ref in _State.sections[:])
+    """Whether a main thread's section is open, from any thread."""
+    sections = _State.sections
+    if not sections:
+        return False
+    top = sys._getframe(1) if threading.get_ident() == _MAIN else sys._current_frames().get(_MAIN)
+    return bool(_live(sections, top))
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
@@ -144,13 +188,13 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
         if caller is None:
             continue
         code, values = frame.f_code, frame.f_locals
-        if any(values.get(name) is caller for name in code.co_varnames[:code.co_argcount]):
+        if any([values.get(name) is caller for name in code.co_varnames[:code.co_argcount]]):
             return True
         if code.co_flags & inspect.CO_VARARGS:
             # ``def handler(*_)``, a lambda's ``*a``, a decorator's wrapper: as common for a
             # handler that needs neither argument, and its timeout was taken for a disk fault.
             rest = values.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount])
-            if isinstance(rest, tuple) and any(value is caller for value in rest):
+            if isinstance(rest, tuple) and any([value is caller for value in rest]):
                 return True
     return False
 
@@ -192,20 +236,23 @@ class defer_interrupts:
                 _sig.signal(_SIGINT, _record)
             # Already _record: a swap back that an exception cut short; _State.previous holds
             # the program's handler still.
-        _State.sections.append(weakref.ref(self))  # last: an __enter__ that raises is never exited
+        # Last: an __enter__ that raises is never exited.
+        _State.sections = [*_State.sections, (weakref.ref(self), sys._getframe(1))]
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if threading.get_ident() != _MAIN:
             return  # entered by another thread: a no-op
-        sections = _State.sections
-        if len(sections) > 1 and sections[-1]() is self and sections[-2]() is not None:
-            _State.sections = sections[:-1]  # nested, inside a section still open
-            return
-        live = [ref for ref in sections if ref() is not None]
-        rest = [ref for ref in live if ref() is not self]
-        if len(rest) == len(live):
+        live = _live(_State.sections, sys._getframe(1))
+        at = len(live)
+        while at and live[at - 1][0]() is not self:
+            at -= 1
+        if not at:
+            _State.sections = live
             return  # entered before a fork the child is past
+        # Those entered after this one ran inside its ``with`` (one left there is an inner exit
+        # cut short, in the same function): ended with it.
+        rest = live[:at - 1]
         if rest:
             _State.sections = rest  # one statement: no signal's handler runs inside it
             return

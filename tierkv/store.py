@@ -605,7 +605,7 @@ class TieredStore:
             queued = self._deletes_queued
             self._reap(keys=writes)
             self._reap_deletes()
-            if probing and self._owed and any(_landed(job) for job in probes):
+            if probing and self._owed and any([_landed(job) for job in probes]):
                 self._retry_deletes()  # the disk takes writes again: the rest lands by this flush too
             again = self._deletes_queued != queued
         if again:
@@ -988,7 +988,7 @@ class TieredStore:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from reads[i]
                 break
-        if not any(result is IN_PLACE for result in reads.values()):
+        if not any([result is IN_PLACE for result in reads.values()]):
             buffer.clear()  # shaped by a header that failed its checks, or by none
         return reads, time.perf_counter() - start, buffer[0] if buffer else None
 
@@ -1405,7 +1405,7 @@ class TieredStore:
         keys: list[tuple[str, Any]] = [("tenant", cache.tenant)]
         if cache.session is not None:
             keys += [("session", cache.session), ("sid", _session_id(cache.tenant, cache.session))]
-        return any(self._forgotten.get(key, -1) > seen for key in keys)
+        return any([self._forgotten.get(key, -1) > seen for key in keys])
 
     def _note_forget(self, key: tuple[str, Any]) -> None:
         self._forget_clock += 1
@@ -2265,9 +2265,9 @@ class TieredStore:
         under the disk budget that the reopen then freed by evicting other blocks."""
         info = self._index.sessions[sid]
         metas = [self._index.blocks[key] for key in info.keys]
-        self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any(
+        self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any([
             other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
-            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas)])
+            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas])])
 
     def _release_unheld_tails(self, tenant: str | None, root: bytes, ids: np.ndarray, chain: list[BlockMeta]) -> None:
         """A turn of no session lets go of the partial tails no session holds that its chain
@@ -2337,7 +2337,7 @@ class TieredStore:
             if name is not None and _session_id(tenant, name) != sid:
                 damaged[sid] = keys  # a name that is not the one this row was written under
                 continue
-            if any(meta.tenant != tenant for meta in map(self._index.blocks.get, keys) if meta is not None):
+            if any([meta.tenant != tenant for meta in map(self._index.blocks.get, keys) if meta is not None]):
                 # Rows hold no name to check their sid against, but a session only ever references
                 # its own tenant's blocks: a row naming another tenant would hide the session
                 # from forget(tenant=...) and forget(session=..., tenant=...).
@@ -2465,7 +2465,7 @@ class TieredStore:
             for meta in siblings:
                 ids = meta.token_ids.tobytes()
                 if not meta.sessions and meta.n_tokens > tail.n_tokens and ids.startswith(head) and \
-                        not any(len(other) < len(ids) and ids.startswith(other) for other in held):
+                        not any([len(other) < len(ids) and ids.startswith(other) for other in held]):
                     dropped.append(meta.key)
                     self._drop(meta)
 
@@ -2497,8 +2497,10 @@ class TieredStore:
             return None
         if seen < self._forgotten_blocks_floor:
             return 0  # which blocks went since is no longer known
-        return next((i for i, key in enumerate(getattr(cache, "_restored_keys", ()))
-                     if self._forgotten_blocks.get(key, -1) > seen), None)
+        for i, key in enumerate(getattr(cache, "_restored_keys", ())):
+            if self._forgotten_blocks.get(key, -1) > seen:
+                return i
+        return None
 
     # -- forget and stats ---------------------------------------------------------------------------
     def forget(self, session: str | None = None, tenant: str | None = _UNSET) -> int:

@@ -383,7 +383,7 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
             table, known = "file", False
         found.tables.setdefault(table, problem)
         # A problem of another form (another py-lmdb's wording) is never taken for a safe one.
-        if table != "free" and not (known and any(phrase in problem for phrase in _READ_SAFE)):
+        if table != "free" and not (known and any([phrase in problem for phrase in _READ_SAFE])):
             found.unsafe.add(table)
     return found
 
@@ -1447,7 +1447,7 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
             meta = None
         fields = ("format", "hash", "block_size")
-        if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields):
+        if not isinstance(meta, dict) or not all([type(meta.get(f)) is int for f in fields]):
             if shaped:
                 raise DamagedStore(path, ValueError("its meta record cannot be read"))
             raise ValueError(f"{not_a_store} (no tierkv meta record)")
@@ -1970,7 +1970,7 @@ class DiskTier:
         need = sum(op.record_bytes for op in ops if isinstance(op, PutBlock))
         self._reserve(need)
         short = self._filesystem_short(need) if need else None
-        if any(isinstance(op, PutBlock) for op in ops):
+        if any([isinstance(op, PutBlock) for op in ops]):
             self._advise_for_writes()
         self._zero_owed()
         full = False
@@ -1980,8 +1980,8 @@ class DiskTier:
         # still pending before it, synced by its commit.
         # (A trailing transaction of superseded deletes follows one with block writes: the pages
         # those reuse are still ahead.)
-        batch.defer = (trailing or any(isinstance(op, PutBlock) for op in ops)) and \
-            not any(isinstance(op, DeleteBlocks) and not op.evicted and not op.superseded for op in ops)
+        batch.defer = (trailing or any([isinstance(op, PutBlock) for op in ops])) and \
+            not any([isinstance(op, DeleteBlocks) and not op.evicted and not op.superseded for op in ops])
         if not batch.defer:
             pending, self._pending = self._pending, []
             self._zero(pending)
