@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import faulthandler
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -3440,3 +3441,51 @@ def test_a_forget_cut_short_drops_the_conversations_continuations_too(model, sto
     # At forget's own steps and its drops' (the points deeper in a drop: the test above).
     assert raised_on_the_way_in(lambda: (store.forget(session="a"), nullcontext())[1], finished,
                                 within={"_forget_session", "_drop_extensions", "_drop_below", "_drop"}) > 50
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_an_open_from_disk_cut_short_anywhere_raises_and_holds_nothing_for_good(model, stores, tmp_path,
+                                                                               monkeypatch, side_by_side):
+    """``store.open`` from disk cut short at every point (a real signal whose handler raises,
+    ``raised_on_the_way_in``), its reads side by side or one at a time: each time the exception
+    reaches the caller, and the next open restores everything with nothing held. Before: a
+    short-circuiting any() over a generator (whether a Ctrl-C section was open, whether a read
+    landed in place) left it suspended, and its close as it was freed ran the pending handler,
+    whose exception was lost ("Exception ignored in <generator>"): a SIGALRM timeout landing
+    there vanished. The store's lock had its release in a Python ``__exit__``: a cut as it began
+    left the lock held by the main thread, and a close from another thread waited forever. The
+    read pool's gate was a ``threading.Event``, whose set holds its own lock while it runs
+    Python: a cut there left it held, and the next set (the same open's) waited for itself. And
+    the sections held off from Ctrl-C that the kept exceptions held alive counted as open, each
+    a walk longer than the last (minutes, for what takes a second)."""
+    monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 0 if side_by_side else 1 << 62)
+    monkeypatch.setattr(tierkv.store, "helper_threads", lambda: 2)
+    store = make_store(stores, tmp_path / "kv", device_budget=0, host_budget=0)
+    out = converse(store, model, random_ids(21, 1502), "a")
+    store.flush()
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+    lock = store._disk._resize_lock
+    runs = []
+    with monkeypatch.context() as spy:
+        spy.setattr(store._readers, "run", lambda *a, run=store._readers.run: runs.append(run(*a)))
+        assert store.open(model, more, session="a").restored_tokens == out.shape[1] - 1
+    assert len(runs) == side_by_side  # the reads went side by side or one at a time, as meant
+
+    def nothing_kept(sent):
+        store._reap()
+        cache = store.open(model, more, session="a")  # this thread's next reads let go of what a cut left
+        assert cache.restored_tokens == out.shape[1] - 1, sent  # all that the first turn stored
+        assert lock._readers == 0 and not lock.locked() and store._disk._reading.txn is None, sent
+
+    # A hang (the read pool's gate, a lock left held) fails the run in minutes, with the stacks.
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        assert raised_on_the_way_in(lambda: (store.open(model, more, session="a"), nullcontext())[1],
+                                    nothing_kept) > 300
+        closed = []
+        closer = threading.Thread(target=lambda: closed.append(store.close(timeout=20)), daemon=True)
+        closer.start()
+        closer.join(30)
+        assert closed, "the close waited for the store's lock or a reader that a cut left"
+    finally:
+        faulthandler.cancel_dump_traceback_later()

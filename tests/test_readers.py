@@ -19,7 +19,7 @@ from conftest import ARCHITECTURES, damage_in_place, flipped, raised_on_the_way_
 from tierkv import TieredStore
 from tierkv.cache import IN_PLACE
 from tierkv.locks import SharedLock
-from tierkv.readers import ReadPool, helper_threads
+from tierkv.readers import Latch, ReadPool, helper_threads
 from tierkv.tiers.disk import DiskTier
 
 B = 4
@@ -413,7 +413,7 @@ def test_a_read_pool_reads_side_by_side_and_starts_none_past_the_first_miss():
 
 def test_a_read_pool_helper_waits_for_the_first_read_to_make_what_it_writes_into():
     pool = ReadPool(1)
-    ready = threading.Event()
+    ready = Latch()
     made: list[str] = []
     seen = []
 
@@ -524,7 +524,7 @@ def test_a_read_pool_holds_nothing_of_a_run_once_it_returned():
             release.wait(5)
         return True
 
-    other = threading.Thread(target=pool.run, args=([0, 1, 2], held_first, threading.Event()))
+    other = threading.Thread(target=pool.run, args=([0, 1, 2], held_first, Latch()))
     other.start()
     try:
         assert other_reading.wait(5)

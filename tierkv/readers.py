@@ -23,7 +23,6 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 from .interrupts import raised_by_signal_handler
@@ -104,46 +103,102 @@ def helper_threads(limit: int = READ_THREADS, cgroup_root: str = CGROUP_ROOT, me
     return max(0, min(limit, cpus - 1))
 
 
+class Latch:
+    """Set once (by any thread, as often as it likes), waited for by any number of threads. A
+    ``threading.Event`` runs Python code (``Condition.__exit__``, ``notify_all``) while it holds
+    its lock: a signal handler raising as one of those starts (the main thread's, where CPython
+    runs handlers) left the lock held, and the next ``set`` waited for itself for good. Here a
+    C lock, held until set, is a baton: each waiter takes it and passes it on, and a release
+    that finds it free (a second ``set``, or a waiter's after a ``set`` let it go) is ignored."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass  # set already
+
+    def wait(self) -> None:
+        self._lock.acquire()
+        self.set()
+
+
+class _Task:
+    """One helper's share of a run, claimed by the helper that takes it or by the caller (that
+    cancels it) through ``_claim``: the first claim appended wins (a list's append is one C
+    call, so a claim a handler's exception cut short is seen by the claim retried after it).
+    ``done`` is released once a claimed task ended, ``finished`` set before it: no Future, whose
+    Condition runs Python code in the caller's thread while holding its lock."""
+
+    __slots__ = ("claims", "done", "finished", "error")
+
+    def __init__(self) -> None:
+        self.claims: list[bool] = []  # True: a helper's claim, False: the caller's
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.finished = False
+        self.error: BaseException | None = None
+
+
+def _claim(task: _Task, helper: bool) -> bool:
+    """Whether the claim of ``helper`` (or of the caller) is the one that counts."""
+    task.claims.append(helper)
+    return task.claims[0] is helper
+
+
 def _work(tasks: "queue.SimpleQueue[Any]") -> None:
     """A helper thread: runs the tasks put on ``tasks`` until a None."""
     while True:
         item = tasks.get()
         if item is None:
             return
-        future, task = item
+        task, run = item
         del item
-        if future.set_running_or_notify_cancel():
+        if _claim(task, True):
             try:
-                task()
-            except BaseException as exc:  # noqa: BLE001 - the caller's, through the future
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+                run()
+            except BaseException as exc:  # noqa: BLE001 - the caller's, raised by its wait
+                task.error = exc
+            finally:
+                task.finished = True
+                task.done.release()
         # Nothing of the task kept while waiting for the next: a store its reads referred to is
         # collected (and closed) when its last holder drops it.
-        del future, task
+        del task, run
 
 
-def _wait(futures: list[Future[None]], queue: deque[int]) -> None:
+def _settle(task: _Task) -> None:
+    """Until ``task`` ended, or at once when the caller's claim cancels it (never started)."""
+    if _claim(task, False):
+        return
+    while not task.finished:
+        task.done.acquire()  # released once ended: ``finished`` was set before
+
+
+def _wait(tasks: list[_Task], queue: deque[int]) -> BaseException | None:
     """Until every helper task that started ended; one still queued (the helpers busy with
     another run's reads) is cancelled. Also when another signal's handler raises in the wait
     (Ctrl-C is held off there): the helpers' reads write into what the caller lets go of once
-    ``run`` ends, so that exception is raised after them (the helpers starting no other)."""
+    ``run`` ends, so that exception is returned for the caller to raise after them (the helpers
+    starting no other), as is an error out of a task."""
     raised: BaseException | None = None
-    for future in futures:
-        if future.cancel():
-            continue
+    for task in tasks:
         while True:
             try:
-                future.result()  # drain keeps every read's error: only the pool's own could come out
+                _settle(task)
             except BaseException as exc:  # noqa: BLE001 - raised once the helpers ended
                 raised = raised or exc
                 queue.clear()
-                if not future.done():
-                    continue  # a signal handler's, in the wait: the helper still reads
+                continue  # each of its steps is safe to take again
             break
-    if raised is not None:
-        raise raised
+        if task.error is not None:
+            raised = raised or task.error
+    return raised
 
 
 class ReadPool:
@@ -160,10 +215,12 @@ class ReadPool:
         self._closed = False
         self._pid = os.getpid()
 
-    def _submit(self, count: int, task: Callable[[], None]) -> list[Future[None]]:
+    def _submit(self, count: int, run: Callable[[], None], tasks: list[_Task]) -> None:
+        """Queue ``run`` for up to ``count`` helpers, each task put in ``tasks`` before it is
+        queued: a handler's exception between the two leaves one the caller cancels."""
         with self._lock:
             if self._closed or count <= 0 or os.getpid() != self._pid:
-                return []  # a forked child has none of the parent's threads
+                return  # a forked child has none of the parent's threads
             while len(self._workers) < self.threads:
                 thread = threading.Thread(target=_work, args=(self._tasks,), daemon=True,
                                           name=f"tierkv-disk-read-{len(self._workers)}")
@@ -172,18 +229,18 @@ class ReadPool:
                 except RuntimeError:
                     break  # no thread to be had (the interpreter shutting down): those started read
                 self._workers.append(thread)
-            futures: list[Future[None]] = [Future() for _ in range(min(count, len(self._workers)))]
-            for future in futures:
-                self._tasks.put((future, task))
-            return futures
+            for _ in range(min(count, len(self._workers))):
+                task = _Task()
+                tasks.append(task)
+                self._tasks.put((task, run))
 
-    def run(self, items: Sequence[int], read: Callable[[int], bool], ready: threading.Event | None = None) -> None:
+    def run(self, items: Sequence[int], read: Callable[[int], bool], ready: Latch | None = None) -> None:
         if not items:
             return
         queue = deque(items[1:])
         misses: list[int] = []
         errors: dict[int, BaseException] = {}
-        gate = ready if ready is not None else threading.Event()
+        gate = ready if ready is not None else Latch()
         if ready is None:
             gate.set()
 
@@ -223,8 +280,9 @@ class ReadPool:
             for run_reads in work:
                 run_reads()
 
-        futures = self._submit(min(self.threads, len(items) - 1), helper)
+        tasks: list[_Task] = []
         try:
+            self._submit(min(self.threads, len(items) - 1), helper, tasks)
             hit = False
             try:
                 hit = read(items[0])
@@ -238,11 +296,20 @@ class ReadPool:
             queue.clear()  # raising: the helpers start no further read
             raise
         finally:
-            gate.set()
+            # Each step taken again after a signal handler's exception cut it short as it
+            # started (the first set above went through, or this one will): no helper is left
+            # waiting for the gate, or reading into what the caller lets go of, once run ends.
             try:
-                _wait(futures, queue)
+                gate.set()
+                failed = _wait(tasks, queue)
+            except BaseException:
+                gate.set()
+                _wait(tasks, queue)  # what it finds beside this exception goes unraised
+                raise
             finally:
                 work.clear()
+            if failed is not None:
+                raise failed
         if errors:
             first = min(misses)
             if first in errors:

@@ -57,6 +57,7 @@ Policy works on keys and sizes; tensors pass through opaquely between tiers and 
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import dataclasses
 import functools
@@ -85,7 +86,7 @@ from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes,
 from .index import BlockMeta, DiskState, Index, Tier
 from .interrupts import defer_interrupts, pending_check, raise_pending, raised_by_signal_handler
 from .owed import OwedOps
-from .readers import ReadPool, helper_threads
+from .readers import Latch, ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
                          DropSessions, FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
@@ -333,31 +334,27 @@ def _close_at_exit() -> None:
                 logger.exception("tierkv: closing a store at exit failed; its queued writes are lost")
 
 
-class _LockedUnlessInterrupted:
-    """``TieredStore._locked_unless_interrupted``: a class, not a generator's context manager.
-    Another signal's handler (Ctrl-C is held off there) runs as a C call returns: one raising as
-    the lock's ``acquire`` returned, before a generator reached its ``try``, left the store's lock
-    held for good, and every later call of the store waited for it. Here an acquire cut short so
-    is undone; once ``__enter__`` has returned, the ``with`` block's own exit releases it."""
+class _StoreLock(_thread.RLock):
+    """The store's lock: re-entrant; ``with`` waits for it polling for a Ctrl-C held off by a
+    section already open (``raise_pending``), and lets go of it in C. A context manager of its
+    own around the lock had its release in a Python ``__exit__``: another signal's handler
+    raising as that began (CPython runs one at a Python function's start) left the lock held by
+    the main thread for good, and a close or a turn from any other thread waited forever (found
+    by cutting ``open`` at every point). ``__enter__`` is Python, and an acquire cut short as it
+    returned is undone there; ``__exit__`` is the C one, where no handler runs."""
 
-    __slots__ = ("_lock",)
+    __slots__ = ()
 
-    def __init__(self, lock: Any) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        lock = self._lock
-        held = lock._recursion_count()  # the store's lock is re-entrant: this thread may hold it
+    def __enter__(self) -> bool:
+        held = self._recursion_count()  # this thread may hold it already
         try:
-            while not lock.acquire(timeout=0.05):
+            while not self.acquire(timeout=0.05):
                 raise_pending()
         except BaseException:
-            if lock._recursion_count() > held:
-                lock.release()
+            if self._recursion_count() > held:
+                self.release()
             raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        return True
 
 
 class _GatheringDeletes:
@@ -437,7 +434,7 @@ class TieredStore:
                                             linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
                                             max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
         self._index = Index()
-        self._lock = threading.RLock()
+        self._lock = _StoreLock()
         self._pending_writes: dict[bytes, tuple[Job[None], RecordHeader]] = {}
         # Blocks resting in memory only whose write found no room (the map at its cap, the
         # filesystem full, or only pinned blocks to evict): their headers, for the write that is
@@ -863,11 +860,11 @@ class TieredStore:
                                         len(ids) - cache.restored_tokens))
         return cache
 
-    def _locked_unless_interrupted(self) -> "_LockedUnlessInterrupted":
+    def _locked_unless_interrupted(self) -> _StoreLock:
         """The store lock, for a section held off from Ctrl-C that has changed nothing yet but pins
         (and leases, which the caller lets go of): a Ctrl-C while another thread holds the lock (a
-        close draining the writer) is raised at once."""
-        return _LockedUnlessInterrupted(self._lock)
+        close draining the writer) is raised at once (``_StoreLock``)."""
+        return self._lock
 
     def _let_go(self, pins: list[bytes]) -> None:
         """Unpin, or, while another thread holds the lock, leave the pins to whoever takes it next
@@ -900,7 +897,7 @@ class TieredStore:
         in_place = {i: self._in_place(plan[i][0]) for i in todo}
         # The other reads write into the buffer the first one makes: they wait for it. Mixed
         # destinations (never met: only a tail is smaller than the others) are read one at a time.
-        ready = threading.Event() if in_place[todo[0]] else None
+        ready = Latch() if in_place[todo[0]] else None
         parallel = len(set(in_place.values())) == 1 and \
             sum(plan[i][0].nbytes for i in todo) >= PARALLEL_READ_BYTES
         disk = self._disk
