@@ -4,6 +4,7 @@ generation, and deletes that hit a disk error are kept owed and retried, never l
 from __future__ import annotations
 
 import errno
+import faulthandler
 import functools
 import json
 import logging
@@ -13,7 +14,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import faulthandler
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -3489,3 +3489,238 @@ def test_an_open_from_disk_cut_short_anywhere_raises_and_holds_nothing_for_good(
         assert closed, "the close waited for the store's lock or a reader that a cut left"
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, tmp_path, monkeypatch):
+    # Before: only a session's forget was noted (``_forgetting``). A tenant's cut short left the
+    # sessions it had not reached and the tenant's blocks without a session (the sweep after
+    # them) in the index, the tiers and the file: served to the tenant's next turn, and after a
+    # close and a reopen no record that a forget was owed.
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
+    store = make_store(stores, tmp_path / "kv", device_budget=2 * 1024 * 8, host_budget="1MiB")
+    index = store._index
+    prompt = random_ids(16, 1495)[0].tolist()
+    turns = [(prompt + list(range(20, 30)), "a"), (prompt + list(range(40, 45)), "b"),
+             (prompt + list(range(20, 30)) + list(range(60, 70)), None),  # continues a's, no session
+             (random_ids(13, 1497)[0].tolist(), None)]  # a conversation of t's own, no session
+    later = torch.tensor([prompt + list(range(20, 30)) + [7, 7, 7]])
+    with torch.no_grad():
+        plain = model(later).logits
+
+    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
+        ids = torch.tensor([ids])
+        cache = store.open(model, ids, session=session, tenant=tenant)
+        with torch.no_grad():
+            model(ids[:, cache.restored_tokens:], past_key_values=cache)
+        assert cache.commit(ids) == ids.shape[1]
+
+    turn(prompt + [1, 2, 3, 4, 5], "x", "u")  # t's prompt under another tenant: no block shared
+    others = {k: set(m.sessions) for k, m in index.blocks.items()}
+    other_sessions = set(index.sessions)
+    owned: set[bytes] = set()
+    sids = {_session_id("t", name) for _, name in turns if name is not None}
+
+    def again() -> None:  # t's conversations again: each point starts alike
+        for ids, session in turns:
+            turn(ids, session, "t")
+        store.flush()
+        owned.clear()
+        owned.update(k for k, m in index.blocks.items() if m.tenant == "t")
+        assert sids <= index.sessions.keys() and any(not index.blocks[k].sessions for k in owned)
+
+    def on_disk() -> tuple[set[bytes], set[bytes]]:
+        with store._disk.env.begin() as txn:
+            return ({bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)},
+                    {bytes(key) for key, _ in txn.cursor(db=store._disk._sessions)})
+
+    def finished(sent):
+        store.stats()  # the next call's reap
+        left = {k for k, m in index.blocks.items() if m.tenant == "t"}
+        if left:  # cut before it began, whole: the caller's forget again
+            assert left == owned and sids <= index.sessions.keys(), sent
+            store.forget(tenant="t")
+        store.flush()
+        assert not store._forgetting, sent
+        assert not any(m.tenant == "t" for m in index.blocks.values()), sent
+        assert not any(info.tenant == "t" for info in index.sessions.values()), sent
+        assert not any(k in store._device or k in store._host for k in owned), sent
+        assert {k: m.sessions for k, m in index.blocks.items()} == others, sent
+        assert set(index.sessions) == other_sessions, sent
+        blocks, rows = on_disk()
+        assert blocks == set(others) and rows == other_sessions, sent
+        cache = store.open(model, later, session="a", tenant="t")
+        assert cache.restored_tokens == 0, sent
+        with torch.no_grad():
+            assert torch.equal(model(later, past_key_values=cache).logits, plain), sent
+        assert cache.commit(later) == later.shape[1]
+        store.forget(tenant="t")
+        again()
+
+    again()
+    assert {m.resident for m in index.blocks.values()} == {Tier.DEVICE, Tier.HOST}
+    assert store.forget(tenant="t") == len(owned)
+    finished(None)
+    assert raised_on_the_way_in(lambda: (store.forget(tenant="t"), nullcontext())[1], finished,
+                                within={"forget", "_forget", "_forget_session", "_drop_extensions", "_drop_below",
+                                        "_drop"}) > 100
+
+
+def test_a_forget_of_a_session_under_every_tenant_cut_short_is_finished_by_the_next_reap(
+        model, stores, tmp_path, monkeypatch):
+    # Before: forget(session=...) without a tenant noted only the session it was dropping; cut
+    # short, the same name's sessions of the tenants it had not reached yet stayed.
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    index = store._index
+    prompt = random_ids(16, 1498)[0].tolist()
+    tenants = [None, "t", "u"]
+    sids = {_session_id(tenant, "a") for tenant in tenants}
+
+    def turn(ids: list[int], session: str | None, tenant: str | None) -> None:  # a forward: cheaper
+        ids = torch.tensor([ids])
+        cache = store.open(model, ids, session=session, tenant=tenant)
+        with torch.no_grad():
+            model(ids[:, cache.restored_tokens:], past_key_values=cache)
+        assert cache.commit(ids) == ids.shape[1]
+
+    turn(prompt + [1, 2, 3], "b", "t")  # keeps t's prompt
+    kept = {k: set(m.sessions) for k, m in index.blocks.items()}
+    kept_sessions = set(index.sessions)
+
+    def again() -> None:  # the sessions a again: each point starts alike
+        for i, tenant in enumerate(tenants):
+            turn(prompt + list(range(20 + i, 31 + i)), "a", tenant)
+        store.flush()
+        assert sids <= index.sessions.keys()
+
+    def finished(sent):
+        store.stats()  # the next call's reap
+        if sids & index.sessions.keys():  # cut before it began, whole: the caller's forget again
+            assert sids <= index.sessions.keys() and len(index.blocks) == len(kept) + 10, sent
+            store.forget(session="a")
+        store.flush()
+        assert not store._forgetting, sent
+        assert {k: m.sessions for k, m in index.blocks.items()} == kept, sent
+        assert set(index.sessions) == kept_sessions, sent
+        with store._disk.env.begin() as txn:
+            blocks = {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)}
+            rows = {bytes(key) for key, _ in txn.cursor(db=store._disk._sessions)}
+        assert blocks == set(kept) and rows == kept_sessions, sent
+        again()
+
+    again()
+    assert len(index.blocks) == len(kept) + 10  # four blocks each, less the two of the prompt b keeps
+    assert store.forget(session="a") == 10
+    finished(None)
+    assert raised_on_the_way_in(lambda: (store.forget(session="a"), nullcontext())[1], finished,
+                                within={"forget", "_forget", "_forget_session", "_drop"}) > 50
+
+
+@pytest.mark.parametrize("timeout", [None, 0])
+def test_a_tenant_forget_cut_short_is_finished_by_close(model, stores, tmp_path, monkeypatch, timeout):
+    # A forget cut short and no store call after it but the close: the close's reap finishes it
+    # (its deletes are a forget's: a close's timeout never gives them up). Before, the reopened
+    # store restored the tenant's sessions the forget had not reached.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    prompt = random_ids(16, 1499)[0].tolist()
+    conversations = [(prompt + [1, 2, 3], "a"), (prompt + [4, 5, 6, 7], "b"), (prompt + [8, 9], None)]
+
+    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
+        ids = torch.tensor([ids])
+        cache = store.open(model, ids, session=session, tenant=tenant)
+        with torch.no_grad():
+            model(ids[:, cache.restored_tokens:], past_key_values=cache)
+        assert cache.commit(ids) == ids.shape[1]
+
+    turn(prompt, "x", "u")
+    for ids, session in conversations:
+        turn(ids, session, "t")
+    store.flush()
+    drop = store._forget_session
+    calls = []
+
+    class Cut(Exception):
+        pass
+
+    def cut_at_the_second(sid: bytes, keys: list[bytes] | None = None) -> int:
+        calls.append(sid)
+        if len(calls) == 2:
+            raise Cut
+        return drop(sid, keys)
+
+    monkeypatch.setattr(store, "_forget_session", cut_at_the_second)
+    with pytest.raises(Cut):
+        store.forget(tenant="t")
+    monkeypatch.undo()
+    assert any(m.tenant == "t" for m in store._index.blocks.values())  # cut short indeed
+    store.close(timeout)
+    reopened = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    assert {m.tenant for m in reopened._index.blocks.values()} == {"u"}
+    for ids, session in conversations:
+        assert reopened.open(model, torch.tensor([ids + [7]]), session=session, tenant="t").restored_tokens == 0
+    assert reopened.open(model, torch.tensor([prompt + [7]]), session="x", tenant="u").restored_tokens == 16
+    assert not reopened._index.sessions.keys() & {_session_id("t", "a"), _session_id("t", "b")}
+
+
+def test_a_tenant_forget_cut_short_twice_is_finished_by_the_reap_after(model, stores, tmp_path, monkeypatch):
+    # The redo that a reap runs is cut short too, at each of its points: the forget's note must
+    # stay until its work is done, or the reap after it has nothing left to finish it from.
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "defer_interrupts", nullcontext)
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    index = store._index
+    prompt = random_ids(16, 1500)[0].tolist()
+    conversations = [(prompt + [1, 2, 3], "a"), (prompt + [4, 5, 6, 7], "b"), (prompt + [8, 9] * 5, None)]
+    drop = store._forget_session
+    calls: list[bytes] = []
+
+    class Cut(Exception):
+        pass
+
+    def cut_at_the_second(sid: bytes, keys: list[bytes] | None = None) -> int:
+        calls.append(sid)
+        if len(calls) == 2:
+            raise Cut
+        return drop(sid, keys)
+
+    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
+        ids = torch.tensor([ids])
+        cache = store.open(model, ids, session=session, tenant=tenant)
+        with torch.no_grad():
+            model(ids[:, cache.restored_tokens:], past_key_values=cache)
+        assert cache.commit(ids) == ids.shape[1]
+
+    turn(prompt, "x", "u")
+    others = {k: set(m.sessions) for k, m in index.blocks.items()}
+
+    def cut_short() -> None:  # t's conversations again, and their forget cut at its second session
+        for ids, session in conversations:
+            turn(ids, session, "t")
+        store.flush()
+        calls.clear()
+        store._forget_session = cut_at_the_second  # type: ignore[method-assign]
+        try:
+            with pytest.raises(Cut):
+                store.forget(tenant="t")
+        finally:
+            del store._forget_session
+        assert any(m.tenant == "t" for m in index.blocks.values())
+
+    def finished(sent):
+        store.stats()  # the reap after the one cut short
+        store.flush()
+        assert {k: m.sessions for k, m in index.blocks.items()} == others, sent
+        assert set(index.sessions) == {_session_id("u", "x")}, sent
+        with store._disk.env.begin() as txn:
+            assert {bytes(key) for key, _ in txn.cursor(db=store._disk._blocks)} == set(others), sent
+        cut_short()
+
+    cut_short()
+    assert raised_on_the_way_in(lambda: (store.stats(), nullcontext())[1], finished,
+                                within={"_reap", "_forget", "_forget_session", "_drop_extensions", "_drop_below",
+                                        "_drop"}) > 50

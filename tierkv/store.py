@@ -36,12 +36,14 @@ Protocol of one conversation turn::
   disk reads at the next block, and an open that then finds the lock taken raises at once,
   leaving its pins to the next call that takes the lock.
 * Another signal's handler (a ``SIGALRM`` timeout) is not held off. Bookkeeping it cuts short
-  is noted before it begins and finished by the next call's ``_reap``: a block's entry following
-  its tiers (``_unsettled``), a delete on disk queued again (``_deleting``), a session left with
-  no block of its own untracked (``_hollow``), the room a refused write asked for (``_disk_goal``),
-  a write whose queueing was cut short failed as not queued, a forget's session dropped
-  (``_forgetting``, with the blocks it dropped, whose continuations no session references go
-  too; the session leaves the index last), a gathering of deletes whose exit was cut short
+  is noted before it begins and finished by the next call's ``_reap`` (``close`` runs one before
+  its writer drains): a block's entry following its tiers (``_unsettled``), a delete on disk
+  queued again (``_deleting``), a session left with no block of its own untracked (``_hollow``),
+  the room a refused write asked for (``_disk_goal``), a write whose queueing was cut short
+  failed as not queued, a forget's session dropped (``_forgetting``, with the blocks it dropped,
+  whose continuations no session references go too; the session leaves the index last), then
+  the forget itself done again whole (``_forgets_owed``: the sessions it had not reached, and a
+  tenant's blocks of no session; let go last), a gathering of deletes whose exit was cut short
   ended and what it gathered queued (each taken out of ``_gathered`` only once queued).
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
@@ -468,6 +470,10 @@ class TieredStore:
         # Sessions a forget is dropping: their blocks' keys, the keys it dropped so far and the
         # partial tails among those (_forget_session).
         self._forgetting: dict[bytes, tuple[list[bytes], list[bytes], list[BlockMeta]]] = {}
+        # Forgets under way, by their ``_note_forget`` key, noted before they drop anything and let
+        # go last (``_forget``): one cut short is done again whole by the next _reap, the sessions
+        # it had not reached and (a tenant's) the blocks no session references included.
+        self._forgets_owed: dict[tuple[str, Any], None] = {}
         self._owed = OwedOps()
         # A forget's (or the evictions') block deletes, gathered into one op until it holds
         # FORGET_DELETE_KEYS blocks or another write is queued (_gathering_deletes), and the
@@ -1843,6 +1849,8 @@ class TieredStore:
                 self._submit_gathered()
             for sid in list(self._forgetting):  # a forget cut short
                 self._forget_session(sid)
+            for what in list(self._forgets_owed):  # after those: the sessions it had not reached
+                self._forget(what)
             self._finish_deletes()
             for key in list(self._unsettled):  # left by an exception (another signal's handler)
                 meta = self._index.blocks.get(key)
@@ -2516,6 +2524,10 @@ class TieredStore:
         (until then a crash can leave the forgotten KV in the file), or when a disk error failed
         them: those stay owed (``stats()["owed_deletes"]``), retried at later flushes and at ``close``. A turn
         of the session (or tenant) opened before this call keeps nothing at its ``commit``.
+        A forget cut short (another signal's handler raising in it: a ``SIGALRM`` timeout) raises,
+        and is finished by the store's next call (``open``, ``stats``, ``flush``, ``forget``...) or
+        by ``close``, which queues its deletes before the writer drains; calling it again is not
+        needed. A crash before either leaves it undone, as it leaves deletes not yet on disk.
         """
         self._check_open()
         if session is None and tenant is _UNSET:
@@ -2523,47 +2535,61 @@ class TieredStore:
         check_name(session, "session")
         if tenant is not _UNSET:
             check_name(tenant, "tenant")
-        removed = 0
         with self._lock, defer_interrupts():
             self._check_open()
             self._reap()
-            sessions = self._index.sessions
-            self._note_forget(("tenant", tenant) if session is None else ("session", session) if tenant is _UNSET
-                              else ("sid", _session_id(tenant, session)))  # type: ignore[arg-type]
-            if session is None:
-                sids = [sid for sid, info in sessions.items() if info.tenant == tenant]
-            elif tenant is not _UNSET:
-                sid = _session_id(tenant, session)
-                sids = [sid] if sid in sessions else []
-            else:
-                # Names never reach the disk: a session read back at a reopen, and not committed
-                # since, is known by its key alone, hashed once per tenant of such sessions.
-                keys: dict[str | None, bytes] = {}
-
-                def key_in(tenant: str | None) -> bytes:
-                    key = keys.get(tenant)
-                    if key is None:
-                        key = keys[tenant] = _session_id(tenant, session)
-                    return key
-
-                sids = [sid for sid, info in sessions.items()
-                        if info.name == session or info.name is None and sid == key_in(info.tenant)]
-            # Also of sessions no longer tracked (another session now holds all they had).
-            self._keep_superseded(
-                (lambda sid, t: t == tenant) if session is None
-                else (lambda sid, t: sid == _session_id(t, session)) if tenant is _UNSET  # type: ignore[arg-type]
-                else (lambda sid, t: sid == _session_id(tenant, session)))  # type: ignore[arg-type]
-            with self._gathering_deletes():
-                for sid in sids:
-                    removed += self._forget_session(sid)
-                if session is None:
-                    for meta in [m for m in self._index.blocks.values() if m.tenant == tenant]:
-                        self._drop(meta)
-                        removed += 1
-            if self._writer is not None and (sids or removed):
+            what: tuple[str, Any] = (("tenant", tenant) if session is None else ("session", session)
+                                     if tenant is _UNSET else ("sid", _session_id(tenant, session)))
+            self._note_forget(what)  # here, not in _forget: its redo keeps the forget's clock
+            # Before anything goes: cut short past here (another signal's handler), the next reap
+            # does it again. Before, only the session being dropped was noted: a tenant's other
+            # sessions and its blocks without one stayed, served to its next turn and on disk.
+            self._forgets_owed[what] = None
+            removed, sessions = self._forget(what)
+            if self._writer is not None and (sessions or removed):
                 # The deletes zero the forgotten KV in the file: not held back by the linger.
                 self._writer.nudge()
         return removed
+
+    def _forget(self, what: tuple[str, Any]) -> tuple[int, bool]:
+        """``forget``'s work for ``what`` (its ``_note_forget`` key), noted in ``_forgets_owed`` by
+        the caller, and let go here last: the next ``_reap`` does again one another signal's
+        handler cut short, from its start (each step is idempotent, the sessions already dropped
+        are no longer found, and a session cut short is the ``_forgetting`` note's, done first).
+        Returns the blocks removed and whether it found any session."""
+        kind, name = what
+        sessions = self._index.sessions
+        if kind == "tenant":
+            sids = [sid for sid, info in sessions.items() if info.tenant == name]
+        elif kind == "sid":
+            sids = [name] if name in sessions else []
+        else:
+            # Names never reach the disk: a session read back at a reopen, and not committed
+            # since, is known by its key alone, hashed once per tenant of such sessions.
+            keys: dict[str | None, bytes] = {}
+
+            def key_in(tenant: str | None) -> bytes:
+                key = keys.get(tenant)
+                if key is None:
+                    key = keys[tenant] = _session_id(tenant, name)
+                return key
+
+            sids = [sid for sid, info in sessions.items()
+                    if info.name == name or info.name is None and sid == key_in(info.tenant)]
+        # Also of sessions no longer tracked (another session now holds all they had).
+        self._keep_superseded((lambda sid, t: t == name) if kind == "tenant"
+                              else (lambda sid, t: sid == name) if kind == "sid"
+                              else (lambda sid, t: sid == _session_id(t, name)))
+        removed = 0
+        with self._gathering_deletes():
+            for sid in sids:
+                removed += self._forget_session(sid)
+            if kind == "tenant":
+                for meta in [m for m in self._index.blocks.values() if m.tenant == name]:
+                    self._drop(meta)
+                    removed += 1
+        del self._forgets_owed[what]
+        return removed, bool(sids)
 
     def stats(self) -> dict[str, Any]:
         """The in-process view of the store (``tierkv.metrics`` exports it).
