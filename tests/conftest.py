@@ -45,12 +45,21 @@ class HandlerRaised(Exception):
     """What the signal handler of ``raised_on_the_way_in`` raises (as a SIGALRM timeout's would)."""
 
 
+class HandlerTimeout(HandlerRaised, TimeoutError):
+    """``raised_on_the_way_in(..., timeout=True)``'s: a ``TimeoutError``, as a ``SIGALRM``
+    handler's often is, so an ``OSError`` too: code that takes it for the OS's answer swallows it."""
+
+
 def _raise_handler_raised(signum: int, frame: object) -> None:
     raise HandlerRaised
 
 
+def _raise_handler_timeout(signum: int, frame: object) -> None:
+    raise HandlerTimeout("timed out")
+
+
 def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], None],
-                         within: Collection[str] = ()) -> int:
+                         within: Collection[str] = (), timeout: bool = False) -> int:
     """``with enter():`` again and again, a real SIGUSR1 sent each time at the next point on the
     way in where CPython runs a signal handler (a Python function's start, a C call's return,
     found with ``sys.setprofile``), its handler raising ``HandlerRaised``; every exception kept
@@ -58,8 +67,8 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     swallowed fails: so must the standard library's on the way, as ``logging``'s ``LogRecord``
     does). ``check(sent)`` after each, ``sent`` naming the point. ``within``: only the points in
     the frames of functions of those names (the calls they make, their C calls' returns), for a
-    test of their steps whose callees' own points other tests cut at. Returns how many points
-    there were."""
+    test of their steps whose callees' own points other tests cut at. ``timeout``: the handler
+    raises ``HandlerTimeout``, an ``OSError``. Returns how many points there were."""
     import signal
     import sys
     import threading
@@ -69,7 +78,7 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     main = threading.get_ident()
     grad = torch.is_grad_enabled()
     kept: list[BaseException] = []
-    previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
+    previous = signal.signal(signal.SIGUSR1, _raise_handler_timeout if timeout else _raise_handler_raised)
     # No collection on the way in: the callbacks it runs (hypothesis registers one once its tests
     # ran) are points too, and CPython reports an exception raised in them rather than raise it.
     collecting = gc.isenabled()

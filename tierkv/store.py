@@ -131,6 +131,13 @@ def _first_item(data: bytes, item: int) -> int | None:
     return at // 8 if at >= 0 else None
 
 
+def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two 1-d arrays of ids are equal. Not ``np.array_equal``, which answers False for
+    any exception inside it (``except Exception``), a signal handler's (a ``SIGALRM`` timeout)
+    included: the timeout vanished, and a commit raised that its ids were not the conversation's."""
+    return a.shape[0] == b.shape[0] and bool((a == b).all())
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -1226,7 +1233,7 @@ class TieredStore:
         cache.check_computed_as_opened(weights=True)
         seq = sequence_ids_of(sequences)
         opened = cache.input_ids
-        if not np.array_equal(seq[:len(opened)], opened[:len(seq)]):
+        if not _same_ids(seq[:len(opened)], opened[:len(seq)]):
             raise ValueError("commit() got ids that do not start with the conversation this cache was opened with; "
                              "pass the sequences that generate() returned for this cache")
         if len(seq) < len(opened):
@@ -1270,7 +1277,7 @@ class TieredStore:
             # commit (or fed as embeddings) would be keyed on ids that did not compute its KV.
             fed, known = cache._fed_ids(len(opened), n)
             n = known
-            if not np.array_equal(fed[:n - len(opened)], seq[len(opened):n]):
+            if not _same_ids(fed[:n - len(opened)], seq[len(opened):n]):
                 raise ValueError("commit() got ids that differ from the ones the model generated with this cache; "
                                  "pass the sequences that generate() returned, unedited")
         token = cache.model_info.masked_token
@@ -1317,7 +1324,7 @@ class TieredStore:
                 for start, end, key in spans:
                     self._pin(pins, [key])
                     meta = self._index.blocks.get(key)
-                    if meta is None or not np.array_equal(meta.token_ids, ids[start:end]) or \
+                    if meta is None or not _same_ids(meta.token_ids, ids[start:end]) or \
                             (meta.resident is None and meta.disk is DiskState.NONE):
                         if meta is not None:
                             # A 128-bit collision (the newer block wins), or an entry an exception
@@ -1521,7 +1528,7 @@ class TieredStore:
             meta = self._index.blocks[key]
             start = offsets.get(meta.parent)
             if (key not in in_chain and meta.n_tokens < self.block_size and start is not None
-                    and np.array_equal(ids[start:start + meta.n_tokens], meta.token_ids)):
+                    and _same_ids(ids[start:start + meta.n_tokens], meta.token_ids)):
                 stale.append(meta)
         if self._writer is not None and new:
             self._submit(PutRefs(sid, tenant, new))
@@ -2272,7 +2279,7 @@ class TieredStore:
         metas = [self._index.blocks[key] for key in info.keys]
         self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any([
             other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
-            and np.array_equal(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas])])
+            and _same_ids(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas])])
 
     def _release_unheld_tails(self, tenant: str | None, root: bytes, ids: np.ndarray, chain: list[BlockMeta]) -> None:
         """A turn of no session lets go of the partial tails no session holds that its chain
@@ -2289,7 +2296,7 @@ class TieredStore:
             for meta in self._index.children(parent, int(ids[start])):
                 n = meta.n_tokens
                 if n < B and not meta.sessions and meta.key not in in_chain and start + n <= len(ids) \
-                        and np.array_equal(ids[start:start + n], meta.token_ids):
+                        and _same_ids(ids[start:start + n], meta.token_ids):
                     stale.append(meta)
         for tail in stale:
             # After the chain's writes, as a session's (superseded); no session's to forget: a tenant's.

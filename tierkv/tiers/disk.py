@@ -110,6 +110,7 @@ import torch
 from ..codec import (FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode, decode_header, decode_into,
                      encode_array, payload_view, record_head, record_size)
 from ..hashing import HASH_VERSION, KEY_BYTES
+from ..interrupts import raised_by_signal_handler
 from ..locks import SharedLock, on_stack
 from ..transfer import Job
 from ..units import absolute_path
@@ -399,8 +400,9 @@ def _advise(fd: int, advice: str) -> None:
     if hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, 0, 0, getattr(os, advice))
-        except OSError:
-            pass
+        except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's TimeoutError, not the kernel's refusal
 
 
 def _holds_store_tables(data: str, scan: bool = True) -> bool | None:

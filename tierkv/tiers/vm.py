@@ -1,6 +1,8 @@
 """What the disk tier asks of the OS about LMDB's memory map and file (Linux). Every call is a
 hint or an optimisation with a fallback: each returns False (or None) where the OS cannot do it,
-and the caller then does the plain thing. py-lmdb does not tell the map's address; /proc does."""
+and the caller then does the plain thing; a signal handler's exception in one (a ``SIGALRM``
+timeout's ``TimeoutError``, an ``OSError`` too) is raised, never taken for the OS's answer. py-lmdb
+does not tell the map's address; /proc does."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import mmap
 import os
 
 import numpy as np
+
+from ..interrupts import raised_by_signal_handler
 
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED = 0, 1, 3
 PAGE = mmap.PAGESIZE
@@ -33,7 +37,9 @@ def _c() -> ctypes.CDLL:
 def madvise(start: int, length: int, advice: int) -> bool:
     try:
         return _c().madvise(start, length, advice) == 0
-    except (OSError, AttributeError, TypeError):
+    except (OSError, AttributeError, TypeError) as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's TimeoutError, not the OS's answer
         return False
 
 
@@ -42,7 +48,9 @@ def zero_range(fd: int, offset: int, length: int) -> bool:
     still allocated); its cached pages are dropped."""
     try:
         return _c().fallocate(fd, _FALLOC_ZERO_RANGE, offset, length) == 0
-    except (OSError, AttributeError, TypeError):
+    except (OSError, AttributeError, TypeError) as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's TimeoutError, not the OS's answer
         return False
 
 
@@ -54,7 +62,9 @@ def residency(start: int, length: int) -> bytearray | None:
     try:
         if _c().mincore(start, length, (ctypes.c_ubyte * pages).from_buffer(vec)) != 0:
             return None
-    except (OSError, AttributeError, TypeError):
+    except (OSError, AttributeError, TypeError) as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's TimeoutError, not the OS's answer
         return None
     return vec
 
@@ -96,8 +106,9 @@ def mapping_of(path: str, length: int) -> int | None:
                     low, high = (int(x, 16) for x in fields[0].split("-"))
                     if high - low == span:
                         return low
-    except (OSError, ValueError):
-        pass
+    except (OSError, ValueError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
     return None
 
 
