@@ -3275,19 +3275,113 @@ def test_an_eviction_from_disk_an_exception_cuts_short_leaves_no_record_unknown_
             store.close()
 
 
+def _tiers_in_step(store: TieredStore, sent: object) -> None:
+    index = store._index
+    assert all(m.resident is not None or m.disk is not DiskState.NONE for m in index.blocks.values()), sent
+    for tier, space in ((Tier.DEVICE, store._device), (Tier.HOST, store._host)):
+        assert space.used == index.bytes[tier] and set(space._blocks) == set(index.lru[tier]), sent
+
+
+def _nothing_pinned(store: TieredStore, sent: object) -> None:
+    store._reap()  # the next call's
+    assert not store._pinned and not store._orphaned_pins, sent
+    assert store._lock._recursion_count() == 0, sent  # nor the store's lock held for good
+    _tiers_in_step(store, sent)
+
+
 def test_a_memory_eviction_an_exception_cuts_short_leaves_no_block_pinned(model, stores, tmp_path):
     # Before: _make_room pinned the block it evicts before its try; another signal's handler
     # raising as the pin's append returned left the block pinned for good (never evicted again,
-    # the tier kept over what its budget makes room for).
-    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
-    converse(store, model, random_ids(41, 1491), "a")
-    store.flush()
-    nbytes = store._device.budget - store._device.used + 1  # one block must go to the host tier
+    # the tier kept over what its budget makes room for). And one raising as the finally's
+    # _unpin started left it pinned so too, after any later call (this test, on one store, never
+    # reached that point: each cut evicted the block, and the next run found room at once).
+    def setup() -> tuple[TieredStore, int]:
+        store = make_store(stores, tmp_path / f"kv{len(stores)}", device_budget="1MiB", host_budget="1MiB")
+        converse(store, model, random_ids(41, 1491), "a")
+        store.flush()
+        return store, store._device.budget - store._device.used + 1  # one block must go to the host tier
+
+    current = [setup()]
+    cuts: list[object] = []
 
     def unpinned(sent):
-        assert not store._pinned, sent
+        cuts.append(sent)
+        _nothing_pinned(current[0][0], sent)
+        current[0] = setup()  # each point alike
 
-    assert raised_on_the_way_in(lambda: (store._make_room(Tier.DEVICE, nbytes), nullcontext())[1], unpinned) > 4
+    assert raised_on_the_way_in(lambda: (current[0][0]._make_room(Tier.DEVICE, current[0][1]), nullcontext())[1],
+                                unpinned, within={"_make_room", "_unpin_orphans"}) > 6
+    assert [("call", "_unpin_orphans")] in cuts
+
+
+def test_a_commits_cleanup_an_exception_cuts_short_leaves_nothing_pinned_and_the_next_turn_exact(model, stores,
+                                                                                                 tmp_path):
+    # Before: the commit's finally unpinned its blocks by a call; another signal's handler
+    # raising before it (as the discard of the committing session returned) or as it started
+    # left the commit's blocks pinned for good, after any later call: never evicted again, the
+    # tiers' budgets taken by blocks no turn uses.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    turns = [0]
+    cuts: list[object] = []
+
+    def commit_one():
+        turns[0] += 1  # a new conversation each point: each takes the same path
+        ids = random_ids(21, 1500 + turns[0])
+        cache = store.open(model, ids, session=f"s{turns[0]}")
+        out = generate(model, ids, cache)
+        cache.commit(out)
+        return nullcontext()
+
+    def exact(sent):
+        cuts.append(sent)
+        _nothing_pinned(store, sent)
+        ids = torch.cat([random_ids(21, 1500 + turns[0]), torch.tensor([[7, 8, 9, 10, 11, 12, 13, 14, 15]])], 1)
+        cache = store.open(model, ids, session=f"s{turns[0]}")
+        assert torch.equal(generate(model, ids, cache), generate(model, ids)), sent
+
+    assert raised_on_the_way_in(commit_one, exact, within={"_commit_turn", "_unpin_orphans", "_pin"}) > 40
+    assert [("call", "_unpin_orphans")] in cuts
+
+
+def test_an_opens_let_go_an_exception_cuts_short_leaves_nothing_pinned_and_the_lock_free(model, stores, tmp_path):
+    # Before: an open that raised let go of its pins in its finally by a call; another signal's
+    # handler raising as that call started left its blocks pinned for good, and one raising as
+    # its non-blocking acquire of the store's lock returned left the lock held for good (every
+    # other thread's call waiting for it).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    ids = random_ids(21, 1510)
+    out = converse(store, model, ids, "a")
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], 1)
+    enter = lambda: (store.open(model, more, session="a"), nullcontext())[1]  # noqa: E731
+    cuts: list[object] = []
+
+    def checked(sent):
+        cuts.append(sent)
+        _nothing_pinned(store, sent)
+        took = []
+        thread = threading.Thread(target=lambda: took.append(store._lock.acquire(timeout=10) and store._lock.release()))
+        thread.start()
+        thread.join()
+        assert took == [None], sent
+
+    assert raised_on_the_way_in(enter, checked, within={"open", "_unpin_orphans"}) > 10
+    assert [("call", "_unpin_orphans")] in cuts
+
+    def finish_fails(*args, **kw):
+        raise RuntimeError("a restore that fails after the reads")
+
+    def enter_failing():
+        with pytest.raises(RuntimeError):  # the handler's exception, raised in the finally, goes through
+            store.open(model, more, session="a")
+        return nullcontext()
+
+    store._finish_open = finish_fails  # the finally's let-go: where an open raised holding pins
+    cuts.clear()
+    assert raised_on_the_way_in(enter_failing, checked, within={"open", "_let_go", "_unpin_orphans"}) > 10
+    assert {("call", "_let_go"), ("call", "_unpin_orphans"), ("c_return", "_let_go")} <= {c[0] for c in cuts}
+    del store._finish_open
+    cache = store.open(model, more, session="a")
+    assert cache.restored_tokens > 0 and torch.equal(generate(model, more, cache), generate(model, more))
 
 
 def test_a_new_block_an_exception_cuts_short_is_placed_or_dropped_whole(model, stores, tmp_path):

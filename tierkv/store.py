@@ -28,6 +28,9 @@ Protocol of one conversation turn::
   for the disk.
 * A turn pins the blocks it restores or commits: its own placements never evict them, and it
   touches them tail first, so eviction takes a conversation's tail before the prefix it needs.
+  A call's pins are handed over (``_orphaned_pins``, one C call) before any point of its
+  cleanup where a signal's handler runs, and let go from there, so that a cleanup cut short
+  leaves them to the next call's ``_reap``, never pinned for good.
 * Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
   still references, from every tier.
 * Ctrl-C in the main thread is held off inside ``open``, a commit, ``forget``, ``flush`` and
@@ -455,7 +458,7 @@ class TieredStore:
         self._disk_goal: int | None = None
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
-        self._orphaned_pins: deque[bytes] = deque()  # see _let_go
+        self._orphaned_pins: deque[bytes] = deque()  # pins whose call ended, to let go (_unpin_orphans)
         # Deletes and references whose batch is queued, and those whose batch failed: retried at
         # every flush and at close, since a lost delete would bring forgotten KV back after a
         # restart, and a lost reference would leave a session's blocks where its forget cannot
@@ -858,12 +861,19 @@ class TieredStore:
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
                                                model, buffer)
                     cache._forgets_seen = forgets_seen
-                    self._unpin(pins)
-                    pins = []
+                    # No point between the swap and the hand-over where a signal's handler runs:
+                    # the finally hands over exactly what this did not.
+                    pins, handed = [], pins
+                    self._orphaned_pins.extend(handed)
+                    self._unpin_orphans()
             finally:
                 try:
                     if pins:
-                        self._let_go(pins)
+                        # Handed over first, in one C call: a handler raising at any later point
+                        # (``_let_go``'s start among them) leaves them to the next call's _reap,
+                        # not pinned for good.
+                        self._orphaned_pins.extend(pins)
+                        self._let_go()
                 finally:
                     # The pool's own lock guards a lease: no wait for the store's.
                     for lease in held:
@@ -879,17 +889,25 @@ class TieredStore:
         close draining the writer) is raised at once (``_StoreLock``)."""
         return self._lock
 
-    def _let_go(self, pins: list[bytes]) -> None:
-        """Unpin, or, while another thread holds the lock, leave the pins to whoever takes it next
-        (``_reap``): an open that raises never waits for the lock to clean up after itself, and
-        a pin left a moment longer only keeps a block from eviction that moment."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._unpin(pins)
-            finally:
-                self._lock.release()
-        else:
-            self._orphaned_pins.extend(pins)  # one C call: atomic against the popleft in _reap
+    def _let_go(self) -> None:
+        """Let go of the pins handed over (``_orphaned_pins``), or, while another thread holds the
+        lock, leave them to whoever takes it next (``_reap``): an open that raises never waits for
+        the lock to clean up after itself, and a pin left a moment longer only keeps a block from
+        eviction that moment."""
+        lock = self._lock
+        held = lock._recursion_count()  # re-entrant: this thread may hold it already
+        try:
+            if lock.acquire(blocking=False):
+                try:
+                    self._unpin_orphans()
+                finally:
+                    lock.release()
+        except BaseException:
+            # Another signal's handler raising as the acquire returned left the lock held for
+            # good, every later call of another thread waiting for it.
+            if lock._recursion_count() > held:
+                lock.release()
+            raise
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                           fingerprint: bytes, held: list[Any], length: int
@@ -1338,8 +1356,11 @@ class TieredStore:
                     chain.append(meta)
                     parent = key
             finally:
+                # Handed over first, in one C call: a handler raising at a later point of this
+                # cleanup left the commit's blocks pinned for good (never evicted again).
+                self._orphaned_pins.extend(pins)
                 self._committing.discard(sid)  # type: ignore[arg-type]
-                self._unpin(pins)
+                self._unpin_orphans()
                 # Also when a block's copy raised (out of memory): the blocks stored before it are
                 # the session's, so that forget(session=...) finds them.
                 # A failed disk write reaped meanwhile can still have removed a block of the chain.
@@ -1575,7 +1596,10 @@ class TieredStore:
                 self._pin(moving, [meta.key])
                 self._evict(tier, meta)
             finally:
-                self._unpin(moving)
+                # Handed over in one C call before any point where a handler runs: one raising
+                # as _unpin started left the block pinned for good.
+                self._orphaned_pins.extend(moving)
+                self._unpin_orphans()
         return True
 
     def _evict(self, tier: Tier, meta: BlockMeta) -> None:
@@ -1866,11 +1890,7 @@ class TieredStore:
                 self._unsettled.discard(key)
             for sid in list(self._hollow):  # as those
                 self._untrack_if_hollow(sid)
-            if self._orphaned_pins:
-                left: list[bytes] = []
-                while self._orphaned_pins:
-                    left.append(self._orphaned_pins.popleft())
-                self._unpin(left)
+            self._unpin_orphans()
             self._reap_deletes()
             self._host.reclaim()
         with self._gathering_deletes():  # the evictions that writes refused at the map's cap ask for
@@ -2246,14 +2266,20 @@ class TieredStore:
             self._pinned[key] += 1
             pins.append(key)
 
-    def _unpin(self, pins: list[bytes]) -> None:
-        pinned = self._pinned
-        for key in pins:
-            left = pinned[key] - 1
+    def _unpin_orphans(self) -> None:
+        """Let go of the pins handed over to ``_orphaned_pins`` (under the lock: other threads
+        only append). Each leaves the queue once its count is down, with no point between where
+        another signal's handler runs (``del`` is no call), so a let-go cut short is finished by
+        the next, none lost and none let go twice (another turn's pin of the same block kept)."""
+        orphans, pinned = self._orphaned_pins, self._pinned
+        while orphans:
+            key = orphans[0]
+            left = pinned.get(key, 0) - 1
             if left > 0:
                 pinned[key] = left
-            else:
-                pinned.pop(key, None)
+            elif key in pinned:
+                del pinned[key]
+            orphans.popleft()
 
     def _touch_chain(self, chain: list[BlockMeta]) -> None:
         # Tail first, head last: a conversation's head becomes the most recently used, so eviction
