@@ -3319,7 +3319,10 @@ def test_a_commits_cleanup_an_exception_cuts_short_leaves_nothing_pinned_and_the
     # Before: the commit's finally unpinned its blocks by a call; another signal's handler
     # raising before it (as the discard of the committing session returned) or as it started
     # left the commit's blocks pinned for good, after any later call: never evicted again, the
-    # tiers' budgets taken by blocks no turn uses.
+    # tiers' budgets taken by blocks no turn uses. And one raising as the touch of the chain or
+    # the session's reference started left the blocks stored but not the session's: its forget
+    # kept them, in memory and on disk (and one raising as the session's add returned, before
+    # the try, left it committing for good, never untracked when hollow).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
     turns = [0]
     cuts: list[object] = []
@@ -3338,9 +3341,18 @@ def test_a_commits_cleanup_an_exception_cuts_short_leaves_nothing_pinned_and_the
         ids = torch.cat([random_ids(21, 1500 + turns[0]), torch.tensor([[7, 8, 9, 10, 11, 12, 13, 14, 15]])], 1)
         cache = store.open(model, ids, session=f"s{turns[0]}")
         assert torch.equal(generate(model, ids, cache), generate(model, ids)), sent
+        assert not store._committing and not store._ending, sent
+        store.forget(session=f"s{turns[0]}")  # all it stored is its own: nothing stays
+        store.flush()
+        assert not store._index.blocks and not store._index.sessions, sent
+        with store._disk.env.begin() as txn:
+            assert not list(txn.cursor(db=store._disk._blocks)), sent
+            assert not list(txn.cursor(db=store._disk._refs)), sent
 
-    assert raised_on_the_way_in(commit_one, exact, within={"_commit_turn", "_unpin_orphans", "_pin"}) > 40
-    assert [("call", "_unpin_orphans")] in cuts
+    within = {"_commit_turn", "_unpin_orphans", "_pin", "_end_commit", "_reference", "_touch_chain"}
+    assert raised_on_the_way_in(commit_one, exact, within=within) > 60
+    assert {("call", "_unpin_orphans"), ("call", "_end_commit"), ("call", "_touch_chain"), ("call", "_reference"),
+            ("call", "_write_stamps")} <= {c[0] for c in cuts}
 
 
 def test_an_opens_let_go_an_exception_cuts_short_leaves_nothing_pinned_and_the_lock_free(model, stores, tmp_path):

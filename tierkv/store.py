@@ -43,10 +43,11 @@ Protocol of one conversation turn::
   its writer drains): a block's entry following its tiers (``_unsettled``), a delete on disk
   queued again (``_deleting``), a session left with no block of its own untracked (``_hollow``),
   the room a refused write asked for (``_disk_goal``), a write whose queueing was cut short
-  failed as not queued, a forget's session dropped (``_forgetting``, with the blocks it dropped,
-  whose continuations no session references go too; the session leaves the index last), then
-  the forget itself done again whole (``_forgets_owed``: the sessions it had not reached, and a
-  tenant's blocks of no session; let go last), a gathering of deletes whose exit was cut short
+  failed as not queued, a commit's cleanup (its chain touched and referenced: ``_ending``), a
+  forget's session dropped (``_forgetting``, with the blocks it dropped, whose continuations no
+  session references go too; the session leaves the index last), then the forget itself done
+  again whole (``_forgets_owed``: the sessions it had not reached, and a tenant's blocks of no
+  session; let go last), a gathering of deletes whose exit was cut short
   ended and what it gathered queued (each taken out of ``_gathered`` only once queued).
 * A store with a disk tier that is still open when the interpreter exits is closed then (its
   queued writes drained, for up to ``EXIT_CLOSE_TIMEOUT_S``): the writer is a daemon thread, and
@@ -369,6 +370,27 @@ class _StoreLock(_thread.RLock):
         return True
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _CommitEnd:
+    """A commit's cleanup (``TieredStore._end_commit``), noted in ``_ending`` before the commit
+    changes anything and taken out last: a cleanup that another signal's handler cut short (as
+    it started, even) is finished by the next call's ``_reap``. ``spans`` (start, end, key): the
+    blocks the commit covers, its chain those of them in the index, from the first on; not a
+    list of the blocks it placed, which a handler raising as a placement's last call returned
+    left without the block (stored, but not the session's). ``referenced``: the commit's own,
+    filled as it places blocks; ``new``: the blocks whose references the disk still needs, fixed
+    by the cleanup's first run (a run again finds the index references made)."""
+
+    sid: bytes | None
+    tenant: str | None
+    session: str | None
+    root: bytes
+    ids: np.ndarray
+    spans: list[tuple[int, int, bytes]]
+    referenced: set[bytes] = dataclasses.field(default_factory=set)
+    new: list[bytes] | None = None
+
+
 class _GatheringDeletes:
     """``TieredStore._gathering_deletes``: a class, not a generator's context manager, whose
     ``__enter__`` returns from ``next()`` (a C call, where CPython runs a pending signal's
@@ -468,6 +490,7 @@ class TieredStore:
         self._deletes_queued = 0  # deletes and references ever queued (flush: those its reap queued)
         self._left_on_disk = [0, 0]  # blocks, bytes: deletes a close(timeout) gave up (_stop_writer)
         self._committing: set[bytes] = set()  # the session of the commit running (_untrack_if_hollow)
+        self._ending: list[_CommitEnd] = []  # commits whose cleanup is not done (_end_commit)
         # Sessions a block's removal may have left with no block of their own, until
         # _untrack_if_hollow has looked at them (_reap looks at those an exception left here).
         self._hollow: set[bytes] = set()
@@ -1330,13 +1353,16 @@ class TieredStore:
                 spans = spans[:cut]
             sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
             parent = cache.root
-            chain: list[BlockMeta] = []
             pins: list[bytes] = []
             ref = (sid, cache.tenant) if sid is not None else None
-            referenced: set[bytes] = set()  # new blocks whose write went out after the session's reference
-            if sid is not None:
-                self._committing.add(sid)
+            ending = _CommitEnd(sid, cache.tenant, cache.session, cache.root, ids, spans)
+            referenced = ending.referenced  # new blocks whose write went out after the session's reference
             try:
+                # Noted first, inside the try: the cleanup runs, or is left to the next _reap,
+                # whatever a signal's handler cuts short from here on.
+                self._ending.append(ending)
+                if sid is not None:
+                    self._committing.add(sid)
                 # Pinned: a later block of this commit never evicts an earlier one; what does not
                 # fit goes down a tier or, past the last, ends the chain.
                 for start, end, key in spans:
@@ -1353,27 +1379,49 @@ class TieredStore:
                             break
                         if ref is not None and meta.disk is not DiskState.NONE:
                             referenced.add(key)
-                    chain.append(meta)
                     parent = key
             finally:
                 # Handed over first, in one C call: a handler raising at a later point of this
                 # cleanup left the commit's blocks pinned for good (never evicted again).
                 self._orphaned_pins.extend(pins)
-                self._committing.discard(sid)  # type: ignore[arg-type]
                 self._unpin_orphans()
                 # Also when a block's copy raised (out of memory): the blocks stored before it are
                 # the session's, so that forget(session=...) finds them.
-                # A failed disk write reaped meanwhile can still have removed a block of the chain.
-                kept = list(itertools.takewhile(lambda m: self._index.blocks.get(m.key) is m, chain))
-                self._touch_chain(kept)
-                # The ids the kept chain covers: an older tail past them is not superseded.
-                covered = ids[:sum(m.n_tokens for m in kept)]
-                if sid is not None:
-                    self._reference(sid, cache.tenant, cache.session, cache.root, covered, kept, referenced)
-                else:
-                    self._release_unheld_tails(cache.tenant, cache.root, covered, kept)
-                self._write_stamps()
+                kept = self._end_commit(ending)
             return sum(m.n_tokens for m in kept)
+
+    def _end_commit(self, end: _CommitEnd) -> list[BlockMeta]:
+        """A commit's cleanup: the session no longer committing, its chain touched and referenced
+        (or, without a session, the tails it replaced let go), the stamps written; the chain's
+        blocks still in the index. Each step can run again; the note leaves ``_ending`` last.
+        Before, a handler raising at a step's start (the discard's return, ``_touch_chain``'s,
+        ``_reference``'s) left the rest undone for good: the blocks stored but not the session's
+        in the index (its forget did not find them; their references on disk, made ahead of
+        their writes, then pointed at blocks no session held), and the session committing for
+        good (never untracked when hollow)."""
+        self._committing.discard(end.sid)  # type: ignore[arg-type]
+        # A failed disk write reaped meanwhile can still have removed a block of the chain.
+        kept: list[BlockMeta] = []
+        for start, stop, key in end.spans:
+            meta = self._index.blocks.get(key)
+            if meta is None or not np.array_equal(meta.token_ids, end.ids[start:stop]):
+                break
+            kept.append(meta)
+        self._touch_chain(kept)
+        # The ids the kept chain covers: an older tail past them is not superseded.
+        covered = end.ids[:sum(m.n_tokens for m in kept)]
+        if end.sid is not None:
+            if end.new is None:
+                info = self._index.sessions.get(end.sid)
+                held = info.keys if info is not None else frozenset()
+                end.new = [m.key for m in kept if m.key not in held and m.disk is not DiskState.NONE
+                           and m.key not in end.referenced]
+            self._reference(end.sid, end.tenant, end.session, end.root, covered, kept, end.new)  # type: ignore[arg-type]
+        else:
+            self._release_unheld_tails(end.tenant, end.root, covered, kept)
+        self._write_stamps()
+        self._ending.remove(end)
+        return kept
 
     def _store_block(self, key: bytes, parent: bytes, cache: TieredCache, ids: np.ndarray, start: int,
                      end: int, ref: tuple[bytes, str | None] | None = None) -> BlockMeta | None:
@@ -1532,11 +1580,13 @@ class TieredStore:
                 self._write_again(meta, block, tier)  # type: ignore[arg-type]
 
     def _reference(self, sid: bytes, tenant: str | None, name: str, root: bytes, ids: np.ndarray,
-                   chain: list[BlockMeta], written: set[bytes] = frozenset()) -> None:
-        """Reference ``chain``'s blocks for the session (``written``: those already referenced on
-        disk, ahead of their writes) and let go of the partial tails it supersedes."""
-        new = [m.key for m in chain if self._index.ref(sid, tenant, name, m) and m.disk is not DiskState.NONE
-               and m.key not in written]
+                   chain: list[BlockMeta], new: list[bytes]) -> None:
+        """Reference ``chain``'s blocks for the session, those of ``new`` on disk too (the others
+        are referenced there already: ahead of their writes, or by an earlier turn), and let go
+        of the partial tails it supersedes. Run again after a cut, it does no more than once,
+        but for the disk references of ``new``, queued again (the same rows)."""
+        for meta in chain:
+            self._index.ref(sid, tenant, name, meta)
         info = self._index.sessions.get(sid)
         if info is None:
             return
@@ -1878,6 +1928,8 @@ class TieredStore:
                 # what it gathered queued by no one until another write came).
                 self._gathering = False
                 self._submit_gathered()
+            for end in list(self._ending):  # a commit's cleanup cut short
+                self._end_commit(end)
             for sid in list(self._forgetting):  # a forget cut short
                 self._forget_session(sid)
             for what in list(self._forgets_owed):  # after those: the sessions it had not reached
