@@ -381,3 +381,44 @@ def test_restore_slots_are_views_of_the_buffer_and_refuse_a_block_of_another_sha
                          ((2, 2, 3, 4, 8), "bfloat16")]:
         with pytest.raises(CorruptRecord, match="among blocks shaped"):
             restore_slots(buffer, 10, 8, 2, Header(shape, dtype))
+
+
+_GUARDS_LEFT: list = []  # a failing run's inference-mode guards, kept from switching the mode back on
+
+
+def test_the_buffer_made_under_inference_mode_cut_short_leaves_the_mode_as_it_was() -> None:
+    # Before: restore_slots made the buffer inside ``with torch.inference_mode(False)``, whose
+    # enter and exit are Python calls: another signal's handler raising as the exit started (or
+    # as the guard's own enter returned inside the enter) left the guard entered. The caller's
+    # ``torch.inference_mode()`` block then ran on with the mode off, and once the exception was
+    # let go (the guard collected, after that block ended) the mode came back on in the caller's
+    # thread for good.
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+
+    class Header:
+        shape, dtype = (2, 2, 3, 4, 8), "float32"
+
+    modes: list[bool] = []
+
+    def enter():
+        # The caller's block: torch's C guard, so that the cuts fall in restore_slots' calls only.
+        with torch._C._InferenceMode(True):
+            try:
+                restore_slots([], 10, 0, 4, Header())
+            finally:
+                modes.append(torch.is_inference_mode_enabled())
+        return nullcontext()
+
+    def as_it_was(sent):
+        assert modes[-1] and not torch.is_inference_mode_enabled(), sent
+
+    try:
+        assert raised_on_the_way_in(enter, as_it_was, within={"restore_slots", "__enter__", "__exit__"}) >= 3
+        assert not torch.is_inference_mode_enabled()  # every exception let go: no guard switches it on
+    finally:
+        while torch.is_inference_mode_enabled():
+            guard = torch._C._InferenceMode(False)
+            guard.__enter__()
+            _GUARDS_LEFT.append(guard)

@@ -1298,6 +1298,10 @@ def sequence_ids_of(sequences: Any) -> np.ndarray:
     return token_ids_of(sequences[:1], "sequences")
 
 
+#: ``torch.inference_mode``'s own guard (see ``restore_slots``); the public class where a torch
+#: lacks it.
+_InferenceMode: Any = getattr(torch._C, "_InferenceMode", torch.inference_mode)
+
 #: A restored block that ``store.open`` read from disk straight into the restore's buffer: no
 #: tensor of its own (``restore_slots``).
 IN_PLACE: Job[Any] = Job.completed(None)
@@ -1314,8 +1318,13 @@ def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any) 
     layers, two, heads, _, dim = header.shape
     if not buffer:
         # A normal tensor even when ``open`` runs under torch.inference_mode: the first forward
-        # writes into it, which torch refuses for an inference tensor outside that mode.
-        with torch.inference_mode(False):
+        # writes into it, which torch refuses for an inference tensor outside that mode. Through
+        # torch's C guard, whose enter and exit are no Python calls: ``torch.inference_mode``'s
+        # are, and another signal's handler raising as its exit started (or as the guard's enter
+        # returned inside its enter) left the guard entered: the caller's inference_mode block
+        # ran on with the mode off, and once the exception was let go (the guard collected) the
+        # mode came back on in the caller's thread for good.
+        with _InferenceMode(False):
             kv = torch.empty((layers, two, heads, length, dim), dtype=getattr(torch, header.dtype))
         # .view, never reshape: a copy would take the reads and leave the buffer unwritten.
         buffer[:] = kv, (header.dtype, layers, two, heads, dim), \
