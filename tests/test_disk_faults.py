@@ -1110,12 +1110,12 @@ def test_a_failed_read_gives_its_pool_buffer_back(model, stores, tmp_path):
     alloc = pool.alloc
     calls = 0
 
-    def flaky_alloc(shape, dtype):
+    def flaky_alloc(shape, dtype, *hold):
         nonlocal calls
         calls += 1
         if calls == 3:  # two blocks read into pool buffers, the third read fails to allocate
             raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
-        return alloc(shape, dtype)
+        return alloc(shape, dtype, *hold)
 
     pool.alloc = flaky_alloc
     nxt = torch.cat([out, random_ids(2, 781)], dim=1)

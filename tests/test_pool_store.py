@@ -266,3 +266,65 @@ def test_reads_past_a_miss_give_their_buffers_back_before_the_open_ends(model, t
     store._host.pool.reclaim()
     assert store.stats()["host_pool"]["in_use"] == 0  # no buffer let go twice, none kept
     store.close()
+
+
+def test_an_opens_holds_another_signals_handler_cuts_short_are_all_let_go(model, tmp_path, monkeypatch):
+    # Before: an open held each pool buffer it read from (a host-tier block's, a disk read's),
+    # then recorded it in a list, and let go of the list's in its finally, one by one; another
+    # signal's handler raising as a hold returned, as an unhold started, or as the finally's
+    # loop started left buffers held for good: never back in the pool (in_use above 0 after
+    # every block was forgotten and every copy landed). So did one raising on the way back from
+    # the pool's alloc of a disk read's buffer, before the hold.
+    from contextlib import nullcontext
+
+    import tierkv.store
+    from conftest import raised_on_the_way_in
+
+    # The reads in this thread: the same points at every run (helpers would take some of them).
+    monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 1 << 60)
+    made: list[TieredStore] = []
+
+    def setup() -> tuple[TieredStore, CopyingEngine, torch.Tensor]:
+        store, engine = pooled_store(tmp_path / f"kv{len(made)}", pool_blocks=16, device_budget=0,
+                                     host_budget=2 * BLOCK_BYTES)
+        made.append(store)
+        ids = random_ids(4 * B + 1, 830)
+        cache = store.open(model, ids, session="a")
+        out = generate(model, ids, cache)
+        cache.commit(out)  # four blocks and a tail on disk, the last two blocks in the host tier too
+        engine.land()
+        store.flush()
+        return store, engine, torch.cat([out, random_ids(2, 831)], dim=1)
+
+    current = [setup()]
+    store, engine, nxt = current[0]
+    cache = store.open(model, nxt, session="a")
+    assert cache.restored_from["host"] > 0 and cache.restored_from["disk"] > 0  # both kinds of holds
+    del cache
+    cuts: list[object] = []
+
+    def all_back(sent):
+        cuts.append(sent)
+        store, engine, _ = current[0]
+        engine.land()
+        store._reap()  # the next call's
+        store.forget(session="a")
+        engine.land()
+        store.flush()
+        store._host.pool.reclaim()
+        pool = store.stats()["host_pool"]
+        assert pool["in_use"] == 0 and pool["retiring"] == 0, (sent, pool)
+        store.close()
+        current[0] = setup()
+
+    def open_cut():
+        store, _, nxt = current[0]
+        store.open(model, nxt, session="a")
+        return nullcontext()
+
+    within = {"open", "_let_go_leases", "into", "alloc", "_read_disk_blocks"}
+    assert raised_on_the_way_in(open_cut, all_back, within=within) > 20
+    assert {("call", "_let_go_leases"), ("call", "hold_in"), ("call", "unhold_from"),
+            ("c_return", "alloc")} <= {c[0] for c in cuts}
+    for store in made:
+        store.close()

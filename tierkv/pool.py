@@ -6,7 +6,8 @@ the store carves its host buffers from arenas allocated once and reused for the 
 Protocol:
   * ``alloc(shape, dtype)`` returns ``(tensor, lease)``: a contiguous buffer from the pool, or,
     when no free run fits, a freshly allocated one with ``lease`` None (slower, never wrong;
-    counted in ``stats()['fallbacks']``).
+    counted in ``stats()['fallbacks']``). ``alloc(shape, dtype, holders, key)`` takes it held,
+    as ``hold_in(holders, key, lease)`` would, the hold recorded with the taking.
   * A lease is held by whoever keeps the buffer at rest (the host tier, a queued disk write):
     ``hold()`` / ``unhold()`` (or ``hold_in`` / ``unhold_from``, for a holder that records its
     holds in a dict: the record and the hold in one step, where no signal's handler runs). Jobs that read or write the buffer asynchronously (the copy that
@@ -23,8 +24,10 @@ Arenas are allocated on first need, up to ``capacity`` bytes, and never freed be
 
 Another signal's handler (a SIGALRM timeout; Ctrl-C is held off by the store) may raise at any
 call inside these: each change to the books is made with no call between its parts, and a
-retired buffer is freed once (``Lease.freed``). A lease that ``alloc`` took but whose caller
-never got it, or never held it, stays counted in use: nothing tells that it is abandoned.
+retired buffer is freed once (``Lease.freed``). A lease that ``alloc`` took without
+``holders`` but whose caller never got it, or never held it, stays counted in use: nothing tells
+that it is abandoned; taken with ``holders``, it is in the caller's record before any point
+where a handler runs, for the caller's ``unhold_from`` to let go.
 """
 
 from __future__ import annotations
@@ -131,14 +134,15 @@ class HostPool:
         self._grow_refused = False
 
     # -- allocation ---------------------------------------------------------------------------------
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Lease | None]:
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, holders: dict[Any, Any] | None = None,
+              key: Any = None) -> tuple[torch.Tensor, Lease | None]:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         need = max(1, -(-nbytes // GRANULE))
         self.reclaim()
         with self._lock:
-            lease = self._take(need)
+            lease = self._take(need, holders, key)
             if lease is None and need <= self._arena_granules and self._grow():
-                lease = self._take(need)
+                lease = self._take(need, holders, key)
             if lease is None:
                 self.fallbacks += 1
         if lease is None:
@@ -152,7 +156,7 @@ class HostPool:
         flat = self._arenas[lease.arena][offset:offset + nbytes]
         return flat.view(dtype).view(shape), lease
 
-    def _take(self, need: int) -> Lease | None:
+    def _take(self, need: int, holders: dict[Any, Any] | None = None, key: Any = None) -> Lease | None:
         best: tuple[int, int, int] | None = None  # (length, arena, start)
         for arena, runs in enumerate(self._runs):
             for start, length in runs.items():
@@ -172,6 +176,8 @@ class HostPool:
         # a call's start or a C call's return): the run taken, its rest left and the space
         # counted together. A cut between them left a start without its run (a KeyError at a
         # later free), a run's rest out of the free space, or a run taken and counted by no one.
+        # The hold asked for is made with them: a handler raising anywhere on the way back to the
+        # caller left a buffer taken that no one held or knew of, lost to the pool for good.
         del runs[start]
         if length > need:
             runs[start + need] = length - need
@@ -179,6 +185,9 @@ class HostPool:
         else:
             del starts[i]
         self.in_use += need
+        if holders is not None:
+            holders[key] = lease
+            lease.holders = 1
         return lease
 
     def _grow(self) -> bool:

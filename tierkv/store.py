@@ -28,9 +28,10 @@ Protocol of one conversation turn::
   for the disk.
 * A turn pins the blocks it restores or commits: its own placements never evict them, and it
   touches them tail first, so eviction takes a conversation's tail before the prefix it needs.
-  A call's pins are handed over (``_orphaned_pins``, one C call) before any point of its
-  cleanup where a signal's handler runs, and let go from there, so that a cleanup cut short
-  leaves them to the next call's ``_reap``, never pinned for good.
+  A call's pins, and an open's holds on pool buffers, are handed over (``_orphaned_pins``,
+  ``_held_leases``: one C call) before any point of its cleanup where a signal's handler runs,
+  and let go from there, so that a cleanup cut short leaves them to the next call's ``_reap``,
+  never pinned or held for good.
 * Sessions reference blocks; ``forget`` drops references and deletes blocks no live session
   still references, from every tier.
 * Ctrl-C in the main thread is held off inside ``open``, a commit, ``forget``, ``flush`` and
@@ -481,6 +482,7 @@ class TieredStore:
         self._stamps: dict[bytes, int] = {}
         self._pinned: Counter[bytes] = Counter()  # blocks that opens or commits in progress must keep
         self._orphaned_pins: deque[bytes] = deque()  # pins whose call ended, to let go (_unpin_orphans)
+        self._held_leases: list[dict[Any, Any]] = []  # pool holds of opens that ended (_let_go_leases)
         # Deletes and references whose batch is queued, and those whose batch failed: retried at
         # every flush and at close, since a lost delete would bring forgotten KV back after a
         # restart, and a lost reference would leave a session's blocks where its forget cannot
@@ -856,7 +858,10 @@ class TieredStore:
         # still cuts short the wait for the lock before anything is done, and the disk reads.
         with defer_interrupts():
             pins: list[bytes] = []
-            held: list[Any] = []  # pool buffers this open reads from: none is reused before its copy
+            # The pool buffers this open reads from (none is reused before its copy), each hold
+            # made with its record (``Lease.hold_in``): a hold and its append apart, another
+            # signal's handler raising as the hold returned left a buffer held for good.
+            held: dict[Any, Any] = {}
             try:
                 with self._locked_unless_interrupted():
                     self._check_open()
@@ -870,10 +875,9 @@ class TieredStore:
                     plan = self._match(root, ids, info.masked_token) if limit is None or len(ids) <= limit else []
                     self._pin(pins, [meta.key for meta, _ in plan])
                     found = [self._source(meta) for meta, _ in plan]
-                    for where in found:
+                    for i, where in enumerate(found):
                         if where is not None and where[1].lease is not None:
-                            where[1].lease.hold()
-                            held.append(where[1].lease)
+                            where[1].lease.hold_in(held, ("memory", i), where[1].lease)
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
@@ -890,6 +894,10 @@ class TieredStore:
                     self._orphaned_pins.extend(handed)
                     self._unpin_orphans()
             finally:
+                # The holds handed over first, in one C call: a handler raising as their let-go
+                # started (or at an unhold) left the buffers held for good, lost to the pool.
+                if held:
+                    self._held_leases.append(held)
                 try:
                     if pins:
                         # Handed over first, in one C call: a handler raising at any later point
@@ -899,8 +907,7 @@ class TieredStore:
                         self._let_go()
                 finally:
                     # The pool's own lock guards a lease: no wait for the store's.
-                    for lease in held:
-                        lease.unhold()
+                    self._let_go_leases()
         if self._events.active:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
@@ -933,7 +940,7 @@ class TieredStore:
             raise
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          fingerprint: bytes, held: list[Any], length: int
+                          fingerprint: bytes, held: dict[Any, Any], length: int
                           ) -> tuple[dict[int, Any], float, Any]:
         """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
         miss; stops at the first miss, since a restore is a prefix. With them, the restore's
@@ -966,12 +973,11 @@ class TieredStore:
 
             def into(header: RecordHeader) -> Any:
                 self._check_header(header, meta, fingerprint)  # before its shape sizes an allocation
-                tensor, lease = self._host.alloc(header.shape, torch_dtype(header.dtype))
+                # Held by this open until its copies to the device are registered, the hold made
+                # with the taking (a handler raising between the two lost the buffer); the open
+                # lets go of it whatever happens, a failed read included.
+                tensor, lease = self._host.alloc(header.shape, torch_dtype(header.dtype), held, ("read", i))
                 if lease is not None:
-                    # Held by this open until its copies to the device are registered; the open
-                    # lets go of it whatever happens, a failed read included.
-                    lease.hold()
-                    held.append(lease)
                     leases[i] = lease
                 made[:] = tensor, lease
                 return block_bytes(tensor)
@@ -1033,8 +1039,7 @@ class TieredStore:
                 # Nothing else uses them yet (no copy from them was issued).
                 for j in todo[n:]:
                     if j in leases:
-                        held.remove(leases[j])  # first: the open's end must not let go of it again
-                        leases[j].unhold()
+                        leases[j].unhold_from(held, ("read", j))  # the open's end: not again
                 if isinstance(reads.get(i), (lmdb.Error, OSError)) and self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from reads[i]
@@ -1943,6 +1948,7 @@ class TieredStore:
             for sid in list(self._hollow):  # as those
                 self._untrack_if_hollow(sid)
             self._unpin_orphans()
+            self._let_go_leases()
             self._reap_deletes()
             self._host.reclaim()
         with self._gathering_deletes():  # the evictions that writes refused at the map's cap ask for
@@ -2317,6 +2323,21 @@ class TieredStore:
         for key in keys:
             self._pinned[key] += 1
             pins.append(key)
+
+    def _let_go_leases(self) -> None:
+        """Let go of the pool buffers that ended opens held (``_held_leases``: each open's holds,
+        ``Lease.hold_in``), from any thread, with or without the store's lock (the pool's own
+        guards a lease). ``unhold_from`` lets go of a hold once, with its record, so a let-go cut
+        short is finished by the next call's ``_reap``, none let go twice; an open's holds leave
+        the list once none is left (an empty one taken for another by ``remove`` holds none)."""
+        for holders in list(self._held_leases):
+            for key, lease in list(holders.items()):
+                lease.unhold_from(holders, key)
+            if not holders:
+                try:
+                    self._held_leases.remove(holders)
+                except ValueError:
+                    pass  # another thread's let-go took it out
 
     def _unpin_orphans(self) -> None:
         """Let go of the pins handed over to ``_orphaned_pins`` (under the lock: other threads

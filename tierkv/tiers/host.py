@@ -9,6 +9,8 @@ no copy or write still uses it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..pool import HostPool, Lease
@@ -29,11 +31,13 @@ class HostTier(MemoryTier):
         # leaves it set, for _settle.
         self._unsettled: bytes | None = None
 
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Lease | None]:
-        """A host buffer for a block (a copy from the device, a read from disk), and its lease."""
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, holders: dict[Any, Any] | None = None,
+              key: Any = None) -> tuple[torch.Tensor, Lease | None]:
+        """A host buffer for a block (a copy from the device, a read from disk), and its lease;
+        with ``holders``, held and recorded as ``holders[key]`` (``HostPool.alloc``)."""
         if self.pool is None:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pinned), None
-        return self.pool.alloc(shape, dtype)
+        return self.pool.alloc(shape, dtype, holders, key)
 
     def put(self, key: bytes, block: Job[torch.Tensor], nbytes: int) -> bool:
         if self._unsettled is not None:
