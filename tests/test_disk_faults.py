@@ -3355,6 +3355,45 @@ def test_a_commits_cleanup_an_exception_cuts_short_leaves_nothing_pinned_and_the
             ("call", "_write_stamps")} <= {c[0] for c in cuts}
 
 
+def test_a_sessionless_commits_cleanup_an_exception_cuts_short_still_lets_go_of_the_tail_it_replaced(model, stores,
+                                                                                                    tmp_path):
+    # Before: a turn without a session let go of the partial tail its chain replaced in its
+    # commit's finally, by a call; another signal's handler raising before it left the tail at
+    # rest in every tier (and on disk) until the LRU order reached it, a dead block.
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget="1MiB")
+    turns = [0]
+    cuts: list[object] = []
+    tails: list[bytes] = []
+
+    def first_turn() -> torch.Tensor:
+        turns[0] += 1  # a new conversation each point: each takes the same path
+        out = converse(store, model, random_ids(2 * B + 2, 1520 + turns[0]), None)  # two blocks, a tail of 3
+        tails[:] = [k for k, m in store._index.blocks.items() if m.n_tokens < B and k not in seen]
+        seen.update(store._index.blocks)
+        return torch.cat([out, torch.tensor([[7, 8, 9, 10, 11, 12, 13]])], 1)
+
+    seen: set[bytes] = set()
+    longer = [first_turn()]
+
+    def commit_one():
+        cache = store.open(model, longer[0])
+        out = generate(model, longer[0], cache)
+        cache.commit(out)  # a third block covering the tail, and a tail after it
+        return nullcontext()
+
+    def released(sent):
+        cuts.append(sent)
+        _nothing_pinned(store, sent)
+        assert not store._ending, sent
+        assert len(tails) == 1 and tails[0] not in store._index.blocks, sent
+        seen.update(store._index.blocks)
+        longer[0] = first_turn()
+
+    within = {"_end_commit", "_release_unheld_tails"}
+    assert raised_on_the_way_in(commit_one, released, within=within) > 4
+    assert [("call", "_release_unheld_tails")] in cuts
+
+
 def test_an_opens_let_go_an_exception_cuts_short_leaves_nothing_pinned_and_the_lock_free(model, stores, tmp_path):
     # Before: an open that raised let go of its pins in its finally by a call; another signal's
     # handler raising as that call started left its blocks pinned for good, and one raising as
