@@ -3659,6 +3659,41 @@ def test_an_open_cut_short_anywhere_raises_and_holds_nothing_for_good(model, sto
         faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_a_commit_cut_short_anywhere_raises_and_holds_nothing_for_good(model, stores, tmp_path, where):
+    """``cache.commit`` cut short at every point (a handler raising a ``TimeoutError``), into each
+    tier: each time the exception reaches the caller, and the next turn is exact with nothing
+    pinned or held. Before: the commit compared its ids with ``np.array_equal``, which answers
+    False for any exception inside it: the timeout vanished, and the commit raised that its ids
+    were not the conversation's."""
+    store = make_store(stores, tmp_path / "kv", **TIER_BUDGETS[where])
+    out = converse(store, model, random_ids(21, 402), "a")
+    store.flush()
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+    turn: list[tuple[object, torch.Tensor]] = []
+
+    def open_turn() -> None:
+        cache = store.open(model, more, session="a")
+        turn[:] = [(cache, generate(model, more, cache))]
+
+    def commit() -> nullcontext:
+        cache, sequences = turn[0]
+        cache.commit(sequences)
+        return nullcontext()
+
+    def healthy(sent) -> None:
+        after = torch.cat([turn[0][1], torch.tensor([[9, 9]])], dim=1)
+        healthy_after_a_cut(store, model, after, sent, out.shape[1] - 1)
+        open_turn()
+
+    open_turn()
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        assert raised_on_the_way_in(commit, healthy, timeout=True) > 300
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, tmp_path, monkeypatch):
     # Before: only a session's forget was noted (``_forgetting``). A tenant's cut short left the
     # sessions it had not reached and the tenant's blocks without a session (the sweep after
