@@ -3694,6 +3694,42 @@ def test_a_commit_cut_short_anywhere_raises_and_holds_nothing_for_good(model, st
         faulthandler.cancel_dump_traceback_later()
 
 
+def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(model, tmp_path):
+    """``TieredStore(path)`` cut short at every point of its own steps and its disk tier's (a
+    handler's ``TimeoutError``, as a startup watchdog's ``SIGALRM`` raises): each time the
+    exception reaches the caller, and the next ``TieredStore(path)`` of the process opens and
+    restores everything. Before: a cut between the directory's lock and the steps' own cleanup
+    (in ``_lock_directory`` past the ``flock``; in ``DiskTier.__init__`` between its ``try``
+    blocks; in ``TieredStore.__init__`` before its index load's) left the lock file open and
+    locked for the process's life: every later store there raised ``StoreInUse``. And a
+    ``TimeoutError`` cutting the lock's own steps was taken for an unwritable directory. (The
+    standard library's own steps, ``os.path.exists`` and the like, answer False to an
+    ``OSError`` raised inside them: not cut here.)"""
+    path = tmp_path / "kv"
+    with TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
+        out = converse(store, model, random_ids(21, 402), "a")
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+    made: list[TieredStore] = []
+
+    def construct() -> nullcontext:
+        made.append(TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0))
+        return nullcontext()
+
+    def reopens(sent) -> None:
+        for store in made:
+            store.close()
+        made.clear()
+        with TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
+            assert store.open(model, more, session="a").restored_tokens == out.shape[1] - 1, sent
+
+    steps = {"__init__", "_open", "_lock_directory", "_lock_file", "_open_disk_tier", "_load_index",
+             "_check_path", "_refuse_links", "_refuse_foreign", "_refuse_shared", "_allocate_lock_file",
+             "_allocate_map", "_check_meta", "_find_map", "_resolve_path"}
+    assert raised_on_the_way_in(construct, reopens, within=steps, timeout=True) > 100
+    for store in made:
+        store.close()
+
+
 def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, tmp_path, monkeypatch):
     # Before: only a session's forget was noted (``_forgetting``). A tenant's cut short left the
     # sessions it had not reached and the tenant's blocks without a session (the sweep after

@@ -457,17 +457,6 @@ class TieredStore:
         self._disk: DiskTier | None = None
         self._writer: BackgroundWriter[DiskOp] | None = None
         self._readers = ReadPool(helper_threads())
-        if path is not None:
-            self._disk = _open_disk_tier(path, budgets["disk_budget"], block_size)
-            self._link = _WriterLink(self)
-            # At a close with a timeout only block writes may be given up, and with them the
-            # deletes of the partial tails they replace (or a flushed tail would be lost): other
-            # deletes and session references are small, and dropping them would bring forgotten
-            # data back.
-            self._writer = BackgroundWriter(self._link, name="tierkv-disk-writer", size_of=op_size, count_of=op_count,
-                                            abandonable=_abandonable, device=self.device,
-                                            linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
-                                            max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
         self._index = Index()
         self._lock = _StoreLock()
         self._pending_writes: dict[bytes, tuple[Job[None], RecordHeader]] = {}
@@ -553,23 +542,37 @@ class TieredStore:
         self._commit_wait = 0.0  # seconds commits waited for the disk writer's backlog
         self._warned_backlog = False
         self._events = EventLog()
-        if self._disk is not None:
-            try:
+        # Last, with everything else in place: from the directory's lock on, a failure (or another
+        # signal's handler raising, up to the constructor's last step) is undone by a close.
+        try:
+            if path is not None:
+                self._disk = _open_disk_tier(path, budgets["disk_budget"], block_size)
+                self._link = _WriterLink(self)
+                # At a close with a timeout only block writes may be given up, and with them the
+                # deletes of the partial tails they replace (or a flushed tail would be lost): other
+                # deletes and session references are small, and dropping them would bring forgotten
+                # data back.
+                self._writer = BackgroundWriter(self._link, name="tierkv-disk-writer", size_of=op_size,
+                                                count_of=op_count, abandonable=_abandonable, device=self.device,
+                                                linger=WRITE_LINGER_S, linger_bytes=LINGER_BYTES,
+                                                max_batch_bytes=write_batch_bytes(budgets["disk_budget"]))
                 self._load_index()
-            except BaseException:
-                # Else the writer thread and the directory's lock outlive the failed constructor,
-                # and every retry in this process finds the store in use.
+                _open_stores.add(self)
+            logger.info("tierkv store opened: path=%s tiers=%s budgets device=%s host=%s disk=%s, %d blocks found",
+                        path, ",".join([f"device({self.device})", "host(pinned)" if self.device.type == "cuda"
+                                        else "host", *(["disk"] if path is not None else [])]),
+                        format_bytes(self._device.budget), format_bytes(self._host.budget),
+                        format_bytes(budgets["disk_budget"]) if path is not None else "none", len(self._index.blocks))
+        except BaseException:
+            # Else the writer thread and the directory's lock outlive the failed constructor (held
+            # by its exception's frames, as long as that is kept), and every retry in this process
+            # finds the store in use.
+            if self._disk is not None:
                 try:
                     self._close(0)
                 except Exception:  # noqa: BLE001 - the first error is the one to report
                     logger.exception("tierkv: releasing a store that failed to open also failed")
-                raise
-            _open_stores.add(self)
-        logger.info("tierkv store opened: path=%s tiers=%s budgets device=%s host=%s disk=%s, %d blocks found",
-                    path, ",".join([f"device({self.device})", "host(pinned)" if self.device.type == "cuda" else "host",
-                                    *(["disk"] if path is not None else [])]),
-                    format_bytes(self._device.budget), format_bytes(self._host.budget),
-                    format_bytes(budgets["disk_budget"]) if path is not None else "none", len(self._index.blocks))
+            raise
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> "TieredStore":

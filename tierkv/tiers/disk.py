@@ -993,10 +993,35 @@ class DiskTier:
         data = os.path.join(self.path, "data.mdb")
         # An empty file holds nothing to lose (LMDB creating it was cut short): made anew.
         fresh = not os.path.exists(data) or os.path.getsize(data) == 0
+        self._lock_fd: int | None = None
+        self._data_fd: int | None = None
+        self.env: Any = None
+        try:
+            self._open(data, fresh, budget, block_size)
+        except BaseException:
+            # Whatever the step, another signal's handler raising at any of them too: the
+            # directory's lock is not left held for the process's life (every later store on it
+            # refused as in use), nor the map and the file open.
+            env, self.env = self.env, None
+            if env is not None:
+                env.close()
+            fd, self._data_fd = self._data_fd, None
+            if fd is not None:
+                os.close(fd)
+            fd, self._lock_fd = self._lock_fd, None
+            if fd is not None:
+                os.close(fd)  # the flock goes with it
+            raise
+
+    def _open(self, data: str, fresh: bool, budget: int, block_size: int) -> None:
+        """``__init__``'s steps from the directory's lock on; what it opened is closed there if
+        one raises."""
         try:
             os.makedirs(self.path, exist_ok=True)
             self._lock_fd = self._lock_directory(self.path)
         except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's TimeoutError: the directory is fine
             # A path under a file, a read-only filesystem (a snapshot, a backup), no permission:
             # the store is opened for writing, even by `tierkv stats`, as LMDB's readers register.
             raise type(exc)(exc.errno, f"{exc.strerror}: a tierkv store needs a directory this process can create "
@@ -1031,17 +1056,14 @@ class DiskTier:
             # ``readers`` or more) while it lasts; one past them fails (``ReadersFullError``, no
             # disk's fault). Reads of many threads wait for a slot instead (two kept spare).
             self._resize_lock.limit = max(1, self.env.max_readers() - 2)
-        except BaseException as exc:
-            self._unlock()
-            if not fresh and isinstance(exc, UNREADABLE):
+        except UNREADABLE as exc:
+            if not fresh:
                 raise DamagedStore(self.path, exc) from exc
             raise
         if not fresh:
             short = _truncated(self.env, initial)
             if short is not None:
                 # LMDB extended the file to its map with zeroes: its pages past the cut read as such.
-                self.env.close()
-                self._unlock()
                 raise DamagedStore(self.path, short)
         self.page_size = self.env.stat()["psize"]
         # Records are written at least this long, so that LMDB keeps each on pages of its own
@@ -1050,21 +1072,13 @@ class DiskTier:
         self._map_start = self._find_map()
         # The same file as LMDB's, for zeroing deleted records in it without reading them.
         try:
-            self._data_fd: int | None = os.open(data, os.O_RDWR | os.O_NOFOLLOW)
-        except BaseException:
-            self.env.close()
-            self._unlock()
-            if os.path.islink(data):
+            self._data_fd = os.open(data, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            if not raised_by_signal_handler(exc) and os.path.islink(data):
                 raise _link_refusal(data) from None
             raise
         self._data_ino = os.fstat(self._data_fd).st_ino
-        try:
-            self._allocate_map(fresh)
-        except BaseException:
-            self.env.close()
-            os.close(self._data_fd)
-            self._unlock()
-            raise
+        self._allocate_map(fresh)
         # Where each block's record lies in the file (offset, length), from its head: for prefetch.
         self._where: dict[bytes, tuple[int, int]] = {}
         # Evicted records deleted and not zeroed yet (``_defer_scrub``): those the last committed
@@ -1086,30 +1100,24 @@ class DiskTier:
         # Only deletes may grow it further: block writes go to free pages (else every reopen of a
         # file above its budget would raise the cap by as much).
         self.map_cap = max(self.map_cap, self.file_bytes() + _DELETE_ROOM)
+        # Another program's LMDB environment is refused before anything is written to it.
         try:
-            # Another program's LMDB environment is refused before anything is written to it.
-            try:
-                self._meta = self.env.open_db(b"meta", create=fresh)
-            except (lmdb.NotFoundError, lmdb.IncompatibleError):
-                raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
-                                 "pass a new or empty directory") from None
-            except _DAMAGE as exc:
-                raise DamagedStore(self.path, exc) from exc
-            try:
-                self._check_meta(fresh, block_size)
-                self._blocks = self.env.open_db(b"blocks")
-                # Created by the first write where an older store lacks it: opening writes nothing.
-                self._heads: int | None = self._open_db_if_there(b"heads", create=fresh)
-                self._sessions = self.env.open_db(b"sessions")
-                self._refs = self.env.open_db(b"refs")
-                self._atime = self.env.open_db(b"atime")
-            except _DAMAGE as exc:
-                raise DamagedStore(self.path, exc) from exc
-        except BaseException:
-            self.env.close()
-            os.close(self._data_fd)
-            self._unlock()
-            raise
+            self._meta = self.env.open_db(b"meta", create=fresh)
+        except (lmdb.NotFoundError, lmdb.IncompatibleError):
+            raise ValueError(f"{self.path!r} holds an LMDB environment that is not a tierkv store; "
+                             "pass a new or empty directory") from None
+        except _DAMAGE as exc:
+            raise DamagedStore(self.path, exc) from exc
+        try:
+            self._check_meta(fresh, block_size)
+            self._blocks = self.env.open_db(b"blocks")
+            # Created by the first write where an older store lacks it: opening writes nothing.
+            self._heads: int | None = self._open_db_if_there(b"heads", create=fresh)
+            self._sessions = self.env.open_db(b"sessions")
+            self._refs = self.env.open_db(b"refs")
+            self._atime = self.env.open_db(b"atime")
+        except _DAMAGE as exc:
+            raise DamagedStore(self.path, exc) from exc
         _open_tiers.add(self)
 
     @staticmethod
@@ -1141,11 +1149,20 @@ class DiskTier:
                 raise _lock_link_refusal(lock) from None
             raise
         try:
+            return DiskTier._lock_file(path, fd)
+        except BaseException:
+            os.close(fd)  # the flock, if taken, goes with it: another signal's handler raising on the way too
+            raise
+
+    @staticmethod
+    def _lock_file(path: str, fd: int) -> int:
+        """``_lock_directory``'s steps once the lock file is open (``fd``), which the caller closes
+        if one raises."""
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             # NULs: the gap up to the intent of a write in flight (``_INTENT_AT``).
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip("\0").strip() or "unknown"
-            os.close(fd)
             if holder == str(os.getpid()):
                 # A notebook cell run again, say: the first store is still open, and something
                 # still refers to it (a store nobody refers to is closed when it is collected).
