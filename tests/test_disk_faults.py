@@ -3730,6 +3730,45 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
         store.close()
 
 
+def test_a_close_cut_short_anywhere_is_finished_by_the_next_and_loses_nothing(model, tmp_path):
+    """``store.close()`` cut short at every point (a handler's ``TimeoutError``, as a ``SIGTERM``
+    or ``SIGALRM`` handler raises during an exit's close): each time the exception reaches the
+    caller, a second ``close()`` finishes it, and a new store there restores the whole turn.
+    Before: the disk tier's exclusive lock, let go by a ``release`` in a ``finally`` cut as it
+    started, stayed held, and the second close waited for it forever; its file descriptors,
+    closed before they were forgotten, were closed twice (another file's, once the number is
+    reused); and the flush and the sync of the close took the timeout for a failing disk, kept
+    going and marked the disk failed."""
+    path = tmp_path / "kv"
+    ids = random_ids(21, 402)
+    current: list[tuple[TieredStore, torch.Tensor]] = []
+
+    def fresh() -> None:
+        store = TieredStore(path, device="cpu", block_size=B, device_budget="64MiB", host_budget="64MiB")
+        current[:] = [(store, converse(store, model, ids, "a"))]
+
+    def close() -> nullcontext:
+        current[0][0].close()
+        return nullcontext()
+
+    def finished(sent) -> None:
+        store, out = current[0]
+        assert not store._disk_failed, sent
+        store.close()
+        with TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0) as again:
+            more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+            assert again.open(model, more, session="a").restored_tokens == out.shape[1] - 1, sent
+        fresh()
+
+    fresh()
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        assert raised_on_the_way_in(close, finished, timeout=True) > 200
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        current[0][0].close()
+
+
 def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, tmp_path, monkeypatch):
     # Before: only a session's forget was noted (``_forgetting``). A tenant's cut short left the
     # sessions it had not reached and the tenant's blocks without a session (the sweep after

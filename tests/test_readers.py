@@ -324,6 +324,53 @@ def test_a_reader_whose_exit_a_handler_cut_short_is_let_go_once_its_with_is_gone
         assert lock._readers == 1
 
 
+def test_an_exclusive_holding_whose_release_a_handler_cut_short_is_let_go_once_its_frame_is_gone():
+    """A handler raising as ``release`` starts (in a ``with``'s exit, or a ``finally`` after
+    ``acquire``, as the disk tier's close has) left the lock held exclusively for good: a second
+    close, every read after it, waited forever. The frame that took it is gone from the stack: a
+    reader or an exclusive holder in another thread lets it go at its next look, the holder's own
+    thread at once, and a holding whose frame still runs stays held."""
+    lock = SharedLock()
+
+    def hold_and_leave():
+        with lock:
+            pass
+
+    def acquire_and_leave():
+        assert lock.acquire()
+        try:
+            pass
+        finally:
+            lock.release()
+
+    for leave in (hold_and_leave, acquire_and_leave):
+        assert _cut_as_it_starts("release", leave) == 1
+        assert lock.locked()  # the cut left it
+        got: list[bool] = []
+        reader = threading.Thread(target=lambda: (lock.enter_shared(sys._getframe()), lock.exit_shared(),
+                                                  got.append(True)))
+        reader.start()
+        reader.join(10)
+        assert got == [True] and not lock.locked()
+        assert _cut_as_it_starts("release", leave) == 1
+        other = threading.Thread(target=lambda: got.append(lock.acquire(timeout=5) and not lock.release()))
+        other.start()
+        other.join(10)
+        assert got == [True, True] and not lock.locked()
+        assert _cut_as_it_starts("release", leave) == 1
+        with lock.shared():  # this thread's own next holding: at once
+            assert not lock.locked()
+
+    # Still held by a frame that runs: kept through two looks of another thread's waiting.
+    with lock:
+        seen: list[bool] = []
+        waiting = threading.Thread(target=lambda: seen.append(lock.acquire(timeout=0.6)))
+        waiting.start()
+        waiting.join(10)
+        assert seen == [False] and lock.locked()
+    assert not lock.locked()
+
+
 def test_a_read_transaction_whose_exit_a_handler_cut_short_holds_nothing_for_good(tiny_model, tmp_path):
     """A handler raising as ``reading()``'s or a read's ``__exit__`` starts: the lock's shared
     side and the read transaction stayed held, and the thread's later reads went through the

@@ -20,7 +20,10 @@ exclusive holder, or a reader waiting for a slot, has waited ``_RECHECK_S`` (bef
 remap after such a cut waited forever). Hence one rule more: never suspend a generator or
 coroutine inside a shared ``with`` (its frame leaves the stack while the lock is held).
 ``on_stale``, given by ``enter_shared``'s caller, is called for a reader let go that way (the disk
-tier aborts the read transaction that reader left open).
+tier aborts the read transaction that reader left open). The exclusive side alike: held by the
+frame that took it (the ``with``'s, or ``acquire``'s caller), and let go as stale once that frame
+left its thread's stack, so it is let go before that frame returns (a ``release`` in a ``finally``
+of the same function, cut as it started, left a close's holding: the next close waited forever).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ _Reader = tuple[FrameType, Callable[[], object] | None]
 class SharedLock:
     """Shared (``shared()``) or exclusive (the lock itself) holding; see the module's protocol."""
 
-    __slots__ = ("_mutex", "_cond", "_holders", "_writer", "_waiting", "limit", "_shared")
+    __slots__ = ("_mutex", "_cond", "_holders", "_writer", "_owner", "_waiting", "limit", "_shared")
 
     def __init__(self, limit: int | None = None) -> None:
         # Taken with ``with`` on the C lock itself, never the Condition's: a C lock's enter and
@@ -85,6 +88,7 @@ class SharedLock:
         # lies between any two) left them disagreeing, where nothing could ever mend the count.
         self._holders: dict[int, list[_Reader]] = {}
         self._writer = False
+        self._owner: tuple[int, FrameType] | None = None  # the exclusive holder's thread and frame
         self._waiting = 0  # exclusive holders waiting: readers wait behind them
         self.limit = limit
         self._shared = _Shared(self)
@@ -108,8 +112,10 @@ class SharedLock:
             with self._mutex:
                 if me in self._holders:
                     self._drop_stale(me, sys._getframe())
+                if self._writer:
+                    self._drop_stale_writer(me, sys._getframe())
                 while self._writer or self._waiting or (self.limit is not None and self._readers >= self.limit):
-                    if not self._cond.wait(_RECHECK_S) and self.limit is not None:
+                    if not self._cond.wait(_RECHECK_S) and (self.limit is not None or self._writer):
                         self._sweep()
                 mine = self._holders.setdefault(me, [])
                 counted = True  # first: a handler runs only once the append below has returned
@@ -163,17 +169,38 @@ class SharedLock:
                 except Exception:  # noqa: BLE001 - it lets go of what a reader left; the reader is gone either way
                     pass
 
+    def _drop_stale_writer(self, me: int, top: FrameType | None, frames: dict[int, FrameType] | None = None) -> None:
+        """(Mutex held.) Let go of the exclusive holding if its frame is not on its thread's stack:
+        ``top`` this thread's (``me``) innermost frame, ``frames`` every thread's."""
+        owner = self._owner
+        if not self._writer or owner is None:
+            return
+        ident, frame = owner
+        if ident == me:
+            at = top
+        elif frames is not None:
+            at = frames.get(ident)
+        else:
+            return  # another thread's: its own look, or a waiter's sweep
+        if at is None or not on_stack(frame, at):
+            self._writer, self._owner = False, None
+            self._cond.notify_all()
+
     def _sweep(self) -> None:
-        """(Mutex held.) Let go of every thread's stale readers (the module's protocol)."""
+        """(Mutex held.) Let go of every thread's stale readers, and of a stale exclusive holding
+        (the module's protocol)."""
         frames = sys._current_frames()
         try:
             for ident in list(self._holders):
                 self._drop_stale(ident, frames.get(ident))
+            self._drop_stale_writer(threading.get_ident(), sys._getframe(), frames)
         finally:
             del frames  # frames of every thread: none kept past this
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """Exclusive holding, as ``threading.Lock.acquire``: False when it was not had in time."""
+    def acquire(self, blocking: bool = True, timeout: float = -1, owner: FrameType | None = None) -> bool:
+        """Exclusive holding, as ``threading.Lock.acquire``: False when it was not had in time.
+        Held by ``owner``, the frame that lets go of it (default: the caller's)."""
+        owner = owner if owner is not None else sys._getframe(1)
         got = False
         try:
             with self._mutex:
@@ -181,6 +208,8 @@ class SharedLock:
                 if me in self._holders:
                     # A thread that held the lock shared would wait for itself here: those left.
                     self._drop_stale(me, sys._getframe())
+                if self._writer:
+                    self._drop_stale_writer(me, sys._getframe())
                 if self._writer or self._readers:
                     if not blocking:
                         return False
@@ -192,7 +221,7 @@ class SharedLock:
                             left = _RECHECK_S if deadline is None else min(_RECHECK_S, deadline - time.monotonic())
                             if left <= 0:
                                 break
-                            if not self._cond.wait(left) and self._readers:
+                            if not self._cond.wait(left) and (self._readers or self._writer):
                                 self._sweep()
                         free = not self._writer and not self._readers
                     finally:
@@ -201,12 +230,13 @@ class SharedLock:
                             self._cond.notify_all()  # giving up: the readers this wait held back
                     if not free:
                         return False
+                self._owner = (me, owner)
                 self._writer = got = True
             return True
         except BaseException:
             if got:  # raised as the mutex was let go: the caller never learns it holds the lock
                 with self._mutex:
-                    self._writer = False
+                    self._writer, self._owner = False, None
                     self._cond.notify_all()
             raise
 
@@ -214,11 +244,11 @@ class SharedLock:
         with self._mutex:
             if not self._writer:
                 raise RuntimeError("release of a SharedLock not held exclusively")
-            self._writer = False
+            self._writer, self._owner = False, None
             self._cond.notify_all()
 
     def __enter__(self) -> "SharedLock":
-        self.acquire()
+        self.acquire(owner=sys._getframe(1))
         return self
 
     def __exit__(self, *exc: Any) -> None:

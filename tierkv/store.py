@@ -662,6 +662,8 @@ class TieredStore:
                 try:
                     self._disk.sync()
                 except (lmdb.Error, OSError) as exc:
+                    if raised_by_signal_handler(exc):
+                        raise  # a SIGALRM timeout's TimeoutError: the disk did nothing wrong
                     # flush promises durability: the caller must learn it was not reached, and the
                     # store stops trusting the disk as close() does for the same failure.
                     self._disk_fault(exc)
@@ -710,6 +712,8 @@ class TieredStore:
             except ValueError:
                 pass  # closed by another thread meanwhile: finished below, or already
             except (lmdb.Error, OSError) as exc:
+                if raised_by_signal_handler(exc):
+                    raise  # a SIGALRM timeout's TimeoutError: no disk fault (a close again finishes it)
                 self._disk_fault(exc)  # a sync that fails must not keep the store from closing
         if not self._lock.acquire(timeout=-1 if grace is None else grace):
             logger.error("tierkv: the store at %s stayed busy in another thread; it is left to the process's "
@@ -804,6 +808,8 @@ class TieredStore:
                     self._disk.apply([])
                 self._disk.sync()
             except (lmdb.Error, OSError) as exc:
+                if raised_by_signal_handler(exc):
+                    raise  # after the disk tier's close below: a timeout, no disk fault
                 self._disk_fault(exc)
             finally:
                 closed = self._disk.close(timeout=grace)

@@ -1185,10 +1185,12 @@ class DiskTier:
         return fd
 
     def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        fd, self._lock_fd = self._lock_fd, None  # first, as in ``close``
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def _allocate_lock_file(self) -> int:
         """Give LMDB's lock file its blocks before LMDB maps it; returns the ``max_readers`` to open
@@ -2570,8 +2572,10 @@ class DiskTier:
             self._scratch = None  # the largest record encoded (KV and token ids), kept for reuse
         finally:
             self._resize_lock.release()
-        if self._data_fd is not None:
-            os.close(self._data_fd)
-            self._data_fd = None
+        # Taken first: a close cut short as ``os.close`` returned, then done again, closed the
+        # number twice (another file's, once the process reuses it).
+        fd, self._data_fd = self._data_fd, None
+        if fd is not None:
+            os.close(fd)
         self._unlock()
         return True
