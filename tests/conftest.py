@@ -77,6 +77,7 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
 
     main = threading.get_ident()
     grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
     kept: list[BaseException] = []
     previous = signal.signal(signal.SIGUSR1, _raise_handler_timeout if timeout else _raise_handler_raised)
     # No collection on the way in: the callbacks it runs (hypothesis registers one once its tests
@@ -117,6 +118,9 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
             # A grad mode switched by the code on the way (a ``with torch.no_grad():`` whose exit
             # the exception cut short) stays switched in the caller's thread for good.
             assert torch.is_grad_enabled() == grad, f"autograd left {'on' if grad else 'off'} by the cut at {sent}"
+            # Alike a ``with torch.inference_mode(...)`` (``restore_slots``'s): a Python exit.
+            assert torch.is_inference_mode_enabled() == inference, \
+                f"inference mode left {'on' if inference else 'off'} by the cut at {sent}"
             check(sent)
     finally:
         signal.signal(signal.SIGUSR1, previous)

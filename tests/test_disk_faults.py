@@ -3702,9 +3702,10 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
     (in ``_lock_directory`` past the ``flock``; in ``DiskTier.__init__`` between its ``try``
     blocks; in ``TieredStore.__init__`` before its index load's) left the lock file open and
     locked for the process's life: every later store there raised ``StoreInUse``. And a
-    ``TimeoutError`` cutting the lock's own steps was taken for an unwritable directory. (The
-    standard library's own steps, ``os.path.exists`` and the like, answer False to an
-    ``OSError`` raised inside them: not cut here.)"""
+    ``TimeoutError`` cutting the lock's own steps was taken for an unwritable directory, and
+    one cutting ``os.path.exists``'s ``stat`` (which answers False to any ``OSError``) took an
+    existing store's data file for none, or the directory for a file. (The standard library's
+    own steps left, ``os.makedirs``'s among them, are not cut here.)"""
     path = tmp_path / "kv"
     with TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
         out = converse(store, model, random_ids(21, 402), "a")
@@ -3724,7 +3725,7 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
 
     steps = {"__init__", "_open", "_lock_directory", "_lock_file", "_open_disk_tier", "_load_index",
              "_check_path", "_refuse_links", "_refuse_foreign", "_refuse_shared", "_allocate_lock_file",
-             "_allocate_map", "_check_meta", "_find_map", "_resolve_path"}
+             "_allocate_map", "_check_meta", "_find_map", "_resolve_path", "_stat_or_none"}
     assert raised_on_the_way_in(construct, reopens, within=steps, timeout=True) > 100
     for store in made:
         store.close()

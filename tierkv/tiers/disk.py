@@ -641,11 +641,12 @@ def _refuse_foreign(path: str) -> None:
     before the missing meta table refused it; a store whose tables cannot be read stays a
     damaged store."""
     data = os.path.join(path, "data.mdb")
-    if not (os.path.isfile(data) and os.path.getsize(data) > 0):
+    st = _stat_or_none(data)
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         return
     # With a lock file, only a sound root refuses: a scan of a file whose meta pages are both
     # damaged (page by page, at every open) could only find the store's tables or nothing.
-    locked = os.path.lexists(os.path.join(path, _LOCK_FILE))
+    locked = _stat_or_none(os.path.join(path, _LOCK_FILE), follow=False) is not None
     listed = _holds_store_tables(data, scan=not locked)
     if listed is False or (not listed and not locked):
         raise ValueError(f"{path!r} holds an LMDB environment that is not a tierkv store (its data.mdb does not "
@@ -675,6 +676,19 @@ def _link_refusal(file: str) -> ValueError:
                       "that path")
 
 
+def _stat_or_none(path: str, follow: bool = True) -> os.stat_result | None:
+    """``os.stat`` (``os.lstat``: ``follow`` False), or None where nothing can be looked at there,
+    as ``os.path.exists`` answers. But a signal handler's exception (a ``SIGALRM`` timeout's
+    ``TimeoutError``, an ``OSError`` too) is raised: ``os.path``'s helpers answer False to it, and
+    an existing store was taken for none (its data file for an empty one, made anew)."""
+    try:
+        return os.stat(path) if follow else os.lstat(path)
+    except (OSError, ValueError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
+        return None
+
+
 def _refuse_links(path: str) -> None:
     """``ValueError`` where LMDB's files at ``path`` are symbolic links, before anything is written
     there: LMDB follows them (making a missing target), and so did tierkv's own writes, which
@@ -683,7 +697,8 @@ def _refuse_links(path: str) -> None:
     this check."""
     for name in ("data.mdb", "lock.mdb"):
         file = os.path.join(path, name)
-        if os.path.islink(file):
+        st = _stat_or_none(file, follow=False)
+        if st is not None and stat.S_ISLNK(st.st_mode):
             raise _link_refusal(file)
 
 
@@ -992,7 +1007,8 @@ class DiskTier:
         self._check_path(self.path)
         data = os.path.join(self.path, "data.mdb")
         # An empty file holds nothing to lose (LMDB creating it was cut short): made anew.
-        fresh = not os.path.exists(data) or os.path.getsize(data) == 0
+        st = _stat_or_none(data)
+        fresh = st is None or st.st_size == 0
         self._lock_fd: int | None = None
         self._data_fd: int | None = None
         self.env: Any = None
@@ -1283,7 +1299,9 @@ class DiskTier:
             return end
         try:
             return min(os.lseek(self._data_fd, 0, os.SEEK_HOLE), end)
-        except OSError:
+        except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise
             return end
 
     def _allocate(self, start: int, end: int, least: int) -> int:
@@ -1359,11 +1377,12 @@ class DiskTier:
 
     @staticmethod
     def _check_path(path: str) -> None:
-        if os.path.exists(path) and not os.path.isdir(path):
+        st = _stat_or_none(path)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
             raise ValueError(f"disk tier path {path!r} is a file; pass a directory (it is created if missing)")
         # LMDB's lock.mdb alone holds no data: another process creating the store there right now
         # has made it first (and holds the directory's lock, which refuses this one next).
-        entries = set(os.listdir(path)) - {_LOCK_FILE, "lock.mdb"} if os.path.isdir(path) else set()
+        entries = set(os.listdir(path)) - {_LOCK_FILE, "lock.mdb"} if st is not None else set()
         if entries and "data.mdb" not in entries:
             raise ValueError(f"{path!r} is not empty and is not a tierkv store; pass a new or empty directory, "
                              "or an existing tierkv store")
