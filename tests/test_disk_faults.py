@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -3610,6 +3610,16 @@ def healthy_after_a_cut(store: TieredStore, model, ids: torch.Tensor, sent, leas
     torch.testing.assert_close(mine, plain, msg=lambda m: f"{m} after the cut at {sent}")
 
 
+def cut_everywhere(enter, check, least: int) -> None:
+    """``raised_on_the_way_in`` with a handler's ``TimeoutError``, over more than ``least`` points.
+    A hang (a lock left held, the read pool's gate) fails the run in minutes, with the stacks."""
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        assert raised_on_the_way_in(enter, check, timeout=True) > least
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 TIER_BUDGETS = {"device": dict(device_budget="64MiB", host_budget=0), "host": dict(device_budget=0, host_budget="64MiB"),
                 "disk": dict(device_budget=0, host_budget=0)}
 
@@ -3644,19 +3654,13 @@ def test_an_open_cut_short_anywhere_raises_and_holds_nothing_for_good(model, sto
         spy.setattr(store._readers, "run", lambda *a, run=store._readers.run: runs.append(run(*a)))
         assert store.open(model, more, session="a").restored_from[where.split()[0]] == out.shape[1] - 1
     assert len(runs) == side_by_side  # the reads went side by side or one at a time, as meant
-    # A hang (the read pool's gate, a lock left held) fails the run in minutes, with the stacks.
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        assert raised_on_the_way_in(lambda: (store.open(model, more, session="a"), nullcontext())[1],
-                                    lambda sent: healthy_after_a_cut(store, model, more, sent, out.shape[1] - 1, plain),
-                                    timeout=True) > 300
-        closed = []
-        closer = threading.Thread(target=lambda: closed.append(store.close(timeout=20)), daemon=True)
-        closer.start()
-        closer.join(30)
-        assert closed, "the close waited for the store's lock or a reader that a cut left"
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    cut_everywhere(lambda: (store.open(model, more, session="a"), nullcontext())[1],
+                   lambda sent: healthy_after_a_cut(store, model, more, sent, out.shape[1] - 1, plain), 300)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(store.close(timeout=20)), daemon=True)
+    closer.start()
+    closer.join(30)
+    assert closed, "the close waited for the store's lock or a reader that a cut left"
 
 
 @pytest.mark.parametrize("where", ["device", "host", "disk"])
@@ -3687,11 +3691,7 @@ def test_a_commit_cut_short_anywhere_raises_and_holds_nothing_for_good(model, st
         open_turn()
 
     open_turn()
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        assert raised_on_the_way_in(commit, healthy, timeout=True) > 300
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    cut_everywhere(commit, healthy, 300)
 
 
 def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(model, tmp_path):
@@ -3762,12 +3762,37 @@ def test_a_close_cut_short_anywhere_is_finished_by_the_next_and_loses_nothing(mo
         fresh()
 
     fresh()
-    faulthandler.dump_traceback_later(300, exit=True)
     try:
-        assert raised_on_the_way_in(close, finished, timeout=True) > 200
+        cut_everywhere(close, finished, 200)
     finally:
-        faulthandler.cancel_dump_traceback_later()
         current[0][0].close()
+
+
+def forward_turn(store: TieredStore, model, ids: list[int], session: str | None, tenant: str | None) -> None:
+    """A turn over ``ids`` whose KV one forward computes (cheaper than a generate), committed."""
+    tensor = torch.tensor([ids])
+    cache = store.open(model, tensor, session=session, tenant=tenant)
+    with torch.no_grad():
+        model(tensor[:, cache.restored_tokens:], past_key_values=cache)
+    assert cache.commit(tensor) == tensor.shape[1]
+
+
+class SecondSessionCut(Exception):
+    """What ``cut_at_the_second_session``'s forget raises."""
+
+
+def cut_at_the_second_session(store: TieredStore, calls: list[bytes]) -> Callable[..., int]:
+    """A ``_forget_session`` for ``store`` that raises ``SecondSessionCut`` as the second session
+    it is called for (``calls`` records them) starts: a forget of several cut short."""
+    drop = store._forget_session
+
+    def cut(sid: bytes, keys: list[bytes] | None = None) -> int:
+        calls.append(sid)
+        if len(calls) == 2:
+            raise SecondSessionCut
+        return drop(sid, keys)
+
+    return cut
 
 
 def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, tmp_path, monkeypatch):
@@ -3788,12 +3813,7 @@ def test_a_tenant_forget_cut_short_is_finished_by_the_next_reap(model, stores, t
     with torch.no_grad():
         plain = model(later).logits
 
-    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
-        ids = torch.tensor([ids])
-        cache = store.open(model, ids, session=session, tenant=tenant)
-        with torch.no_grad():
-            model(ids[:, cache.restored_tokens:], past_key_values=cache)
-        assert cache.commit(ids) == ids.shape[1]
+    turn = functools.partial(forward_turn, store, model)
 
     turn(prompt + [1, 2, 3, 4, 5], "x", "u")  # t's prompt under another tenant: no block shared
     others = {k: set(m.sessions) for k, m in index.blocks.items()}
@@ -3859,12 +3879,7 @@ def test_a_forget_of_a_session_under_every_tenant_cut_short_is_finished_by_the_n
     tenants = [None, "t", "u"]
     sids = {_session_id(tenant, "a") for tenant in tenants}
 
-    def turn(ids: list[int], session: str | None, tenant: str | None) -> None:  # a forward: cheaper
-        ids = torch.tensor([ids])
-        cache = store.open(model, ids, session=session, tenant=tenant)
-        with torch.no_grad():
-            model(ids[:, cache.restored_tokens:], past_key_values=cache)
-        assert cache.commit(ids) == ids.shape[1]
+    turn = functools.partial(forward_turn, store, model)
 
     turn(prompt + [1, 2, 3], "b", "t")  # keeps t's prompt
     kept = {k: set(m.sessions) for k, m in index.blocks.items()}
@@ -3908,31 +3923,14 @@ def test_a_tenant_forget_cut_short_is_finished_by_close(model, stores, tmp_path,
     prompt = random_ids(16, 1499)[0].tolist()
     conversations = [(prompt + [1, 2, 3], "a"), (prompt + [4, 5, 6, 7], "b"), (prompt + [8, 9], None)]
 
-    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
-        ids = torch.tensor([ids])
-        cache = store.open(model, ids, session=session, tenant=tenant)
-        with torch.no_grad():
-            model(ids[:, cache.restored_tokens:], past_key_values=cache)
-        assert cache.commit(ids) == ids.shape[1]
+    turn = functools.partial(forward_turn, store, model)
 
     turn(prompt, "x", "u")
     for ids, session in conversations:
         turn(ids, session, "t")
     store.flush()
-    drop = store._forget_session
-    calls = []
-
-    class Cut(Exception):
-        pass
-
-    def cut_at_the_second(sid: bytes, keys: list[bytes] | None = None) -> int:
-        calls.append(sid)
-        if len(calls) == 2:
-            raise Cut
-        return drop(sid, keys)
-
-    monkeypatch.setattr(store, "_forget_session", cut_at_the_second)
-    with pytest.raises(Cut):
+    monkeypatch.setattr(store, "_forget_session", cut_at_the_second_session(store, []))
+    with pytest.raises(SecondSessionCut):
         store.forget(tenant="t")
     monkeypatch.undo()
     assert any(m.tenant == "t" for m in store._index.blocks.values())  # cut short indeed
@@ -3955,24 +3953,10 @@ def test_a_tenant_forget_cut_short_twice_is_finished_by_the_reap_after(model, st
     index = store._index
     prompt = random_ids(16, 1500)[0].tolist()
     conversations = [(prompt + [1, 2, 3], "a"), (prompt + [4, 5, 6, 7], "b"), (prompt + [8, 9] * 5, None)]
-    drop = store._forget_session
     calls: list[bytes] = []
+    cut_at_the_second = cut_at_the_second_session(store, calls)
 
-    class Cut(Exception):
-        pass
-
-    def cut_at_the_second(sid: bytes, keys: list[bytes] | None = None) -> int:
-        calls.append(sid)
-        if len(calls) == 2:
-            raise Cut
-        return drop(sid, keys)
-
-    def turn(ids: list[int], session: str | None, tenant: str) -> None:  # a forward: cheaper
-        ids = torch.tensor([ids])
-        cache = store.open(model, ids, session=session, tenant=tenant)
-        with torch.no_grad():
-            model(ids[:, cache.restored_tokens:], past_key_values=cache)
-        assert cache.commit(ids) == ids.shape[1]
+    turn = functools.partial(forward_turn, store, model)
 
     turn(prompt, "x", "u")
     others = {k: set(m.sessions) for k, m in index.blocks.items()}
@@ -3984,7 +3968,7 @@ def test_a_tenant_forget_cut_short_twice_is_finished_by_the_reap_after(model, st
         calls.clear()
         store._forget_session = cut_at_the_second  # type: ignore[method-assign]
         try:
-            with pytest.raises(Cut):
+            with pytest.raises(SecondSessionCut):
                 store.forget(tenant="t")
         finally:
             del store._forget_session
