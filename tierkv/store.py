@@ -1418,7 +1418,7 @@ class TieredStore:
         kept: list[BlockMeta] = []
         for start, stop, key in end.spans:
             meta = self._index.blocks.get(key)
-            if meta is None or not np.array_equal(meta.token_ids, end.ids[start:stop]):
+            if meta is None or not _same_ids(meta.token_ids, end.ids[start:stop]):
                 break
             kept.append(meta)
         self._touch_chain(kept)
