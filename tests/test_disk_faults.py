@@ -3694,6 +3694,26 @@ def test_a_commit_cut_short_anywhere_raises_and_holds_nothing_for_good(model, st
     cut_everywhere(commit, healthy, 300)
 
 
+def test_make_dirs_does_what_makedirs_does(tmp_path):
+    """``_make_dirs`` (``os.makedirs(exist_ok=True)`` that lets a handler's exception through):
+    parents made, an existing directory kept, a file in the way refused as makedirs refuses it."""
+    from tierkv.tiers.disk import _make_dirs
+
+    deep = tmp_path / "a" / "b" / "c"
+    _make_dirs(str(deep))
+    assert deep.is_dir()
+    _make_dirs(str(deep))  # there already
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        _make_dirs(str(tmp_path / "file"))
+    with pytest.raises(NotADirectoryError):
+        _make_dirs(str(tmp_path / "file" / "below"))
+    with pytest.raises(FileExistsError):
+        os.makedirs(tmp_path / "file", exist_ok=True)
+    with pytest.raises(NotADirectoryError):
+        os.makedirs(tmp_path / "file" / "below", exist_ok=True)
+
+
 def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(model, tmp_path):
     """``TieredStore(path)`` cut short at every point of its own steps and its disk tier's (a
     handler's ``TimeoutError``, as a startup watchdog's ``SIGALRM`` raises): each time the
@@ -3704,8 +3724,9 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
     locked for the process's life: every later store there raised ``StoreInUse``. And a
     ``TimeoutError`` cutting the lock's own steps was taken for an unwritable directory, and
     one cutting ``os.path.exists``'s ``stat`` (which answers False to any ``OSError``) took an
-    existing store's data file for none, or the directory for a file. (The standard library's
-    own steps left, ``os.makedirs``'s among them, are not cut here.)"""
+    existing store's data file for none, or the directory for a file, and ``os.makedirs``
+    (asking ``os.path.exists``) turned one into "File exists", and a lenient ``os.path.realpath``
+    lost the map's address. (py-lmdb's own steps are not cut here.)"""
     path = tmp_path / "kv"
     with TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
         out = converse(store, model, random_ids(21, 402), "a")
@@ -3725,7 +3746,8 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
 
     steps = {"__init__", "_open", "_lock_directory", "_lock_file", "_open_disk_tier", "_load_index",
              "_check_path", "_refuse_links", "_refuse_foreign", "_refuse_shared", "_allocate_lock_file",
-             "_allocate_map", "_check_meta", "_find_map", "_resolve_path", "_stat_or_none"}
+             "_allocate_map", "_check_meta", "_find_map", "_resolve_path", "_stat_or_none", "_make_dirs",
+             "mapping_of", "realpath", "_joinrealpath"}
     assert raised_on_the_way_in(construct, reopens, within=steps, timeout=True) > 100
     for store in made:
         store.close()

@@ -689,6 +689,31 @@ def _stat_or_none(path: str, follow: bool = True) -> os.stat_result | None:
         return None
 
 
+def _make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, but a signal handler's exception raised: the standard
+    one asks ``os.path.exists`` and ``isdir``, which answer False to any ``OSError`` (a ``SIGALRM``
+    timeout became "File exists", or a directory made again)."""
+    st = _stat_or_none(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path and _stat_or_none(parent) is None:
+        _make_dirs(parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        st = _stat_or_none(path)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            raise
+
+
+def _raise_handlers(function: Any, path: str, exc_info: Any) -> None:
+    """``shutil.rmtree``'s ``onerror`` for a removal that may fail: a signal handler's exception
+    is raised, the rest ignored (``ignore_errors`` swallowed a ``SIGALRM`` timeout too)."""
+    if raised_by_signal_handler(exc_info[1]):
+        raise exc_info[1]
+
+
 def _refuse_links(path: str) -> None:
     """``ValueError`` where LMDB's files at ``path`` are symbolic links, before anything is written
     there: LMDB follows them (making a missing target), and so did tierkv's own writes, which
@@ -1033,7 +1058,7 @@ class DiskTier:
         """``__init__``'s steps from the directory's lock on; what it opened is closed there if
         one raises."""
         try:
-            os.makedirs(self.path, exist_ok=True)
+            _make_dirs(self.path)
             self._lock_fd = self._lock_directory(self.path)
         except OSError as exc:
             if raised_by_signal_handler(exc):
@@ -1047,8 +1072,9 @@ class DiskTier:
         # its new file, as large as the records it had copied: not part of the store, removed
         # under the lock (a rebuild holds it throughout).
         made = os.path.join(self.path, _REPAIR_DIR)
-        if os.path.isdir(made) and not os.path.islink(made):
-            shutil.rmtree(made, ignore_errors=True)
+        st = _stat_or_none(made, follow=False)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(made, onerror=_raise_handlers)
         self._pid = os.getpid()
         # Shared by read transactions (reads of one open run in several threads), exclusive for a
         # remap and close: none unmaps the map under a reader.

@@ -98,7 +98,7 @@ def mapping_of(path: str, length: int) -> int | None:
     (the kernel rounds a mapping up to whole pages), or None."""
     span = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
     try:
-        real = os.path.realpath(path)
+        real = os.path.realpath(path, strict=True)  # strict: else an OSError inside is answered, a timeout too
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.rstrip("\n").split(maxsplit=5)
