@@ -515,9 +515,9 @@ def test_a_signal_handlers_exception_on_the_way_into_an_opens_lock_section_leave
             other.join()
             assert got == [True], sent  # another thread got it: this one holds nothing
 
-        assert raised_on_the_way_in(store._locked_unless_interrupted, free) >= 3
+        assert raised_on_the_way_in(lambda: store._lock, free) >= 3
         with store._lock:  # re-entrant: a holding before the section is kept, the section's undone
-            raised_on_the_way_in(store._locked_unless_interrupted,
+            raised_on_the_way_in(lambda: store._lock,
                                  lambda sent: store._lock._recursion_count() == 1 or pytest.fail(str(sent)))
             assert store._lock._recursion_count() == 1
         cache = store.open(MODEL, torch.arange(1, 10)[None])  # and the store goes on

@@ -872,7 +872,7 @@ class TieredStore:
             # signal's handler raising as the hold returned left a buffer held for good.
             held: dict[Any, Any] = {}
             try:
-                with self._locked_unless_interrupted():
+                with self._lock:  # inside the section: a Ctrl-C during the wait is raised at once (_StoreLock)
                     self._check_open()
                     self._reap()
                     # Before the plan: a forget while this open reads its blocks from disk must
@@ -890,7 +890,7 @@ class TieredStore:
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
-                with self._locked_unless_interrupted():
+                with self._lock:
                     self._check_open()
                     if reads:  # the disk's time only where this open read from it (the chat trace's GB/s)
                         self._read_seconds += read_seconds
@@ -921,12 +921,6 @@ class TieredStore:
             self._events.emit(OpenEvent(time.perf_counter() - started, dict(cache.restored_from),
                                         len(ids) - cache.restored_tokens))
         return cache
-
-    def _locked_unless_interrupted(self) -> _StoreLock:
-        """The store lock, for a section held off from Ctrl-C that has changed nothing yet but pins
-        (and leases, which the caller lets go of): a Ctrl-C while another thread holds the lock (a
-        close draining the writer) is raised at once (``_StoreLock``)."""
-        return self._lock
 
     def _let_go(self) -> None:
         """Let go of the pins handed over (``_orphaned_pins``), or, while another thread holds the
