@@ -532,8 +532,8 @@ def test_decode_into_copies_and_verifies() -> None:
 def test_decode_into_verifies_every_slice_of_a_record_larger_than_one() -> None:
     from tierkv.codec import decode_into
 
-    # Copied and checksummed in runs of rows of about 1 MiB: a payload of several, the last one
-    # partial, and rows of more than 1 MiB each.
+    # Copied and checksummed in runs of rows of about CHECKSUM_RUN (256 KiB): a payload of
+    # several, the last one partial, and rows of more than a run each.
     for shape in ((1, 2, 1, 3, (5 << 20) // 6 + 7), (3, 2, 5, 64, 1000)):
         header = make_header(dtype="uint8", shape=shape)
         payload = ((np.arange(header.payload_nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8).tobytes()
