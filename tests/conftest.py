@@ -65,7 +65,8 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
     found with ``sys.setprofile``), its handler raising ``HandlerRaised``; every exception kept
     alive (as ``sys.last_value`` keeps one) to the end; each must reach this caller (one the code
     swallowed fails: so must the standard library's on the way, as ``logging``'s ``LogRecord``
-    does). ``check(sent)`` after each, ``sent`` naming the point. ``within``: only the points in
+    does). ``check(sent)`` after each, ``sent`` naming the point: (event, the frame's function, the
+    C function returning, or None). ``within``: only the points in
     the frames of functions of those names (the calls they make, their C calls' returns), for a
     test of their steps whose callees' own points other tests cut at. ``timeout``: the handler
     raises ``HandlerTimeout``, an ``OSError``. Returns how many points there were."""
@@ -96,7 +97,10 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
                         not within or (frame.f_back if event == "call" else frame).f_code.co_name in within):
                     seen[0] += 1
                     if seen[0] == point:
-                        sent.append((event, frame.f_code.co_name))
+                        # The C function too, at a C call's return: a test may tell the return
+                        # of os.open (whose descriptor no Python code can take first) from others.
+                        sent.append((event, frame.f_code.co_name, getattr(arg, "__name__", None)
+                                     if event == "c_return" else None))
                         signal.pthread_kill(main, signal.SIGUSR1)  # its handler runs before this returns
 
             raised = False

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from . import __version__
+from .interrupts import raised_by_signal_handler
 from .units import absolute_path, format_bytes
 
 if TYPE_CHECKING:
@@ -113,18 +114,25 @@ def _file_damage(path: str) -> FileDamage:
     data = os.path.join(path, "data.mdb")
     if not os.path.isfile(data) or os.path.getsize(data) == 0:
         return FileDamage()  # not a store: stored_meta says so
-    with _refusals():
-        lock = DiskTier._lock_directory(absolute_path(path))
+    lock = None
     try:
+        # Inside the try: a signal handler's exception cutting the with's exit short (after the
+        # lock was taken) left the directory locked for the process's life.
+        with _refusals():
+            lock = DiskTier._lock_directory(absolute_path(path))
         return file_damage(path)
     except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's TimeoutError, say: the caller's, never an exit code
         raise CliError(EXIT_USAGE, f"cannot read {data}: {exc}") from None
     finally:
         if lock is not None:
             import fcntl  # POSIX: a lock was taken
 
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            os.close(lock)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            finally:
+                os.close(lock)
 
 
 @contextmanager
@@ -137,6 +145,8 @@ def _refusals() -> Iterator[None]:
     except StoreInUse as exc:
         raise CliError(EXIT_IN_USE, str(exc)) from None
     except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             # Every command takes the store's lock and LMDB's reader table, both files in the
             # store's directory, even to read it.
@@ -150,12 +160,33 @@ def _refusals() -> Iterator[None]:
         raise CliError(EXIT_USAGE, f"cannot open the store: {exc}") from None
 
 
-def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
-    from .tiers.disk import DiskTier
+def _new_tier(path: str, block_size: int, damaged: Callable[[Any], None] | None = None) -> Any:
+    """``DiskTier(path)`` under ``_refusals``; None for a store that raises ``DamagedStore``, handed
+    to ``damaged`` (without it, refused as any). A tier made and then cut short by a signal
+    handler's exception in the with's exit is closed, not kept by the exception's frames with the
+    directory's lock held for the process's life."""
+    from .tiers.disk import DamagedStore, DiskTier
 
+    made: list[DiskTier] = []
+    try:
+        with _refusals():
+            try:
+                made.append(DiskTier(path, _NO_LIMIT, block_size))
+            except DamagedStore as exc:
+                if damaged is None:
+                    raise
+                damaged(exc)
+                return None
+    except BaseException:
+        for tier in made:
+            tier.close()
+        raise
+    return made[0]
+
+
+def _open_tier(path: str) -> tuple[DiskTier, dict[str, int]]:
     meta = _stored_meta(path)
-    with _refusals():
-        return DiskTier(path, _NO_LIMIT, meta["block_size"]), meta
+    return _new_tier(path, meta["block_size"]), meta
 
 
 def _scan(tier: DiskTier) -> ScanResult:
@@ -167,9 +198,16 @@ def _scan(tier: DiskTier) -> ScanResult:
 def _open_store(path: str) -> "TieredStore":
     from .store import TieredStore  # transformers loads in seconds: only the commands that need it
     meta = _stored_meta(path)
-    with _refusals():
-        return TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=_NO_LIMIT,
-                           block_size=meta["block_size"])
+    made: list[TieredStore] = []
+    try:
+        with _refusals():
+            made.append(TieredStore(path, device="cpu", device_budget=0, host_budget=0, disk_budget=_NO_LIMIT,
+                                    block_size=meta["block_size"]))
+    except BaseException:
+        for store in made:  # as in _open_tier
+            store.close()
+        raise
+    return made[0]
 
 
 class _NoBar:
@@ -281,7 +319,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         report = summarise(args.path, meta, _scan(tier), tier.footprint_of, tier.file_bytes())
     finally:
-        tier.close()
+        try:
+            tier.close()
+        except BaseException:
+            tier.close()  # cut at its start by a signal handler's exception: no other close follows
+            raise
     _emit(args, report, _stats_text)
     return EXIT_OK
 
@@ -309,6 +351,8 @@ def repair(tier: DiskTier, scan: ScanResult, bad: Sequence[bytes],
         errors = [e for e in tier.apply(ops) if e is not None]
         tier.sync()
     except (lmdb.Error, OSError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
         errors = [exc]
     if errors:
         if isinstance(errors[0], UNREADABLE):
@@ -376,18 +420,25 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Seq
     try:
         rebuilt = tier.rebuild(damaged, block_size, unsafe)
     except (lmdb.Error, OSError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
         raise CliError(EXIT_IO, f"could not rebuild {tier.path}: {exc}; the store is as it was") from None
-    with _refusals():
-        new = DiskTier(tier.path, _NO_LIMIT, block_size)
+    new = _new_tier(tier.path, block_size)
     try:
         heads = new.scan().unindexed
         if heads:
             new.apply([PutHeads(heads)])
         new.sync()
-    except (lmdb.Error, OSError, ValueError):
-        pass  # optional: the store's next scan writes them (or finds what is still wrong)
+    except (lmdb.Error, OSError, ValueError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
+        # optional: the store's next scan writes them (or finds what is still wrong)
     finally:
-        new.close()
+        try:
+            new.close()
+        except BaseException:
+            new.close()  # as in cmd_stats
+            raise
     return asdict(rebuilt)
 
 
@@ -424,7 +475,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             assert scan is not None
             dropped = repair(tier, scan, [key for key, _ in bad], checked.stale)
     finally:
-        tier.close()
+        try:
+            tier.close()
+        except BaseException:
+            tier.close()  # as in cmd_stats
+            raise
     report = {"path": absolute_path(args.path), "records": checked.records, "bytes": checked.record_bytes,
               "bad": [{"key": key.hex(), "reason": reason} for key, reason in bad],
               "stale_heads": [key.hex() for key in checked.stale],
@@ -449,11 +504,15 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
         tables = ", ".join(f"{name} ({why})" for name, why in found.tables.items())
         return (f"the tierkv store at {absolute_path(path)!r} is damaged in its LMDB structure: {tables}",
                 not any([name in UNOPENABLE for name in found.unsafe]), set())
+    reasons: list[str] = []
     with _refusals():
         try:
-            tier = DiskTier(path, _NO_LIMIT, DiskTier.stored_meta(path)["block_size"])
+            block_size = DiskTier.stored_meta(path)["block_size"]
         except DamagedStore as exc:
-            return f"the tierkv store at {absolute_path(path)!r} is damaged ({exc.reason})", False, set()
+            reasons.append(exc.reason)
+    tier = None if reasons else _new_tier(path, block_size, lambda exc: reasons.append(exc.reason))
+    if tier is None:  # no call between the making and the try: no point a handler runs at
+        return f"the tierkv store at {absolute_path(path)!r} is damaged ({reasons[0]})", False, set()
     try:
         damaged = tier.damaged_tables()
         if damaged:
@@ -464,7 +523,11 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
         except DamagedStore as exc:
             return f"the tierkv store at {absolute_path(path)!r} is damaged ({exc.reason})", True, set()
     finally:
-        tier.close()
+        try:
+            tier.close()
+        except BaseException:
+            tier.close()  # as in cmd_stats
+            raise
     return None, False, {h.tenant for h, _ in scan.headers} | {t for t, _, _ in scan.sessions.values()}
 
 
@@ -479,6 +542,8 @@ def _remove_damaged(path: str, damage: str) -> int:
     except ValueError as exc:
         raise CliError(EXIT_USAGE, f"{damage}; and {exc}") from None
     except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise
         raise CliError(EXIT_IO, f"{damage}; removing its files failed: {exc}") from None
     print(f"removed the store's files ({', '.join(removed)} in {absolute_path(path)}; {damage}, too damaged to "
           f"clear entry by entry); a TieredStore opened at "
@@ -521,13 +586,19 @@ def cmd_clear(args: argparse.Namespace) -> int:
         try:
             store.flush()
         except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise
             # The deletes may not have reached the disk: the documented disk-error exit, not a traceback.
             raise CliError(EXIT_IO, f"a disk error stopped clear of {absolute_path(path)}: {exc}; the removed "
                                     f"entries may still be on disk; run the same command again") from exc
         stats = store.stats()
         left, owed = stats["disk"]["blocks"], stats["owed_deletes"]
     finally:
-        store.close()
+        try:
+            store.close()
+        except BaseException:
+            store.close()  # as in cmd_stats
+            raise
     if owed and stats["disk_damaged"]:
         # Damage the walk of the tables did not show (LMDB's free list, say): its writes failed.
         damage = f"the tierkv store at {absolute_path(path)!r} is damaged where LMDB writes"

@@ -827,6 +827,7 @@ class TieredStore:
         # a TieredCache the user kept refers to long after close().
         self._host.pool = None
         self._released = True
+        _open_stores.discard(self)  # as DiskTier.close does
 
     # -- the public turn ------------------------------------------------------------------------
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:

@@ -515,12 +515,14 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
             os.ftruncate(lock, len(str(os.getpid())))
         for name in ("lock.mdb", _REPAIR_DIR):
             target = os.path.join(path, name)
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target, ignore_errors=True)
-            elif os.path.lexists(target):
-                os.unlink(target)
-            else:
+            # lstat, not os.path's helpers: they answer False to a signal handler's exception too.
+            found = _stat_or_none(target, follow=False)
+            if found is None:
                 continue
+            if stat.S_ISDIR(found.st_mode):
+                shutil.rmtree(target, onerror=_raise_handlers)
+            else:
+                os.unlink(target)
             removed.append(name)
         directory = os.open(path, os.O_RDONLY)
         try:
@@ -529,8 +531,10 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
             os.close(directory)
     finally:
         if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            os.close(lock)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            finally:
+                os.close(lock)  # cut short as the flock returned, the directory stayed locked
     return removed
 
 
@@ -1775,7 +1779,7 @@ class DiskTier:
         the records kept; raises ``OSError`` (ENOSPC) before writing anything where the
         filesystem lacks it."""
         made = os.path.join(self.path, _REPAIR_DIR)
-        shutil.rmtree(made, ignore_errors=True)  # a repair cut short
+        shutil.rmtree(made, onerror=_raise_handlers)  # a repair cut short
         with self._resize_lock:
             if self._closed:
                 raise DiskClosed(f"the disk tier at {self.path} is closed")
@@ -1836,10 +1840,15 @@ class DiskTier:
                 # and the store stays as it was. The lock file, which LMDB writes through a map
                 # whatever the flag, is allocated first, as the store's own is.
                 self._allocate_file(os.path.join(made, "lock.mdb"), _LOCK_BYTES)
-                new = lmdb.open(made, map_size=self.env.info()["map_size"], max_dbs=8, writemap=False, subdir=True,
-                                readahead=False)
+                # Room past this file's map: a file opened at its own size (a store rebuilt, not
+                # written since) has no free page, and the copy, written in several transactions,
+                # needs pages for each one's copy-on-write besides its content: a second repair
+                # failed with MapFullError. The map is address space alone here (no writemap): the
+                # file grows only as far as the copy writes.
+                new = lmdb.open(made, map_size=2 * self.env.info()["map_size"] + (64 << 20), max_dbs=8,
+                                writemap=False, subdir=True, readahead=False)
             except BaseException:
-                shutil.rmtree(made, ignore_errors=True)
+                shutil.rmtree(made, onerror=_raise_handlers)
                 raise
             try:
                 dbs = {name: new.open_db(name.encode()) for name in ("meta", "blocks", "sessions", "refs", "atime")}
@@ -1884,23 +1893,27 @@ class DiskTier:
                 new.sync(True)
             except BaseException:
                 new.close()
-                shutil.rmtree(made, ignore_errors=True)  # the store stays as it was
+                shutil.rmtree(made, onerror=_raise_handlers)  # the store stays as it was
                 raise
             new.close()
             result.records = len(copied)
             result.dropped = seen - len(copied)
             self._closed = True
             self.env.close()
-        os.close(self._data_fd)  # type: ignore[arg-type]
-        self._data_fd = None
+        # Taken first, as in ``close``: cut short as ``os.close`` returned, the caller's ``close``
+        # closed the number again (another file's, once the process reuses it).
+        fd, self._data_fd = self._data_fd, None
+        if fd is not None:
+            os.close(fd)
         os.replace(os.path.join(made, "data.mdb"), os.path.join(self.path, "data.mdb"))
         directory = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-        shutil.rmtree(made, ignore_errors=True)
+        shutil.rmtree(made, onerror=_raise_handlers)
         self._unlock()
+        _open_tiers.discard(self)  # as in close
         return result
 
     def _sound_tenant(self, txn: lmdb.Transaction, key: bytes, value: memoryview,
@@ -2623,4 +2636,7 @@ class DiskTier:
         if fd is not None:
             os.close(fd)
         self._unlock()
+        # Now, not by the set's callback as the tier is freed: an exception a signal handler
+        # raises there is lost ("Exception ignored in ... _remove").
+        _open_tiers.discard(self)
         return True
