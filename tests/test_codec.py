@@ -529,26 +529,37 @@ def test_decode_into_copies_and_verifies() -> None:
             decode_into(bytes(broken), whole)
 
 
-def test_decode_into_verifies_every_slice_of_a_record_larger_than_one() -> None:
+@pytest.mark.parametrize("spread", [False, True])
+def test_decode_into_verifies_every_slice_of_a_record_larger_than_one(spread: bool) -> None:
     from tierkv.codec import decode_into
 
-    # Copied and checksummed in runs of rows of about CHECKSUM_RUN (256 KiB): a payload of
-    # several, the last one partial, and rows of more than a run each.
+    # Copied and checksummed in runs of rows: CHECKSUM_RUN (1 MiB) into a tensor of the record's
+    # own, SPREAD_CHECKSUM_RUN (256 KiB) into a token range of a larger buffer (``spread``): a
+    # payload of several runs, the last one partial, and rows of more than a run each.
     for shape in ((1, 2, 1, 3, (5 << 20) // 6 + 7), (3, 2, 5, 64, 1000)):
         header = make_header(dtype="uint8", shape=shape)
         payload = ((np.arange(header.payload_nbytes, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8).tobytes()
         record = encode(header, payload)
-        out = whole(header)
-        assert decode_into(record, lambda h: out) == header
-        assert out.tobytes() == payload
+        rows, tokens, width = shape[0] * shape[1] * shape[2], shape[3], shape[4]
+
+        def into(h: RecordHeader) -> np.ndarray:
+            if not spread:
+                return whole(h)
+            buffer = np.zeros((rows, tokens + 2, width), dtype=np.uint8)  # room past the block, as a restore's
+            return buffer[:, :tokens]
+
+        got: list[np.ndarray] = []
+        assert decode_into(record, lambda h: got.append(into(h)) or got[0]) == header
+        assert got[0].tobytes() == payload
         start = head_size(header)
-        for position in (start + 5, start + (1 << 20) + 3, start + (3 << 20) + 11, len(record) - 9):
+        for position in (start + 5, start + (256 << 10) + 1, start + (1 << 20) + 3, start + (3 << 20) + 11,
+                         len(record) - 9):
             if position >= len(record) - 8:
                 continue
             broken = bytearray(record)
             broken[position] ^= 0x10
             with pytest.raises(CorruptRecord):
-                decode_into(bytes(broken), whole)
+                decode_into(bytes(broken), into)
 
 
 def test_decode_into_a_token_range_of_a_larger_buffer_copies_those_tokens_and_verifies_them_all() -> None:
