@@ -12,6 +12,7 @@ independent ones run side by side (``run_all``); the table layout and the argume
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -954,3 +955,24 @@ def test_a_command_cut_short_anywhere_raises_and_leaves_the_store_whole_and_free
              "_new_tier", "_open_store", "repair", "rebuild", "_read_for_clear", "_refuse_unopenable", "_emit",
              "_check_text", "_progress", "_remove_damaged", "remove_store", "_stat_or_none", "_raise_handlers"}
     assert raised_on_the_way_in(run_command, check, within=steps, timeout=True) > 50
+
+
+def test_a_repair_whose_directory_sync_fails_says_the_rebuilt_file_is_in_place(
+        built: Built, copy: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The rebuilt file is put in place, then the sync of the store's directory fails. Before: exit
+    # 4 with "the store is as it was", while the store was the rebuilt one.
+    path = copy()
+    damage_table(path, b"refs")
+    damaged = file_digest(path)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", failing_fsync)
+        assert cli.main(["check", str(path), "--repair"]) == cli.EXIT_IO
+    err = capsys.readouterr().err
+    assert "the rebuilt file is in place" in err and "as it was" not in err, err
+    assert file_digest(path) != damaged and not (path / "repair.tmp").exists()
+    assert cli.main(["check", str(path)]) == cli.EXIT_OK

@@ -415,10 +415,14 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Seq
     store's scan would write them; returns what was kept and dropped."""
     from dataclasses import asdict
 
-    from .tiers.disk import DiskTier, PutHeads
+    from .tiers.disk import PutHeads, RebuiltUnsynced
 
     try:
         rebuilt = tier.rebuild(damaged, block_size, unsafe)
+    except RebuiltUnsynced as exc:
+        raise CliError(EXIT_IO, f"{exc}: the store holds what was sound, but a crash before its next sync may "
+                                f"bring the damaged file back; run `tierkv check {tier.path}` again once the disk "
+                                "is healthy") from None
     except (lmdb.Error, OSError) as exc:
         if raised_by_signal_handler(exc):
             raise

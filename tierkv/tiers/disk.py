@@ -168,6 +168,12 @@ class DiskSyncFailed(OSError):
     failed (``disk_failed``) before this is raised; what the flush wrote may not survive a crash."""
 
 
+class RebuiltUnsynced(OSError):
+    """``DiskTier.rebuild`` put the rebuilt file in place, then the sync of the store's directory
+    failed: the store holds what was sound, but a crash before the next sync may bring the
+    replaced file back."""
+
+
 class DamagedStore(ValueError):
     """The store's LMDB file is damaged where LMDB itself reads it (its B-tree, its meta record):
     not a missing record, which is a plain miss, but a store that cannot be opened."""
@@ -1906,14 +1912,22 @@ class DiskTier:
         if fd is not None:
             os.close(fd)
         os.replace(os.path.join(made, "data.mdb"), os.path.join(self.path, "data.mdb"))
-        directory = os.open(self.path, os.O_RDONLY)
         try:
-            os.fsync(directory)
+            directory = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise
+            # Not the store as it was any more: a caller saying so after this was wrong.
+            raise RebuiltUnsynced(exc.errno, f"the rebuilt file is in place, but syncing {self.path} failed: "
+                                             f"{exc.strerror}") from exc
         finally:
-            os.close(directory)
-        shutil.rmtree(made, onerror=_raise_handlers)
-        self._unlock()
-        _open_tiers.discard(self)  # as in close
+            shutil.rmtree(made, onerror=_raise_handlers)
+            self._unlock()
+            _open_tiers.discard(self)  # as in close
         return result
 
     def _sound_tenant(self, txn: lmdb.Transaction, key: bytes, value: memoryview,
