@@ -953,7 +953,8 @@ def test_a_command_cut_short_anywhere_raises_and_leaves_the_store_whole_and_free
     # a handler's exception as every finaliser does (main itself only maps exceptions to codes).
     steps = {"cmd_check", "cmd_clear", "cmd_stats", "summarise", "_scan", "_file_damage", "_refusals", "_open_tier",
              "_new_tier", "_open_store", "repair", "rebuild", "_read_for_clear", "_refuse_unopenable", "_emit",
-             "_check_text", "_progress", "_remove_damaged", "remove_store", "_stat_or_none", "_raise_handlers"}
+             "_check_text", "_progress", "_remove_damaged", "remove_store", "stat_or_none", "_raise_handlers",
+             "_is_directory", "_stored_meta", "stored_meta", "exists", "isdir", "isfile"}
     assert raised_on_the_way_in(run_command, check, within=steps, timeout=True) > 50
 
 

@@ -38,6 +38,7 @@ import argparse
 import errno
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from . import __version__
-from .interrupts import raised_by_signal_handler
+from .interrupts import raised_by_signal_handler, stat_or_none
 from .units import absolute_path, format_bytes
 
 if TYPE_CHECKING:
@@ -86,11 +87,18 @@ class CliError(Exception):
 
 
 # -- opening a store ---------------------------------------------------------------------------
-def _stored_meta(path: str) -> dict[str, int]:
-    if not os.path.exists(path):
+def _is_directory(path: str) -> None:
+    """Refuse a missing path or a file, looked at with ``stat_or_none``: ``os.path``'s helpers
+    answer False to a signal handler's exception, and a timeout came out as "no such directory"."""
+    found = stat_or_none(path)
+    if found is None:
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
-    if not os.path.isdir(path):
+    if not stat.S_ISDIR(found.st_mode):
         raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+
+
+def _stored_meta(path: str) -> dict[str, int]:
+    _is_directory(path)
     from .tiers.disk import DamagedStore, DiskTier  # imported when used: torch takes seconds, `--version` none
 
     try:
@@ -105,14 +113,12 @@ def _file_damage(path: str) -> FileDamage:
     """``file_damage`` of the store at ``path`` (LMDB's structure, read without LMDB: some damage
     aborts LMDB's own reads), under the directory's lock; refused as every store command refuses
     a path that is not a store, or a store in use."""
-    if not os.path.exists(path):
-        raise CliError(EXIT_USAGE, f"{path}: no such directory")
-    if not os.path.isdir(path):
-        raise CliError(EXIT_USAGE, f"{path}: is a file, not a tierkv store directory")
+    _is_directory(path)
     from .tiers.disk import DiskTier, FileDamage, file_damage
 
     data = os.path.join(path, "data.mdb")
-    if not os.path.isfile(data) or os.path.getsize(data) == 0:
+    found = stat_or_none(data)
+    if found is None or not stat.S_ISREG(found.st_mode) or found.st_size == 0:
         return FileDamage()  # not a store: stored_meta says so
     lock = None
     try:

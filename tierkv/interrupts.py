@@ -36,7 +36,8 @@ recorded and never raised. So a section is entered by a ``with`` in a plain func
 a generator that suspends inside it.
 
 Other signals are not held off: ``raised_by_signal_handler`` tells their handlers' exceptions
-from errors of the code they interrupted, for code that drops some errors (reads past a miss).
+from errors of the code they interrupted, for code that drops some errors (reads past a miss);
+``stat_or_none`` is ``os.path.exists`` that raises them.
 """
 
 from __future__ import annotations
@@ -197,6 +198,20 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
             if isinstance(rest, tuple) and any([value is caller for value in rest]):
                 return True
     return False
+
+
+def stat_or_none(path: str, follow: bool = True) -> os.stat_result | None:
+    """``os.stat`` (``os.lstat``: ``follow`` False), or None where nothing can be looked at there,
+    as ``os.path.exists`` answers. But a signal handler's exception (a ``SIGALRM`` timeout's
+    ``TimeoutError``, an ``OSError`` too) is raised: ``os.path``'s helpers answer False to it, and
+    an existing store was taken for none (its data file for an empty one, made anew; the CLI's
+    store for a missing directory)."""
+    try:
+        return os.stat(path) if follow else os.lstat(path)
+    except (OSError, ValueError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
+        return None
 
 
 def _after_fork_in_child() -> None:

@@ -111,6 +111,7 @@ from ..codec import (FORMAT_VERSION, MAGIC, CorruptRecord, RecordHeader, decode,
                      encode_array, payload_view, record_head, record_size)
 from ..hashing import HASH_VERSION, KEY_BYTES
 from ..interrupts import raised_by_signal_handler
+from ..interrupts import stat_or_none as _stat_or_none
 from ..locks import SharedLock, on_stack
 from ..transfer import Job
 from ..units import absolute_path
@@ -504,7 +505,8 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
         raise ValueError(f"{path!r} holds files a tierkv store does not ({', '.join(sorted(entries))}); "
                          "not removed: delete them yourself if they are yours to delete")
     _refuse_links(path)
-    if not os.path.isfile(data):
+    found = _stat_or_none(data)
+    if found is None or not stat.S_ISREG(found.st_mode):
         raise ValueError(f"{data!r} is not a plain file; not removed: delete the directory yourself if it is a "
                          "tierkv store")
     if not _holds_store_tables(data):
@@ -684,19 +686,6 @@ def _link_refusal(file: str) -> ValueError:
     return ValueError(f"{why}. Replace the link with the file (`mv {os.path.join(os.path.dirname(file), target)} "
                       f"{file}`), or, to keep the store on another disk, move its whole directory there and pass "
                       "that path")
-
-
-def _stat_or_none(path: str, follow: bool = True) -> os.stat_result | None:
-    """``os.stat`` (``os.lstat``: ``follow`` False), or None where nothing can be looked at there,
-    as ``os.path.exists`` answers. But a signal handler's exception (a ``SIGALRM`` timeout's
-    ``TimeoutError``, an ``OSError`` too) is raised: ``os.path``'s helpers answer False to it, and
-    an existing store was taken for none (its data file for an empty one, made anew)."""
-    try:
-        return os.stat(path) if follow else os.lstat(path)
-    except (OSError, ValueError) as exc:
-        if raised_by_signal_handler(exc):
-            raise
-        return None
 
 
 def _make_dirs(path: str) -> None:
@@ -1483,9 +1472,10 @@ class DiskTier:
         path = os.fspath(path)
         not_a_store = f"{path!r} is not a tierkv store"
         _refuse_links(path)
-        if not os.path.isfile(os.path.join(path, "data.mdb")):
+        data = _stat_or_none(os.path.join(path, "data.mdb"))
+        if data is None or not stat.S_ISREG(data.st_mode):
             raise ValueError(f"{not_a_store} (no data.mdb)")
-        if os.path.getsize(os.path.join(path, "data.mdb")) == 0:
+        if data.st_size == 0:
             raise ValueError(f"{not_a_store} (its data.mdb is empty: a TieredStore opened there starts a new "
                              "store)")
         # Before LMDB's read-only environment, which makes lock.mdb where it is missing and writes
@@ -1500,22 +1490,27 @@ class DiskTier:
             raise DamagedStore(path, exc) from None
         except lmdb.Error as exc:
             raise ValueError(f"{not_a_store} ({exc})") from None
-        # Read-only, the map reaches past a truncated file's end, and reading there is a SIGBUS.
-        short = _truncated(env, os.path.getsize(os.path.join(path, "data.mdb")))
-        if short is not None:
-            env.close()
-            raise DamagedStore(path, short)
-        # A tierkv store's tables (its main table lists them): a meta record that cannot be read
-        # there is damage, not another program's environment (`tierkv clear --all` removes it).
-        shaped = False
+        # Everything from here closes the environment, a signal handler's exception too: kept open
+        # by that exception's frames, it held the store's files, and a store then opened there
+        # had LMDB's environment open twice in the process (whose first close drops the other's
+        # locks).
         try:
-            with env.begin() as txn:
-                shaped = txn.get(b"blocks") is not None
-                raw = txn.get(_META_KEY, db=env.open_db(b"meta", txn=txn, create=False))
-        except (*UNREADABLE, lmdb.BadTxnError) as exc:
-            raise DamagedStore(path, exc) from None
-        except lmdb.Error:
-            raw = None
+            # Read-only, the map reaches past a truncated file's end, and reading there is a SIGBUS.
+            short = _truncated(env, os.path.getsize(os.path.join(path, "data.mdb")))
+            if short is not None:
+                raise DamagedStore(path, short)
+            # A tierkv store's tables (its main table lists them): a meta record that cannot be
+            # read there is damage, not another program's environment (`tierkv clear --all`
+            # removes it).
+            shaped = False
+            try:
+                with env.begin() as txn:
+                    shaped = txn.get(b"blocks") is not None
+                    raw = txn.get(_META_KEY, db=env.open_db(b"meta", txn=txn, create=False))
+            except (*UNREADABLE, lmdb.BadTxnError) as exc:
+                raise DamagedStore(path, exc) from None
+            except lmdb.Error:
+                raw = None
         finally:
             env.close()
         try:
@@ -1838,7 +1833,7 @@ class DiskTier:
                 result.unreferenced = len(lost - doomed)
                 doomed |= lost
             keys = sorted(key for key in tenants if key not in doomed)
-            os.makedirs(made)
+            os.mkdir(made)  # in the store's directory; os.makedirs asks os.path.exists (a timeout answered False)
             try:
                 # Not writemap: LMDB would size the new file to the map at once (a hole) and write
                 # its pages through the map, which on a filesystem filled meanwhile (by another
