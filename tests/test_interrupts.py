@@ -706,6 +706,43 @@ def test_raised_by_signal_handler_tells_a_handlers_exception_whatever_its_argume
     assert not raised_by_signal_handler(raised.value)
 
 
+def test_stat_or_none_answers_as_os_path_exists_but_raises_a_handlers_exception(tmp_path) -> None:
+    """``stat_or_none``: what ``os.path.exists`` (``lexists``: ``follow=False``) answers, as a stat
+    or None; a handler's exception cutting its ``stat`` short is raised, where ``os.path.exists``
+    answers False (the CLI said "no such directory" for a timeout)."""
+    from tierkv.interrupts import stat_or_none
+
+    (tmp_path / "file").write_bytes(b"x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    assert stat_or_none(str(tmp_path / "file")).st_size == 1
+    assert stat_or_none(str(tmp_path / "missing")) is None
+    assert stat_or_none(str(tmp_path / "file" / "below")) is None  # ENOTDIR, as exists answers
+    assert stat_or_none(str(tmp_path / "dangling")) is None
+    assert stat_or_none(str(tmp_path / "dangling"), follow=False) is not None
+    assert stat_or_none("a\0b") is None  # ValueError (an embedded NUL), as exists answers
+
+    def timeout(*_):
+        raise TimeoutError("a SIGALRM handler's")
+
+    real_stat = os.stat
+    previous = signal.signal(signal.SIGUSR1, timeout)
+    try:
+        def stat_then_signal(path, *args, **kwargs):
+            result = real_stat(path, *args, **kwargs)
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # runs at this call's return
+            return result
+
+        os.stat = stat_then_signal
+        try:
+            with pytest.raises(TimeoutError):
+                stat_or_none(str(tmp_path / "file"))
+            assert not os.path.exists(str(tmp_path / "file"))  # the standard one's answer
+        finally:
+            os.stat = real_stat
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def _own_exits(loop: ast.For) -> list[ast.stmt]:
     """The ``break``s of ``loop`` itself and the ``return``s in its body (not those of a nested
     loop's or function's)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from .interrupts import stat_or_none
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .tiers.disk import DiskTier, StoreInUse
 from .transfer import resolve_device
@@ -94,9 +96,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"sharing hidden/128 KV heads), got {args.hidden}")
     if not 0 <= args.seed < 2**64:
         parser.error(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
-    if args.store is not None and os.path.exists(args.store) and not os.path.isdir(args.store):
+    # stat_or_none, not os.path's helpers: a signal handler's exception is raised, never taken for
+    # a missing store.
+    found = stat_or_none(args.store) if args.store is not None else None
+    if found is not None and not stat.S_ISDIR(found.st_mode):
         parser.error(f"--store {args.store!r} is a file; give a directory (made if missing)")
-    if args.store is not None and os.path.isfile(os.path.join(args.store, "data.mdb")):
+    data = stat_or_none(os.path.join(args.store, "data.mdb")) if found is not None else None
+    if data is not None and stat.S_ISREG(data.st_mode):
         try:
             stored = DiskTier.stored_meta(args.store)["block_size"]
         except ValueError as exc:
