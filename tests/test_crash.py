@@ -422,6 +422,45 @@ def test_a_refusal_waits_for_no_dropped_store_of_another_directory(tmp_path):
     TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
 
 
+
+def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys_writer_is_no_error(tmp_path):
+    """A store refused by one of this process's walks the open stores for a writer on its
+    directory. A close in another thread takes its store out of that set (``_release``): at a
+    thread switch inside the walk, the open raised ``RuntimeError`` ("Set changed size during
+    iteration") instead of ``StoreInUse``. The close runs at the walk's first step (a generator's
+    first yield, below ``_open_disk_tier`` and not in the open it retries), from a profile
+    function, as a switch there would run it."""
+    import inspect
+
+    held = TieredStore(tmp_path / "a", device="cpu", block_size=4)
+    other = TieredStore(tmp_path / "b", device="cpu", block_size=4)
+    closed: list[int] = []
+
+    def in_the_walk(frame) -> bool:
+        for _ in range(4):
+            frame = frame.f_back
+            if frame is None or frame.f_code.co_name == "__init__":
+                return False
+            if frame.f_code.co_name == "_open_disk_tier":
+                return True
+        return False
+
+    def close_other(frame, event, _arg) -> None:
+        if event == "return" and frame.f_code.co_flags & inspect.CO_GENERATOR and not closed and \
+                in_the_walk(frame):
+            closed.append(other.close())
+
+    sys.setprofile(close_other)
+    try:
+        with pytest.raises(StoreInUse, match="in use by another TieredStore"):
+            TieredStore(tmp_path / "a", device="cpu", block_size=4)
+    finally:
+        sys.setprofile(None)
+        held.close()
+        other.close()
+    assert closed == [0]  # the walk stepped while the other store was open, and closed it
+    TieredStore(tmp_path / "b", device="cpu", block_size=4).close()
+
 FINALISED_AT_EXIT = """
 import sys, tempfile
 from tierkv import TieredStore

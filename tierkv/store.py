@@ -252,6 +252,15 @@ EXIT_CLOSE_TIMEOUT_S = 60.0
 _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
 
+def _stores_open() -> list[TieredStore]:
+    """The stores in ``_open_stores``, read from a copy of its references that one C call makes:
+    a walk of the set itself raised ``RuntimeError`` ("Set changed size during iteration") where
+    a close in another thread took its store out meanwhile (``_release``), as the close of a
+    dropped store does while the next store on its directory looks for its writer."""
+    refs = _open_stores.data.copy()  # type: ignore[attr-defined]
+    return [store for store in (ref() for ref in refs) if store is not None]
+
+
 #: Closes of stores dropped without ``close()`` that are still running (``TieredStore.__del__``).
 _dropped: dict[threading.Thread, str | None] = {}  # each close's thread, and its store's directory
 #: How long a new store waits for the batch in flight of another store of this process on its
@@ -325,7 +334,7 @@ def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) 
         if not exc.this_process:
             raise
     where = DiskTier._resolve_path(path)
-    writers = [store._writer for store in list(_open_stores)
+    writers = [store._writer for store in _stores_open()
                if store._disk is not None and store._disk.path == where and store._writer is not None]
     for writer in writers:
         try:
@@ -340,7 +349,7 @@ def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) 
 @atexit.register
 def _close_at_exit() -> None:
     _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S)
-    for store in list(_open_stores):
+    for store in _stores_open():
         if not store._released:  # a forked child's copies close nothing (``_close``)
             try:
                 store._close(EXIT_CLOSE_TIMEOUT_S, grace=EXIT_CLOSE_TIMEOUT_S)
