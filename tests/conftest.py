@@ -90,7 +90,7 @@ def raised_on_the_way_in(enter: Callable[[], object], check: Callable[[list], No
         while True:
             point += 1
             seen: list[int] = [0]
-            sent: list[tuple[str, str]] = []
+            sent: list[tuple[str, str, str | None]] = []
 
             def profile(frame, event, arg, point=point):
                 if event in ("call", "c_return") and (
