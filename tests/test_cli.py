@@ -979,3 +979,58 @@ def test_a_repair_whose_directory_sync_fails_says_the_rebuilt_file_is_in_place(
     assert "the rebuilt file is in place" in err and "as it was" not in err, err
     assert file_digest(path) != damaged and not (path / "repair.tmp").exists()
     assert cli.main(["check", str(path)]) == cli.EXIT_OK
+
+
+@pytest.mark.parametrize("command", [["stats"], ["check"], ["clear", "--session", "dave"], ["clear", "--all"],
+                                     ["stats", "linked"]])
+def test_a_timeout_as_a_command_looks_at_the_stores_files_is_raised_not_read_as_a_missing_file(
+        built: Built, copy: Callable[..., Path], command: list[str]) -> None:
+    """A signal handler's ``TimeoutError`` as ``os.stat`` returns inside ``os.path.exists``,
+    ``isdir``, ``isfile`` or ``getsize`` (the first three answer False to any ``OSError``), where
+    the commands look at the store's directory and its data file before opening it: it reaches
+    the caller, and the store is left whole and free. Before: "no such directory" or "not a
+    tierkv store (no data.mdb)" (exit 2) for a store that is there, ``clear --all`` of a damaged
+    store refused as "not a plain file", a data file linked elsewhere refused as a link to
+    nothing; and cut as ``stored_meta`` sized the data file, LMDB's read-only environment stayed
+    open while the exception lived: every later command in the process was refused as "not a
+    tierkv store (... already open in this process)"; the lock file's allocation before it took
+    the timeout for a directory it cannot write, and the command went on."""
+    from conftest import raised_on_the_way_in
+
+    from tierkv.tiers.disk import DiskTier
+
+    original = copy("original")
+    if command == ["clear", "--all"]:
+        damage_table(original, b"refs")
+    linked = command[-1] == "linked"
+    if linked:  # refused, its message saying whether the link's target exists
+        os.replace(original / "data.mdb", original.parent / "elsewhere.mdb")
+        os.symlink(original.parent / "elsewhere.mdb", original / "data.mdb")
+        command = command[:-1]
+    path = Path(shutil.copytree(original, original.parent / "kv", symlinks=True))
+    fds = [len(os.listdir("/proc/self/fd"))]
+
+    def run_command():
+        cli.main([command[0], str(path), *command[1:]])
+        return contextlib.nullcontext()
+
+    def check(sent) -> None:
+        if sent[0][2] == "open" and len(os.listdir("/proc/self/fd")) == fds[0] + 1:
+            fds[0] += 1  # see test_a_rebuild_cut_short_anywhere_...
+        assert len(os.listdir("/proc/self/fd")) == fds[0], f"a file left open by the cut at {sent}"
+        if linked:
+            assert cli.main(["stats", str(path)]) == cli.EXIT_USAGE, sent
+        elif (path / "data.mdb").exists():
+            assert cli.main(["check", str(path)]) in (cli.EXIT_OK, cli.EXIT_BAD_RECORDS), sent
+        else:  # removed by clear --all: a new store opens there
+            DiskTier(path, 1 << 40, B).close()
+        shutil.rmtree(path)
+        shutil.copytree(original, path, symlinks=True)
+
+    # The looks themselves (os.path's helpers are where the OSError is taken for an answer), the
+    # functions that make them, and the refusals' reads of the files before any open.
+    looks = {"exists", "isdir", "isfile", "getsize", "stat_or_none", "_is_directory",
+             "_stored_meta", "stored_meta", "_file_damage", "file_damage", "remove_store", "_link_refusal",
+             "_refuse_links", "_refuse_foreign", "_refuse_shared", "_holds_store_tables", "_allocate_lock_file_of",
+             "_truncated", "_lock_directory", "_lock_file"}
+    assert raised_on_the_way_in(run_command, check, within=looks, timeout=True) > 10

@@ -681,7 +681,7 @@ def _link_refusal(file: str) -> ValueError:
            "(`tierkv check --repair`) would put its new file in the link's place and leave the target behind, "
            "`tierkv clear --all` would not delete the target of a damaged store, and another store linking to the "
            "same file would write it under a lock of its own")
-    if not os.path.exists(file):
+    if _stat_or_none(file) is None:  # not os.path.exists: it answers False to a handler's exception
         return ValueError(f"{why}. Its target does not exist (LMDB would make it there): remove the link")
     return ValueError(f"{why}. Replace the link with the file (`mv {os.path.join(os.path.dirname(file), target)} "
                       f"{file}`), or, to keep the store on another disk, move its whole directory there and pass "
@@ -768,7 +768,9 @@ def _allocate_lock_file_of(path: str) -> None:
         return
     try:
         fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    except OSError:
+    except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's TimeoutError: the caller's, not a directory to leave to LMDB
         return  # a read-only directory, say: LMDB decides, as before
     try:
         os.posix_fallocate(fd, 0, os.fstat(fd).st_size or _LOCK_BYTES)
