@@ -1370,6 +1370,39 @@ def test_a_bad_close_timeout_is_refused_before_anything_is_dropped(tiny_model, t
         assert store.stats()["disk"]["blocks"] == 5
 
 
+
+def test_a_close_again_after_the_disk_tiers_close_raised_finishes_it_without_a_disk_error(tiny_model, tmp_path,
+                                                                                        caplog):
+    """``close()`` again, as its docstring says, after the first one's disk tier close raised a
+    disk error as it let go of its files (the `tierkv clear` command retries it so): the second
+    finished the close, and first synced the closed environment, whose "Attempt to operate on
+    closed/deleted/dropped object" was logged as the disk's I/O error and counted as one."""
+    model = tiny_model()
+    ids = random_ids(4 * B + 1)
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=B)
+    cache = store.open(model, ids)
+    cache.commit(generate(model, ids, 1, cache))
+    real_close = store._disk.close
+    calls: list[float | None] = []
+
+    def failing_close(timeout: float | None = None) -> bool:
+        calls.append(timeout)
+        closed = real_close(timeout)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")  # as os.close of its data file may
+        return closed
+
+    store._disk.close = failing_close  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="Input/output error"):
+        store.close()
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        assert store.close() == 0
+    assert len(calls) == 2 and store._released
+    assert store.stats()["disk_errors"] == 0 and not store._disk_failed
+    assert not [r for r in caplog.records if "closed/deleted/dropped" in r.getMessage()], caplog.text
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:  # its directory free, its blocks there
+        assert store.stats()["disk"]["blocks"] == 5
+
 def test_a_reopen_whose_disk_budget_evicts_blocks_it_found_says_so(tiny_model, tmp_path, caplog):
     model = tiny_model()
     with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:

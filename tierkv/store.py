@@ -811,11 +811,16 @@ class TieredStore:
                              "again or the process exits (LMDB transactions are atomic)", self._disk.path)
                 return
             try:
-                if self._disk.owes_zeros:
-                    # The writer is gone: this thread is the only writer now. Evicted records are
-                    # zeroed a transaction after their delete; none is left in the file at rest.
-                    self._disk.apply([])
-                self._disk.sync()
+                # Not where an earlier close got as far as the disk tier's (which raised: a disk
+                # error as it let go of its files): its environment is closed, and this sync's
+                # refusal was logged and counted as the disk's I/O error.
+                if not self._disk.closed:
+                    if self._disk.owes_zeros:
+                        # The writer is gone: this thread is the only writer now. Evicted records
+                        # are zeroed a transaction after their delete; none is left in the file at
+                        # rest.
+                        self._disk.apply([])
+                    self._disk.sync()
             except (lmdb.Error, OSError) as exc:
                 if raised_by_signal_handler(exc):
                     raise  # after the disk tier's close below: a timeout, no disk fault

@@ -1646,6 +1646,12 @@ class DiskTier:
         return result
 
     @property
+    def closed(self) -> bool:
+        """``close`` (or a ``rebuild``) began: the environment is closed, or left to the process's
+        exit where a read outlasted the close's timeout."""
+        return self._closed
+
+    @property
     def owes_zeros(self) -> bool:
         """Evicted records not zeroed yet; ``apply([])`` zeroes them, durably."""
         return bool(self._unzeroed or self._pending or self._ledger_written or self._uncommitted)
