@@ -1849,13 +1849,16 @@ class DiskTier:
                 # and the store stays as it was. The lock file, which LMDB writes through a map
                 # whatever the flag, is allocated first, as the store's own is.
                 self._allocate_file(os.path.join(made, "lock.mdb"), _LOCK_BYTES)
-                # Room past this file's map: a file opened at its own size (a store rebuilt, not
-                # written since) has no free page, and the copy, written in several transactions,
-                # needs pages for each one's copy-on-write besides its content: a second repair
-                # failed with MapFullError. The map is address space alone here (no writemap): the
-                # file grows only as far as the copy writes.
-                new = lmdb.open(made, map_size=2 * self.env.info()["map_size"] + (64 << 20), max_dbs=8,
-                                writemap=False, subdir=True, readahead=False)
+                # Room past the pages this file uses, which hold at most what the copy does: the
+                # copy, written in several transactions, needs pages for each one's copy-on-write
+                # besides its content, and a map the size of a file with no free page (a store
+                # rebuilt, not written since, opens at its own size) failed a second repair with
+                # MapFullError. From the pages used, not the map: address space (no writemap here:
+                # the file grows only as far as the copy writes), which a `ulimit -v` may refuse.
+                info = self.env.info()
+                used = (info["last_pgno"] + 1) * self.page_size
+                room = -(-(used + used // 4 + (64 << 20)) // vm.PAGE) * vm.PAGE
+                new = lmdb.open(made, map_size=room, max_dbs=8, writemap=False, subdir=True, readahead=False)
             except BaseException:
                 shutil.rmtree(made, onerror=_raise_handlers)
                 raise
