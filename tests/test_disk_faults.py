@@ -3694,6 +3694,76 @@ def test_a_commit_cut_short_anywhere_raises_and_holds_nothing_for_good(model, st
     cut_everywhere(commit, healthy, 300)
 
 
+def _after_a_cache_call_cut(store, model, cache, fed: torch.Tensor, kept: torch.Tensor, sent, beams: int = 1,
+                            by_hand: bool = False) -> None:
+    """The turn goes on after a cut: a ``generate`` of ``fed`` (or, ``by_hand``, a forward of the
+    ids past the cache) either runs, and its commit keeps exact KV, or refuses with a
+    ``ValueError`` whose advice, taken, works: ``batch_select_indices`` to one row, or a commit of
+    ``kept`` (the ids the caller has). Never an error from inside torch."""
+    store._reap()
+    assert not store._pinned and not store._orphaned_pins and store._lock._recursion_count() == 0, sent
+    try:
+        if by_hand:
+            with torch.no_grad():
+                model(fed[:, cache.get_seq_length():], past_key_values=cache)
+            committed = fed
+        else:
+            committed = model.generate(fed, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                                       num_beams=beams)
+    except ValueError as exc:
+        if "batch_select_indices" in str(exc):
+            cache.batch_select_indices(torch.tensor([0]))
+            return _after_a_cache_call_cut(store, model, cache, fed, kept, sent, beams, by_hand)
+        assert "commit it" in str(exc).lower() and "store.open" in str(exc), (sent, str(exc))
+        committed = kept
+    cache.commit(committed)  # refused before where a reset or crop stopped part-way
+    healthy_after_a_cut(store, model, torch.cat([committed, torch.tensor([[9, 9]])], dim=1), sent, 0)
+
+
+@pytest.mark.parametrize("call", ["crop", "crop into the restore", "reset"])
+def test_a_cache_call_cut_short_anywhere_leaves_a_turn_that_goes_on_exact_or_says_what_to_do(model, stores,
+                                                                                           tmp_path, call):
+    """``crop`` and ``reset`` cut short at every point by a handler's ``TimeoutError``: the
+    turn's next ``generate`` runs and commits exact KV, or refuses saying what to do, and that
+    works. Before (helper-90): a crop cut between the last layer's keys and values left its
+    values ahead, which the forward hook (reading the tokens both hold) let through to a shape
+    error inside attention; and a reset or crop cut part-way left layer 0 behind the others: the
+    hook said to commit, and the commit (reading layer 0) refused, saying to run generate() first."""
+    store = make_store(stores, tmp_path / "kv", **TIER_BUDGETS["device"])
+    out = converse(store, model, random_ids(21, 402), "a")
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+    held: list[tuple[object, torch.Tensor]] = []
+    call, by_hand = call.split(",")[0], call.endswith("by hand")
+    ran = call in ("crop", "crop into the restore", "reset")
+
+    def setup() -> None:
+        cache = store.open(model, more, session="a")
+        assert cache.restored_tokens
+        seq = generate(model, more, cache) if ran else more
+        if call in ("select", "reorder"):
+            cache.batch_repeat_interleave(2)
+        held[:] = [(cache, seq)]
+
+    calls = {"crop": lambda c: c.crop(-2), "crop into the restore": lambda c: c.crop(10 - c.get_seq_length()),
+             "reset": lambda c: c.reset(), "repeat": lambda c: c.batch_repeat_interleave(2),
+             "select": lambda c: c.batch_select_indices(torch.tensor([1])),
+             "reorder": lambda c: c.reorder_cache(torch.tensor([1, 0]))}
+
+    def cut() -> nullcontext:
+        calls[call](held[0][0])
+        return nullcontext()
+
+    def goes_on(sent) -> None:
+        cache, seq = held[0]
+        fed = torch.cat([seq, torch.tensor([[4]])], dim=1) if ran else more
+        _after_a_cache_call_cut(store, model, cache, fed, seq, sent, beams=1 if ran or "select" in call else 2,
+                                by_hand=by_hand)
+        setup()
+
+    setup()
+    assert raised_on_the_way_in(cut, goes_on, timeout=True) > 10
+
+
 def test_make_dirs_does_what_makedirs_does(tmp_path):
     """``_make_dirs`` (``os.makedirs(exist_ok=True)`` that lets a handler's exception through):
     parents made, an existing directory kept, a file in the way refused as makedirs refuses it."""

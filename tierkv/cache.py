@@ -1503,6 +1503,20 @@ class TieredLayer(DynamicLayer):
             return self._pending.tokens
         return super().get_seq_length()
 
+    def extent(self) -> tuple[int, int, int, int]:
+        """(tokens, rows) of the keys, then of the values; zeros for none. Another signal's
+        handler raising between a layer's keys and values (in a crop, a row selection, a reset)
+        leaves them apart, values ahead of keys too, which ``held_tokens`` alone does not show."""
+        if self._pending is not None:
+            return self._pending.tokens, self._pending.tokens, 1, 1
+        if not self.is_initialized:
+            return 0, 0, 0, 0
+        keys, values = self._keys, self._values
+        k = (keys.shape[-2], keys.shape[0]) if keys is not None and keys.dim() >= 2 and keys.numel() else (0, 0)
+        v = (values.shape[-2], values.shape[0]) if values is not None and values.dim() >= 2 and values.numel() \
+            else (0, 0)
+        return k[0], v[0], k[1], v[1]
+
     def held_tokens(self) -> int:
         """Tokens whose keys and values this layer both holds (they differ after a forward that
         raised between its two concatenations)."""
@@ -1899,18 +1913,22 @@ class TieredCache(Cache):
         conversation fed again there is refused. Layers that disagree (a forward that raised
         part-way) refuse every forward. ``extends``: generate() feeds ids past the cache (``_check_generate_ids``)."""
         want = self.input_ids
-        # The last layer's keys and values both: out of memory between its two concatenations
-        # left its keys a token ahead of its values, with every layer's keys alike.
-        behind = self.layers[-1].held_tokens()
-        if behind != done:
-            # Layers are updated in order: a forward that raised part-way (out of memory, Ctrl-C)
-            # left the first ones a token or more ahead of the last, and a forward now would put
-            # the new tokens' KV at other positions in each.
+        # The first and last layers' keys and values: a forward, crop, reset or change of rows
+        # goes through the layers in order, keys before values, so one cut short part-way (out
+        # of memory, Ctrl-C, another signal's handler) leaves them apart there.
+        first, last = self.layers[0].extent(), self.layers[-1].extent()
+        if {first[1], *last[:2]} != {done}:
+            behind = next(t for t in (*last[:2], first[1]) if t != done)
+            # A forward that raised part-way left the first layers a token or more ahead of the
+            # last; a crop cut short left a layer's values ahead of its keys (helper-90: the next
+            # forward got past this check and raised inside attention, a shape error). A forward
+            # now would put the new tokens' KV at other positions in each.
             ahead = sum(layer.held_tokens() == done for layer in self.layers)
-            raise ValueError(f"this TieredCache's last forward did not finish: it stopped after {ahead} of its "
-                             f"{len(self.layers)} layers (an exception such as out of memory or Ctrl-C), which now "
-                             f"hold {done} and {behind} tokens, and a forward would compute wrong KV. Commit it "
-                             "(commit keeps the tokens every layer holds) and open a new cache with store.open")
+            raise ValueError(f"this TieredCache's last forward did not finish (or a crop or reset of it): it "
+                             f"stopped after {ahead} of its {len(self.layers)} layers (an exception such as out of "
+                             f"memory or Ctrl-C), which now hold {done} and {behind} tokens, and a forward would "
+                             "compute wrong KV. Commit it (commit keeps the tokens every layer holds) and open a new "
+                             "cache with store.open")
         if self.model_info.positions_from_pad and kwargs.get("position_ids") is None:
             # Its KV at positions generate() never uses: a turn run by model() and the next by
             # generate() would meet in one conversation at two sets of positions.
@@ -2217,6 +2235,11 @@ class TieredCache(Cache):
         """Tokens whose KV every layer holds: ``get_seq_length()`` (layer 0's) unless a forward
         raised part-way through the layers."""
         return min(layer.held_tokens() for layer in self.layers)
+
+    def most_tokens(self) -> int:
+        """The most tokens any layer's keys or values hold: more than ``held_tokens`` where a
+        forward, crop or reset stopped part-way through the layers."""
+        return max(max(layer.extent()[:2]) for layer in self.layers)
 
     def kv_dtypes(self) -> set[torch.dtype]:
         """The dtypes of the keys and values every layer computed (a layer still waiting for its

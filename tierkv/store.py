@@ -1309,7 +1309,9 @@ class TieredStore:
         # stopped between two of them (an exception from a stopping criterion, a logits processor
         # or a streamer; Ctrl-C), returning nothing: what every layer holds is kept, up to the ids
         # given (the prompt, or what a streamer showed), which the ids fed are checked against.
-        unfinished = n < cache.get_seq_length()
+        # Any layer's: a reset or crop cut short left layer 0 with fewer tokens than the others,
+        # and this commit refused them, as the forward hook sent it here (helper-90).
+        unfinished = n < cache.most_tokens()
         if n > len(seq) and cache.batch_rows() == 1 and not cache._rows_diverged:
             # (Beams that ended on eos before the search did return fewer ids than they fed; their
             # commit keeps the conversation only, whatever it is given.)
