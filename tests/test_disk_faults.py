@@ -3712,6 +3712,7 @@ def _after_a_cache_call_cut(store, model, cache, fed: torch.Tensor, kept: torch.
                                        num_beams=beams)
     except ValueError as exc:
         if "batch_select_indices" in str(exc):
+            assert by_hand, (sent, "generate() cuts the rows to one itself, refused instead")
             cache.batch_select_indices(torch.tensor([0]))
             return _after_a_cache_call_cut(store, model, cache, fed, kept, sent, beams, by_hand)
         assert "commit it" in str(exc).lower() and "store.open" in str(exc), (sent, str(exc))
@@ -3720,15 +3721,20 @@ def _after_a_cache_call_cut(store, model, cache, fed: torch.Tensor, kept: torch.
     healthy_after_a_cut(store, model, torch.cat([committed, torch.tensor([[9, 9]])], dim=1), sent, 0)
 
 
-@pytest.mark.parametrize("call", ["crop", "crop into the restore", "reset"])
+@pytest.mark.parametrize("call", ["crop", "crop into the restore", "reset", "repeat", "select", "reorder",
+                                  "repeat, by hand", "select, by hand"])
 def test_a_cache_call_cut_short_anywhere_leaves_a_turn_that_goes_on_exact_or_says_what_to_do(model, stores,
                                                                                            tmp_path, call):
-    """``crop`` and ``reset`` cut short at every point by a handler's ``TimeoutError``: the
-    turn's next ``generate`` runs and commits exact KV, or refuses saying what to do, and that
-    works. Before (helper-90): a crop cut between the last layer's keys and values left its
-    values ahead, which the forward hook (reading the tokens both hold) let through to a shape
-    error inside attention; and a reset or crop cut part-way left layer 0 behind the others: the
-    hook said to commit, and the commit (reading layer 0) refused, saying to run generate() first."""
+    """``crop``, ``reset`` and the row changes (``batch_repeat_interleave`` on a restored cache,
+    ``batch_select_indices``, ``reorder_cache``) cut short at every point by a handler's
+    ``TimeoutError``: the turn's next ``generate`` (or forward by hand) runs and commits exact KV,
+    or refuses saying what to do, and that works. Before (helper-90): a crop cut between the last
+    layer's keys and values left its values ahead, which the forward hook (reading the tokens
+    both hold) let through to a shape error inside attention; a reset or crop cut part-way left
+    layer 0 behind the others: the hook said to commit, and the commit (reading layer 0) refused,
+    saying to run generate() first; and a row selection cut part-way left the first layers at one
+    row, which generate() (and the hook, for a forward by hand) took for the whole cache: torch's
+    concatenation raised in the first layer still holding two."""
     store = make_store(stores, tmp_path / "kv", **TIER_BUDGETS["device"])
     out = converse(store, model, random_ids(21, 402), "a")
     more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)

@@ -1929,6 +1929,13 @@ class TieredCache(Cache):
                              f"memory or Ctrl-C), which now hold {done} and {behind} tokens, and a forward would "
                              "compute wrong KV. Commit it (commit keeps the tokens every layer holds) and open a new "
                              "cache with store.open")
+        if len({first[2], first[3], last[2], last[3]} - {0}) > 1:
+            # A row selection, reorder or repeat cut short part-way (helper-90: torch's shape
+            # error in the next forward's concatenation). generate() cuts the rows to one itself.
+            raise ValueError("this TieredCache's layers hold different numbers of rows (batch_select_indices, "
+                             "reorder_cache or batch_repeat_interleave did not finish: an exception cut it short): "
+                             "call cache.batch_select_indices(torch.tensor([0])) to keep one row in every layer, "
+                             "or commit it and open a new cache with store.open")
         if self.model_info.positions_from_pad and kwargs.get("position_ids") is None:
             # Its KV at positions generate() never uses: a turn run by model() and the next by
             # generate() would meet in one conversation at two sets of positions.
@@ -2251,9 +2258,11 @@ class TieredCache(Cache):
         return max(1, self.layers[0]._rows())
 
     def _several_rows(self) -> bool:
-        """Whether layer 0 holds several rows, without assembling a pending restore (one row)."""
-        keys = self.layers[0]._keys if self.layers and self.layers[0]._pending is None else None
-        return keys is not None and keys.dim() > 2 and keys.shape[0] > 1
+        """Whether a layer holds several rows, without assembling a pending restore (one row).
+        Every layer's keys and values: a ``batch_select_indices`` cut short part-way left the
+        first layers at one row and the others at several (helper-90: generate() then went on
+        with one row, and torch's concatenation raised in the first layer still holding two)."""
+        return any([max(layer.extent()[2:]) > 1 for layer in self.layers])
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim).
