@@ -828,6 +828,26 @@ def test_a_decode_step_that_failed_keeps_the_tokens_every_layer_holds() -> None:
         assert_next_turn_exact(store, model, shown, restored=22)
 
 
+def test_a_generate_that_raised_after_dropping_unverified_kv_commits_the_ids_the_caller_has() -> None:
+    """A second generate() on a cache whose rows diverged (beams) drops the KV past the
+    conversation first (``_drop_unverified``); one that raises after that (out of memory in its
+    first layer; a handler's timeout, in the drop's crop too) leaves the caller the ids the first
+    returned. Their commit kept the conversation before the second generate() began; after it,
+    it was refused: "the cache holds KV for 28 tokens, fewer than the 32 ... run generate()"
+    (helper-90, cutting a second generate at each of tierkv's points). It keeps what it held."""
+    model = make_model("llama")
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model)
+        first = greedy(model, later, past_key_values=cache, num_beams=2)
+        with out_of_memory_at(list(model.model.layers), 1), pytest.raises(torch.OutOfMemoryError):
+            greedy(model, torch.cat([first, random_ids(1, 3)], dim=1), past_key_values=cache)
+        assert cache.get_seq_length() == later.shape[1]  # the beams' KV dropped
+        with pytest.raises(ValueError, match="run generate"):  # ids past what it held: still refused
+            cache.commit(torch.cat([first, random_ids(2, 3)], dim=1))
+        assert cache.commit(first) == later.shape[1]
+        assert_next_turn_exact(store, model, first, restored=later.shape[1])
+
+
 @pytest.mark.parametrize("stop", ["criterion", "streamer"])
 def test_a_generate_stopped_between_steps_commits_up_to_the_ids_the_caller_has(stop: str, caplog) -> None:
     """An exception between two forwards (a stopping criterion or a streamer that raises, Ctrl-C)

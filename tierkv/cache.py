@@ -1634,6 +1634,9 @@ class TieredCache(Cache):
         # first that generate() computed with MoE experts on their decode kernel.
         self._masked_from: int | None = None
         self._fed: list[_Fed] = []  # the forwards past the conversation
+        # The most the cache held before a generate() dropped KV it could not vouch for
+        # (_drop_unverified): ids up to it are the caller's, which commit takes.
+        self._dropped_from: int | None = None
         # A forward past the conversation fed several rows (beams, samples): the rows' KV there no
         # longer follows row 0's ids once they are reordered or selected, so none is kept.
         self._rows_diverged = False
@@ -2225,6 +2228,11 @@ class TieredCache(Cache):
             if len(hidden):
                 keep = int(hidden[0])
         if keep < done:
+            # Noted first: a generate() that raises after this drop (out of memory, Ctrl-C, a
+            # handler's timeout, in the crop itself) leaves the caller the ids it had before it,
+            # whose commit keeps the KV up to them as before the drop, not a refusal saying to run
+            # generate() (helper-90).
+            self._dropped_from = max(done, getattr(self, "_dropped_from", None) or 0)
             self.crop(keep - done)  # transformers takes a count to drop
         if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
@@ -2236,6 +2244,7 @@ class TieredCache(Cache):
         self._fed = []
         self._masked_from = None
         self._rows_diverged = False
+        self._dropped_from = None
 
     # -- for the store ---------------------------------------------------------------------------
     def held_tokens(self) -> int:

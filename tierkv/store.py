@@ -1321,7 +1321,10 @@ class TieredStore:
         limit = cache.model_info.position_limit
         # Past a RoPE limit, Phi-3's generate() drops the cache and goes on without it.
         crossed = limit is not None and len(seq) - 1 > limit
-        if n < len(seq) - 1 and not crossed and not unfinished:
+        # Ids no longer than the cache held before a generate() dropped KV it could not vouch
+        # for, and then raised: the ids the caller had (helper-90: refused, saying to run generate()).
+        dropped = getattr(cache, "_dropped_from", None)
+        if n < len(seq) - 1 and not crossed and not unfinished and (dropped is None or len(seq) - 1 > dropped):
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
         kv_dtype = cache.model_info.kv_dtype
