@@ -3,6 +3,7 @@ generation, and deletes that hit a disk error are kept owed and retried, never l
 
 from __future__ import annotations
 
+import ast
 import errno
 import faulthandler
 import functools
@@ -3768,6 +3769,39 @@ def test_a_cache_call_cut_short_anywhere_leaves_a_turn_that_goes_on_exact_or_say
 
     setup()
     assert raised_on_the_way_in(cut, goes_on, timeout=True) > 10
+
+
+def test_a_second_generate_cut_short_at_tierkvs_points_leaves_the_callers_ids_committable(model, stores, tmp_path):
+    """A second ``generate`` on a cache whose rows diverged (beams), cut at each point in
+    tierkv's own functions (its drop of the beams' KV, the prefix checks, the forward hook, the
+    layers' updates): the handler's exception raised each time, and a commit of the ids the
+    first returned keeps exact KV. Before (helper-90): cut after the drop (in its crop, say),
+    that commit was refused, saying to run generate()."""
+    own = {node.name for module in (tierkv.cache, tierkv.store)
+           for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
+           if isinstance(node, ast.FunctionDef) and not node.name.startswith("__")}
+    store = make_store(stores, tmp_path / "kv", **TIER_BUDGETS["device"])
+    out = converse(store, model, random_ids(21, 402), "a")
+    more = torch.cat([out, torch.tensor([[5, 6, 7]])], dim=1)
+    turn: list[tuple[object, torch.Tensor]] = []
+
+    def first() -> None:
+        cache = store.open(model, more, session="a")
+        turn[:] = [(cache, model.generate(more, past_key_values=cache, max_new_tokens=2, do_sample=False, num_beams=2))]
+
+    def second() -> nullcontext:
+        cache, ids = turn[0]
+        generate(model, torch.cat([ids, torch.tensor([[4]])], dim=1), cache, new=1)
+        return nullcontext()
+
+    def committable(sent) -> None:
+        cache, ids = turn[0]
+        cache.commit(ids)
+        healthy_after_a_cut(store, model, torch.cat([ids, torch.tensor([[9, 9]])], dim=1), sent, 0)
+        first()
+
+    first()
+    assert raised_on_the_way_in(second, committable, within=own, timeout=True) > 100
 
 
 def test_make_dirs_does_what_makedirs_does(tmp_path):
