@@ -1921,7 +1921,7 @@ class TieredCache(Cache):
         # of memory, Ctrl-C, another signal's handler) leaves them apart there.
         first, last = self.layers[0].extent(), self.layers[-1].extent()
         if {first[1], *last[:2]} != {done}:
-            behind = next(t for t in (*last[:2], first[1]) if t != done)
+            behind = [t for t in (*last[:2], first[1]) if t != done][0]
             # A forward that raised part-way left the first layers a token or more ahead of the
             # last; a crop cut short left a layer's values ahead of its keys (helper-90: the next
             # forward got past this check and raised inside attention, a shape error). A forward
