@@ -914,6 +914,47 @@ def test_a_store_rebuilt_is_rebuilt_again_when_damaged_again(built: Built, copy:
     assert kept == [BLOCKS - 1, BLOCKS - 1] and stats["corrupt"] == 0 and stats["disk"]["blocks"] == BLOCKS - 1
 
 
+def cut_command_everywhere(copy: Callable[..., Path], command: list[str], within: set[str], damaged: bool,
+                           linked: bool = False) -> int:
+    """``cli.main([command[0], path, *command[1:]])`` on a copy of the built store (its refs table
+    damaged: ``damaged``; its data file a link to one beside it: ``linked``), cut at every point of
+    the functions named ``within`` by a handler's ``TimeoutError`` (``raised_on_the_way_in``).
+    After each cut: no descriptor left open (bar the one a cut at ``os.open``'s return loses:
+    Python's own limit), and the store as it was or as the command left it, its directory free
+    (a linked one still refused). Returns the number of points."""
+    from conftest import raised_on_the_way_in
+
+    from tierkv.tiers.disk import DiskTier
+
+    original = copy("original")
+    if damaged:
+        damage_table(original, b"refs")
+    if linked:
+        os.replace(original / "data.mdb", original.parent / "elsewhere.mdb")
+        os.symlink(original.parent / "elsewhere.mdb", original / "data.mdb")
+    path = Path(shutil.copytree(original, original.parent / "kv", symlinks=True))
+    fds = [len(os.listdir("/proc/self/fd"))]
+
+    def run_command():
+        cli.main([command[0], str(path), *command[1:]])
+        return contextlib.nullcontext()
+
+    def check(sent) -> None:
+        if sent[0][2] == "open" and len(os.listdir("/proc/self/fd")) == fds[0] + 1:
+            fds[0] += 1  # see test_a_rebuild_cut_short_anywhere_...
+        assert len(os.listdir("/proc/self/fd")) == fds[0], f"a file left open by the cut at {sent}"
+        if linked:  # refused, its message saying whether the link's target exists
+            assert cli.main(["stats", str(path)]) == cli.EXIT_USAGE, sent
+        elif (path / "data.mdb").exists():
+            assert cli.main(["check", str(path)]) in (cli.EXIT_OK, cli.EXIT_BAD_RECORDS), sent
+        else:  # removed by clear --all: a new store opens there
+            DiskTier(path, 1 << 40, B).close()
+        shutil.rmtree(path)
+        shutil.copytree(original, path, symlinks=True)
+
+    return raised_on_the_way_in(run_command, check, within=within, timeout=True)
+
+
 @pytest.mark.parametrize("command", [["check", "--repair"], ["clear", "--session", "dave"], ["stats"],
                                      ["clear", "--all"]])
 def test_a_command_cut_short_anywhere_raises_and_leaves_the_store_whole_and_free(
@@ -926,38 +967,14 @@ def test_a_command_cut_short_anywhere_raises_and_leaves_the_store_whole_and_free
     the next command finds the store as it was or as the command left it. Before: the commands
     answered the timeout with exit 4 ("could not rebuild ...: the store is as it was", "a disk
     error stopped clear"), or went on past it (the rebuild's optional heads)."""
-    from conftest import raised_on_the_way_in
-
-    from tierkv.tiers.disk import DiskTier
-
-    original = copy("original")
-    if command[0] == "check" or command == ["clear", "--all"]:
-        damage_table(original, b"refs")
-    path = Path(shutil.copytree(original, original.parent / "kv"))
-    fds = [len(os.listdir("/proc/self/fd"))]
-
-    def run_command():
-        cli.main([command[0], str(path), *command[1:]])
-        return contextlib.nullcontext()
-
-    def check(sent) -> None:
-        if sent[0][2] == "open" and len(os.listdir("/proc/self/fd")) == fds[0] + 1:
-            fds[0] += 1  # see test_a_rebuild_cut_short_anywhere_...
-        assert len(os.listdir("/proc/self/fd")) == fds[0], f"a file left open by the cut at {sent}"
-        if (path / "data.mdb").exists():
-            assert cli.main(["check", str(path)]) in (cli.EXIT_OK, cli.EXIT_BAD_RECORDS), sent
-        else:  # removed by clear --all: a new store opens there
-            DiskTier(path, 1 << 40, B).close()
-        shutil.rmtree(path)
-        shutil.copytree(original, path)
-
+    damaged = command[0] == "check" or command == ["clear", "--all"]
     # Not main's: its frame is where the command's progress bar is freed, whose tqdm.__del__ loses
     # a handler's exception as every finaliser does (main itself only maps exceptions to codes).
     steps = {"cmd_check", "cmd_clear", "cmd_stats", "summarise", "_scan", "_file_damage", "_refusals", "_open_tier",
              "_new_tier", "_open_store", "repair", "rebuild", "_read_for_clear", "_refuse_unopenable", "_emit",
              "_check_text", "_progress", "_remove_damaged", "remove_store", "stat_or_none", "_raise_handlers",
              "_is_directory", "_stored_meta", "stored_meta", "exists", "isdir", "isfile"}
-    assert raised_on_the_way_in(run_command, check, within=steps, timeout=True) > 50
+    assert cut_command_everywhere(copy, command, steps, damaged) > 50
 
 
 def test_a_repair_whose_directory_sync_fails_says_the_rebuilt_file_is_in_place(
@@ -995,42 +1012,12 @@ def test_a_timeout_as_a_command_looks_at_the_stores_files_is_raised_not_read_as_
     open while the exception lived: every later command in the process was refused as "not a
     tierkv store (... already open in this process)"; the lock file's allocation before it took
     the timeout for a directory it cannot write, and the command went on."""
-    from conftest import raised_on_the_way_in
-
-    from tierkv.tiers.disk import DiskTier
-
-    original = copy("original")
-    if command == ["clear", "--all"]:
-        damage_table(original, b"refs")
-    linked = command[-1] == "linked"
-    if linked:  # refused, its message saying whether the link's target exists
-        os.replace(original / "data.mdb", original.parent / "elsewhere.mdb")
-        os.symlink(original.parent / "elsewhere.mdb", original / "data.mdb")
-        command = command[:-1]
-    path = Path(shutil.copytree(original, original.parent / "kv", symlinks=True))
-    fds = [len(os.listdir("/proc/self/fd"))]
-
-    def run_command():
-        cli.main([command[0], str(path), *command[1:]])
-        return contextlib.nullcontext()
-
-    def check(sent) -> None:
-        if sent[0][2] == "open" and len(os.listdir("/proc/self/fd")) == fds[0] + 1:
-            fds[0] += 1  # see test_a_rebuild_cut_short_anywhere_...
-        assert len(os.listdir("/proc/self/fd")) == fds[0], f"a file left open by the cut at {sent}"
-        if linked:
-            assert cli.main(["stats", str(path)]) == cli.EXIT_USAGE, sent
-        elif (path / "data.mdb").exists():
-            assert cli.main(["check", str(path)]) in (cli.EXIT_OK, cli.EXIT_BAD_RECORDS), sent
-        else:  # removed by clear --all: a new store opens there
-            DiskTier(path, 1 << 40, B).close()
-        shutil.rmtree(path)
-        shutil.copytree(original, path, symlinks=True)
-
     # The looks themselves (os.path's helpers are where the OSError is taken for an answer), the
     # functions that make them, and the refusals' reads of the files before any open.
     looks = {"exists", "isdir", "isfile", "getsize", "stat_or_none", "_is_directory",
              "_stored_meta", "stored_meta", "_file_damage", "file_damage", "remove_store", "_link_refusal",
              "_refuse_links", "_refuse_foreign", "_refuse_shared", "_holds_store_tables", "_allocate_lock_file_of",
              "_truncated", "_lock_directory", "_lock_file"}
-    assert raised_on_the_way_in(run_command, check, within=looks, timeout=True) > 10
+    linked = command[-1] == "linked"
+    assert cut_command_everywhere(copy, command[:-1] if linked else command, looks, command == ["clear", "--all"],
+                                  linked) > 10
