@@ -2232,7 +2232,7 @@ class TieredCache(Cache):
             # handler's timeout, in the crop itself) leaves the caller the ids it had before it,
             # whose commit keeps the KV up to them as before the drop, not a refusal saying to run
             # generate() (helper-90).
-            self._dropped_from = max(done, getattr(self, "_dropped_from", None) or 0)
+            self._dropped_from = max(done, self._dropped_from or 0)
             self.crop(keep - done)  # transformers takes a count to drop
         if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)

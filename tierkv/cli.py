@@ -329,6 +329,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             tier.close()
         except BaseException:
             tier.close()  # cut at its start by a signal handler's exception: no other close follows
+            # (inline in each finally, not a helper: a cut at a helper's start would skip both)
             raise
     _emit(args, report, _stats_text)
     return EXIT_OK

@@ -1323,7 +1323,7 @@ class TieredStore:
         crossed = limit is not None and len(seq) - 1 > limit
         # Ids no longer than the cache held before a generate() dropped KV it could not vouch
         # for, and then raised: the ids the caller had (helper-90: refused, saying to run generate()).
-        dropped = getattr(cache, "_dropped_from", None)
+        dropped = cache._dropped_from
         if n < len(seq) - 1 and not crossed and not unfinished and (dropped is None or len(seq) - 1 > dropped):
             raise ValueError(f"the cache holds KV for {n} tokens, fewer than the {len(seq) - 1} that {len(seq)} ids "
                              "imply; run generate() (or the model) with this cache before committing")
