@@ -810,6 +810,38 @@ def test_a_prefill_that_failed_part_way_is_refused_and_commit_keeps_what_every_l
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
+@pytest.mark.parametrize("stopped", ["prefill", "reset"])
+def test_a_cache_left_apart_is_started_over_by_reset_as_the_refusal_says(stopped: str) -> None:
+    """The refusal after a forward (or a ``reset``) that stopped part-way offers ``reset()`` too:
+    a reset stopped after its first layer is called again, as its caller would. After it the
+    cache computes the conversation again, exact, and commits it."""
+    model = make_model("llama", num_hidden_layers=3)
+    with TieredStore(None, block_size=8) as store:
+        cache, later = restored_cache(store, model, extra=6)
+        if stopped == "prefill":
+            with out_of_memory_at(list(model.model.layers), 2), pytest.raises(torch.OutOfMemoryError):
+                greedy(model, later, past_key_values=cache)
+        else:
+            second = type(cache.layers[1])
+            original = second.reset
+
+            def stop(layer: object) -> None:
+                if layer is cache.layers[1]:
+                    raise KeyboardInterrupt
+                original(layer)
+
+            with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+                patch.setattr(second, "reset", stop)
+                cache.reset()
+        with pytest.raises(ValueError, match=r"did not finish.*call cache\.reset\(\) to empty this one"):
+            greedy(model, later, past_key_values=cache)
+        cache.reset()
+        out = greedy(model, later, past_key_values=cache)
+        assert torch.equal(out, greedy(model, later))
+        assert cache.restored_tokens == 0 and cache.commit(out) == out.shape[1] - 1
+        assert_next_turn_exact(store, model, out, restored=out.shape[1] - 1)
+
+
 def test_a_decode_step_that_failed_keeps_the_tokens_every_layer_holds() -> None:
     model = make_model("llama", num_hidden_layers=3)
     ids = random_ids(20, 1)

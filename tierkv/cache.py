@@ -1931,7 +1931,8 @@ class TieredCache(Cache):
                              f"stopped after {ahead} of its {len(self.layers)} layers (an exception such as out of "
                              f"memory or Ctrl-C), which now hold {done} and {behind} tokens, and a forward would "
                              "compute wrong KV. Commit it (commit keeps the tokens every layer holds) and open a new "
-                             "cache with store.open")
+                             "cache with store.open, or call cache.reset() to empty this one and compute the "
+                             "conversation again")
         if len({first[2], first[3], last[2], last[3]} - {0}) > 1:
             # A row selection, reorder or repeat cut short part-way (helper-90: torch's shape
             # error in the next forward's concatenation). generate() cuts the rows to one itself.
