@@ -532,11 +532,7 @@ def remove_store(path: str | os.PathLike[str]) -> list[str]:
             else:
                 os.unlink(target)
             removed.append(name)
-        directory = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        _sync_directory(path)
     finally:
         if lock is not None:
             try:
@@ -704,6 +700,15 @@ def _make_dirs(path: str) -> None:
         st = _stat_or_none(path)
         if st is None or not stat.S_ISDIR(st.st_mode):
             raise
+
+
+def _sync_directory(path: str) -> None:
+    """fsync a directory, so that the names just made, renamed or removed in it outlast a crash."""
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _raise_handlers(function: Any, path: str, exc_info: Any) -> None:
@@ -1919,11 +1924,7 @@ class DiskTier:
             os.close(fd)
         os.replace(os.path.join(made, "data.mdb"), os.path.join(self.path, "data.mdb"))
         try:
-            directory = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            _sync_directory(self.path)
         except OSError as exc:
             if raised_by_signal_handler(exc):
                 raise
