@@ -1017,7 +1017,7 @@ def test_a_timeout_as_a_command_looks_at_the_stores_files_is_raised_not_read_as_
     looks = {"exists", "isdir", "isfile", "getsize", "stat_or_none", "_is_directory",
              "_stored_meta", "stored_meta", "_file_damage", "file_damage", "remove_store", "_link_refusal",
              "_refuse_links", "_refuse_foreign", "_refuse_shared", "_holds_store_tables", "_allocate_lock_file_of",
-             "_truncated", "_lock_directory", "_lock_file"}
+             "_truncated", "_lock_directory", "_lock_file", "islink", "_is_link"}
     linked = command[-1] == "linked"
     assert cut_command_everywhere(copy, command[:-1] if linked else command, looks, command == ["clear", "--all"],
                                   linked) > 10

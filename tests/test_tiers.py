@@ -1735,6 +1735,39 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused(tmp_path: pathlib.Path, 
     DiskTier(path, budget=1 << 20, block_size=BLOCK).close()  # the remedy given
 
 
+@pytest.mark.parametrize("lock", ["a file", "a link"])
+def test_a_timeout_as_the_lock_file_is_looked_at_for_a_link_is_raised(tmp_path: pathlib.Path, lock: str) -> None:
+    """A signal handler's ``TimeoutError`` as ``lstat`` returns where ``check_openable`` and an
+    open whose lock file is a link ask whether it is one: it reaches the caller. Before,
+    ``os.path.islink`` answered False to it: ``check_openable`` said the store could be opened,
+    and the open raised ELOOP's ``OSError`` instead of the refusal or the timeout."""
+    from conftest import raised_on_the_way_in
+
+    path = tmp_path / "store"
+    DiskTier(path, budget=1 << 20, block_size=BLOCK).close()
+    if lock == "a link":
+        (path / "tierkv.lock").unlink()
+        (path / "tierkv.lock").symlink_to(tmp_path / "victim")
+    looks = {"islink", "_is_link", "stat_or_none"}
+
+    def refused_if_linked(call: Callable[[], object]) -> Callable[[], contextlib.nullcontext]:
+        def enter() -> contextlib.nullcontext:
+            try:
+                call()
+            except ValueError as exc:
+                assert lock == "a link" and "is a symbolic link" in str(exc)
+            else:
+                assert lock == "a file"
+            return contextlib.nullcontext()
+        return enter
+
+    assert raised_on_the_way_in(refused_if_linked(lambda: DiskTier.check_openable(path)),
+                                lambda sent: None, looks, timeout=True) >= 1
+    if lock == "a link":
+        assert raised_on_the_way_in(refused_if_linked(lambda: DiskTier(path, budget=1 << 20, block_size=BLOCK)),
+                                    lambda sent: None, looks, timeout=True) >= 1
+
+
 @pytest.mark.parametrize("linked", ["every file", "the lock file alone"])
 def test_a_store_whose_files_are_hard_linked_to_another_directory_is_refused(tmp_path: pathlib.Path,
                                                                               linked: str) -> None:

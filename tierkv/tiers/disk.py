@@ -702,6 +702,12 @@ def _make_dirs(path: str) -> None:
             raise
 
 
+def _is_link(path: str) -> bool:
+    """``os.path.islink``, raising a signal handler's exception (a timeout's) where it answered False."""
+    found = _stat_or_none(path, follow=False)
+    return found is not None and stat.S_ISLNK(found.st_mode)
+
+
 def _sync_directory(path: str) -> None:
     """fsync a directory, so that the names just made, renamed or removed in it outlast a crash."""
     directory = os.open(path, os.O_RDONLY)
@@ -1122,7 +1128,7 @@ class DiskTier:
         try:
             self._data_fd = os.open(data, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
-            if not raised_by_signal_handler(exc) and os.path.islink(data):
+            if not raised_by_signal_handler(exc) and _is_link(data):
                 raise _link_refusal(data) from None
             raise
         self._data_ino = os.fstat(self._data_fd).st_ino
@@ -1192,8 +1198,9 @@ class DiskTier:
         _refuse_shared(path)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            if os.path.islink(lock):  # ELOOP on Linux, EMLINK on FreeBSD: asked of the file, not the errno
+        except OSError as exc:
+            # ELOOP on Linux, EMLINK on FreeBSD: asked of the file, not the errno.
+            if not raised_by_signal_handler(exc) and _is_link(lock):
                 raise _lock_link_refusal(lock) from None
             raise
         try:
@@ -1252,8 +1259,8 @@ class DiskTier:
         lock = os.path.join(self.path, "lock.mdb")
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            if os.path.islink(lock):
+        except OSError as exc:
+            if not raised_by_signal_handler(exc) and _is_link(lock):
                 raise _link_refusal(lock) from None
             raise
         try:
@@ -1464,7 +1471,7 @@ class DiskTier:
         _refuse_foreign(resolved)
         _refuse_shared(resolved)
         lock = os.path.join(resolved, _LOCK_FILE)
-        if os.path.islink(lock):
+        if _is_link(lock):
             raise _lock_link_refusal(lock)
         return resolved
 
