@@ -531,6 +531,24 @@ def test_helper_threads_count_a_containers_cpu_quota(tmp_path, monkeypatch, memb
     assert helper_threads(3, root, member) == expected
 
 
+def test_a_timeout_while_the_cpu_quota_is_read_is_raised_not_taken_for_no_cgroup(tmp_path):
+    """A signal handler's ``TimeoutError`` at any point of ``helper_threads`` (a store's
+    construction) reaches the caller. Before, each ``except OSError`` there (no membership file, no
+    ``cpu.max``, v1's files, the affinity) and ``os.path.isdir`` took it for a missing file: the
+    store was made and the program's timeout lost."""
+    import contextlib
+
+    from conftest import raised_on_the_way_in
+
+    # v1 beside v2: the v2 root has no cpu.max (its OSError taken, v1's files read instead).
+    root, member = cgroups(tmp_path, "3:cpu,cpuacct:/x\n0::/\n",
+                           {"cpu,cpuacct/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
+    assert helper_threads(3, root, member) == 0
+    points = raised_on_the_way_in(lambda: (helper_threads(3, root, member), contextlib.nullcontext())[1],
+                                  lambda sent: None, timeout=True)
+    assert points > 20
+
+
 def test_a_read_pools_helpers_are_daemon_threads_that_end_with_the_pool():
     """Not joined at the interpreter's exit (one stuck in a hung disk's read would hang it:
     ``test_crash``), and gone when the pool is closed or collected unclosed."""

@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 import os
 import queue
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .interrupts import raised_by_signal_handler
+from .interrupts import raised_by_signal_handler, stat_or_none
 
 READ_THREADS = 3  # helpers at most: past about four readers the memory bus, not the cores, bounds a copy
 
@@ -44,7 +45,9 @@ def cgroup_cpus(root: str = CGROUP_ROOT, membership: str = MEMBERSHIP) -> float 
     try:
         with open(membership, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except OSError as exc:
+        if raised_by_signal_handler(exc):  # a timeout's, taken for no cgroup: the program's timeout lost
+            raise
         lines = []
     places: list[tuple[str, str]] = []  # (a hierarchy's directory, the process's path in it)
     for line in lines:
@@ -56,7 +59,10 @@ def cgroup_cpus(root: str = CGROUP_ROOT, membership: str = MEMBERSHIP) -> float 
             places.append((root, path))
         elif "cpu" in controllers.split(","):
             base = os.path.join(root, controllers)  # "cpu,cpuacct", or "cpu" where mounted apart
-            places.append((base if os.path.isdir(base) else os.path.join(root, "cpu"), path))
+            # stat_or_none, not os.path.isdir: it answers False to a signal handler's timeout.
+            found = stat_or_none(base)
+            places.append((base if found is not None and stat.S_ISDIR(found.st_mode) else os.path.join(root, "cpu"),
+                           path))
     if not places:
         places = [(root, "/"), (os.path.join(root, "cpu"), "/")]
     least: float | None = None
@@ -74,13 +80,17 @@ def _quota(directory: str) -> float | None:
     try:
         with open(os.path.join(directory, "cpu.max"), encoding="ascii") as f:
             quota, period = f.read().split()[:2]  # "max 100000" where unlimited
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
         try:
             with open(os.path.join(directory, "cpu.cfs_quota_us"), encoding="ascii") as f:
                 quota = f.read().strip()  # -1 where unlimited
             with open(os.path.join(directory, "cpu.cfs_period_us"), encoding="ascii") as f:
                 period = f.read().strip()
-        except (OSError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError) as exc:
+            if raised_by_signal_handler(exc):
+                raise
             return None
     try:
         q, p = int(quota), int(period)
@@ -95,7 +105,9 @@ def helper_threads(limit: int = READ_THREADS, cgroup_root: str = CGROUP_ROOT, me
     threads than with one), at most ``limit``."""
     try:
         cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    except (AttributeError, OSError) as exc:
+        if raised_by_signal_handler(exc):
+            raise
         cpus = os.cpu_count() or 1
     quota = cgroup_cpus(cgroup_root, membership)
     if quota is not None:
