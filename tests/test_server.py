@@ -796,7 +796,7 @@ def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: S
                    tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False,
                    verbosity="medium", n=1, parallel_tool_calls=False, metadata={"a": "b"}, service_tier="auto",
                    prediction={"type": "content", "content": "x"}, audio=None, functions=None, function_call="auto",
-                   stream_options=None)
+                   stream_options=None, stream=None)  # null: OpenAI's types are "boolean or null"
     assert text(server.chat(messages, key="k-neutral", **neutral)) == plain
     # A message's: what a client sends back of OpenAI's replies (refusal: null...), an empty name.
     history = [*messages, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More?"}]

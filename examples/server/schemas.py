@@ -65,7 +65,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)    # OpenAI's default is 1; 0 is greedy
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's; torch refuses more
-    stream: bool = False
+    stream: bool | None = False  # OpenAI's is "boolean or null": null is false, as left out
     stream_options: StreamOptions | None = None
     user: str | None = None
     stop: str | list[str] | None = None
