@@ -858,6 +858,16 @@ def test_other_refusals_are_openai_errors_too(server: Server) -> None:
         assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "invalid_request_error"
         if status == 405:
             assert r.headers["allow"] == "POST"  # what to use instead
+    # Each says what to send instead, not Starlette's bare "Not Found" or "Method Not Allowed".
+    nowhere = httpx.get(f"{server.url}/v1/nowhere").json()["error"]["message"]
+    assert "POST /v1/chat/completions" in nowhere and "DELETE /v1/sessions/" in nowhere and "base URL" not in nowhere
+    # An OpenAI client's base URL given without /v1: told so.
+    for method, path in (("POST", "/chat/completions"), ("GET", "/models")):
+        r = httpx.request(method, f"{server.url}{path}")
+        assert r.status_code == 404 and "base URL ends in /v1" in r.json()["error"]["message"], r.text
+    assert "send POST" in httpx.get(f"{server.url}/v1/chat/completions").json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/sessions/private-id")
+    assert r.status_code == 405 and "send DELETE" in r.text and "private-id" not in r.text
     assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"  # and the server is still well
 
 

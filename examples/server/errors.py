@@ -2,7 +2,9 @@
 
 ``ApiError`` is raised by the routes; ``install(app)`` renders it, and also turns FastAPI's and
 Starlette's own refusals (validation, unknown route, wrong method, a body over the size limit) into
-the same shape, so a client never gets a bare ``{"detail": ...}`` or, for a bad request, a 500.
+the same shape, so a client never gets a bare ``{"detail": ...}`` or, for a bad request, a 500. An
+unknown route names the routes served (and the ``/v1`` a client's base URL lacks, where that is
+the fault); a wrong method names the methods the route takes.
 A client that left (Starlette's ``ClientDisconnect``) is not an error: nothing is sent, and only a
 DEBUG line is logged.
 A bug is a 500, logged once with its traceback (``InternalErrors``). A request the server cancels
@@ -22,10 +24,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("examples.server")
@@ -183,6 +187,19 @@ class InternalErrors:
         await ApiError(500, "internal server error", type="server_error").response()(scope, receive, send)
 
 
+def not_found(request: Request) -> str:
+    """The 404's message: the routes this app serves, and, for a path that is one of them without
+    its leading ``/v1`` (an OpenAI client's base URL given without it), that."""
+    routes = [route for route in request.app.routes if isinstance(route, APIRoute) and route.include_in_schema]
+    served = ", ".join(f"{method} {route.path_format}" for route in routes for method in sorted(route.methods))
+    hint = ""
+    if not request.url.path.startswith("/v1/"):
+        moved = {**request.scope, "path": "/v1" + request.url.path, "root_path": ""}
+        if any(route.matches(moved)[0] != Match.NONE for route in routes):
+            hint = "; this one is under /v1 (an OpenAI client's base URL ends in /v1: http://host:port/v1)"
+    return f"this server has no such route{hint}. It serves {served}"
+
+
 def install(app: FastAPI, fields: frozenset[str]) -> None:
     """Render every refusal in OpenAI's shape; ``fields``: the request fields that may be named as
     ``param``."""
@@ -206,7 +223,15 @@ def install(app: FastAPI, fields: frozenset[str]) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        error = ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code), type=type_)
+        message = str(exc.detail)
+        headers = getattr(exc, "headers", None) or {}
+        # Starlette's bare "Not Found" and "Method Not Allowed" do not say what to send instead.
+        if exc.status_code == 404 and message == "Not Found":
+            message = not_found(request)
+        elif exc.status_code == 405 and "Allow" in headers:
+            message = (f"{request.method} is not allowed on {redact_path(request.url.path)}; send "
+                       f"{' or '.join(headers['Allow'].split(', '))}")
+        error = ApiError(exc.status_code, message, code=codes.get(exc.status_code), type=type_)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
