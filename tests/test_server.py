@@ -302,6 +302,11 @@ def test_a_vanishing_temperature_is_greedy_not_a_server_error(server: Server) ->
     greedy = server.chat(messages, key="k-temp", session="g")
     tiny = server.chat(messages, key="k-temp", session="t", temperature=1e-40)  # 1/T overflows float32
     assert text(tiny) == text(greedy)
+    # top_p 0 is in OpenAI's range (it was refused): only the most likely token, whatever the temperature.
+    for temperature in (None, 2):
+        nucleus = server.post({"messages": messages, "max_tokens": 8, "top_p": 0, "temperature": temperature},
+                              key="k-temp")
+        assert nucleus.status_code == 200 and text(nucleus.json()) == text(greedy), nucleus.text
 
 
 def test_streaming_delivers_the_non_streamed_reply_and_commits(server: Server) -> None:
@@ -731,7 +736,7 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
         ("logprobs", True, "unsupported_parameter"), ("tools", [{"type": "function"}], "unsupported_parameter"),
         ("function_call", {"name": "f"}, "unsupported_value"), ("audio", {"voice": "x"}, "unsupported_parameter"),
         ("verbosity", "high", "unsupported_value"), ("web_search_options", {}, "unsupported_parameter"),
-        ("top_p", 0, "invalid_value"), ("temperature", -0.5, "invalid_value"), ("n", 0, "invalid_value"),
+        ("top_p", -0.1, "invalid_value"), ("temperature", -0.5, "invalid_value"), ("n", 0, "invalid_value"),
         ("frequency_penalty", 2.5, "invalid_value"), ("top_logprobs", 21, "invalid_value"),
         ("stop", "", "invalid_value"), ("stop", ["a", ""], "invalid_value"),
         ("logit_bias", {"65": -101}, "invalid_value"),

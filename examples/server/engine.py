@@ -71,7 +71,7 @@ class Turn:
     tenant: str | None
     max_tokens: int
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0: greedy
     seed: int | None = None
     stop: tuple[str, ...] = ()
     frequency_penalty: float = 0.0
@@ -321,8 +321,10 @@ class Engine:
         processors = LogitsProcessorList()
         if turn.frequency_penalty or turn.presence_penalty or turn.logit_bias:
             processors.append(_Penalties(ids.shape[1], turn.frequency_penalty, turn.presence_penalty, turn.logit_bias))
-        # Below this, dividing logits by the temperature overflows float32: such a turn is greedy.
-        if turn.temperature >= 1e-5:
+        # Below this, dividing logits by the temperature overflows float32: such a turn is greedy. So is
+        # top_p 0 (OpenAI's range includes it), which keeps only the most likely token; transformers'
+        # top_p would keep it too, but draw from the RNG for it.
+        if turn.temperature >= 1e-5 and turn.top_p > 0:
             # top_k=0: OpenAI's API has no top-k, and transformers would otherwise apply its default of 50.
             # generate applies the processors it is given (the penalties) before its temperature and top_p.
             sampling = dict(do_sample=True, temperature=turn.temperature, top_p=turn.top_p, top_k=0)

@@ -63,7 +63,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     temperature: float | None = Field(None, ge=0, le=2)    # OpenAI's default is 1; 0 is greedy
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)          # OpenAI's range; 0: the most likely token only
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's; torch refuses more
     stream: bool | None = False  # OpenAI's is "boolean or null": null is false, as left out
     stream_options: StreamOptions | None = None
