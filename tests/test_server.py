@@ -709,6 +709,10 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
      "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 101}}, 400, "logit_bias",
      "invalid_value"),
+    # Tokens generation never picks (a byte that is not printable ASCII, a special but <|end|>): a
+    # positive bias on one was accepted and changed nothing, where OpenAI's +100 makes it the reply.
+    *[({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 1, token: 100}}, 400, "logit_bias",
+       "invalid_value") for token in ("13", "195", "256", str(VOCAB_SIZE - 1))],
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": "1"}}, 400, "logit_bias",
      "invalid_type"),
     ({"messages": [{"role": "user", "content": "x" * 100_000}]}, 413, None, "request_too_large"),
@@ -788,10 +792,10 @@ def test_each_limit_is_accepted_and_one_past_it_refused(server: Server) -> None:
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens, r.text
     r = server.post({"messages": [{"role": "user", "content": fits + "x"}], "max_tokens": 1}, key="k-limits")
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    # Four stop strings, and the ends of logit_bias's ranges.
+    # Four stop strings, and the ends of logit_bias's ranges (+100 on a token that can be generated).
     r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stop": ["a", "b", "c", "d"],
-                     "logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 100}}, key="k-limits")
-    assert r.status_code == 200, r.text
+                     "logit_bias": {"0": -100, str(VOCAB_SIZE - 1): -100, "126": 100}}, key="k-limits")
+    assert r.status_code == 200 and text(r.json()) == "~", r.text
 
 
 def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: Server) -> None:
