@@ -1248,14 +1248,17 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
             streamed = asyncio.ensure_future(consume())
             plain = asyncio.ensure_future(engine.complete(Turn(ids=ids, session="y", tenant=None, max_tokens=4)))
             sse = asyncio.ensure_future(served())
+            # A DELETE's forget, queued too: it raised a bare CancelledError, which the app answers with a 500.
+            forget = asyncio.ensure_future(engine.call(store.forget, session="x", tenant=None))
             await asyncio.sleep(0.1)
             closing = asyncio.ensure_future(asyncio.to_thread(engine.close))
             await asyncio.sleep(0.1)
             gate.set()
             await closing
-            done, _ = await asyncio.wait((streamed, plain, sse), timeout=5)
-            assert len(done) == 3, "a queued turn never ended after Engine.close()"
+            done, _ = await asyncio.wait((streamed, plain, sse, forget), timeout=5)
+            assert len(done) == 4, "a queued turn never ended after Engine.close()"
             assert sse.exception() is None and "shutting down" in events[-1] and '"error"' in events[-1]
+            assert not forget.cancelled() and isinstance(forget.exception(), ServerClosing)
             return streamed.exception(), plain.exception()
 
     try:

@@ -6,6 +6,7 @@ Protocol::
     result = await engine.complete(turn, until)   # -> TurnResult; TurnCancelled once until() returns first
     async for item in engine.stream(turn): ...    # text deltas (str), then the TurnResult
     n = await engine.call(store.forget, ...)      # anything that must come after the turns queued before it
+                                                  # (ServerClosing, like a turn, once close dropped it)
     engine.close()                                # finish the running turn, drop the queued ones
 
 Every turn runs, on the engine's one worker thread::
@@ -221,7 +222,9 @@ class Engine:
             raise
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+        """``fn``'s result, from the worker thread; ``ServerClosing`` where ``close`` dropped it unrun."""
+        submitted = self.submit(fn, *args, **kwargs)
+        return await self._outcome(asyncio.wrap_future(submitted), submitted)
 
     async def complete(self, turn: Turn, until: Callable[[], Awaitable[object]] | None = None) -> TurnResult:
         """The turn's result; ``until()`` (say, the client's disconnect) returning first cancels the turn
