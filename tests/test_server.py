@@ -948,6 +948,7 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--port", "70000"], "port must be in 0..65535"),
     (["--port", "-1"], "port must be in 0..65535"),
     (["--block-size", "0"], "block_size must be >= 1, got 0"),
+    (["--block-size", str(2**20 + 1)], "block_size must be <= 1048576 tokens"),  # the store's limit, found at startup
     (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
     (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--seed", str(-(2**63) - 1)], "seed must be in -9223372036854775808..18446744073709551615"),

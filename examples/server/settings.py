@@ -76,8 +76,13 @@ class Settings:
                              "127.0.0.1")
         if self.store is not None and os.path.exists(self.store) and not os.path.isdir(self.store):
             raise ValueError(f"store {self.store!r} is a file; give a directory (made if missing), or 'none'")
-        from tierkv.transfer import resolve_device  # loads torch: only once the cheap checks passed
+        from tierkv.store import MAX_BLOCK_SIZE  # loads torch: only once the cheap checks passed
+        from tierkv.transfer import resolve_device
         from tierkv.units import parse_bytes
+
+        if self.block_size > MAX_BLOCK_SIZE:  # else the store refuses it at startup, after the model loaded
+            raise ValueError(f"block_size must be <= {MAX_BLOCK_SIZE} tokens, got {self.block_size}; the default, "
+                             "64, suits this model")
 
         for name in ("device_budget", "host_budget", "disk_budget"):
             parse_bytes(getattr(self, name), name)
