@@ -759,6 +759,17 @@ def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, 
         assert error["code"] == code
 
 
+def test_a_number_that_is_not_finite_is_refused_as_such(server: Server) -> None:
+    # json.dumps(float("nan")) writes NaN: it was told "should be less than or equal to 2".
+    for field in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias"):
+        for literal in ("NaN", "Infinity", "-Infinity"):
+            value = literal if field != "logit_bias" else '{"65": %s}' % literal
+            raw = b'{"messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field.encode(), value.encode())
+            r = server.post(None, raw=raw, key="k-bad", headers={"Content-Type": "application/json"})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field and "finite number" in error["message"], r.text
+
+
 def test_a_request_with_several_faults_is_told_of_the_first_parameter_and_its_reasons_only(server: Server) -> None:
     r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten", "temperature": 3},
                     key="k-bad")
