@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1224,6 +1225,9 @@ def test_python_m_examples_server_serves_and_closes_its_store_on_shutdown(tmp_pa
         output = proc.communicate(timeout=60)[0]
     # uvicorn re-raises the signal once it has shut down gracefully, so SIGTERM's status is a clean exit.
     assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in output, output[-3000:]
+    # The server's own startup line, among uvicorn's: it was dropped (uvicorn configures its loggers only).
+    assert re.search(rf"INFO: +serving tierkv-tiny \(tiny\) on (cpu|cuda:\d+); store {re.escape(str(store))}\n",
+                     output), output[-3000:]
     # Closed means unlocked and flushed: this process can open the store and finds the turn's blocks.
     with TieredStore(store, block_size=8) as reopened:
         assert reopened.stats()["disk"]["blocks"] > 0

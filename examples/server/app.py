@@ -150,6 +150,22 @@ class _AnyPath(PathConvertor):
 register_url_convertor("anypath", _AnyPath())
 
 
+def log_where_uvicorn_logs() -> None:
+    """This example's log lines (the startup's "serving ... on <device>; store ...", a request the
+    shutdown cancelled) go where uvicorn's own go, at uvicorn's level, unless whoever runs the app
+    configured logging (the root logger has a handler) or this logger. uvicorn configures its own
+    loggers only, so they were dropped: Python's last resort shows warnings and above, bare. Called
+    at startup, once uvicorn has configured its loggers (``python -m examples.server`` makes the app
+    before it runs uvicorn)."""
+    source = logging.getLogger("uvicorn")
+    if logger.handlers or logging.getLogger().handlers or not source.handlers:
+        return
+    for handler in source.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())  # where --log-level is set
+    logger.propagate = False  # a root handler added later would log each line twice
+
+
 def tenant_of(request: Request) -> str | None:
     """The tenant of the request's API key: a hash of it, or None without a key."""
     auth = request.headers.get("authorization")
@@ -426,6 +442,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        log_where_uvicorn_logs()
         try:
             app.state.server = await asyncio.to_thread(ServerState.start, settings)
         except REFUSALS as exc:
