@@ -771,6 +771,16 @@ def test_a_number_that_is_not_finite_is_refused_as_such(server: Server) -> None:
             assert r.status_code == 400 and error["param"] == field and "finite number" in error["message"], r.text
 
 
+def test_a_model_name_is_echoed_up_to_a_bound_not_a_body_s_worth_per_chunk(server: Server) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    name = "m" * 256
+    assert server.chat(messages, key="k-model", model=name, max_tokens=1)["model"] == name
+    # One more: refused, not echoed in every chunk of a stream (a 4 MiB body streamed 2 GiB back).
+    r = server.post({"messages": messages, "model": name + "m", "stream": True}, key="k-model")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "at most 256 characters" in r.json()["error"]["message"]
+
+
 def test_a_request_with_several_faults_is_told_of_the_first_parameter_and_its_reasons_only(server: Server) -> None:
     r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten", "temperature": 3},
                     key="k-bad")

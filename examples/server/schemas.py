@@ -27,6 +27,7 @@ from .engine import TurnResult
 
 # allow_inf_nan: NaN and Infinity (which Python's json.dumps writes) are refused as not finite, not
 # told "should be less than or equal to 2" (no comparison holds for NaN).
+MAX_MODEL_CHARS = 256
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
@@ -60,7 +61,9 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     model_config = _STRICT
-    model: str | None = None
+    # Echoed in the reply and in every chunk of a stream: a body's worth of model name came back once
+    # per token (a 4 MiB request streamed 2 GiB). OpenAI's ids are far shorter.
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
