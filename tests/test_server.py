@@ -710,6 +710,9 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
      "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 101}}, 400, "logit_bias",
      "invalid_value"),
+    # Another spelling of token 65: its bias was added to the first's (here: none left), past +-100.
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 100, "065": -100}}, 400, "logit_bias",
+     "invalid_value"),
     # Tokens generation never picks (a byte that is not printable ASCII, a special but <|end|>): a
     # positive bias on one was accepted and changed nothing, where OpenAI's +100 makes it the reply.
     *[({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"65": 1, token: 100}}, 400, "logit_bias",

@@ -380,7 +380,8 @@ def read_logit_bias(bias: dict[str, float] | None, vocab_size: int, never: froze
     pairs: list[tuple[int, float]] = []
     for key, value in (bias or {}).items():
         token = int(key) if key.isascii() and key.isdigit() and len(key) <= 9 else -1
-        if not 0 <= token < vocab_size:
+        # One spelling per id: "65" and "065" were two keys for token 65, their biases summed past +-100.
+        if not 0 <= token < vocab_size or key != str(token):
             raise ApiError(400, f"logit_bias: {json.dumps(key)} is not a token id of this server's model; keys "
                            f"are token ids from 0 to {vocab_size - 1}, as strings", param="logit_bias",
                            code="invalid_value")
