@@ -10,6 +10,7 @@ test calls the served app as an ASGI app directly (``call_asgi``).
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures
 import functools
 import json
@@ -761,6 +762,26 @@ def test_bad_requests_get_openai_errors(server: Server, body: Any, status: int, 
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
+
+
+def test_a_body_sent_compressed_or_not_in_utf_8_is_told_so(server: Server) -> None:
+    import gzip
+
+    body = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}], "max_tokens": 1}, ensure_ascii=False)
+    json_type = {"Content-Type": "application/json"}
+    # Each was "not valid JSON (... expected value at line 1 column 1)" or "invalid unicode code point".
+    for raw, status, words in ((body.encode("latin-1"), 400, "not UTF-8 text (byte "),
+                               (body.encode("utf-16"), 400, "not UTF-8 text (byte 0"),
+                               (gzip.compress(body.encode()), 415, "Content-Encoding: gzip")):
+        headers = {**json_type, **({"Content-Encoding": "gzip"} if status == 415 else {})}
+        r = server.post(None, raw=raw, key="k-bad", headers=headers)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    # A UTF-8 byte order mark (PowerShell's UTF-8 files begin with one) is read past, as RFC 8259 allows.
+    r = server.post(None, raw=codecs.BOM_UTF8 + body.encode(), key="k-bad", headers=json_type)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2 + len("caf\u00e9".encode()) + 2, r.text
+    # Malformed JSON sent as UTF-8 is still told where it breaks.
+    r = server.post(None, raw=b'{"messages": [', key="k-bad", headers=json_type)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
 def test_a_number_that_is_not_finite_is_refused_as_such(server: Server) -> None:

@@ -46,6 +46,7 @@ that alone is refused.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hashlib
 import json
@@ -257,6 +258,22 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def refuse_encoding(request: Request, body: bytes) -> None:
+    """For a body that is not JSON: the error that says so where the reason is how it was sent, not
+    what it says (the JSON parser's own is "expected value at line 1 column 1"): compressed
+    (``Content-Encoding``), or not UTF-8 (Latin-1, which Windows PowerShell 5 sends by default, or
+    UTF-16). A UTF-8 byte order mark is not a fault: the body is read without it (RFC 8259 allows)."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise ApiError(415, f"the request body is sent with Content-Encoding: {coding}, which this server does not "
+                       "decode; send the JSON uncompressed", code="unsupported_content_encoding")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8 text (byte {exc.start} is not); send the JSON encoded "
+                       "as UTF-8", code="invalid_json") from None
 
 
 def make_turn(req: schemas.ChatCompletionRequest, engine: Engine, settings: Settings, session: str | None,
@@ -475,9 +492,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # the body is read in full and JSON errors come out in OpenAI's shape.
         body = await read_body(request, settings.max_body_bytes)
         try:
-            req = schemas.ChatCompletionRequest.model_validate_json(body)
+            req = schemas.ChatCompletionRequest.model_validate_json(body.removeprefix(codecs.BOM_UTF8))
         except ValidationError as exc:
-            raise errors.from_validation(exc.errors(include_url=False), schemas.FIELDS) from None
+            found = exc.errors(include_url=False)
+            if found[0]["type"] == "json_invalid":
+                refuse_encoding(request, body)
+            raise errors.from_validation(found, schemas.FIELDS) from None
         session = session_of(request, req.user)
         turn = make_turn(req, server.engine, settings, session, tenant)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or settings.model_name
