@@ -191,6 +191,23 @@ def test_the_session_header_wins_over_the_body_s_user(server: Server) -> None:
         assert gone.status_code == 200 and (gone.json()["blocks_removed"] > 0) == removed, sid
 
 
+def test_a_session_or_api_key_header_sent_twice_is_refused(server: Server) -> None:
+    # The first was taken, where a proxy may join the two ("a, b") or keep the last: one request
+    # named another session, or tenant, depending on the way it came.
+    body = {"messages": conversation("twice"), "max_tokens": 1}
+    for headers, status in (([("X-API-Key", "k-twice"), ("X-Session-ID", "a"), ("X-Session-ID", "b")], 400),
+                            ([("Authorization", "Bearer k-twice"), ("Authorization", "Bearer k-other")], 401),
+                            ([("X-API-Key", "k-twice"), ("X-API-Key", "k-other")], 401)):
+        answers = [httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=30)]
+        if status == 401:  # a DELETE's tenant too (its session is the path's)
+            answers.append(httpx.delete(f"{server.url}/v1/sessions/a", headers=headers, timeout=30))
+        for r in answers:
+            error = r.json()["error"]
+            assert r.status_code == status and "headers; send one" in error["message"], r.text
+    # One of each is what a client sends.
+    assert server.post(body, headers={"X-API-Key": "k-twice", "X-Session-ID": "a"}).status_code == 200
+
+
 def test_a_delete_comes_after_the_session_s_turns_already_queued(server: Server,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Else the queued turn commits the session back right after it was forgotten.

@@ -168,8 +168,20 @@ def log_where_uvicorn_logs() -> None:
     logger.propagate = False  # a root handler added later would log each line twice
 
 
+def one_header(request: Request, name: str, status: int = 400, code: str = "invalid_value") -> bytes | None:
+    """The raw value of header ``name`` (lower case), None without it, or the error for a request that
+    sends it twice: Starlette's ``headers.get`` takes the first, a proxy may join them ("a, b") or
+    keep the last, so one request could name two sessions (or tenants) depending on the way it came."""
+    values = [value for key, value in request.scope["headers"] if key == name.encode()]
+    if len(values) > 1:
+        raise ApiError(status, f"the request has {len(values)} {name} headers; send one", code=code)
+    return values[0] if values else None
+
+
 def tenant_of(request: Request) -> str | None:
     """The tenant of the request's API key: a hash of it, or None without a key."""
+    for name in ("authorization", "x-api-key"):
+        one_header(request, name, 401, "invalid_api_key")
     auth = request.headers.get("authorization")
     if auth is not None:
         scheme, _, key = auth.strip().partition(" ")
@@ -209,7 +221,7 @@ def session_of(request: Request, user: str | None) -> str | None:
     """The request's session: ``X-Session-ID`` (its bytes read as UTF-8), else the body's ``user``."""
     # Starlette decodes header values as latin-1: "café" sent as UTF-8 would become "cafÃ©", and a
     # DELETE of /v1/sessions/caf%C3%A9 (percent-decoded as UTF-8) would not find it.
-    raw = next((value for name, value in request.scope["headers"] if name == b"x-session-id"), b"")
+    raw = one_header(request, "x-session-id")
     if raw:
         try:
             header = raw.decode("utf-8")
