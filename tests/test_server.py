@@ -947,6 +947,10 @@ def test_healthz_models_and_metrics(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == server.settings.model_name
+    # OpenAI's retrieve (client.models.retrieve): it was a 404 for the served model too.
+    assert httpx.get(f"{server.url}/v1/models/{server.settings.model_name}").json() == models["data"][0]
+    other = httpx.get(f"{server.url}/v1/models/org/other-model")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     messages = conversation("metrics")
     first = server.chat(messages, key="k-metrics", session="m")
     assert cached(server.chat(follow_up(messages, first, "Again?"), key="k-metrics", session="m")) > 0

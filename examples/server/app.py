@@ -4,6 +4,7 @@ Routes::
 
     POST   /v1/chat/completions    a turn; OpenAI request/response shape, ``stream: true`` for SSE
     GET    /v1/models              the one model served
+    GET    /v1/models/{id}         that model (OpenAI's retrieve); 404 for another id
     DELETE /v1/sessions/{id}       forget a session of the caller's tenant (its blocks, every tier);
                                    200 with blocks_removed, 0 when nothing was stored under that id
     GET    /healthz                liveness; answers while a turn is generating
@@ -528,10 +529,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise ClientDisconnect() from None  # answered quietly, see errors.install
         return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))
 
+    served = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "tierkv"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "tierkv"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model:anypath}")  # OpenAI's retrieve; ids may hold "/" ("org/model")
+    async def model(model: str) -> dict[str, Any]:
+        if model != settings.model_name:
+            raise ApiError(404, f"this server serves one model, {json.dumps(settings.model_name)}; GET "
+                           "/v1/models lists it", param="model", code="model_not_found")
+        return served
 
     @app.delete("/v1/sessions/{session_id:anypath}")  # ids are data: "team/alice" is one session
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
