@@ -1016,6 +1016,11 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--port", "-1"], "port must be in 0..65535"),
     (["--block-size", "0"], "block_size must be >= 1, got 0"),
     (["--block-size", str(2**20 + 1)], "block_size must be <= 1048576 tokens"),  # the store's limit, found at startup
+    # The id /v1/models lists, which clients send back: empty (TIERKV_MODEL_NAME= in an env file) or one
+    # a request may not name (past 256 characters) was served.
+    (["--model-name", ""], "model_name must be 1 to 256 characters"),
+    (["--model-name", " tierkv"], "model_name must be 1 to 256 characters"),
+    (["--model-name", "m" * 257], "model_name must be 1 to 256 characters"),
     (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
     (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--seed", str(-(2**63) - 1)], "seed must be in -9223372036854775808..18446744073709551615"),

@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import TurnResult
+from .settings import MAX_MODEL_CHARS
 
-MAX_MODEL_CHARS = 256
 # allow_inf_nan: NaN and Infinity (which Python's json.dumps writes) are refused as not finite, not
 # told "should be less than or equal to 2" (no comparison holds for NaN).
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)

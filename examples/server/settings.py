@@ -19,6 +19,9 @@ from typing import Any
 MAX_POSITIONS = 8192
 # The seeds torch.manual_seed takes (a negative one is read modulo 2**64); it overflows beyond.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The longest model id a request may name (``schemas``): the served one must fit, or clients that send
+# back what /v1/models lists are refused.
+MAX_MODEL_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,9 @@ class Settings:
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_output_tokens "
                              f"({self.max_output_tokens})")
+        if not 0 < len(self.model_name) <= MAX_MODEL_CHARS or self.model_name != self.model_name.strip():
+            raise ValueError(f"model_name must be 1 to {MAX_MODEL_CHARS} characters without spaces at either end (the "
+                             f"id /v1/models lists, which requests name), got {self.model_name!r}")
         if self.model != "tiny":
             raise ValueError(f"model {self.model!r} is not available: this example serves the built-in random "
                              "model only (--model tiny), since nothing can be downloaded")
