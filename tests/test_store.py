@@ -1274,6 +1274,34 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
     assert tag("AVX2", ATEN_CPU_CAPABILITY="avx2") == tags[1]
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="no /proc/cpuinfo to read")
+def test_a_timeout_as_the_cpus_identity_is_read_is_raised_not_taken_for_another_cpu():
+    """A signal handler's ``TimeoutError`` at any point of ``_cpu_tag`` (an open's fingerprint on
+    a CPU) reaches the caller, and the tag read after it is the CPU's. Before, the ``except
+    OSError`` around the read of /proc/cpuinfo took it for no such file: the tag named what
+    ``platform`` says instead, cached for the process's life, so the store restored none of the
+    KV it had written before and wrote what a run without the timeout would not restore."""
+    import tierkv.cache as cache_module
+    from conftest import raised_on_the_way_in
+
+    cpu = torch.device("cpu")
+    cache_module._cpu_tag.cache_clear()
+    try:
+        tag = cache_module._kernels_tag(cpu)
+
+        def enter() -> contextlib.nullcontext:
+            cache_module._cpu_tag.cache_clear()
+            cache_module._kernels_tag(cpu)
+            return contextlib.nullcontext()
+
+        def same(sent: list) -> None:
+            assert cache_module._kernels_tag(cpu) == tag, sent
+
+        assert raised_on_the_way_in(enter, same, within={"_cpu_tag"}, timeout=True) > 4
+    finally:
+        cache_module._cpu_tag.cache_clear()
+
+
 _CAPABILITY_CHILD = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])

@@ -103,6 +103,7 @@ except ImportError:  # transformers before 5.x's per-layer config API
     get_layer_types_and_kwargs = None
 
 from .codec import CorruptRecord
+from .interrupts import raised_by_signal_handler
 from .transfer import Job, _CudaCopyJob
 from .weights import BufferDigests, WeightSample, digest_weights, versions
 
@@ -509,7 +510,11 @@ def _cpu_tag() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             cpuinfo: str | None = f.read()
-    except OSError:
+    except OSError as exc:
+        if raised_by_signal_handler(exc):
+            # A SIGALRM timeout's TimeoutError: taken for no /proc/cpuinfo, it set the platform's
+            # tag, cached for the process's life, and every store's blocks missed.
+            raise
         cpuinfo = None
     parts = [f"aten:{torch.backends.cpu.get_cpu_capability()}", *_cpu_identity(cpuinfo)]
     parts += [f"{name}={os.environ[name]}" for name in _KERNEL_ENV if os.environ.get(name)]
