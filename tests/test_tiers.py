@@ -1340,6 +1340,46 @@ def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_aft
         assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
 
 
+def test_a_timeout_as_a_scan_reads_a_session_row_or_the_ledger_is_raised(tmp_path: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's ``TimeoutError`` at any point of ``scan``'s reads of a session row and
+    of the ledger of evicted records (a store's opening) reaches the caller. Before, each
+    ``except Exception`` took it for a damaged row: the store dropped the session and its KV as
+    damage, or zeroed nothing the ledger named (evicted KV left readable in free pages)."""
+    from conftest import raised_on_the_way_in
+
+    original = tmp_path / "original"
+    with opened(original) as tier:
+        assert tier.apply([big_op(1), big_op(2), PutRefs(sid(1), "acme", [key(1)])]) == [None] * 3
+        where = tier._where[key(2)]
+        with tier.env.begin(write=True) as txn:  # deleted without zeroing, the ledger naming it
+            txn.delete(key(2), db=tier._blocks)
+            txn.delete(key(2), db=tier._heads)
+            txn.put(b"unzeroed", msgpack.packb({"txn": txn.id(), "ranges": [list(where)]}), db=tier._meta)
+    path = tmp_path / "store"
+    tiers: list[DiskTier] = []
+    # msgpack's unpackb is a Cython function: the profiler sees no return of it, where CPython
+    # runs a pending handler. Through a Python function the cut lands there too.
+    unpackb = msgpack.unpackb
+    monkeypatch.setattr(msgpack, "unpackb", lambda *args, **kwargs: unpackb(*args, **kwargs))
+
+    def scan() -> contextlib.nullcontext:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(original, path)  # a close zeroes what the ledger names
+        tiers.append(DiskTier(path, budget=1 << 30, block_size=BLOCK))
+        result = tiers[-1].scan()
+        # Uncut: the row and the ledger read as written.
+        assert result.sessions == {sid(1): ("acme", None, [key(1)])} and not result.bad_sessions
+        assert tiers[-1]._unzeroed == [where]
+        return contextlib.nullcontext()
+
+    def closed(sent: list) -> None:
+        tiers.pop().close()
+
+    assert raised_on_the_way_in(scan, closed, within={"_session_row", "_ledger_ranges"}, timeout=True) >= 2
+    tiers.pop().close()
+
+
 def test_a_ledger_row_holds_only_while_no_transaction_committed_after_it() -> None:
     # A later transaction (an earlier build's, which keeps no ledger) may have reused the pages.
     row = msgpack.packb({"txn": 41, "ranges": [[4112, 8192], [16400, 4096]]})

@@ -570,7 +570,9 @@ def _session_row(value: bytes) -> tuple[str | None, str | None] | None:
     Rows of earlier builds also hold the name."""
     try:
         row = msgpack.unpackb(value)
-    except Exception:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's: taken for a damaged row, the session and its KV were dropped
         return None
     if not isinstance(row, list) or len(row) not in (1, 2) or not (row[0] is None or isinstance(row[0], str)):
         return None
@@ -588,7 +590,9 @@ def _ledger_ranges(row: bytes, txn_id: int) -> list[tuple[int, int]]:
             return []
         return [(int(offset), int(length)) for offset, length in ledger["ranges"]
                 if type(offset) is int and type(length) is int and offset > 0 and length > 0]
-    except Exception:  # noqa: BLE001 - msgpack and the shape checks raise several kinds
+    except Exception as exc:  # noqa: BLE001 - msgpack and the shape checks raise several kinds
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's: taken for a damaged row, its evicted KV was never zeroed
         return []
 
 
