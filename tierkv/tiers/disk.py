@@ -1533,7 +1533,9 @@ class DiskTier:
             env.close()
         try:
             meta = msgpack.unpackb(raw) if raw is not None else None
-        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's: taken for garbage, the store was called damaged or foreign
             meta = None
         fields = ("format", "hash", "block_size")
         if not isinstance(meta, dict) or not all([type(meta.get(f)) is int for f in fields]):
