@@ -6,6 +6,7 @@ exact; anything later may be missing but is never served half-written; LMDB open
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -421,6 +422,23 @@ def test_a_refusal_waits_for_no_dropped_store_of_another_directory(tmp_path):
         tierkv.store._wait_for_dropped(30)
     TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
 
+
+
+def test_a_timeout_as_a_refused_open_waits_for_its_directorys_writer_is_raised(tmp_path):
+    """A signal handler's ``TimeoutError`` at any point of ``_open_disk_tier``'s second try (the
+    directory locked by a store of this process: its writer flushed, dropped stores waited for)
+    reaches the caller. Before, the ``except TimeoutError`` around the writer's flush took it for
+    a slow disk: the open went on to its refusal, ``StoreInUse``, and the timeout was lost."""
+    from conftest import raised_on_the_way_in
+
+    with TieredStore(tmp_path / "a", device="cpu", block_size=4):
+        def refused() -> contextlib.nullcontext:
+            with pytest.raises(StoreInUse, match="in use by another TieredStore"):
+                TieredStore(tmp_path / "a", device="cpu", block_size=4)
+            return contextlib.nullcontext()
+
+        assert raised_on_the_way_in(refused, lambda sent: None, within={"_open_disk_tier"}, timeout=True) > 5
+    TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
 
 
 def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys_writer_is_no_error(tmp_path):

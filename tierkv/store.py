@@ -339,8 +339,10 @@ def _open_disk_tier(path: str | os.PathLike[str], budget: int, block_size: int) 
     for writer in writers:
         try:
             writer.flush(BUSY_WRITER_WAIT_S)  # past its batch in flight, the writer holds no store
-        except TimeoutError:
-            pass  # a store still in use whose disk is slow: refused below, as it is in use
+        except TimeoutError as exc:
+            if raised_by_signal_handler(exc):
+                raise  # the program's SIGALRM timeout, not the flush's: it was lost, and the open waited on
+            # A store still in use whose disk is slow: refused below, as it is in use.
     gc.collect()
     _wait_for_dropped(EXIT_CLOSE_TIMEOUT_S, where)
     return DiskTier(path, budget, block_size)
