@@ -1808,6 +1808,21 @@ def test_a_timeout_as_the_lock_file_is_looked_at_for_a_link_is_raised(tmp_path: 
                                     lambda sent: None, looks, timeout=True) >= 1
 
 
+def test_a_timeout_as_filesystem_short_looks_at_the_filesystem_is_raised(tmp_path: pathlib.Path) -> None:
+    """A signal handler's ``TimeoutError`` as ``filesystem_short`` (a commit's forecast of a disk
+    write, in the caller's thread) asks the OS about the data file reaches the caller. Before, its
+    ``except OSError`` answered "room enough" to it: the commit went on, evicting durable blocks
+    for a write a full filesystem would refuse, and the timeout was lost."""
+    from conftest import raised_on_the_way_in
+
+    with opened(tmp_path / "store") as tier:
+        def forecast() -> contextlib.nullcontext:
+            assert tier.filesystem_short(4096) is None
+            return contextlib.nullcontext()
+
+        assert raised_on_the_way_in(forecast, lambda sent: None, within={"_filesystem_short"}, timeout=True) >= 3
+
+
 def test_a_timeout_as_stored_meta_decodes_the_meta_record_is_raised(tmp_path: pathlib.Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler's ``TimeoutError`` as ``stored_meta`` (the CLI's and the demo's look at a

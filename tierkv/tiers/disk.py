@@ -2619,7 +2619,9 @@ class DiskTier:
             return None
         try:
             fs, st = os.fstatvfs(self._data_fd), os.fstat(self._data_fd)
-        except OSError:
+        except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a commit's forecast in the main thread: the program's SIGALRM timeout
             return None
         info = self.env.info()
         # Pessimistic: as if every page went past the last one in use (LMDB reuses freed pages
