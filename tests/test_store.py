@@ -1274,6 +1274,26 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
     assert tag("AVX2", ATEN_CPU_CAPABILITY="avx2") == tags[1]
 
 
+def test_a_timeout_as_a_forwards_source_is_read_is_raised_not_taken_for_no_source():
+    """A signal handler's ``TimeoutError`` at any point of ``_cache_handed_by_position`` (an
+    open's check of a model's forwards) reaches the caller. Before, the ``except OSError`` for a
+    forward whose source cannot be read took it for one: that forward went unjudged, a model
+    handing its inner model the cache by position (CPM-Ant) was accepted, and the timeout lost."""
+    from conftest import raised_on_the_way_in
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "cpmant", vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128,
+        num_hidden_layers=2, prompt_length=4, position_bias_num_buckets=32, position_bias_max_distance=64)).eval()
+
+    def refused() -> contextlib.nullcontext:
+        with pytest.raises(ValueError, match="hands CpmAntModel.forward its cache as positional argument"):
+            describe_model(model)
+        return contextlib.nullcontext()
+
+    assert raised_on_the_way_in(refused, lambda sent: None, within={"_cache_handed_by_position"}, timeout=True) > 10
+
+
 @pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="no /proc/cpuinfo to read")
 def test_a_timeout_as_the_cpus_identity_is_read_is_raised_not_taken_for_another_cpu():
     """A signal handler's ``TimeoutError`` at any point of ``_cpu_tag`` (an open's fingerprint on

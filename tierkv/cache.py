@@ -399,7 +399,9 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
     for part in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(part).forward))))
-        except (OSError, TypeError, SyntaxError, IndentationError):
+        except (OSError, TypeError, SyntaxError, IndentationError) as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's, as the source was read: the forward went unjudged
             continue
         children = dict(part.named_children())
         for node in list(ast.walk(tree)):
