@@ -1274,6 +1274,23 @@ def test_the_fingerprint_covers_the_cpus_vector_code(monkeypatch):
     assert tag("AVX2", ATEN_CPU_CAPABILITY="avx2") == tags[1]
 
 
+def test_a_timeout_as_the_config_is_snapshot_is_raised_not_taken_for_a_field_deepcopy_cannot_copy():
+    """A signal handler's ``TimeoutError`` as ``_snapshot`` deep-copies the config's fields (an
+    open's first look at a model) reaches the caller. Before, its ``except Exception`` for a field
+    ``deepcopy`` cannot copy took it for one: the snapshot was shallow, so a nested field edited
+    in place later (``rope_parameters``) went unseen, and the timeout was lost."""
+    from conftest import raised_on_the_way_in
+
+    model = make_model("llama")
+
+    def described() -> contextlib.nullcontext:
+        _static_cache.pop(model, None)  # its facts taken anew
+        describe_model(model)
+        return contextlib.nullcontext()
+
+    assert raised_on_the_way_in(described, lambda sent: None, within={"_snapshot"}, timeout=True) >= 2
+
+
 def test_a_timeout_as_a_forwards_source_is_read_is_raised_not_taken_for_no_source():
     """A signal handler's ``TimeoutError`` at any point of ``_cache_handed_by_position`` (an
     open's check of a model's forwards) reaches the caller. Before, the ``except OSError`` for a

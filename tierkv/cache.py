@@ -583,7 +583,9 @@ def _snapshot(fields: dict[str, Any]) -> dict[str, Any]:
     """A copy of config fields that edits in place (a nested rope_parameters) do not reach."""
     try:
         return copy.deepcopy(fields)
-    except Exception:  # noqa: BLE001 - a field deepcopy cannot copy: compared by identity then
+    except Exception as exc:  # noqa: BLE001 - a field deepcopy cannot copy: compared by identity then
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's: a shallow copy missed later edits of nested fields
         return dict(fields)
 
 
