@@ -891,6 +891,42 @@ def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatc
     assert cache_module._kernel_switches(cuda, "sdpa") == "sdpa-order:[3, 1, 2, 0, 4]"
 
 
+def test_a_timeout_as_sdpas_order_is_settled_is_raised_and_it_is_settled_at_the_next_read(monkeypatch):
+    """A signal handler's ``TimeoutError`` at any point of ``_settle_sdpa_order`` (an open's read
+    of the kernel switches on CUDA) reaches the caller, and the next read settles the order.
+    Before, its ``except Exception`` took it for torch's refusal, with the order marked settled
+    for the process's life: the open read torch's unsettled order, and the first decode step
+    after the prefill (which settles it) was refused for kernel switches changed. Monkeypatched,
+    as the test above."""
+    import tierkv.cache as cache_module
+    from conftest import raised_on_the_way_in
+
+    order = [1, 2, 0, 3, 4]
+
+    def first_sdpa(*tensors):
+        order[:] = [3, 1, 2, 0, 4]
+        return 1
+
+    empty = torch.empty
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: list(order))
+    monkeypatch.setattr(torch, "_fused_sdp_choice", first_sdpa)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "empty", lambda *shape, device=None, **kw: empty(*shape, **kw))
+    monkeypatch.setattr(cache_module, "_sdpa_order_settled", False)
+    cuda = torch.device("cuda")
+
+    def read() -> contextlib.nullcontext:
+        order[:] = [1, 2, 0, 3, 4]  # a process before its first SDPA call
+        cache_module._sdpa_order_settled = False
+        assert cache_module._kernel_switches(cuda, "sdpa") == "sdpa-order:[3, 1, 2, 0, 4]"
+        return contextlib.nullcontext()
+
+    def settled_next(sent: list) -> None:
+        assert cache_module._kernel_switches(cuda, "sdpa") == "sdpa-order:[3, 1, 2, 0, 4]", sent
+
+    assert raised_on_the_way_in(read, settled_next, within={"_settle_sdpa_order"}, timeout=True) > 5
+
+
 def test_another_matmul_precision_never_reuses_blocks(tmp_path):
     # torch.set_float32_matmul_precision("medium") runs float32 matmuls through bf16 on a CPU
     # with oneDNN's bf16 kernels (TF32 on CUDA at "high"): fp32 logits 2e-3 apart, against 1e-7.

@@ -727,14 +727,18 @@ def _settle_sdpa_order(device: torch.device) -> None:
                                                             or backends.mem_efficient_sdp_enabled()
                                                             or backends.cudnn_sdp_enabled()):
         return  # with every kernel off torch sets no order (and a forward fails): settled at a later read
-    _sdpa_order_settled = True
     try:
         with torch.cuda.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             q = torch.empty((1, 1, 1, 64), dtype=torch.float16, device=device)
             torch._fused_sdp_choice(q, q, q)
-    except Exception:  # all kernels off (sdpa_kernel), or a torch without it: the order as it is
-        pass
+    except Exception as exc:  # all kernels off (sdpa_kernel), or a torch without it: the order as it is
+        if raised_by_signal_handler(exc):
+            # A SIGALRM timeout's, maybe before torch set its order: settled at the next read.
+            # Taken for a refusal, the order read at open was torch's unsettled one, and the
+            # first decode step was refused for kernel switches changed.
+            raise
+    _sdpa_order_settled = True
 
 
 def _kernel_switches(device: torch.device, attention: str | None) -> str | None:
