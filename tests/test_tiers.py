@@ -1340,6 +1340,33 @@ def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_aft
         assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1, shape=BIG))
 
 
+def test_a_timeout_in_a_main_threads_apply_leaves_what_it_committed_whole(tmp_path: pathlib.Path) -> None:
+    """A signal handler's ``TimeoutError`` at any point of ``apply``'s transaction, run by the
+    main thread (the CLI's repair, a close after the writer ended): raised, and each block that
+    the cut transaction committed reads back whole, as does every earlier one. Before, a cut
+    after the commit (the lock file's note dropped, the places learnt, the previous deletes
+    zeroed) went to the ``except`` for a failed attempt, which zeroed the records the
+    transaction had just committed: blocks read as damaged from then on."""
+    from conftest import raised_on_the_way_in
+
+    with opened(tmp_path / "store") as tier:
+        written = [0]
+
+        def write() -> contextlib.nullcontext:
+            written[0] += 1
+            n = written[0]
+            assert tier.apply([put_op(n), DeleteBlocks([key(n - 1)], evicted=True)]) == [None, None]
+            return contextlib.nullcontext()
+
+        def whole(sent: list) -> None:
+            for n in range(1, written[0] + 1):
+                if raw_get(tier, b"blocks", key(n)) is not None:
+                    assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n)), (n, sent)
+
+        assert raised_on_the_way_in(write, whole, within={"_apply"}, timeout=True) > 20
+        whole([])
+
+
 def test_a_timeout_as_a_scan_reads_a_session_row_or_the_ledger_is_raised(tmp_path: pathlib.Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler's ``TimeoutError`` at any point of ``scan``'s reads of a session row and

@@ -54,7 +54,9 @@ Protocol: reads (``load``, ``scan``, ``verify``) run in the caller's thread in s
 every write goes through ``apply(ops)``, called by the store's single writer thread, which runs
 one write transaction per batch. A block is visible to readers only once that transaction has
 committed. ``MapFullError`` aborts the transaction, grows the map outside any transaction
-(readers are held off by a lock while it does), and retries. ``close`` takes the same lock: it
+(readers are held off by a lock while it does), and retries. Where the main thread applies (the
+CLI, a close after the writer ended), a signal handler's exception is raised, never taken for an
+op's or the disk's failure, and what the transaction committed before it stays whole. ``close`` takes the same lock: it
 waits for a read in progress (whose buffers point into the map it unmaps), and reads after it
 raise ``DiskClosed``.
 
@@ -2102,8 +2104,11 @@ class DiskTier:
             created = self._heads is None
             batch.moves = {}
             batch.deferred = []
+            txn_id: int | None = None
+            cut: BaseException | None = None
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
+                    txn_id = txn.id()
                     if created:
                         # A handle opened in a transaction lives only if that transaction commits.
                         self._heads = self.env.open_db(b"heads", txn=txn)
@@ -2117,6 +2122,8 @@ class DiskTier:
                             try:
                                 payload = payload_view(op.header, tensor_bytes(op.tensor.wait()))
                             except BaseException as exc:  # noqa: BLE001 - reported through this op's job
+                                if raised_by_signal_handler(exc):
+                                    raise  # a main thread's apply: its caller's timeout, not the block's
                                 results[i] = exc
                                 continue
                             if op.header.key in run:
@@ -2143,13 +2150,64 @@ class DiskTier:
                         txn.put(_UNZEROED_KEY, msgpack.packb({"txn": txn.id(), "ranges": unzeroed}), db=self._meta)
                     elif self._ledger_written:
                         txn.delete(_UNZEROED_KEY, db=self._meta)
-                # LMDB reuses the pages a transaction freed from the second transaction after it
-                # on (the one after may still need them, should its meta page not land). So the
-                # records the previous one deleted are zeroed now, and those of this one after
-                # the next commit: zeros that the blocks written in between do not overwrite
-                # reach the disk with that next commit. Never later: the list is swapped at
-                # once, and a record not zeroed now is dropped from it (the next transaction may
-                # reuse its pages), whatever raises below.
+            except BaseException as exc:
+                if txn_id is not None and self._committed(txn_id):
+                    # Raised as the transaction's exit returned, committed (a signal handler's
+                    # exception, in a main thread's apply): its records are live, not an aborted
+                    # attempt's to zero. Its bookkeeping is done below, then it is raised.
+                    cut = exc
+                else:
+                    if created:
+                        self._heads = None
+                    # With writemap the records and heads an aborted transaction wrote are in the
+                    # file, in pages no committed snapshot references: no later delete of the
+                    # store's finds them, so their KV and token ids stayed in free pages.
+                    self._zero_written(batch)
+                    if isinstance(exc, (lmdb.BadTxnError, lmdb.CorruptedError, lmdb.PageNotFoundError)) and \
+                            not isinstance(exc, DamagedTables):
+                        # The first error of a fresh transaction (each attempt is one): its pages, not
+                        # the disk. Taken for an I/O error, it blamed the disk and said to retry.
+                        raise DamagedTables(self.path, exc) from exc
+                    if not isinstance(exc, lmdb.MapFullError):
+                        raise
+                    results = [None] * len(ops)
+                    # Block writes stop short of the cap: deletes and references, which must not be
+                    # lost (a lost delete brings forgotten KV back), keep the top of the map.
+                    if self._grow(self.map_cap - _DELETE_ROOM if not full else self.map_cap):
+                        continue
+                    no_room = self._no_room
+                    # The filesystem had no room to grow the map: block writes stay in memory, and
+                    # nothing leaves the disk for them (``FilesystemFull``).
+                    short = short or no_room
+                    if not full:
+                        full = True
+                        continue
+                    if no_room is None:
+                        # Even the room kept for them is used up: the cap gives way once more rather
+                        # than lose a delete (or treat a full disk as a failed one).
+                        self.map_cap += _DELETE_ROOM
+                        if self._grow(self.map_cap):
+                            continue
+                        if self._no_room is None:
+                            raise
+                        no_room = self._no_room
+                        self.map_cap -= _DELETE_ROOM
+                    # Not even the pages the deletes and references need: an error the store counts,
+                    # keeping those owed and retrying them, where a write into a hole was a SIGBUS.
+                    raise OSError(errno.ENOSPC, no_room) from exc
+            # Committed: what raises from here (a signal handler's exception, in a main thread's
+            # apply: the CLI's, a close's) leaves the transaction's records alone. Inside the
+            # ``try`` above, its ``except`` zeroed them as an aborted attempt's: blocks committed
+            # and then read as damaged, or their heads as a delete's to finish.
+            # LMDB reuses the pages a transaction freed from the second transaction after it
+            # on (the one after may still need them, should its meta page not land). So the
+            # records the previous one deleted are zeroed now, and those of this one after
+            # the next commit: zeros that the blocks written in between do not overwrite
+            # reach the disk with that next commit. Never later: the list is swapped at
+            # once, and a record not zeroed now is dropped from it (the next transaction may
+            # reuse its pages), whatever raises below.
+            previous, self._pending = self._pending, batch.deferred
+            try:
                 self._ledger_written = bool(unzeroed)
                 if batch.intended or self._intent_zeroed:
                     if not batch.intended:
@@ -2158,59 +2216,27 @@ class DiskTier:
                         self.env.sync(True)
                     self._intent_done()
                     self._intent_zeroed = False
-                previous, self._pending = self._pending, batch.deferred
-                try:
-                    for key, where in batch.moves.items():
-                        if where is None:
-                            self._where.pop(key, None)
-                        else:
-                            self._where[key] = where
-                    if full:
-                        # Back below the room (LMDB keeps the map at least as large as the pages
-                        # in use), so that the next batch's block writes cannot take it.
-                        self._set_map(self.map_cap - _DELETE_ROOM)
-                finally:
-                    self._zero(previous)
-                return results
-            except BaseException as exc:
-                if created:
-                    self._heads = None
-                # With writemap the records and heads an aborted transaction wrote are in the
-                # file, in pages no committed snapshot references: no later delete of the
-                # store's finds them, so their KV and token ids stayed in free pages.
-                self._zero_written(batch)
-                if isinstance(exc, (lmdb.BadTxnError, lmdb.CorruptedError, lmdb.PageNotFoundError)) and \
-                        not isinstance(exc, DamagedTables):
-                    # The first error of a fresh transaction (each attempt is one): its pages, not
-                    # the disk. Taken for an I/O error, it blamed the disk and said to retry.
-                    raise DamagedTables(self.path, exc) from exc
-                if not isinstance(exc, lmdb.MapFullError):
-                    raise
-                results = [None] * len(ops)
-                # Block writes stop short of the cap: deletes and references, which must not be
-                # lost (a lost delete brings forgotten KV back), keep the top of the map.
-                if self._grow(self.map_cap - _DELETE_ROOM if not full else self.map_cap):
-                    continue
-                no_room = self._no_room
-                # The filesystem had no room to grow the map: block writes stay in memory, and
-                # nothing leaves the disk for them (``FilesystemFull``).
-                short = short or no_room
-                if not full:
-                    full = True
-                    continue
-                if no_room is None:
-                    # Even the room kept for them is used up: the cap gives way once more rather
-                    # than lose a delete (or treat a full disk as a failed one).
-                    self.map_cap += _DELETE_ROOM
-                    if self._grow(self.map_cap):
-                        continue
-                    if self._no_room is None:
-                        raise
-                    no_room = self._no_room
-                    self.map_cap -= _DELETE_ROOM
-                # Not even the pages the deletes and references need: an error the store counts,
-                # keeping those owed and retrying them, where a write into a hole was a SIGBUS.
-                raise OSError(errno.ENOSPC, no_room) from exc
+                for key, where in batch.moves.items():
+                    if where is None:
+                        self._where.pop(key, None)
+                    else:
+                        self._where[key] = where
+                if full:
+                    # Back below the room (LMDB keeps the map at least as large as the pages
+                    # in use), so that the next batch's block writes cannot take it.
+                    self._set_map(self.map_cap - _DELETE_ROOM)
+            finally:
+                self._zero(previous)
+            if cut is not None:
+                raise cut
+            return results
+
+    def _committed(self, txn_id: int) -> bool:
+        """Whether the write transaction ``txn_id`` committed (LMDB's last one is it, or later)."""
+        try:
+            return self.env.info()["last_txnid"] >= txn_id
+        except lmdb.Error:
+            return False
 
     def _put_records(self, txn: lmdb.Transaction, run: Collection[tuple[PutBlock, memoryview]], batch: _Batch
                      ) -> None:
