@@ -2320,6 +2320,8 @@ class DiskTier:
             os.fdatasync(self._lock_fd)
             batch.intended = len(batch.written)
         except OSError as exc:  # only the crash case's zeroing is lost; the write goes on
+            if raised_by_signal_handler(exc):
+                raise  # a main thread's apply (the CLI's): its caller's timeout, not the lock file's
             logger.debug("tierkv: could not note a write in %s's lock file (%s)", self.path, exc)
 
     def _intent_done(self) -> None:
@@ -2327,8 +2329,10 @@ class DiskTier:
         if self._lock_fd is not None:
             try:
                 os.ftruncate(self._lock_fd, len(str(self._pid)))
-            except OSError:
-                pass  # a committed transaction's intent is ignored (its id is not ahead of LMDB's)
+            except OSError as exc:
+                if raised_by_signal_handler(exc):
+                    raise  # a main thread's apply: dropped by the next commit instead
+                # A committed transaction's intent is ignored (its id is not ahead of LMDB's).
 
     def _zero_written(self, batch: _Batch) -> None:
         """Zero what an attempt that did not commit wrote (``_Batch.written``)."""
@@ -2479,17 +2483,27 @@ class DiskTier:
 
     def _zero(self, records: list[tuple[int, int]]) -> None:
         """Zero evicted records (offset, length) whose pages no transaction can have reused yet."""
+        # A signal handler's exception (a main thread's apply: the CLI's, a close's) is raised
+        # once every record is zeroed: taken for a failed zeroing, the caller's timeout was lost.
+        cut: BaseException | None = None
         for offset, length in records:
             try:
                 self._zero_pages(offset, length)
             except Exception as exc:  # noqa: BLE001 - the batch committed: zeroed in place, or logged
+                if cut is None and raised_by_signal_handler(exc):
+                    cut = exc
                 # Each record on its own, through the map at worst: one that failed dropped every
                 # record after it, whose KV stayed in free pages where no later forget reached it.
                 try:
                     ctypes.memset(self._map_start + offset, 0, length)  # type: ignore[operator]
-                except Exception:  # noqa: BLE001
-                    logger.warning("tierkv: could not zero an evicted record in %s (%s); its KV stays in free "
-                                   "pages until LMDB reuses them", self.path, exc)
+                except Exception as again:  # noqa: BLE001
+                    if raised_by_signal_handler(again):
+                        cut = cut or again  # as memset returned: zeroed
+                    else:
+                        logger.warning("tierkv: could not zero an evicted record in %s (%s); its KV stays in "
+                                       "free pages until LMDB reuses them", self.path, exc)
+        if cut is not None:
+            raise cut
 
     def _read_intent(self, committed: int) -> list[tuple[int, int]]:
         """The places the lock file's intent names, where its transaction never committed: one
