@@ -278,6 +278,39 @@ def _cut_as_it_starts(name: str, body) -> int:
     return len(cut)
 
 
+def test_a_timeout_as_a_stale_reader_is_let_go_is_raised_and_its_transaction_let_go_all_the_same():
+    """A signal handler's ``TimeoutError`` at any point of ``_drop_stale`` (the main thread taking
+    the lock again after a reader's exit was cut short) reaches the caller, and the reader's
+    ``on_stale`` (the disk tier's abort of the read transaction it left) is called once. Before,
+    the ``except Exception`` around ``on_stale`` took it for that call's failure: the timeout was
+    lost, and, cut as ``on_stale`` started, the transaction was never aborted."""
+    import contextlib
+
+    from conftest import raised_on_the_way_in
+
+    lock = SharedLock()
+    stale: list[str] = []
+    made = [0]
+
+    def held_and_left() -> None:
+        lock.enter_shared(sys._getframe(), lambda: stale.append("aborted"))
+        made[0] += 1
+
+    def taken() -> contextlib.nullcontext:
+        assert lock.acquire(blocking=False)
+        lock.release()
+        return contextlib.nullcontext()
+
+    def let_go_once(sent: list) -> None:
+        taken()  # what the cut left stale, let go now
+        assert lock._readers == 0 and stale == ["aborted"] * made[0], sent
+        held_and_left()
+
+    held_and_left()
+    assert raised_on_the_way_in(taken, let_go_once, within={"_drop_stale"}, timeout=True) > 5
+    taken()
+
+
 def test_a_reader_whose_exit_a_handler_cut_short_is_let_go_once_its_with_is_gone():
     """A handler raising as a shared ``with``'s ``__exit__`` starts (Python code, so CPython runs
     one there) left the reader counted for good: every exclusive holder after it, a close or a

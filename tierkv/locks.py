@@ -20,7 +20,9 @@ exclusive holder, or a reader waiting for a slot, has waited ``_RECHECK_S`` (bef
 remap after such a cut waited forever). Hence one rule more: never suspend a generator or
 coroutine inside a shared ``with`` (its frame leaves the stack while the lock is held).
 ``on_stale``, given by ``enter_shared``'s caller, is called for a reader let go that way (the disk
-tier aborts the read transaction that reader left open). The exclusive side alike: held by the
+tier aborts the read transaction that reader left open); a signal handler's exception that cuts it
+short is raised once every stale reader's was called, that one's called again first, so it must
+bear a second call. The exclusive side alike: held by the
 frame that took it (the ``with``'s, or ``acquire``'s caller), and let go as stale once that frame
 left its thread's stack, so it is let go before that frame returns (a ``release`` in a ``finally``
 of the same function, cut as it started, left a close's holding: the next close waited forever).
@@ -34,6 +36,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from .interrupts import raised_by_signal_handler
 
 # How long a waiter sleeps before it looks at the lock again without being woken: a wake-up a
 # signal handler's exception cut short (``Condition.notify_all`` is Python code) then costs a
@@ -161,13 +165,27 @@ class SharedLock:
             self._holders[ident] = live
         else:
             del self._holders[ident]
-        self._cond.notify_all()
-        for _, on_stale in stale:
-            if on_stale is not None:
-                try:
-                    on_stale()
-                except Exception:  # noqa: BLE001 - it lets go of what a reader left; the reader is gone either way
-                    pass
+        cut: BaseException | None = None
+        try:
+            self._cond.notify_all()
+        finally:
+            # Inline, and whatever the wake-up raised: the readers are out of the count, so
+            # nothing else would let go of what they left (a read transaction open for good).
+            for _, on_stale in stale:
+                for _try in range(2):
+                    if on_stale is None:
+                        break
+                    try:
+                        on_stale()
+                        break
+                    except Exception as exc:  # noqa: BLE001 - it lets go of what a reader left; the reader is gone either way
+                        if not raised_by_signal_handler(exc):
+                            break
+                        # A SIGALRM timeout's, maybe before it let go of anything: called once
+                        # more, and raised after the others.
+                        cut = cut or exc
+        if cut is not None:
+            raise cut
 
     def _drop_stale_writer(self, me: int, top: FrameType | None, frames: dict[int, FrameType] | None = None) -> None:
         """(Mutex held.) Let go of the exclusive holding if its frame is not on its thread's stack:
