@@ -706,6 +706,45 @@ def test_the_demo_refuses_a_store_it_cannot_open_saying_why(tmp_path: Path, caps
     assert held.returncode == 3 and "in use" in held.stderr and "Traceback" not in held.stderr
 
 
+def test_the_tools_raise_a_handlers_timeout_rather_than_answer_with_a_usage_error(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's ``TimeoutError`` at any point of the demo's store opening, the trace's
+    check of ``--out`` and its loading of a checkpoint reaches the caller. Before, each ``except
+    OSError`` took it for the store's, the directory's or the checkpoint's fault: exit 2, saying
+    to give another ``--store``, that ``--out`` cannot be written, or that ``--model`` cannot be
+    loaded."""
+    import contextlib
+
+    from conftest import raised_on_the_way_in
+    from tierkv import bench, demo, trace_model
+
+    def opened() -> contextlib.nullcontext:
+        demo.open_store(str(tmp_path / "kv"), 16, {}, torch.device("cpu")).close()
+        return contextlib.nullcontext()
+
+    def checked() -> contextlib.nullcontext:
+        bench.parse_args([*TOY_TRACE, "--out", str(tmp_path / "out")])
+        return contextlib.nullcontext()
+
+    def loaded() -> contextlib.nullcontext:
+        trace_model._load_checkpoint(str(checkpoint), torch.float32, 64, "--context", 0)
+        return contextlib.nullcontext()
+
+    def reported() -> contextlib.nullcontext:
+        bench.main([*TOY_TRACE, "--out", str(tmp_path / "out")])
+        return contextlib.nullcontext()
+
+    for enter, steps in ((opened, {"open_store"}), (checked, {"parse_args"}), (loaded, {"_load_checkpoint"})):
+        assert raised_on_the_way_in(enter, lambda sent: None, within=steps, timeout=True) >= 1
+    # The reports' writing after a run, the run itself left out.
+    fields = ("args", "device", "model", "logit_tolerance", "working_set_bytes", "budget_notes", "kv_bytes_per_token")
+    monkeypatch.setattr(bench, "run", lambda args: {**dict.fromkeys(fields), "results": {}})
+    monkeypatch.setattr(bench, "summarise", lambda run: {})
+    monkeypatch.setattr(bench, "markdown", lambda run, summary: "table")
+    monkeypatch.setattr(bench, "plots", lambda run, out: [])
+    assert raised_on_the_way_in(reported, lambda sent: None, within={"main"}, timeout=True) >= 1
+
+
 def test_the_demo_runs_the_turns_asked_for_and_removes_its_store_whatever_ends_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import tierkv.demo as demo

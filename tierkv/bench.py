@@ -60,6 +60,7 @@ from transformers.utils import logging as hf_logging
 from . import trace_model
 from .demo import FirstTokenTimer
 from .events import MoveEvent
+from .interrupts import raised_by_signal_handler
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .units import parse_bytes
 
@@ -710,6 +711,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None,
         Path(args.out).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
     except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's: not an unwritable directory
         parser.error(f"--out {args.out!r}: cannot write there ({exc.strerror}); give a directory you can write to")
     for flag in ("device_budget", "host_budget", "disk_budget"):
         try:
@@ -745,6 +748,8 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
                                                       **summary}, indent=2, default=str))
         written = plots(run_, out)
     except OSError as exc:
+        if raised_by_signal_handler(exc):
+            raise
         print(f"error: could not write the reports to {out} ({exc}); the table above is the run's", file=sys.stderr)
         raise SystemExit(4) from None
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {out / w}" for w in written))

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from .interrupts import stat_or_none
+from .interrupts import raised_by_signal_handler, stat_or_none
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .tiers.disk import DiskTier, StoreInUse
 from .transfer import resolve_device
@@ -121,6 +121,8 @@ def open_store(path: str, block_size: int, budgets: dict, device: torch.device) 
         print(f"tierkv demo: error: {exc}", file=sys.stderr)
         raise SystemExit(3) from None
     except (ValueError, OSError) as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's: not the store's fault, nor a usage error
         print(f"tierkv demo: error: --store {path!r}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

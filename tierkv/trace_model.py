@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from .interrupts import raised_by_signal_handler
+
 #: ``--dtype``'s names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,6 +118,8 @@ def _load_checkpoint(name: str, dtype: torch.dtype, context: int, flag: str, gen
     except ModelFlagError:
         raise
     except (OSError, ValueError, ImportError, KeyError) as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's, as the files were read: not a checkpoint that cannot be loaded
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFlagError(f"--model {name!r} could not be loaded as a causal language model ({reason}); give a "
                              "directory written by save_pretrained, or the Hub id of a decoder-only model") from None
