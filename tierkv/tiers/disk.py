@@ -1448,6 +1448,8 @@ class DiskTier:
         try:
             meta = msgpack.unpackb(raw)
         except Exception as exc:  # noqa: BLE001 - msgpack raises bare ValueErrors (ExtraData) too
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's: taken for damage, the open said to delete the store
             raise DamagedStore(self.path, exc) from exc
         if not isinstance(meta, dict):
             raise DamagedStore(self.path, ValueError(f"its meta record holds a {type(meta).__name__}"))
