@@ -11,7 +11,8 @@ is the raw KV tensor bytes, shape ``(layers, 2, kv_heads, tokens, head_dim)`` wi
 innermost, so a reader maps it straight into a tensor (``decode`` returns a memoryview into the
 caller's buffer, no copy).
 
-``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason;
+``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason (an
+``OSError`` that lands in it, a signal handler's timeout, is raised as it is: never damage);
 ``decode_header`` reads only the header. A record's *head* is its bytes up to the payload (magic,
 length, header): the disk tier also stores it apart, and ``decode_head`` reads it there, so that
 rebuilding an index never touches a payload.
@@ -194,6 +195,11 @@ def _parse_header(buf: memoryview, trailer: int = _CHECKSUM.size) -> tuple[Recor
         raise CorruptRecord("record truncated inside its header")
     try:
         raw = msgpack.unpackb(buf[_PREFIX.size : end], raw=False)
+    except OSError:
+        # Never msgpack's answer to bytes in memory: a signal handler's (a SIGALRM timeout's
+        # TimeoutError), told by its type as this module imports nothing of tierkv's. Taken for
+        # garbage, a sound block was counted corrupt and dropped, and the timeout was lost.
+        raise
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptRecord(f"unreadable header: {exc}") from None
     if not isinstance(raw, dict):
