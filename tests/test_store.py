@@ -859,16 +859,15 @@ def test_kernel_switches_on_cuda_name_the_blas_library_and_the_flash_kernel(monk
     assert _kernel_switches(torch.device("cpu"), "sdpa") == f"threads:{torch.get_num_threads()}"
 
 
-def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatch):
-    # torch sets SDPA's kernel order on CUDA once per process, at its first SDPA call: cuDNN first
-    # on sm90 and sm100. On an H200 (torch 2.11) a cache opened before the process's first forward
-    # read [1, 2, 0, 3, 4], the prefill made it [3, 1, 2, 0, 4], and the first decode step raised
-    # "kernel switches changed since store.open". Monkeypatched, as no GPU runs the suite.
+def sdpa_settled_at_first_call(monkeypatch) -> list[int]:
+    """CUDA's SDPA kernel order, monkeypatched (no GPU runs the suite): [1, 2, 0, 3, 4] until the
+    process's first SDPA call (``torch._fused_sdp_choice``) sets it to [3, 1, 2, 0, 4], as
+    sdp_utils.cpp's priority_order() does; the order list is returned for a test to reset."""
     import tierkv.cache as cache_module
 
     order = [1, 2, 0, 3, 4]
 
-    def first_sdpa(*tensors):  # sdp_utils.cpp's priority_order(), the first time it runs
+    def first_sdpa(*tensors):
         order[:] = [3, 1, 2, 0, 4]
         return 1
 
@@ -878,6 +877,17 @@ def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatc
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch, "empty", lambda *shape, device=None, **kw: empty(*shape, **kw))
     monkeypatch.setattr(cache_module, "_sdpa_order_settled", False)
+    return order
+
+
+def test_kernel_switches_on_cuda_read_sdpas_order_as_torch_settles_it(monkeypatch):
+    # torch sets SDPA's kernel order on CUDA once per process, at its first SDPA call: cuDNN first
+    # on sm90 and sm100. On an H200 (torch 2.11) a cache opened before the process's first forward
+    # read [1, 2, 0, 3, 4], the prefill made it [3, 1, 2, 0, 4], and the first decode step raised
+    # "kernel switches changed since store.open". Monkeypatched, as no GPU runs the suite.
+    import tierkv.cache as cache_module
+
+    order = sdpa_settled_at_first_call(monkeypatch)
     cuda = torch.device("cuda")
     at_open = cache_module._kernel_switches(cuda, "sdpa")
     torch._fused_sdp_choice()  # the prefill's SDPA
@@ -901,18 +911,7 @@ def test_a_timeout_as_sdpas_order_is_settled_is_raised_and_it_is_settled_at_the_
     import tierkv.cache as cache_module
     from conftest import raised_on_the_way_in
 
-    order = [1, 2, 0, 3, 4]
-
-    def first_sdpa(*tensors):
-        order[:] = [3, 1, 2, 0, 4]
-        return 1
-
-    empty = torch.empty
-    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: list(order))
-    monkeypatch.setattr(torch, "_fused_sdp_choice", first_sdpa)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "empty", lambda *shape, device=None, **kw: empty(*shape, **kw))
-    monkeypatch.setattr(cache_module, "_sdpa_order_settled", False)
+    order = sdpa_settled_at_first_call(monkeypatch)
     cuda = torch.device("cuda")
 
     def read() -> contextlib.nullcontext:
