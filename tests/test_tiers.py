@@ -1405,6 +1405,51 @@ def test_a_timeout_as_a_main_threads_apply_notes_its_writes_or_zeroes_evictions_
         assert raised_on_the_way_in(write, whole, within={"_zero"}, timeout=True) >= 2
 
 
+def test_a_timeout_as_an_aborted_attempts_records_are_zeroed_is_raised_not_retried_past(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's ``TimeoutError`` as a main thread's ``apply`` (the CLI's, a close's)
+    zeroes what an attempt that hit ``MapFullError`` wrote (``_zero_written``): raised, every
+    place that attempt wrote zeroed all the same. Before, its ``except Exception`` logged it as a
+    failed zeroing: the places after the cut one kept their KV, and the retry went on as if the
+    call had never been cut, the timeout lost."""
+    from conftest import raised_on_the_way_in
+
+    path = tmp_path / "store"
+    put_records = DiskTier._put_records
+    written: list[tuple[int, int]] = []
+
+    def full_after_writing(self, txn, run, batch):
+        put_records(self, txn, run, batch)
+        if run and not written:
+            written.extend(batch.written)
+            raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL")
+
+    monkeypatch.setattr(DiskTier, "_put_records", full_after_writing)
+    # ctypes calls are not seen by the profiler, where CPython runs a pending handler as they
+    # return: through a Python function the cut lands there too.
+    memset = ctypes.memset
+    monkeypatch.setattr(ctypes, "memset", lambda *args: memset(*args))
+    with opened(path) as tier:
+        stored: list[int] = []
+
+        def write() -> contextlib.nullcontext:
+            written.clear()
+            a, b = len(stored) + 1, len(stored) + 2
+            stored.extend([a, b])
+            assert tier.apply([big_op(a), big_op(b)]) == [None, None]
+            return contextlib.nullcontext()
+
+        def zeroed(sent: list) -> None:
+            assert len(written) == 4, sent  # two records and their heads
+            for where in written:
+                assert record_bytes_at(path / "data.mdb", where) == bytes(where[1]), (where, sent)
+            for n in stored:
+                if raw_get(tier, b"blocks", key(n)) is not None:
+                    assert torch.equal(tier.load(key(n), empty)[1], block_tensor(n, shape=BIG)), (n, sent)
+
+        assert raised_on_the_way_in(write, zeroed, within={"_zero_written"}, timeout=True) >= 4
+
+
 def test_a_timeout_as_a_scan_reads_a_session_row_or_the_ledger_is_raised(tmp_path: pathlib.Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler's ``TimeoutError`` at any point of ``scan``'s reads of a session row and

@@ -2348,11 +2348,27 @@ class DiskTier:
         batch.intended = 0  # a retry writes its own intent over this one's
         if self._map_start is None:
             return
-        try:
-            for offset, length in written:
+        # A signal handler's exception (a main thread's apply: the CLI's, a close's) is raised once
+        # every place is zeroed: taken for a failed zeroing and logged, it was lost, the attempt
+        # retried after a MapFullError as if never cut, and the places after it kept their KV.
+        cut: BaseException | None = None
+        for offset, length in written:
+            try:
                 ctypes.memset(self._map_start + offset, 0, length)
-        except Exception as exc:  # noqa: BLE001 - the batch's own error is the one to raise
-            logger.warning("tierkv: could not zero the records of a write that failed in %s (%s)", self.path, exc)
+            except Exception as exc:  # noqa: BLE001 - the batch's own error is the one to raise
+                if not raised_by_signal_handler(exc):
+                    logger.warning("tierkv: could not zero the records of a write that failed in %s (%s)",
+                                   self.path, exc)
+                    continue
+                cut = cut or exc
+                try:  # the handler may have run before memset did: zeroing twice is harmless
+                    ctypes.memset(self._map_start + offset, 0, length)
+                except Exception as again:  # noqa: BLE001
+                    if not raised_by_signal_handler(again):
+                        logger.warning("tierkv: could not zero the records of a write that failed in %s (%s)",
+                                       self.path, again)
+        if cut is not None:
+            raise cut
 
     def _apply_one(self, txn: lmdb.Transaction, op: DiskOp, batch: _Batch) -> None:
         if isinstance(op, DeleteBlocks):
