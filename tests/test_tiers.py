@@ -540,6 +540,55 @@ def test_a_superseded_delete_waits_for_a_transaction_after_the_writes_queued_bef
         disk.load(key(1), empty)
 
 
+def test_a_timeout_in_a_main_threads_apply_of_superseded_deletes_is_raised_not_their_error(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's ``TimeoutError`` at any point of the transaction of superseded deletes
+    that follows block writes, in an ``apply`` run by the main thread: raised, what committed
+    kept whole. Before, ``apply`` handed it back as those deletes' errors, the timeout lost (no
+    main-thread caller sends such a batch today: the CLI's repair writes no blocks)."""
+    from conftest import raised_on_the_way_in
+
+    from tierkv.tiers.disk import Scrubbed
+
+    apply, cut_in = DiskTier._apply, []
+
+    def noting(self: DiskTier, ops: list, trailing: bool = False) -> list:
+        try:
+            return apply(self, ops, trailing)
+        except BaseException:
+            cut_in.append(trailing)
+            raise
+
+    monkeypatch.setattr(DiskTier, "_apply", noting)
+    stored = [1]
+    assert disk.apply([put_op(1)]) == [None]
+
+    def write() -> contextlib.nullcontext:
+        n = stored[-1] + 1
+        stored.append(n)
+        assert disk.apply([put_op(n), DeleteBlocks([key(n - 1)], superseded=True)]) == [None, None]
+        return contextlib.nullcontext()
+
+    scrubbed: set[int] = set()
+
+    def whole(sent: list) -> None:
+        if cut_in[-1]:
+            # Zeroed by the cut transaction's delete before it aborted (as after a crash): a plain
+            # miss from now on. Never the block the write before it committed.
+            scrubbed.add(stored[-2])
+        disk.apply([])  # what the cut left owed, done
+        for n in stored:
+            if raw_get(disk, b"blocks", key(n)) is not None:
+                try:
+                    assert torch.equal(disk.load(key(n), empty)[1], block_tensor(n)), (n, sent)
+                except Scrubbed:
+                    assert n in scrubbed, (n, sent)
+        assert raw_get(disk, b"blocks", key(stored[-1])) is not None or not cut_in[-1], sent
+
+    assert raised_on_the_way_in(write, whole, within={"_apply"}, timeout=True) > 10
+    assert True in cut_in and False in cut_in  # both transactions were cut
+
+
 def test_an_op_on_a_superseded_block_keeps_its_place_after_the_delete(disk: DiskTier) -> None:
     # The same tail written again after its superseded delete (another session committed it),
     # or referenced again: moved past those, the delete would take the block the store holds.

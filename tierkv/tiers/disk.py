@@ -2069,13 +2069,17 @@ class DiskTier:
         """Write transactions for ``ops``, in order; one entry per op: None, or the error it failed
         with. One transaction, but for superseded deletes that follow block writes: those go in
         one more, after it (``_transactions``). An error that the first transaction raises is
-        raised: nothing was applied."""
+        raised: nothing was applied. A signal handler's exception (in an apply run by the main
+        thread) is raised wherever it lands, what committed before it kept."""
         results: list[BaseException | None] = [None] * len(ops)
         for n, (part, trailing) in enumerate(_transactions(ops)):
             try:
                 done = self._apply([ops[i] for i in part], trailing)
             except Exception as exc:  # noqa: BLE001 - after a commit: only this part's ops failed
-                if n == 0:
+                # The caller's timeout, not its ops' failure: handed back as their errors, it was
+                # lost. Only the writer thread sends batches of two transactions today (the CLI's
+                # repair and a close's ``apply([])`` write no blocks), where it never happens.
+                if n == 0 or raised_by_signal_handler(exc):
                     raise
                 done = [exc] * len(part)
             for i, result in zip(part, done):
