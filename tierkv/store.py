@@ -356,6 +356,12 @@ def _close_at_exit() -> None:
             try:
                 store._close(EXIT_CLOSE_TIMEOUT_S, grace=EXIT_CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - one store's failure must not keep the others open
+                # A signal handler's exception (a SIGALRM timeout the program set for work that has
+                # ended) too: logged, not raised. No caller is left to take it: CPython prints an
+                # atexit callback's exception and exits as it would have (exit status unchanged), so
+                # raising it would only leave the stores after this one unclosed, their queued writes
+                # lost. Ctrl-C's KeyboardInterrupt, which a person sends to stop the exit, is not
+                # caught here.
                 logger.exception("tierkv: closing a store at exit failed; its queued writes are lost")
 
 
