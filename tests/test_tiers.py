@@ -1988,6 +1988,32 @@ def test_a_timeout_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corr
         assert raised_on_the_way_in(loaded, lambda sent: None, within={"_parse_header"}, timeout=True) > 3
 
 
+def test_a_handlers_own_exception_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corrupt_record(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the test above, a handler raising an ``Exception`` of the program's own (not an
+    ``OSError``): it reaches the caller. Before, the codec re-raised only ``OSError``s and took
+    any other exception for garbage (``CorruptRecord``), a sound block counted corrupt."""
+    from conftest import raised_on_the_way_in
+    from tierkv.codec import decode_header
+
+    unpackb = msgpack.unpackb  # Cython: its return is unseen by the profiler
+    monkeypatch.setattr(msgpack, "unpackb", lambda *args, **kwargs: unpackb(*args, **kwargs))
+    with opened(tmp_path / "store") as tier:
+        assert tier.apply([put_op(1)]) == [None]
+
+        def loaded() -> contextlib.nullcontext:
+            assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1))
+            return contextlib.nullcontext()
+
+        assert raised_on_the_way_in(loaded, lambda sent: None, within={"_parse_header"}) > 3
+    # msgpack's answers to garbage are still a corrupt record, never its own error.
+    for garbage in (b"\xc1", b"\x81\x91\x01\x01", b"\xdd\xff\xff\xff\xff", b"\xa2\xff\xfe", b"\x01\x02",
+                    b"\x91" * 2000, b"\xc7\x0d\xff" + b"\xff" * 13):
+        record = struct.pack("<4sI", b"TKVB", len(garbage)) + garbage + bytes(8)
+        with pytest.raises(CorruptRecord, match="unreadable header"):
+            decode_header(record)
+
+
 def test_a_timeout_as_an_open_decodes_the_meta_record_is_raised_not_taken_for_damage(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler's ``TimeoutError`` as ``DiskTier`` (every store's open) decodes the

@@ -12,7 +12,8 @@ innermost, so a reader maps it straight into a tensor (``decode`` returns a memo
 caller's buffer, no copy).
 
 ``decode`` verifies everything and raises ``CorruptRecord`` (a ``ValueError``) with a reason (an
-``OSError`` that lands in it, a signal handler's timeout, is raised as it is: never damage);
+exception of another kind that lands in it, a signal handler's timeout, is raised as it is: never
+damage);
 ``decode_header`` reads only the header. A record's *head* is its bytes up to the payload (magic,
 length, header): the disk tier also stores it apart, and ``decode_head`` reads it there, so that
 rebuilding an index never touches a payload.
@@ -195,12 +196,14 @@ def _parse_header(buf: memoryview, trailer: int = _CHECKSUM.size) -> tuple[Recor
         raise CorruptRecord("record truncated inside its header")
     try:
         raw = msgpack.unpackb(buf[_PREFIX.size : end], raw=False)
-    except OSError:
-        # Never msgpack's answer to bytes in memory: a signal handler's (a SIGALRM timeout's
-        # TimeoutError), told by its type as this module imports nothing of tierkv's. Taken for
-        # garbage, a sound block was counted corrupt and dropped, and the timeout was lost.
-        raise
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except (ValueError, TypeError) as exc:
+        # msgpack's answers to garbage are ValueErrors (its own ExtraData, FormatError and
+        # StackError, UnicodeDecodeError, bare ones for a length past the input or a bad key or
+        # timestamp); TypeError for a key it cannot hash. Anything else is a signal handler's
+        # (a SIGALRM timeout's TimeoutError, a program's own Exception subclass), told by its
+        # type as this module imports nothing of tierkv's: taken for garbage, a sound block was
+        # counted corrupt and dropped, and the handler's exception was lost. (A handler raising a
+        # ValueError is still taken for garbage.)
         raise CorruptRecord(f"unreadable header: {exc}") from None
     if not isinstance(raw, dict):
         raise CorruptRecord("header is not a map")
