@@ -2014,6 +2014,26 @@ def test_a_handlers_own_exception_as_a_records_header_is_decoded_is_raised_not_t
             decode_header(record)
 
 
+def test_a_handlers_own_exception_as_the_file_is_verified_is_raised_not_taken_for_damage(
+        tmp_path: pathlib.Path) -> None:
+    """A signal handler raising an ``Exception`` of the program's own (not an ``OSError``) at any
+    point of ``file_damage``'s walk of a sound file (``check``, ``repair`` and every open after a
+    crash): raised. Before, it was taken for the verifier's own failure: the file called unsafe,
+    damage the store does not have, and the handler's exception lost."""
+    from conftest import raised_on_the_way_in
+    from tierkv.tiers.disk import file_damage
+
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([put_op(1), PutRefs(sid(1), "acme", [key(1)])]) == [None, None]
+
+    def verified() -> contextlib.nullcontext:
+        assert file_damage(path) == disk_module.FileDamage()
+        return contextlib.nullcontext()
+
+    assert raised_on_the_way_in(verified, lambda sent: None, within={"file_damage", "verify"}) >= 3
+
+
 def test_a_timeout_as_an_open_decodes_the_meta_record_is_raised_not_taken_for_damage(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler's ``TimeoutError`` as ``DiskTier`` (every store's open) decodes the

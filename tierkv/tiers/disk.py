@@ -363,6 +363,8 @@ def file_damage(path: str | os.PathLike[str]) -> FileDamage:
     except OSError:
         raise  # the file cannot be read: the caller says so
     except Exception as exc:  # noqa: BLE001 - the verifier's own failure (an IndexError, a struct.error...)
+        if raised_by_signal_handler(exc):
+            raise  # the program's (not an OSError, which is raised above): a sound file was called unsafe
         # It is written not to fall over on any file: one that makes it fall over is damaged in a
         # way it does not expect (or it has a bug). Either way its walk says nothing of where
         # LMDB's reads are safe, so the file is not to be opened.
