@@ -3863,6 +3863,40 @@ def test_a_store_whose_opening_is_cut_short_anywhere_leaves_its_directory_free(m
         store.close()
 
 
+def test_a_handlers_timeout_as_a_store_that_failed_to_open_is_released_is_raised_and_the_release_finished(
+        tmp_path, monkeypatch):
+    """A signal handler's ``TimeoutError`` at any point of the release of a store whose open
+    failed (its own error, after the directory was locked and the writer started): it reaches the
+    caller, and the release is finished (a store opens there next). Before, the constructor's
+    ``except Exception`` logged it as a failed release and raised the open's error: the timeout
+    was lost, and a release it cut short left the directory locked for the process's life."""
+    path = tmp_path / "kv"
+    TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0).close()
+
+    class Refused(RuntimeError):
+        pass
+
+    def refused(self) -> None:
+        raise Refused("the index cannot be loaded")
+
+    monkeypatch.setattr(TieredStore, "_load_index", refused)
+
+    def construct() -> nullcontext:
+        try:
+            TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0)
+        except Refused:
+            pass
+        return nullcontext()
+
+    def released(sent) -> None:
+        monkeypatch.undo()
+        TieredStore(path, device="cpu", block_size=B, device_budget=0, host_budget=0).close()  # not in use
+        monkeypatch.setattr(TieredStore, "_load_index", refused)
+
+    steps = {"_close", "_stop_writer", "_release"}
+    assert raised_on_the_way_in(construct, released, within=steps, timeout=True) > 10
+
+
 def test_a_close_cut_short_anywhere_is_finished_by_the_next_and_loses_nothing(model, tmp_path):
     """``store.close()`` cut short at every point (a handler's ``TimeoutError``, as a ``SIGTERM``
     or ``SIGALRM`` handler raises during an exit's close): each time the exception reaches the

@@ -587,8 +587,18 @@ class TieredStore:
             if self._disk is not None:
                 try:
                     self._close(0)
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    logger.exception("tierkv: releasing a store that failed to open also failed")
+                except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+                    if not raised_by_signal_handler(exc):
+                        logger.exception("tierkv: releasing a store that failed to open also failed")
+                    else:
+                        # A SIGALRM timeout's, say, cutting the release short: the directory stayed
+                        # locked (every retry in this process found the store in use), and the
+                        # timeout was logged as a failed release. Finished, then raised.
+                        try:
+                            self._close(0)
+                        except Exception:  # noqa: BLE001 - the handler's exception is the one to raise
+                            logger.exception("tierkv: releasing a store that failed to open also failed")
+                        raise
             raise
 
     # -- lifecycle ------------------------------------------------------------------------------
