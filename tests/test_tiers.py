@@ -1793,6 +1793,18 @@ def test_plain_lmdb_env_is_left_untouched(tmp_path: pathlib.Path) -> None:
     assert _plain_items(path) == {b"hello": b"world"}
 
 
+def test_stored_meta_of_a_store_open_in_this_process_says_so(tmp_path: pathlib.Path) -> None:
+    """``stored_meta`` of a store this process has open (LMDB refuses a second environment of one
+    file in a process) says so and when to call it. Before, LMDB's refusal was answered as "is not
+    a tierkv store", of a sound store."""
+    path = tmp_path / "store"
+    with opened(path) as tier:
+        assert tier.apply([put_op(1)]) == [None]
+        with pytest.raises(ValueError, match="open in this process.*before opening it, or after closing it"):
+            DiskTier.stored_meta(path)
+    assert DiskTier.stored_meta(path)["block_size"] == BLOCK
+
+
 @pytest.mark.parametrize("with_lmdb_lock", [True, False], ids=["with lock.mdb", "copied without lock.mdb"])
 def test_stored_meta_refuses_a_plain_lmdb_env_writing_nothing_there(tmp_path: pathlib.Path,
                                                                       with_lmdb_lock: bool) -> None:

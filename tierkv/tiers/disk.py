@@ -324,6 +324,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_tiers_in_child)
 
 
+def _open_here(data: os.stat_result) -> bool:
+    """Whether a disk tier of this process holds the data file ``data`` (its ``stat``) open."""
+    for tier in list(_open_tiers):
+        fd = tier._data_fd
+        if fd is None:
+            continue
+        try:
+            if os.path.samestat(os.fstat(fd), data):
+                return True
+        except OSError as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's TimeoutError, not a tier closed meanwhile
+    return False
+
+
 #: What ``file_damage`` names damage outside any table: where LMDB cannot be trusted to open the file.
 UNOPENABLE = ("main", "file")
 #: ``verify``'s reason for a record (or its head) zeroed by a delete that a crash cut short.
@@ -1507,6 +1522,11 @@ class DiskTier:
         # program's files, as did `tierkv demo --store`.
         _refuse_foreign(path)
         _refuse_shared(path)
+        if _open_here(data):
+            # LMDB refuses a second environment of one file in a process: its refusal was
+            # answered as "is not a tierkv store", of a store this very process has open.
+            raise ValueError(f"{path!r} is a tierkv store open in this process (a TieredStore or DiskTier on it): "
+                             "call stored_meta before opening it, or after closing it")
         _allocate_lock_file_of(path)
         try:
             env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True, readahead=False)
