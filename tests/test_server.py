@@ -992,7 +992,7 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
         parse_args(["--help"], {})
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for field in dataclasses.fields(Settings):
-        shown = "auto" if field.default is None else field.default
+        shown = ("auto" if field.name == "device" else "none") if field.default is None else field.default
         assert f"(default: {shown}) [$TIERKV_{field.name.upper()}]" in text, field.name
     # It said "a multiple of 64", and 320 is one that the settings refuse.
     assert "hidden size of the tiny model: 64, 128, 192 or a multiple of 128" in text
@@ -1022,6 +1022,8 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--model-name", " tierkv"], "model_name must be 1 to 256 characters"),
     (["--model-name", "m" * 257], "model_name must be 1 to 256 characters"),
     (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
+    (["--timeout-graceful-shutdown", "-1"], "timeout_graceful_shutdown must be 0 or more seconds, or none"),
+    (["--timeout-graceful-shutdown", "inf"], "timeout_graceful_shutdown must be 0 or more seconds, or none"),
     (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--seed", str(-(2**63) - 1)], "seed must be in -9223372036854775808..18446744073709551615"),
     (["--store", __file__], "is a file; give a directory"),
@@ -1050,6 +1052,25 @@ def test_a_bad_device_is_refused_with_the_flags_to_pass(device: str, capsys: pyt
     err = capsys.readouterr().err
     assert "pass --device cpu, cuda or cuda:N, or leave --device (TIERKV_DEVICE) unset" in err
     assert "None" not in err
+
+
+def test_python_m_examples_server_hands_its_graceful_shutdown_timeout_to_uvicorn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM waited for every queued turn, and no flag could bound the wait (uvicorn's own
+    # --timeout-graceful-shutdown is not python -m examples.server's).
+    import examples.server.app
+    from examples.server.__main__ import main
+
+    ran: list[dict[str, Any]] = []
+    monkeypatch.setattr(examples.server.app, "create_app", lambda settings: settings)  # no model, no store
+    monkeypatch.setattr(uvicorn, "run", lambda app, **config: ran.append(config))
+    monkeypatch.delenv("TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", raising=False)
+    main(["--store", "none", "--port", "0"])
+    monkeypatch.setenv("TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", "2.5")
+    main(["--store", "none", "--port", "0"])
+    main(["--store", "none", "--port", "0", "--timeout-graceful-shutdown", "none"])
+    main(["--store", "none", "--port", "0", "--timeout-graceful-shutdown", "0"])
+    assert [config["timeout_graceful_shutdown"] for config in ran] == [None, 2.5, None, 0.0]
 
 
 def test_every_seed_torch_takes_is_a_valid_setting() -> None:
@@ -1230,7 +1251,7 @@ def test_the_app_for_uvicorn_warns_that_tierkv_host_and_port_are_not_its_to_read
 
     monkeypatch.delattr(module, "app", raising=False)
     monkeypatch.setenv("TIERKV_STORE", "none")
-    for env in ("TIERKV_HOST", "TIERKV_PORT"):
+    for env in ("TIERKV_HOST", "TIERKV_PORT", "TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN"):
         monkeypatch.delenv(env, raising=False)
     try:
         for env, expected in ((None, None), ("TIERKV_PORT", "TIERKV_PORT set, but only `python -m examples.server` "
@@ -1248,6 +1269,18 @@ def test_the_app_for_uvicorn_warns_that_tierkv_host_and_port_are_not_its_to_read
                 assert warned == []
             else:
                 assert len(warned) == 1 and warned[0].startswith(expected) and "uvicorn: --host, --port" in warned[0]
+        # Nor does the app read its graceful shutdown's timeout: uvicorn does, from its own flag.
+        monkeypatch.delenv("TIERKV_HOST")
+        monkeypatch.delenv("TIERKV_PORT")
+        monkeypatch.setenv("TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", "5")
+        vars(module).pop("app", None)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="examples.server"):
+            import_from_string("examples.server.app:app")
+        warned = [r.getMessage() for r in caplog.records if r.name == "examples.server"]
+        assert warned == ["TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN set, but only `python -m examples.server` reads it: a "
+                          "server importing examples.server.app:app shuts down as its own flags say (uvicorn: "
+                          "--timeout-graceful-shutdown)"]
     finally:
         vars(module).pop("app", None)
 

@@ -17,7 +17,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from .app import create_app
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # Without a timeout, SIGTERM waits for every queued turn; past it, uvicorn cancels the requests still
+    # in flight, which the app answers 503 while the running turn stops at its next token and commits.
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                timeout_graceful_shutdown=settings.timeout_graceful_shutdown)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ Lifespan: the store, the model and the metrics collector are created at startup 
 shutdown (the running turn finishes and commits, the store is flushed). uvicorn waits for the
 requests in flight before it shuts the lifespan down, so by default the queued turns run first; a
 turn still queued when the engine closes (``Engine.close``) is dropped with a 503, "shutting down".
-With ``--timeout-graceful-shutdown``, uvicorn cancels the requests still running when it runs out:
+With ``--timeout-graceful-shutdown`` (uvicorn's flag, or ``python -m examples.server``'s, which it hands
+to uvicorn), uvicorn cancels the requests still running when it runs out:
 they get the same 503 (a stream: the error event, then its end), and the turn stops at its next
 token (``errors.InternalErrors``).
 A startup the store or the device refuses (the store in use by another process, say) is logged as
@@ -432,6 +433,8 @@ def read_logit_bias(bias: dict[str, float] | None, vocab_size: int, never: froze
 _event = errors.sse_event
 
 
+
+
 async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool
                ) -> AsyncIterator[str]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``."""
@@ -570,7 +573,8 @@ def __getattr__(name: str) -> Any:
 
     Where it listens is the server's to say (uvicorn's ``--host``/``--port``, or ``UVICORN_HOST``/
     ``UVICORN_PORT``): ``TIERKV_HOST`` and ``TIERKV_PORT`` are read by ``python -m examples.server``
-    alone, so a warning says so when they are set. Nor can the app check that address before its
+    alone, so a warning says so when they are set; so is ``TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN`` (uvicorn's
+    ``--timeout-graceful-shutdown``). Nor can the app check that address before its
     startup: uvicorn binds it only after the lifespan's startup has run (the store opened, the tiny
     model built: 0.08 s, against the seconds uvicorn's import of this module takes, torch's), and
     tells the app nothing of it (the lifespan's scope holds no address). ``python -m
@@ -581,6 +585,10 @@ def __getattr__(name: str) -> Any:
             logger.warning("%s set, but only `python -m examples.server` reads %s: a server importing "
                            "examples.server.app:app listens where its own flags say (uvicorn: --host, --port)",
                            " and ".join(ignored), "them" if len(ignored) > 1 else "it")
+        if "TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN" in os.environ:
+            logger.warning("TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN set, but only `python -m examples.server` reads it: "
+                           "a server importing examples.server.app:app shuts down as its own flags say (uvicorn: "
+                           "--timeout-graceful-shutdown)")
         app = globals()["app"] = create_app()  # later lookups find it without calling here
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

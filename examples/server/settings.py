@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class Settings:
     max_output_tokens: int = 512        # the largest max_tokens a request may ask for
     default_max_tokens: int = 128       # when a request gives none
     max_body_bytes: int = 4 * 2**20     # request bodies beyond this are refused with 413 before parsing
+    timeout_graceful_shutdown: float | None = None  # seconds uvicorn waits for requests on SIGTERM; None: all
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -69,6 +71,10 @@ class Settings:
         if self.max_input_tokens + self.max_output_tokens > MAX_POSITIONS:
             raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context; "
                              f"got {self.max_input_tokens} + {self.max_output_tokens}")
+        if self.timeout_graceful_shutdown is not None and not (
+                math.isfinite(self.timeout_graceful_shutdown) and self.timeout_graceful_shutdown >= 0):
+            raise ValueError(f"timeout_graceful_shutdown must be 0 or more seconds, or none to wait for every "
+                             f"request, got {self.timeout_graceful_shutdown}")
         if not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in {SEED_MIN}..{SEED_MAX} (what torch.manual_seed takes), got {self.seed}")
         if not 0 <= self.port <= 65535:
@@ -143,6 +149,10 @@ def _optional_str(text: str) -> str | None:
     return text or None
 
 
+def _optional_seconds(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none") else float(text)
+
+
 # field -> (flag, environment variable, parser, help)
 _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "model": ("--model", "TIERKV_MODEL", str, "the model: tiny, the built-in random model with a byte-level tokenizer"),
@@ -160,6 +170,9 @@ _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "max_output_tokens": ("--max-output-tokens", "TIERKV_MAX_OUTPUT_TOKENS", int, "largest max_tokens accepted"),
     "default_max_tokens": ("--default-max-tokens", "TIERKV_DEFAULT_MAX_TOKENS", int, "max_tokens when not given"),
     "max_body_bytes": ("--max-body-bytes", "TIERKV_MAX_BODY_BYTES", int, "largest request body, in bytes"),
+    "timeout_graceful_shutdown": ("--timeout-graceful-shutdown", "TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", _optional_seconds,
+                                  "seconds a shutdown (SIGTERM) waits for requests in flight, then answers them 503; "
+                                  "none: waits for every queued turn"),
     "host": ("--host", "TIERKV_HOST", str, "address to listen on"),
     "port": ("--port", "TIERKV_PORT", int, "port to listen on"),
 }
@@ -200,7 +213,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     for name, (flag, env, parse, text) in _FIELDS.items():
         # The defaults are Settings' own, shown here so that --help alone tells what a flag left out gives.
-        shown = "auto" if defaults[name] is None else defaults[name]
+        shown = ("auto" if name == "device" else "none") if defaults[name] is None else defaults[name]
         parser.add_argument(flag, dest=name, type=parse, default=argparse.SUPPRESS,
                             help=f"{text} (default: {shown}) [${env}]")
     args = vars(parser.parse_args(argv))
