@@ -509,6 +509,52 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
     assert cached(server.chat(messages, key="k-gone-plain", session="gone")) == 0
 
 
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server of its own whose streams send a keep-alive comment after 0.05 s of silence."""
+    settings = Settings(store=str(tmp_path_factory.mktemp("busy") / "kv"), sse_keep_alive=0.05, **SMALL)
+    app = create_app(settings)
+    uv, thread, sock, url = start_uvicorn(app, "test-uvicorn-busy")
+    try:
+        yield Server(url, settings, app.state.server, app)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+        sock.close()
+    assert not thread.is_alive()
+
+
+def test_a_queued_stream_sends_keep_alive_comments_and_the_same_content(busy: Server) -> None:
+    # A queued stream sent nothing after its role chunk until its turn began: a proxy's idle timeout
+    # (nginx's 60 s) cut it, and the turn was then dropped as abandoned.
+    messages = conversation("kept alive")
+    alone = busy.stream(messages, key="k-alive-alone")
+    body = {"model": "test-model", "messages": messages, "temperature": 0, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    gate = threading.Event()
+    held = busy.state.engine.submit(gate.wait)  # the turn stays queued until the comments came
+    try:
+        with httpx.stream("POST", f"{busy.url}/v1/chat/completions", json=body, timeout=30,
+                          headers={"X-API-Key": "k-alive"}) as r:
+            lines = r.iter_lines()
+            seen = [next(lines)]
+            while seen.count(": keep-alive") < 2:
+                seen.append(next(lines))
+            assert httpx.get(f"{busy.url}/healthz", timeout=5).json()["pending_turns"] == 1  # still queued
+            gate.set()
+            seen.extend(lines)
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    assert seen[0].startswith("data: ") and all(line.startswith(("data: ", ": ")) for line in seen if line)
+    payloads = [p if p == "[DONE]" else json.loads(p)
+                for p in (line[len("data: "):] for line in seen if line.startswith("data: "))]
+    for got in (payloads, alone):  # ids and times differ from stream to stream
+        for p in got[:-1]:
+            del p["id"], p["created"]
+    assert payloads == alone and payloads[-1] == "[DONE]"
+
+
 def hold_after_first_token(model: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Patch ``model.forward`` to hold a turn at its second forward (after its first token) until
     ``release`` is set; ``running`` is set once it holds there."""
@@ -1022,6 +1068,8 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--model-name", " tierkv"], "model_name must be 1 to 256 characters"),
     (["--model-name", "m" * 257], "model_name must be 1 to 256 characters"),
     (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
+    (["--sse-keep-alive", "0"], "sse_keep_alive must be more than 0 and at most 3600 seconds"),
+    (["--sse-keep-alive", "nan"], "sse_keep_alive must be more than 0 and at most 3600 seconds"),
     (["--timeout-graceful-shutdown", "-1"], "timeout_graceful_shutdown must be 0 or more seconds, or none"),
     (["--timeout-graceful-shutdown", "inf"], "timeout_graceful_shutdown must be 0 or more seconds, or none"),
     (["--seed", str(2**64)], "seed must be in -9223372036854775808..18446744073709551615"),
@@ -1351,7 +1399,7 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
 
             async def served() -> None:  # the app's stream of the same: an error event, not a cut
                 async for event in _sse(engine, Turn(ids=ids, session="z", tenant=None, max_tokens=4),
-                                        "c", 0, "m", False):
+                                        "c", 0, "m", False, 3600.0):
                     events.append(event)
 
             streamed = asyncio.ensure_future(consume())

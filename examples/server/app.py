@@ -433,11 +433,14 @@ def read_logit_bias(bias: dict[str, float] | None, vocab_size: int, never: froze
 _event = errors.sse_event
 
 
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients (OpenAI's among them) skip it, proxies see traffic
 
 
-async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool
-               ) -> AsyncIterator[str]:
-    """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``."""
+async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool,
+               keep_alive: float) -> AsyncIterator[str]:
+    """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``;
+    between them, a ``KEEP_ALIVE`` comment after each ``keep_alive`` seconds with nothing to send,
+    so that a proxy's idle timeout does not cut a turn that waits in the queue."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, result: TurnResult | None = None) -> str:
         return _event(schemas.chunk(cid, created, model, FINGERPRINT, delta, finish, include_usage, result))
 
@@ -445,9 +448,11 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
     result: TurnResult | None = None
     try:
         # aclosing: if this stream is abandoned, the engine's stream is closed too, which stops the turn.
-        async with contextlib.aclosing(engine.stream(turn)) as items:
+        async with contextlib.aclosing(engine.stream(turn, keep_alive)) as items:
             async for item in items:
-                if isinstance(item, str):
+                if item is None:
+                    yield KEEP_ALIVE
+                elif isinstance(item, str):
                     yield chunk({"content": item})
                 else:
                     result = item
@@ -520,7 +525,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or settings.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(server.engine, turn, cid, created, model, include_usage),
+            return StreamingResponse(_sse(server.engine, turn, cid, created, model, include_usage,
+                                          settings.sse_keep_alive),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:

@@ -4,7 +4,8 @@ Protocol::
 
     engine = Engine(model, tokenizer, store)
     result = await engine.complete(turn, until)   # -> TurnResult; TurnCancelled once until() returns first
-    async for item in engine.stream(turn): ...    # text deltas (str), then the TurnResult
+    async for item in engine.stream(turn, keep_alive=15.0): ...  # text deltas (str), then the TurnResult;
+                                                  # None after each 15 s with nothing to send (queued, or quiet)
     n = await engine.call(store.forget, ...)      # anything that must come after the turns queued before it
                                                   # (ServerClosing, like a turn, once close dropped it)
     engine.close()                                # finish the running turn, drop the queued ones
@@ -253,8 +254,10 @@ class Engine:
                 # Retrieved, so that a watcher that failed (rather than returned) logs no "never retrieved".
                 watcher.add_done_callback(lambda w: w.cancelled() or w.exception())
 
-    async def stream(self, turn: Turn) -> AsyncIterator[str | TurnResult]:
-        """Text deltas as tokens arrive, then the ``TurnResult``; the deltas join to its text."""
+    async def stream(self, turn: Turn, keep_alive: float | None = None) -> AsyncIterator[str | TurnResult | None]:
+        """Text deltas as tokens arrive, then the ``TurnResult``; the deltas join to its text. With
+        ``keep_alive``, also ``None`` each time that many seconds passed with nothing to send (queued,
+        or a turn gone quiet), for the caller to keep its connection alive with."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
         cancel = threading.Event()
@@ -274,7 +277,15 @@ class Engine:
             # (a job's own `finally` never ran then, and the consumer below waited forever).
             submitted.add_done_callback(lambda _: emit(None))
             future = asyncio.wrap_future(submitted)
-            while (tokens := await queue.get()) is not None:
+            while True:
+                try:
+                    # Cancelling a Queue.get loses no item: put_nowait stores it before waking the getter.
+                    tokens = await asyncio.wait_for(queue.get(), keep_alive)
+                except TimeoutError:
+                    yield None
+                    continue
+                if tokens is None:
+                    break
                 ids.extend(tokens)
                 text = self.tokenizer.decode(ids)
                 ready = _final_chars(text, turn.stop, hold)

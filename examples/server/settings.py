@@ -44,6 +44,7 @@ class Settings:
     max_output_tokens: int = 512        # the largest max_tokens a request may ask for
     default_max_tokens: int = 128       # when a request gives none
     max_body_bytes: int = 4 * 2**20     # request bodies beyond this are refused with 413 before parsing
+    sse_keep_alive: float = 15.0        # seconds without a chunk before a stream sends a ": keep-alive" comment
     timeout_graceful_shutdown: float | None = None  # seconds uvicorn waits for requests on SIGTERM; None: all
     host: str = "127.0.0.1"
     port: int = 8000
@@ -71,6 +72,10 @@ class Settings:
         if self.max_input_tokens + self.max_output_tokens > MAX_POSITIONS:
             raise ValueError(f"max_input_tokens + max_output_tokens must be <= {MAX_POSITIONS}, the model's context; "
                              f"got {self.max_input_tokens} + {self.max_output_tokens}")
+        # A proxy's idle timeout (nginx's 60 s) cuts a stream that sends nothing for longer than this.
+        if not (math.isfinite(self.sse_keep_alive) and 0 < self.sse_keep_alive <= 3600):
+            raise ValueError(f"sse_keep_alive must be more than 0 and at most 3600 seconds (below the idle timeout "
+                             f"of the proxies in front), got {self.sse_keep_alive}")
         if self.timeout_graceful_shutdown is not None and not (
                 math.isfinite(self.timeout_graceful_shutdown) and self.timeout_graceful_shutdown >= 0):
             raise ValueError(f"timeout_graceful_shutdown must be 0 or more seconds, or none to wait for every "
@@ -170,6 +175,8 @@ _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "max_output_tokens": ("--max-output-tokens", "TIERKV_MAX_OUTPUT_TOKENS", int, "largest max_tokens accepted"),
     "default_max_tokens": ("--default-max-tokens", "TIERKV_DEFAULT_MAX_TOKENS", int, "max_tokens when not given"),
     "max_body_bytes": ("--max-body-bytes", "TIERKV_MAX_BODY_BYTES", int, "largest request body, in bytes"),
+    "sse_keep_alive": ("--sse-keep-alive", "TIERKV_SSE_KEEP_ALIVE", float,
+                       "seconds a stream may send nothing (queued, or generating) before it sends a keep-alive comment"),
     "timeout_graceful_shutdown": ("--timeout-graceful-shutdown", "TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", _optional_seconds,
                                   "seconds a shutdown (SIGTERM) waits for requests in flight, then answers them 503; "
                                   "none: waits for every queued turn"),
