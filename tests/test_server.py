@@ -511,8 +511,10 @@ def test_an_abandoned_queued_non_streamed_turn_is_dropped_too(server: Server) ->
 
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server of its own whose streams send a keep-alive comment after 0.05 s of silence."""
-    settings = Settings(store=str(tmp_path_factory.mktemp("busy") / "kv"), sse_keep_alive=0.05, **SMALL)
+    """A server of its own whose streams send a keep-alive comment after 0.05 s of silence and whose
+    queue holds 3 turns, so that these tests can fill it."""
+    settings = Settings(store=str(tmp_path_factory.mktemp("busy") / "kv"), sse_keep_alive=0.05, max_pending_turns=3,
+                        **SMALL)
     app = create_app(settings)
     uv, thread, sock, url = start_uvicorn(app, "test-uvicorn-busy")
     try:
@@ -553,6 +555,112 @@ def test_a_queued_stream_sends_keep_alive_comments_and_the_same_content(busy: Se
         for p in got[:-1]:
             del p["id"], p["created"]
     assert payloads == alone and payloads[-1] == "[DONE]"
+
+
+def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_alone(busy: Server) -> None:
+    # Every request waited in an unbounded queue. The limit counts streams as their requests come,
+    # not when their responses start: a burst of streams all saw a count their neighbours had not
+    # raised yet.
+    # Distinct from their first character on, so that no prompt hits another's blocks.
+    convs = [[{"role": "user", "content": f"{i} is the number of this queued turn."}] for i in range(8)]
+    alone = [text(busy.chat(c, key="k-full-alone")) for c in convs]
+    body = {"temperature": 0, "max_tokens": 8, "stream": True}
+    gate = threading.Event()
+    held = busy.state.engine.submit(gate.wait)  # the running turn: the queue holds whatever comes now
+    pool = concurrent.futures.ThreadPoolExecutor(len(convs))
+    try:
+        def stream(i: int) -> tuple[int, list[str], httpx.Headers]:
+            with httpx.stream("POST", f"{busy.url}/v1/chat/completions", json={**body, "messages": convs[i]},
+                              headers={"X-API-Key": "k-full"}, timeout=60) as r:
+                return r.status_code, list(r.iter_lines()), r.headers
+
+        started = [pool.submit(stream, i) for i in range(len(convs))]  # at once
+        deadline = time.monotonic() + 30
+        while sum(f.done() for f in started) < len(convs) - 3:  # the refused end; the others wait
+            assert time.monotonic() < deadline, "the requests past the limit were never refused"
+            time.sleep(0.02)
+        wait_for_pending(busy, 3, "the three turns the queue holds were never queued")
+        # The same full queue, for a request not streamed.
+        r = busy.post({"messages": convs[0], "temperature": 0, "max_tokens": 8}, key="k-full")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        error = r.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        assert "3 turns are queued or running already" in error["message"]
+        assert busy.state.engine.pending == 3
+        gate.set()
+        outcomes = [f.result(timeout=60) for f in started]
+    finally:
+        gate.set()  # before the pool waits for its requests: a failure above must not wait on them
+        held.result(timeout=60)
+        pool.shutdown()
+    accepted = [i for i, (status, _, _) in enumerate(outcomes) if status == 200]
+    assert len(accepted) == 3, [status for status, _, _ in outcomes]
+    for i, (status, lines, headers) in enumerate(outcomes):
+        if status == 429:
+            assert headers["retry-after"] == "1"
+            assert json.loads("".join(lines))["error"]["type"] == "rate_limit_error"
+        else:  # the queued turns finish as they would alone
+            payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+            assert "".join(p["choices"][0]["delta"].get("content", "") for p in payloads) == alone[i]
+    wait_for_pending(busy, 0, "the queue never emptied")
+    # Refused before the store: the refused prompts were not committed, the accepted ones were.
+    # (Beyond the 2 tokens of the chat template's opening, which every conversation shares.)
+    assert [cached(busy.chat(c, key="k-full")) > 2 for c in convs] == [i in accepted for i in range(len(convs))]
+
+
+def test_a_stream_holds_its_place_in_the_queue_from_its_request_on() -> None:
+    # A stream's generator counts its turn only once its response has started: requests that came
+    # in between saw the queue with room, and a stream whose response never started held nothing.
+    # Counted at the request, it must be given back by a response that never started.
+    import asyncio
+
+    state = ServerState.start(Settings(store=None, max_pending_turns=1, **SMALL))
+    app = create_app(state.settings)
+    app.state.server = state
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    json_type = [(b"content-type", b"application/json")]
+
+    async def request(payload: dict[str, Any], hold: asyncio.Event | None = None,
+                      held: asyncio.Event | None = None) -> list[dict[str, Any]]:
+        scope = {**ASGI_SCOPE, "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "headers": json_type}
+        pending = [{"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if pending:
+                return pending.pop(0)
+            await asyncio.Event().wait()  # never: this client sends nothing more
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if hold is not None and held is not None and message["type"] == "http.response.start":
+                held.set()
+                await hold.wait()  # a slow network: the stream's generator has not started
+
+        await app(scope, receive, send)
+        return sent
+
+    async def scenario() -> None:
+        hold, held = asyncio.Event(), asyncio.Event()
+        stream = asyncio.ensure_future(request({**body, "stream": True}, hold, held))
+        await asyncio.wait_for(held.wait(), 30)
+        assert state.engine.pending == 1 and not stream.done()
+        refused = await request(body)
+        assert refused[0]["status"] == 429 and (b"retry-after", b"1") in refused[0]["headers"]
+        assert state.engine.pending == 1
+        stream.cancel()  # its connection is gone before the response began
+        await asyncio.wait([stream])
+        assert state.engine.pending == 0, "a stream that never started kept its place"
+        done = await request({**body, "stream": True})
+        assert done[0]["status"] == 200 and b"data: [DONE]" in b"".join(m.get("body", b"") for m in done[1:])
+        assert (await request(body))[0]["status"] == 200 and state.engine.pending == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        state.close()
 
 
 def hold_after_first_token(model: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
@@ -1068,6 +1176,7 @@ def test_help_tells_each_flags_default_and_the_hidden_sizes_the_server_takes(
     (["--model-name", " tierkv"], "model_name must be 1 to 256 characters"),
     (["--model-name", "m" * 257], "model_name must be 1 to 256 characters"),
     (["--default-max-tokens", "600"], "default_max_tokens (600) must not exceed max_output_tokens (512)"),
+    (["--max-pending-turns", "0"], "max_pending_turns must be >= 1, got 0"),
     (["--sse-keep-alive", "0"], "sse_keep_alive must be more than 0 and at most 3600 seconds"),
     (["--sse-keep-alive", "nan"], "sse_keep_alive must be more than 0 and at most 3600 seconds"),
     (["--timeout-graceful-shutdown", "-1"], "timeout_graceful_shutdown must be 0 or more seconds, or none"),
@@ -1399,7 +1508,7 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
 
             async def served() -> None:  # the app's stream of the same: an error event, not a cut
                 async for event in _sse(engine, Turn(ids=ids, session="z", tenant=None, max_tokens=4),
-                                        "c", 0, "m", False, 3600.0):
+                                        "c", 0, "m", False, 3600.0, engine.admit()):
                     events.append(event)
 
             streamed = asyncio.ensure_future(consume())

@@ -25,7 +25,9 @@ Who is asking:
   value, not from a path or a JSON string) or control characters are refused (``check_session_id``).
 
 Per request: validate (every refusal is an OpenAI error body with a 4xx status, see ``errors``),
-template the messages to ids, then one tierkv turn on the engine (``engine``):
+template the messages to ids, take a place in the engine's queue (past ``max_pending_turns`` turns
+queued or running: a 429 with ``Retry-After``; a stream takes its place before its response starts,
+``AdmittedStream``), then one tierkv turn on the engine (``engine``):
 ``store.open`` -> ``generate`` -> ``cache.commit``. ``usage.prompt_tokens_details.cached_tokens``
 is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from``.
 
@@ -76,7 +78,7 @@ from tierkv import TieredStore
 from tierkv.metrics import StoreCollector
 
 from . import errors, schemas
-from .engine import Engine, ServerClosing, Turn, TurnCancelled, TurnResult, build_model
+from .engine import Admission, Engine, QueueFull, ServerClosing, Turn, TurnCancelled, TurnResult, build_model
 from .errors import ApiError
 from .settings import Settings
 from .tokenizer import END
@@ -114,7 +116,7 @@ class ServerState:
             raise
         logger.info("serving %s (%s) on %s; store %s", settings.model_name, settings.model, store.device,
                     settings.store or "without a disk tier")
-        return cls(settings, store, Engine(model, tokenizer, store), registry, collector)
+        return cls(settings, store, Engine(model, tokenizer, store, settings.max_pending_turns), registry, collector)
 
     def close(self) -> None:
         self.engine.close()  # first: the turn still running commits into the open store
@@ -434,10 +436,12 @@ _event = errors.sse_event
 
 
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients (OpenAI's among them) skip it, proxies see traffic
+# Seconds a client told 429 is asked to wait: about a few short turns' worth of the queue draining.
+RETRY_AFTER = 1
 
 
 async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool,
-               keep_alive: float) -> AsyncIterator[str]:
+               keep_alive: float, admission: Admission) -> AsyncIterator[str]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``;
     between them, a ``KEEP_ALIVE`` comment after each ``keep_alive`` seconds with nothing to send,
     so that a proxy's idle timeout does not cut a turn that waits in the queue."""
@@ -448,7 +452,7 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
     result: TurnResult | None = None
     try:
         # aclosing: if this stream is abandoned, the engine's stream is closed too, which stops the turn.
-        async with contextlib.aclosing(engine.stream(turn, keep_alive)) as items:
+        async with contextlib.aclosing(engine.stream(turn, keep_alive, admission)) as items:
             async for item in items:
                 if item is None:
                     yield KEEP_ALIVE
@@ -471,6 +475,26 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, i
     if include_usage:
         yield chunk(None, result=result)
     yield "data: [DONE]\n\n"
+
+
+class AdmittedStream(StreamingResponse):
+    """A stream whose turn was counted in ``pending`` before its response started (``Engine.admit``):
+    its generator gives the count back as it ends, but one that never started (the client left before
+    the response began) or was left suspended (a send failed) runs no ``finally`` of its own."""
+
+    def __init__(self, content: AsyncIterator[str], admission: Admission, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._content = content
+        self._admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._content.aclose()  # a suspended stream drops its turn (queued) or stops it
+            finally:
+                self._admission.release()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -503,6 +527,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # A request that reaches the engine once it closed (a DELETE's call, say): not a bug, not a 500.
         return errors.shutting_down().response()
 
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        # Refused before anything was queued or stored: the client may simply retry.
+        error = ApiError(429, f"this server is busy: {exc}; retry after {RETRY_AFTER} s",
+                         type="rate_limit_error", code="rate_limit_exceeded")
+        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER)})
+
     def state(request: Request) -> ServerState:
         return request.app.state.server
 
@@ -525,10 +556,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or settings.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(server.engine, turn, cid, created, model, include_usage,
-                                          settings.sse_keep_alive),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            # Counted here, not when the stream starts: the status line must say 429, and requests that
+            # came in between would not have seen the count.
+            admission = server.engine.admit()
+            return AdmittedStream(_sse(server.engine, turn, cid, created, model, include_usage,
+                                       settings.sse_keep_alive, admission), admission,
+                                  media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             # The turn is cancelled if the client leaves: dropped if still queued, else stopped at its next token.
             result = await server.engine.complete(turn, until=lambda: client_left(request))

@@ -2,10 +2,12 @@
 
 Protocol::
 
-    engine = Engine(model, tokenizer, store)
+    engine = Engine(model, tokenizer, store, max_pending=64)
     result = await engine.complete(turn, until)   # -> TurnResult; TurnCancelled once until() returns first
     async for item in engine.stream(turn, keep_alive=15.0): ...  # text deltas (str), then the TurnResult;
                                                   # None after each 15 s with nothing to send (queued, or quiet)
+    admission = engine.admit()                    # counted in pending now; QueueFull at max_pending
+    engine.stream(turn, admission=admission)      # ... which the stream gives back when it ends
     n = await engine.call(store.forget, ...)      # anything that must come after the turns queued before it
                                                   # (ServerClosing, like a turn, once close dropped it)
     engine.close()                                # finish the running turn, drop the queued ones
@@ -23,6 +25,12 @@ whose client left before it started be dropped from the queue. The commit runs o
 after ``generate``, before anything is handed back, so streamed turns commit too. A turn whose client
 disconnects (a stream closed, or ``complete``'s ``until`` returned) is dropped if it has not started,
 and otherwise stops at the next token and commits what it generated.
+
+``pending`` (turns queued or running) is bounded by ``max_pending``: a turn past it is refused with
+``QueueFull`` before anything is queued. ``complete`` counts its turn as it is called; a stream's
+generator runs only once its response has started, so whoever must refuse it before that (with a
+status, not an error event) counts it with ``admit`` first, and gives the count back with
+``Admission.release`` if the stream never ran (releasing twice is a no-op).
 """
 
 from __future__ import annotations
@@ -99,6 +107,27 @@ class TurnCancelled(Exception):
 
 class ServerClosing(TurnCancelled):
     """``Engine.close`` dropped the turn from the queue before it ran, or it came after (the server shuts down)."""
+
+
+class QueueFull(Exception):
+    """``max_pending`` turns are queued or running already: the turn is refused, nothing was queued."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} turns are queued or running already, this server's limit")
+        self.limit = limit
+
+
+class Admission:
+    """One turn counted in ``Engine.pending``; ``release`` gives the count back, once."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine: Engine | None = engine
+        engine.pending += 1
+
+    def release(self) -> None:
+        if self._engine is not None:
+            self._engine.pending -= 1
+            self._engine = None
 
 
 class _Streamer(BaseStreamer):
@@ -201,14 +230,23 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 class Engine:
     """Runs turns one at a time on a worker thread; see the module docstring for the protocol."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: ByteChatTokenizer, store: TieredStore) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: ByteChatTokenizer, store: TieredStore,
+                 max_pending: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
         self.pending = 0  # turns queued or running; touched on the event loop only
+        self.max_pending = max_pending  # None: unbounded
         self._closing = False
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-generate")
         self._suppress = list(tokenizer.suppress_ids)
+
+    def admit(self) -> Admission:
+        """Count one more turn in ``pending``, or raise ``QueueFull`` (nothing counted) at ``max_pending``.
+        Checked and counted without an await between, so concurrent requests cannot both take the last place."""
+        if self.max_pending is not None and self.pending >= self.max_pending:
+            raise QueueFull(self.max_pending)
+        return Admission(self)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the worker thread after every turn submitted before it; ``ServerClosing`` once
@@ -231,7 +269,7 @@ class Engine:
         """The turn's result; ``until()`` (say, the client's disconnect) returning first cancels the turn
         (dropped if still queued, else stopped at its next token) and raises ``TurnCancelled``."""
         cancel = threading.Event()
-        self.pending += 1
+        admission = self.admit()
         watcher: asyncio.Future[object] | None = None
         try:
             submitted = self.submit(self._run, turn, None, cancel)
@@ -248,16 +286,18 @@ class Engine:
                 if not future.done():
                     future.cancel()  # a queued turn is dropped; a running one's outcome is not wanted
         finally:
-            self.pending -= 1
+            admission.release()
             if watcher is not None:
                 watcher.cancel()
                 # Retrieved, so that a watcher that failed (rather than returned) logs no "never retrieved".
                 watcher.add_done_callback(lambda w: w.cancelled() or w.exception())
 
-    async def stream(self, turn: Turn, keep_alive: float | None = None) -> AsyncIterator[str | TurnResult | None]:
+    async def stream(self, turn: Turn, keep_alive: float | None = None,
+                     admission: Admission | None = None) -> AsyncIterator[str | TurnResult | None]:
         """Text deltas as tokens arrive, then the ``TurnResult``; the deltas join to its text. With
         ``keep_alive``, also ``None`` each time that many seconds passed with nothing to send (queued,
-        or a turn gone quiet), for the caller to keep its connection alive with."""
+        or a turn gone quiet), for the caller to keep its connection alive with. ``admission``: the
+        turn's count in ``pending``, taken by ``admit`` (else the stream takes it as it starts)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
         cancel = threading.Event()
@@ -270,7 +310,7 @@ class Engine:
         ids: list[int] = []
         sent = 0
         future: asyncio.Future[TurnResult] | None = None
-        self.pending += 1
+        admission = self.admit() if admission is None else admission
         try:  # from the count on: whatever raises (submit, once closed), the count is given back
             submitted = self.submit(self._run, turn, emit, cancel)
             # The end of the deltas, after the job's last emit; also for a turn close() drops unrun
@@ -297,7 +337,7 @@ class Engine:
                 yield result.text[sent:]
             yield result
         finally:
-            self.pending -= 1
+            admission.release()
             cancel.set()  # no-op after the turn finished; else the worker stops at its next token
             if future is not None and not future.done():
                 future.cancel()  # a queued turn is dropped; a running one's outcome is not wanted
