@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,11 @@ def start_uvicorn(app: Any, name: str, **config: Any) -> tuple[Any, threading.Th
     return uv, thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    settings = Settings(store=str(tmp_path_factory.mktemp("server") / "kv"), **SMALL)
+@contextlib.contextmanager
+def served(settings: Settings, name: str) -> Iterator[Server]:
+    """The app of ``settings`` under uvicorn in a thread named ``name``, stopped on exit."""
     app = create_app(settings)
-    uv, thread, sock, url = start_uvicorn(app, "test-uvicorn")
+    uv, thread, sock, url = start_uvicorn(app, name)
     try:
         yield Server(url, settings, app.state.server, app)
     finally:
@@ -115,6 +116,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         thread.join(60)
         sock.close()
     assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with served(Settings(store=str(tmp_path_factory.mktemp("server") / "kv"), **SMALL), "test-uvicorn") as running:
+        yield running
 
 
 def text(response: dict[str, Any]) -> str:
@@ -515,15 +522,8 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     queue holds 3 turns, so that these tests can fill it."""
     settings = Settings(store=str(tmp_path_factory.mktemp("busy") / "kv"), sse_keep_alive=0.05, max_pending_turns=3,
                         **SMALL)
-    app = create_app(settings)
-    uv, thread, sock, url = start_uvicorn(app, "test-uvicorn-busy")
-    try:
-        yield Server(url, settings, app.state.server, app)
-    finally:
-        uv.should_exit = True
-        thread.join(60)
-        sock.close()
-    assert not thread.is_alive()
+    with served(settings, "test-uvicorn-busy") as running:
+        yield running
 
 
 def test_a_queued_stream_sends_keep_alive_comments_and_the_same_content(busy: Server) -> None:
@@ -624,14 +624,8 @@ def test_a_stream_holds_its_place_in_the_queue_from_its_request_on() -> None:
                       held: asyncio.Event | None = None) -> list[dict[str, Any]]:
         scope = {**ASGI_SCOPE, "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
                  "headers": json_type}
-        pending = [{"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}]
+        receive = receiving([{"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}])
         sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            if pending:
-                return pending.pop(0)
-            await asyncio.Event().wait()  # never: this client sends nothing more
-            raise AssertionError
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
@@ -718,6 +712,20 @@ ASGI_SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
               "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
 
 
+def receiving(messages: list[dict[str, Any]]) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive`` handing out ``messages``, then waiting for good: a client that sends
+    nothing more."""
+    import asyncio
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    return receive
+
+
 def call_asgi(app: FastAPI, method: str, path: str, headers: list[tuple[bytes, bytes]],
               received: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What ``app`` sends for one request whose client sends ``received`` (then waits): no server
@@ -728,13 +736,7 @@ def call_asgi(app: FastAPI, method: str, path: str, headers: list[tuple[bytes, b
     sent: list[dict[str, Any]] = []
 
     async def run() -> None:
-        pending = list(received)
-
-        async def receive() -> dict[str, Any]:
-            if pending:
-                return pending.pop(0)
-            await asyncio.Event().wait()  # never: this client sends nothing more
-            raise AssertionError
+        receive = receiving(list(received))
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)

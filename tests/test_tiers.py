@@ -1979,12 +1979,15 @@ def test_a_timeout_as_the_lock_file_is_looked_at_for_a_link_is_raised(tmp_path: 
                                     lambda sent: None, looks, timeout=True) >= 1
 
 
-def test_a_timeout_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corrupt_record(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A signal handler's ``TimeoutError`` as a read decodes a record's header (a restore from
-    disk, in the caller's thread) reaches the caller. Before, the codec's ``except Exception``
-    took it for garbage: ``CorruptRecord``, whose traceback no longer shows the handler, so the
-    store counted a sound block as corrupt and dropped it, and the timeout was lost."""
+@pytest.mark.parametrize("handler", ["a timeout", "its own exception"])
+def test_a_handlers_exception_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corrupt_record(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, handler: str) -> None:
+    """A signal handler's exception as a read decodes a record's header (a restore from disk, in
+    the caller's thread) reaches the caller: a ``TimeoutError``, or an ``Exception`` of the
+    program's own. Before, the codec's ``except Exception`` took it for garbage: ``CorruptRecord``,
+    whose traceback no longer shows the handler, so the store counted a sound block as corrupt and
+    dropped it, and the exception was lost (then, re-raising only ``OSError``s, the program's own
+    still was)."""
     from conftest import raised_on_the_way_in
 
     # A Cython function, whose return the profiler does not see (see the scan's test).
@@ -1997,27 +2000,13 @@ def test_a_timeout_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corr
             assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1))
             return contextlib.nullcontext()
 
-        assert raised_on_the_way_in(loaded, lambda sent: None, within={"_parse_header"}, timeout=True) > 3
+        assert raised_on_the_way_in(loaded, lambda sent: None, within={"_parse_header"},
+                                    timeout=handler == "a timeout") > 3
 
 
-def test_a_handlers_own_exception_as_a_records_header_is_decoded_is_raised_not_taken_for_a_corrupt_record(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the test above, a handler raising an ``Exception`` of the program's own (not an
-    ``OSError``): it reaches the caller. Before, the codec re-raised only ``OSError``s and took
-    any other exception for garbage (``CorruptRecord``), a sound block counted corrupt."""
-    from conftest import raised_on_the_way_in
+def test_msgpacks_answers_to_a_garbage_header_are_a_corrupt_record() -> None:
     from tierkv.codec import decode_header
 
-    unpackb = msgpack.unpackb  # Cython: its return is unseen by the profiler
-    monkeypatch.setattr(msgpack, "unpackb", lambda *args, **kwargs: unpackb(*args, **kwargs))
-    with opened(tmp_path / "store") as tier:
-        assert tier.apply([put_op(1)]) == [None]
-
-        def loaded() -> contextlib.nullcontext:
-            assert torch.equal(tier.load(key(1), empty)[1], block_tensor(1))
-            return contextlib.nullcontext()
-
-        assert raised_on_the_way_in(loaded, lambda sent: None, within={"_parse_header"}) > 3
     # msgpack's answers to garbage are still a corrupt record, never its own error.
     for garbage in (b"\xc1", b"\x81\x91\x01\x01", b"\xdd\xff\xff\xff\xff", b"\xa2\xff\xfe", b"\x01\x02",
                     b"\x91" * 2000, b"\xc7\x0d\xff" + b"\xff" * 13):
