@@ -491,6 +491,43 @@ def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys
     assert closed == [0]  # the walk stepped while the other store was open, and closed it
     TieredStore(tmp_path / "b", device="cpu", block_size=4).close()
 
+def test_a_tier_closed_in_another_thread_while_stored_meta_looks_for_it_is_no_error(tmp_path):
+    """``stored_meta`` walks this process's open disk tiers for one holding its data file. A close
+    in another thread takes its tier out of that set: at a thread switch inside the walk, it
+    raised ``RuntimeError`` ("Set changed size during iteration") instead of answering. The
+    close runs at the walk's first step, from a profile function, as the test above does."""
+    import inspect
+
+    from tierkv.tiers.disk import DiskTier
+
+    TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
+    others = [TieredStore(tmp_path / name, device="cpu", block_size=4) for name in ("b", "c")]
+    closed: list[int] = []
+
+    def in_the_walk(frame) -> bool:
+        for _ in range(3):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "_open_here":
+                return True
+        return False
+
+    def close_other(frame, event, _arg) -> None:
+        if event == "return" and frame.f_code.co_flags & inspect.CO_GENERATOR and not closed and \
+                in_the_walk(frame):
+            closed.append(others[0].close())
+
+    sys.setprofile(close_other)
+    try:
+        assert DiskTier.stored_meta(tmp_path / "a")["block_size"] == 4
+    finally:
+        sys.setprofile(None)
+        for other in others:
+            other.close()
+    assert closed == [0]  # the walk stepped while the other tier was open, and closed it
+
+
 FINALISED_AT_EXIT = """
 import sys, tempfile
 from tierkv import TieredStore

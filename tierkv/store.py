@@ -97,7 +97,8 @@ from .readers import Latch, ReadPool, helper_threads
 from .tiers import DeviceTier, DiskTier, HostTier
 from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, DiskOp, DiskSyncFailed, DropRefs,
                          DropSessions, FilesystemFull, PutBlock, PutHeads, PutRefs, StoreInUse,
-                         Scrubbed, Touch, block_bytes, dtype_name, op_count, op_size, slack, torch_dtype)
+                         Scrubbed, Touch, block_bytes, dtype_name, op_count, op_size, slack, torch_dtype,
+                         weak_members)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, WriteNotQueued, copy_timer, cpu_wait_seconds,
                        resolve_device)
@@ -253,12 +254,10 @@ _open_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
 
 def _stores_open() -> list[TieredStore]:
-    """The stores in ``_open_stores``, read from a copy of its references that one C call makes:
-    a walk of the set itself raised ``RuntimeError`` ("Set changed size during iteration") where
-    a close in another thread took its store out meanwhile (``_release``), as the close of a
-    dropped store does while the next store on its directory looks for its writer."""
-    refs = _open_stores.data.copy()  # type: ignore[attr-defined]
-    return [store for store in (ref() for ref in refs) if store is not None]
+    """The stores in ``_open_stores`` (``weak_members``: a close in another thread takes its store
+    out, ``_release``, as the close of a dropped store does while the next store on its directory
+    looks for its writer)."""
+    return weak_members(_open_stores)
 
 
 #: Closes of stores dropped without ``close()`` that are still running (``TieredStore.__del__``).
@@ -588,9 +587,7 @@ class TieredStore:
                 try:
                     self._close(0)
                 except Exception as exc:  # noqa: BLE001 - the first error is the one to report
-                    if not raised_by_signal_handler(exc):
-                        logger.exception("tierkv: releasing a store that failed to open also failed")
-                    else:
+                    if raised_by_signal_handler(exc):
                         # A SIGALRM timeout's, say, cutting the release short: the directory stayed
                         # locked (every retry in this process found the store in use), and the
                         # timeout was logged as a failed release. Finished, then raised.
@@ -599,6 +596,7 @@ class TieredStore:
                         except Exception:  # noqa: BLE001 - the handler's exception is the one to raise
                             logger.exception("tierkv: releasing a store that failed to open also failed")
                         raise
+                    logger.exception("tierkv: releasing a store that failed to open also failed")
             raise
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -305,6 +305,14 @@ class StoreInUse(ValueError):
 _open_tiers: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
 
 
+def weak_members(members: "weakref.WeakSet[Any]") -> list[Any]:
+    """The live members of a ``WeakSet``, read from a copy of its references that one C call
+    makes: a walk of the set itself raised ``RuntimeError`` ("Set changed size during iteration")
+    where a close in another thread took its member out meanwhile."""
+    refs = members.data.copy()  # type: ignore[attr-defined]
+    return [member for member in (ref() for ref in refs) if member is not None]
+
+
 def _forget_tiers_in_child() -> None:
     """After a fork, in the child: drop its copies of every tier's descriptors. The directory's
     lock (``flock``) belongs to the open file the two processes now share, so the child kept the
@@ -326,7 +334,7 @@ if hasattr(os, "register_at_fork"):
 
 def _open_here(data: os.stat_result) -> bool:
     """Whether a disk tier of this process holds the data file ``data`` (its ``stat``) open."""
-    for tier in list(_open_tiers):
+    for tier in weak_members(_open_tiers):
         fd = tier._data_fd
         if fd is None:
             continue
@@ -1540,7 +1548,7 @@ class DiskTier:
         # locks).
         try:
             # Read-only, the map reaches past a truncated file's end, and reading there is a SIGBUS.
-            short = _truncated(env, os.path.getsize(os.path.join(path, "data.mdb")))
+            short = _truncated(env, data.st_size)
             if short is not None:
                 raise DamagedStore(path, short)
             # A tierkv store's tables (its main table lists them): a meta record that cannot be
