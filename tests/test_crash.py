@@ -453,25 +453,18 @@ def test_a_timeout_as_a_refused_open_waits_for_its_directorys_writer_is_raised(t
     TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
 
 
-def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys_writer_is_no_error(tmp_path):
-    """A store refused by one of this process's walks the open stores for a writer on its
-    directory. A close in another thread takes its store out of that set (``_release``): at a
-    thread switch inside the walk, the open raised ``RuntimeError`` ("Set changed size during
-    iteration") instead of ``StoreInUse``. The close runs at the walk's first step (a generator's
-    first yield, below ``_open_disk_tier`` and not in the open it retries), from a profile
-    function, as a switch there would run it."""
+def closing_in_a_walk(walker: str, depth: int, other: TieredStore, closed: list[int]):
+    """A profile function that closes ``other`` (once, noting it in ``closed``) as a generator
+    returns within ``depth`` frames below ``walker`` (not below a constructor first): the first
+    step of a walk of a ``WeakSet``, where a thread switch would let another thread's close in."""
     import inspect
 
-    held = TieredStore(tmp_path / "a", device="cpu", block_size=4)
-    other = TieredStore(tmp_path / "b", device="cpu", block_size=4)
-    closed: list[int] = []
-
     def in_the_walk(frame) -> bool:
-        for _ in range(4):
+        for _ in range(depth):
             frame = frame.f_back
             if frame is None or frame.f_code.co_name == "__init__":
                 return False
-            if frame.f_code.co_name == "_open_disk_tier":
+            if frame.f_code.co_name == walker:
                 return True
         return False
 
@@ -480,7 +473,20 @@ def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys
                 in_the_walk(frame):
             closed.append(other.close())
 
-    sys.setprofile(close_other)
+    return close_other
+
+
+def test_a_store_closed_in_another_thread_while_an_open_looks_for_its_directorys_writer_is_no_error(tmp_path):
+    """A store refused by one of this process's walks the open stores for a writer on its
+    directory. A close in another thread takes its store out of that set (``_release``): at a
+    thread switch inside the walk, the open raised ``RuntimeError`` ("Set changed size during
+    iteration") instead of ``StoreInUse``. The close runs at the walk's first step (a generator's
+    first yield, below ``_open_disk_tier`` and not in the open it retries), from a profile
+    function, as a switch there would run it."""
+    held = TieredStore(tmp_path / "a", device="cpu", block_size=4)
+    other = TieredStore(tmp_path / "b", device="cpu", block_size=4)
+    closed: list[int] = []
+    sys.setprofile(closing_in_a_walk("_open_disk_tier", 4, other, closed))
     try:
         with pytest.raises(StoreInUse, match="in use by another TieredStore"):
             TieredStore(tmp_path / "a", device="cpu", block_size=4)
@@ -496,29 +502,12 @@ def test_a_tier_closed_in_another_thread_while_stored_meta_looks_for_it_is_no_er
     in another thread takes its tier out of that set: at a thread switch inside the walk, it
     raised ``RuntimeError`` ("Set changed size during iteration") instead of answering. The
     close runs at the walk's first step, from a profile function, as the test above does."""
-    import inspect
-
     from tierkv.tiers.disk import DiskTier
 
     TieredStore(tmp_path / "a", device="cpu", block_size=4).close()
     others = [TieredStore(tmp_path / name, device="cpu", block_size=4) for name in ("b", "c")]
     closed: list[int] = []
-
-    def in_the_walk(frame) -> bool:
-        for _ in range(3):
-            frame = frame.f_back
-            if frame is None:
-                return False
-            if frame.f_code.co_name == "_open_here":
-                return True
-        return False
-
-    def close_other(frame, event, _arg) -> None:
-        if event == "return" and frame.f_code.co_flags & inspect.CO_GENERATOR and not closed and \
-                in_the_walk(frame):
-            closed.append(others[0].close())
-
-    sys.setprofile(close_other)
+    sys.setprofile(closing_in_a_walk("_open_here", 3, others[0], closed))
     try:
         assert DiskTier.stored_meta(tmp_path / "a")["block_size"] == 4
     finally:
