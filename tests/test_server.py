@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -1101,6 +1101,11 @@ def test_other_refusals_are_openai_errors_too(server: Server) -> None:
 
 def test_healthz_models_and_metrics(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+    # A load balancer's HEAD probe was a 405; the 404's list of routes still names each GET once.
+    for path in ("/healthz", "/v1/models", f"/v1/models/{server.settings.model_name}", "/metrics"):
+        r = httpx.head(f"{server.url}{path}")
+        assert r.status_code == 200 and r.content == b"", path
+    assert "HEAD" not in httpx.get(f"{server.url}/v1/nowhere").json()["error"]["message"]
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == server.settings.model_name
     # OpenAI's retrieve (client.models.retrieve): it was a 404 for the served model too.
@@ -1230,6 +1235,35 @@ def test_python_m_examples_server_hands_its_graceful_shutdown_timeout_to_uvicorn
     main(["--store", "none", "--port", "0", "--timeout-graceful-shutdown", "none"])
     main(["--store", "none", "--port", "0", "--timeout-graceful-shutdown", "0"])
     assert [config["timeout_graceful_shutdown"] for config in ran] == [None, 2.5, None, 0.0]
+
+
+def test_the_system_fingerprint_names_what_decides_the_replies(server: Server) -> None:
+    from examples.server.app import fingerprint
+
+    messages = conversation("fingerprint")
+    assert server.chat(messages, key="k-fp")["system_fingerprint"] == server.state.fingerprint
+    assert {c["system_fingerprint"] for c in server.stream(messages, key="k-fp") if c != "[DONE]"} == \
+        {server.state.fingerprint}
+    # It was one constant for every server: other weights (a seed, a shape) or a device kind gave
+    # the same one, so a client comparing seeded replies could not tell they may differ.
+    cpu, settings = torch.device("cpu"), replace(server.settings, store=None)  # the store is open here
+    assert fingerprint(settings, cpu) == server.state.fingerprint == fingerprint(server.settings, cpu)
+    others = {fingerprint(replace(settings, seed=1), cpu), fingerprint(replace(settings, tiny_layers=3), cpu),
+              fingerprint(replace(settings, tiny_hidden=128), cpu), fingerprint(settings, torch.device("cuda"))}
+    assert len(others) == 4 and server.state.fingerprint not in others
+
+
+def test_unseeded_sampling_does_not_repeat_the_last_run_after_a_restart() -> None:
+    # torch seeds its generator with one constant at import, so each restarted server drew the same
+    # "random" replies to unseeded requests as the last one did.
+    seeds = []
+    for _ in range(2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a process that just imported torch, each time
+            state = ServerState.start(Settings(store=None, **SMALL))
+            state.close()
+            seeds.append(torch.initial_seed())
+    assert seeds[0] != seeds[1] and 0 not in seeds
 
 
 def test_every_seed_torch_takes_is_a_valid_setting() -> None:
@@ -1510,7 +1544,7 @@ def test_close_ends_the_queued_turns_with_server_closing() -> None:
 
             async def served() -> None:  # the app's stream of the same: an error event, not a cut
                 async for event in _sse(engine, Turn(ids=ids, session="z", tenant=None, max_tokens=4),
-                                        "c", 0, "m", False, 3600.0, engine.admit()):
+                                        "c", 0, "m", "fp", False, 3600.0, engine.admit()):
                     events.append(event)
 
             streamed = asyncio.ensure_future(consume())

@@ -10,6 +10,11 @@ Routes::
     GET    /healthz                liveness; answers while a turn is generating
     GET    /metrics                Prometheus text: the store's metrics (tierkv.metrics.StoreCollector)
 
+Every GET route answers HEAD too (a load balancer's probe). Replies carry OpenAI's
+``system_fingerprint``, a digest of what besides a seed decides them (``fingerprint``). Unseeded
+sampling draws from the process's generator, seeded from the OS at startup (torch seeds it with
+one constant at import: each restart would repeat the last run's replies).
+
 Who is asking:
 
 * Tenant: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``. The tenant name given to tierkv is
@@ -64,6 +69,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+import torch
+import transformers
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from lmdb import Error as LmdbError
@@ -84,10 +91,18 @@ from .settings import Settings
 from .tokenizer import END
 
 logger = logging.getLogger("examples.server")
-FINGERPRINT = f"tierkv-{tierkv.__version__}"
 # What the store, its directory or the device refuse at startup: a setting to fix, said in one line.
 # Anything else (a bug) keeps its traceback.
 REFUSALS = (ValueError, OSError, LmdbError)
+
+
+def fingerprint(settings: Settings, device: torch.device) -> str:
+    """OpenAI's ``system_fingerprint`` for this configuration: another model, weights' seed or shape,
+    device kind, tierkv or torch gives another one, so that a client comparing seeded replies across
+    servers can tell when the same seed may no longer give the same reply."""
+    config = (tierkv.__version__, torch.__version__, transformers.__version__, settings.model, settings.seed,
+              settings.tiny_hidden, settings.tiny_layers, device.type)
+    return "fp_" + hashlib.sha256(repr(config).encode()).hexdigest()[:10]
 
 
 @dataclass(slots=True)
@@ -99,6 +114,7 @@ class ServerState:
     engine: Engine
     registry: CollectorRegistry
     collector: StoreCollector
+    fingerprint: str  # OpenAI's system_fingerprint: what, besides a seed, decides the replies
 
     @classmethod
     def start(cls, settings: Settings) -> "ServerState":
@@ -114,9 +130,13 @@ class ServerState:
         except BaseException:
             store.close()
             raise
+        # torch seeds its generator with one constant at import: unseeded requests would draw the same
+        # replies again after each restart. Seeded ones set their own state (engine._seeded).
+        torch.seed()
         logger.info("serving %s (%s) on %s; store %s", settings.model_name, settings.model, store.device,
                     settings.store or "without a disk tier")
-        return cls(settings, store, Engine(model, tokenizer, store, settings.max_pending_turns), registry, collector)
+        return cls(settings, store, Engine(model, tokenizer, store, settings.max_pending_turns), registry, collector,
+                   fingerprint(settings, store.device))
 
     def close(self) -> None:
         self.engine.close()  # first: the turn still running commits into the open store
@@ -440,13 +460,13 @@ KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients (OpenAI's among them)
 RETRY_AFTER = 1
 
 
-async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, include_usage: bool,
+async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, fingerprint: str, include_usage: bool,
                keep_alive: float, admission: Admission) -> AsyncIterator[str]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``;
     between them, a ``KEEP_ALIVE`` comment after each ``keep_alive`` seconds with nothing to send,
     so that a proxy's idle timeout does not cut a turn that waits in the queue."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, result: TurnResult | None = None) -> str:
-        return _event(schemas.chunk(cid, created, model, FINGERPRINT, delta, finish, include_usage, result))
+        return _event(schemas.chunk(cid, created, model, fingerprint, delta, finish, include_usage, result))
 
     yield chunk({"role": "assistant", "content": ""})
     result: TurnResult | None = None
@@ -559,7 +579,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # Counted here, not when the stream starts: the status line must say 429, and requests that
             # came in between would not have seen the count.
             admission = server.engine.admit()
-            return AdmittedStream(_sse(server.engine, turn, cid, created, model, include_usage,
+            return AdmittedStream(_sse(server.engine, turn, cid, created, model, server.fingerprint, include_usage,
                                        settings.sse_keep_alive, admission), admission,
                                   media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -570,15 +590,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise errors.shutting_down() from None
         except TurnCancelled:
             raise ClientDisconnect() from None  # answered quietly, see errors.install
-        return JSONResponse(schemas.completion(cid, created, model, FINGERPRINT, result))
+        return JSONResponse(schemas.completion(cid, created, model, server.fingerprint, result))
 
     served = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "tierkv"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [served]}
 
-    @app.get("/v1/models/{model:anypath}")  # OpenAI's retrieve; ids may hold "/" ("org/model")
+    # OpenAI's retrieve; ids may hold "/" ("org/model")
+    @app.api_route("/v1/models/{model:anypath}", methods=["GET", "HEAD"])
     async def model(model: str) -> dict[str, Any]:
         if model != settings.model_name:
             raise ApiError(404, f"this server serves one model, {json.dumps(settings.model_name)}; GET "
@@ -595,11 +616,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         removed = await server.engine.call(server.store.forget, session=session_id, tenant=tenant)
         return {"id": session_id, "object": "session.deleted", "deleted": True, "blocks_removed": removed}
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz(request: Request) -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_name, "pending_turns": state(request).engine.pending}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request) -> Response:
         # Off the event loop: a scrape reads store.stats(), which waits for the store's lock.
         text = await asyncio.to_thread(generate_latest, state(request).registry)

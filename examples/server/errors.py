@@ -191,7 +191,9 @@ def not_found(request: Request) -> str:
     """The 404's message: the routes this app serves, and, for a path that is one of them without
     its leading ``/v1`` (an OpenAI client's base URL given without it), that."""
     routes = [route for route in request.app.routes if isinstance(route, APIRoute) and route.include_in_schema]
-    served = ", ".join(f"{method} {route.path_format}" for route in routes for method in sorted(route.methods))
+    # HEAD goes with every GET (a load balancer's probe); listing it too would only double the list.
+    served = ", ".join(f"{method} {route.path_format}" for route in routes
+                       for method in sorted(route.methods - {"HEAD"} if "GET" in route.methods else route.methods))
     hint = ""
     if not request.url.path.startswith("/v1/"):
         moved = {**request.scope, "path": "/v1" + request.url.path, "root_path": ""}
