@@ -83,7 +83,9 @@ class Server:
         headers = {"Authorization": f"Bearer {key}", **({"X-Session-ID": session} if session else {})}
         with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            lines = [line for line in r.iter_lines() if line]
+            # Keep-alive comments come whenever a turn is slower than the server's setting (a busy
+            # machine, the busy fixture's 0.05 s); their own test counts them.
+            lines = [line for line in r.iter_lines() if line and line != ": keep-alive"]
         assert all(line.startswith("data: ") for line in lines), lines
         return [p if p == "[DONE]" else json.loads(p) for p in (line[len("data: "):] for line in lines)]
 
@@ -567,6 +569,10 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
     body = {"temperature": 0, "max_tokens": 8, "stream": True}
     gate = threading.Event()
     held = busy.state.engine.submit(gate.wait)  # the running turn: the queue holds whatever comes now
+    # Turns of 7.2 s on average: a place frees in about that, which Retry-After says (it said 1 s
+    # whatever the turns took, so clients of slow turns came back several times per place).
+    assert busy.state.engine.turn_seconds is not None  # measured by the turns above
+    busy.state.engine.turn_seconds = 7.2
     pool = concurrent.futures.ThreadPoolExecutor(len(convs))
     try:
         def stream(i: int) -> tuple[int, list[str], httpx.Headers]:
@@ -582,11 +588,14 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
         wait_for_pending(busy, 3, "the three turns the queue holds were never queued")
         # The same full queue, for a request not streamed.
         r = busy.post({"messages": convs[0], "temperature": 0, "max_tokens": 8}, key="k-full")
-        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.status_code == 429 and r.headers["retry-after"] == "8", r.text
         error = r.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
-        assert "3 turns are queued or running already" in error["message"]
+        assert "3 turns (or session deletes) are queued or running already" in error["message"]
         assert busy.state.engine.pending == 3
+        # A session delete, queued on the same worker behind the turns, is refused alike.
+        r = httpx.delete(f"{busy.url}/v1/sessions/s", headers={"X-API-Key": "k-full"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "8" and "retry after 8 s" in r.text
         gate.set()
         outcomes = [f.result(timeout=60) for f in started]
     finally:
@@ -597,7 +606,7 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
     assert len(accepted) == 3, [status for status, _, _ in outcomes]
     for i, (status, lines, headers) in enumerate(outcomes):
         if status == 429:
-            assert headers["retry-after"] == "1"
+            assert headers["retry-after"] == "8"
             assert json.loads("".join(lines))["error"]["type"] == "rate_limit_error"
         else:  # the queued turns finish as they would alone
             payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
@@ -606,6 +615,37 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
     # Refused before the store: the refused prompts were not committed, the accepted ones were.
     # (Beyond the 2 tokens of the chat template's opening, which every conversation shares.)
     assert [cached(busy.chat(c, key="k-full")) > 2 for c in convs] == [i in accepted for i in range(len(convs))]
+
+
+def test_retry_after_is_about_one_turn_in_whole_seconds(busy: Server) -> None:
+    engine, measured = busy.state.engine, busy.state.engine.turn_seconds
+    try:
+        answers = []
+        for seconds in (None, 0.01, 1.0, 1.01, 7.2, 3600.0):
+            engine.turn_seconds = seconds
+            answers.append(engine.retry_after())
+        assert answers == [1, 1, 1, 2, 8, 60]  # never 0 (retry at once), never an hour
+    finally:
+        engine.turn_seconds = measured
+
+
+def test_a_queued_session_delete_holds_a_place_in_the_queue(busy: Server) -> None:
+    # DELETEs queued on the worker without being counted: a flood of them grew the queue without
+    # bound, ahead of the turns sent after them, while /healthz said it was empty.
+    gate = threading.Event()
+    held = busy.state.engine.submit(gate.wait)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        deleted = pool.submit(httpx.delete, f"{busy.url}/v1/sessions/queued", headers={"X-API-Key": "k-del"},
+                              timeout=60)
+        wait_for_pending(busy, 1, "the queued delete holds no place in the queue")
+        gate.set()
+        assert deleted.result(timeout=60).json()["deleted"] is True
+    finally:
+        gate.set()
+        held.result(timeout=60)
+        pool.shutdown()
+    wait_for_pending(busy, 0, "the delete never gave its place back")
 
 
 def test_a_stream_holds_its_place_in_the_queue_from_its_request_on() -> None:

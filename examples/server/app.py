@@ -456,10 +456,6 @@ _event = errors.sse_event
 
 
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients (OpenAI's among them) skip it, proxies see traffic
-# Seconds a client told 429 is asked to wait: about a few short turns' worth of the queue draining.
-RETRY_AFTER = 1
-
-
 async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, fingerprint: str, include_usage: bool,
                keep_alive: float, admission: Admission) -> AsyncIterator[str]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``;
@@ -550,9 +546,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         # Refused before anything was queued or stored: the client may simply retry.
-        error = ApiError(429, f"this server is busy: {exc}; retry after {RETRY_AFTER} s",
+        wait = state(request).engine.retry_after()
+        error = ApiError(429, f"this server is busy: {exc}; retry after {wait} s",
                          type="rate_limit_error", code="rate_limit_exceeded")
-        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER)})
+        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(wait)})
 
     def state(request: Request) -> ServerState:
         return request.app.state.server

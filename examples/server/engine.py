@@ -9,7 +9,7 @@ Protocol::
     admission = engine.admit()                    # counted in pending now; QueueFull at max_pending
     engine.stream(turn, admission=admission)      # ... which the stream gives back when it ends
     n = await engine.call(store.forget, ...)      # anything that must come after the turns queued before it
-                                                  # (ServerClosing, like a turn, once close dropped it)
+                                                  # (counted in pending, QueueFull and ServerClosing as a turn)
     engine.close()                                # finish the running turn, drop the queued ones
 
 Every turn runs, on the engine's one worker thread::
@@ -26,7 +26,7 @@ after ``generate``, before anything is handed back, so streamed turns commit too
 disconnects (a stream closed, or ``complete``'s ``until`` returned) is dropped if it has not started,
 and otherwise stops at the next token and commits what it generated.
 
-``pending`` (turns queued or running) is bounded by ``max_pending``: a turn past it is refused with
+``pending`` (turns and calls queued or running) is bounded by ``max_pending``: a turn past it is refused with
 ``QueueFull`` before anything is queued. ``complete`` counts its turn as it is called; a stream's
 generator runs only once its response has started, so whoever must refuse it before that (with a
 status, not an error event) counts it with ``admit`` first, and gives the count back with
@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -110,10 +112,10 @@ class ServerClosing(TurnCancelled):
 
 
 class QueueFull(Exception):
-    """``max_pending`` turns are queued or running already: the turn is refused, nothing was queued."""
+    """``max_pending`` turns or calls are queued or running already: this one is refused, nothing was queued."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"{limit} turns are queued or running already, this server's limit")
+        super().__init__(f"{limit} turns (or session deletes) are queued or running already, this server's limit")
         self.limit = limit
 
 
@@ -235,8 +237,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
-        self.pending = 0  # turns queued or running; touched on the event loop only
+        self.pending = 0  # turns and calls queued or running; touched on the event loop only
         self.max_pending = max_pending  # None: unbounded
+        # A moving average of the turns' wall time (None before the first): about when a full
+        # queue frees its next place, for the 429's Retry-After (``retry_after``).
+        self.turn_seconds: float | None = None
         self._closing = False
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-generate")
         self._suppress = list(tokenizer.suppress_ids)
@@ -247,6 +252,11 @@ class Engine:
         if self.max_pending is not None and self.pending >= self.max_pending:
             raise QueueFull(self.max_pending)
         return Admission(self)
+
+    def retry_after(self) -> int:
+        """Whole seconds a client refused with ``QueueFull`` should wait: about one turn, the time
+        until the running one ends and frees a place; 1 before any turn ran, 60 at most."""
+        return min(60, max(1, math.ceil(self.turn_seconds or 1)))
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the worker thread after every turn submitted before it; ``ServerClosing`` once
@@ -261,9 +271,15 @@ class Engine:
             raise
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn``'s result, from the worker thread; ``ServerClosing`` where ``close`` dropped it unrun."""
-        submitted = self.submit(fn, *args, **kwargs)
-        return await self._outcome(asyncio.wrap_future(submitted), submitted)
+        """``fn``'s result, from the worker thread; ``ServerClosing`` where ``close`` dropped it unrun.
+        It holds a place in ``pending`` as a turn does (``QueueFull`` past ``max_pending``): a flood of
+        session deletes would otherwise queue without bound, ahead of the turns that come after."""
+        admission = self.admit()
+        try:
+            submitted = self.submit(fn, *args, **kwargs)
+            return await self._outcome(asyncio.wrap_future(submitted), submitted)
+        finally:
+            admission.release()
 
     async def complete(self, turn: Turn, until: Callable[[], Awaitable[object]] | None = None) -> TurnResult:
         """The turn's result; ``until()`` (say, the client's disconnect) returning first cancels the turn
@@ -364,6 +380,7 @@ class Engine:
              cancel: threading.Event | None) -> TurnResult:
         if cancel is not None and cancel.is_set():
             raise TurnCancelled()
+        started = time.monotonic()
         ids = torch.tensor([turn.ids], dtype=torch.long, device=self.store.device)
         cache = self.store.open(self.model, ids, session=turn.session, tenant=turn.tenant)
         criteria = StoppingCriteriaList()
@@ -389,6 +406,8 @@ class Engine:
                                       streamer=_Streamer(on_tokens) if on_tokens is not None else None,
                                       **sampling)
         cache.commit(out)
+        took = time.monotonic() - started
+        self.turn_seconds = took if self.turn_seconds is None else 0.8 * self.turn_seconds + 0.2 * took
         generated = out[0, ids.shape[1]:].tolist()
         ended = bool(generated) and generated[-1] == END
         text = self.tokenizer.decode(generated)

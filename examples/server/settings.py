@@ -44,7 +44,7 @@ class Settings:
     max_output_tokens: int = 512        # the largest max_tokens a request may ask for
     default_max_tokens: int = 128       # when a request gives none
     max_body_bytes: int = 4 * 2**20     # request bodies beyond this are refused with 413 before parsing
-    max_pending_turns: int = 64         # turns queued or running; past it a request is refused with 429
+    max_pending_turns: int = 64         # turns (and session deletes) queued or running; past it: 429
     sse_keep_alive: float = 15.0        # seconds without a chunk before a stream sends a ": keep-alive" comment
     timeout_graceful_shutdown: float | None = None  # seconds uvicorn waits for requests on SIGTERM; None: all
     host: str = "127.0.0.1"
@@ -177,7 +177,7 @@ _FIELDS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "default_max_tokens": ("--default-max-tokens", "TIERKV_DEFAULT_MAX_TOKENS", int, "max_tokens when not given"),
     "max_body_bytes": ("--max-body-bytes", "TIERKV_MAX_BODY_BYTES", int, "largest request body, in bytes"),
     "max_pending_turns": ("--max-pending-turns", "TIERKV_MAX_PENDING_TURNS", int,
-                          "turns queued or running at once; a request past it gets a 429 to retry"),
+                          "turns (and session deletes) queued or running at once; a request past it gets a 429 to retry"),
     "sse_keep_alive": ("--sse-keep-alive", "TIERKV_SSE_KEEP_ALIVE", float,
                        "seconds a stream may send nothing (queued, or generating) before it sends a keep-alive comment"),
     "timeout_graceful_shutdown": ("--timeout-graceful-shutdown", "TIERKV_TIMEOUT_GRACEFUL_SHUTDOWN", _optional_seconds,
