@@ -5,12 +5,17 @@ later turns stay exact, a forget is whole and no owed delete is lost."""
 from __future__ import annotations
 
 import ast
+import gc
+import logging
 import os
 import pathlib
+import queue
 import signal
 import sys
 import threading
 import time
+import weakref
+from typing import Any
 
 import lmdb
 import pytest
@@ -704,6 +709,116 @@ def test_raised_by_signal_handler_tells_a_handlers_exception_whatever_its_argume
     with pytest.raises(TimeoutError) as raised:
         _not_a_handler(sys._getframe(1))  # the test's caller's frame
     assert not raised_by_signal_handler(raised.value)
+
+
+class _Witness:
+    """A local whose weak reference tells whether its frame outlived the call."""
+
+
+def _caught_and_told(handler: Any = None) -> tuple[weakref.ref, bool]:
+    """An exception caught here (a handler's, raised between two bytecodes, or an ``OSError``),
+    told by ``raised_by_signal_handler`` while this frame still names it; a weak reference to a
+    local of this frame, and the answer."""
+    from tierkv.interrupts import raised_by_signal_handler
+
+    witness = _Witness()
+    try:
+        if handler is None:
+            os.stat("/nonexistent/tierkv")
+        else:
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+            for _ in range(1_000_000):
+                pass
+        raise AssertionError("nothing was raised")
+    except (OSError, TimeoutError) as exc:
+        return weakref.ref(witness), raised_by_signal_handler(exc)
+
+
+@pytest.mark.parametrize("by_handler", [False, True], ids=["os_error", "handler"])
+def test_raised_by_signal_handler_leaves_no_cycle_holding_the_exception_and_its_frames(by_handler) -> None:
+    """Reading the catching frame's ``f_locals`` (CPython before 3.13) stored a snapshot of its
+    locals on it, the exception among them: frame -> locals -> exception -> traceback -> frame,
+    and each frame's ``f_back`` kept every caller's frame with its locals (a ``TieredStore``'s
+    ``__init__`` and its ``self``, an open's restore buffer) until a garbage collection ran; with
+    the collector off or frozen (``gc.freeze()`` in a forking server), for good."""
+    previous = signal.signal(signal.SIGUSR1, _named) if by_handler else None
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        ref, told = _caught_and_told(_named if by_handler else None)
+        assert told is by_handler
+        assert ref() is None, "the frame that caught it outlived the call: a reference cycle holds it"
+    finally:
+        if enabled:
+            gc.enable()
+        if by_handler:
+            signal.signal(signal.SIGUSR1, previous)
+
+
+def test_raised_by_signal_handler_leaves_another_thread_s_loop_holding_nothing_it_let_go_of() -> None:
+    """An error raised in a thread's loop (the disk writer's, a read helper's) and told in
+    another: reading the loop's frame's ``f_locals`` stored a snapshot of them on it, which kept
+    what the loop let go of afterwards (a batch's blocks, an open's reads) while the thread
+    waited for its next item."""
+    from tierkv.interrupts import raised_by_signal_handler
+
+    items: queue.SimpleQueue[object] = queue.SimpleQueue()
+    caught: queue.SimpleQueue[tuple[BaseException, weakref.ref]] = queue.SimpleQueue()
+    told, waiting = threading.Event(), threading.Event()
+
+    def loop() -> None:
+        while True:
+            item = items.get()
+            if item is None:
+                return
+            witness = _Witness()
+            try:
+                os.stat("/nonexistent/tierkv")
+            except OSError as exc:
+                caught.put((exc, weakref.ref(witness)))
+                told.wait(60)  # the other thread looks at it while this frame still holds it all
+            del item, witness
+            waiting.set()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        items.put(1)
+        exc, ref = caught.get(timeout=60)
+        assert not raised_by_signal_handler(exc)
+        told.set()
+        assert waiting.wait(60)  # the loop let go of its witness, and waits for its next item
+        del exc
+        assert ref() is None, "the loop's frame kept a snapshot of its locals"
+    finally:
+        items.put(None)
+        thread.join(60)
+
+
+def test_a_store_dropped_without_close_is_closed_without_waiting_for_the_garbage_collector(tmp_path, monkeypatch, caplog) -> None:
+    """A store's constructor read the CPU quota of cgroup directories, most of which lack one:
+    each ``FileNotFoundError`` went through ``raised_by_signal_handler``, whose cycle kept the
+    constructor's frame, and so the store, until the collector ran; with it off, a store
+    dropped without ``close()`` stayed open (its writer thread, its directory locked)."""
+    import tierkv.store
+    from tierkv.readers import helper_threads
+
+    monkeypatch.setattr(tierkv.store, "helper_threads", helper_threads)  # the real one (conftest's gives 2)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        store = tierkv.TieredStore(tmp_path / "kv", device="cpu", block_size=8)
+        ref = weakref.ref(store)
+        with caplog.at_level(logging.WARNING, logger="tierkv"):
+            del store
+            tierkv.store._wait_for_dropped(60)  # its close, on a thread of its own (TieredStore.__del__)
+        assert "dropped without close()" in caplog.text
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_stat_or_none_answers_as_os_path_exists_but_raises_a_handlers_exception(tmp_path) -> None:

@@ -182,11 +182,28 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
     as CPython calls a handler (``handler(signum, frame)``, ``frame`` the one it interrupted; a
     trace function is called alike, and counts too), named or among its ``*args``. Only the main
     thread runs handlers. One that rebinds its ``frame`` argument before raising goes unseen."""
+    # The frames still running, in any thread (the one that caught ``exc``; a loop of the thread
+    # it was raised in: a disk writer's, a read helper's), are never the handler, which ended as
+    # it raised, and their ``f_locals`` are not read: before Python 3.13 that stores a snapshot
+    # of the locals on the frame. Of the catching frame, it held ``exc``: a cycle (frame, locals,
+    # exception, traceback, frame) that kept every caller's frame and locals (a store's
+    # constructor and its ``self``, an open's restore buffer) until the garbage collector ran.
+    # Of another thread's loop, it kept what that loop had let go of (its batch, its reads) for
+    # as long as the thread lived.
+    me = threading.get_ident()
+    running: set[int] = set()
+    # This thread's from the caller on: its own frame, as ``_current_frames`` gives it, held in
+    # ``top`` would be a cycle of its own.
+    for top in [sys._getframe(1), *[f for ident, f in sys._current_frames().items() if ident != me]]:
+        at: FrameType | None = top
+        while at is not None and id(at) not in running:
+            running.add(id(at))
+            at = at.f_back
     tb = exc.__traceback__
     while tb is not None:
         frame, tb = tb.tb_frame, tb.tb_next
         caller = frame.f_back
-        if caller is None:
+        if caller is None or id(frame) in running:
             continue
         code, values = frame.f_code, frame.f_locals
         if any([values.get(name) is caller for name in code.co_varnames[:code.co_argcount]]):
