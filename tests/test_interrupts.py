@@ -813,7 +813,10 @@ def test_a_store_dropped_without_close_is_closed_without_waiting_for_the_garbage
         ref = weakref.ref(store)
         with caplog.at_level(logging.WARNING, logger="tierkv"):
             del store
-            tierkv.store._wait_for_dropped(60)  # its close, on a thread of its own (TieredStore.__del__)
+            # Its close runs on a thread of its own (TieredStore.__del__), holding it until done.
+            for thread in threading.enumerate():
+                if thread.name == "tierkv-close-dropped":
+                    thread.join(60)
         assert "dropped without close()" in caplog.text
         assert ref() is None
     finally:
