@@ -1995,6 +1995,29 @@ def test_bad_input_ids_raise_with_a_remedy(tiny_model, make_ids, error, word):
         assert store.stats()["misses"] == 0
 
 
+def test_ids_of_one_conversation_in_another_shape_are_told_how_to_reshape_them(tiny_model):
+    # Before: a row without its batch dimension (a tokenizer's list made a tensor, out[0]) was told
+    # to "call store.open once per conversation", which it did; commit() of out[0] said nothing.
+    model = tiny_model("llama")
+    ids = random_ids(3 * B + 2)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        for given, remedy, reshape in ((ids[0], r"add the batch dimension: input_ids\[None\]", lambda x: x[None]),
+                                       (ids[None], r"as one row: input_ids\.reshape\(1, -1\)",
+                                        lambda x: x.reshape(1, -1))):
+            with pytest.raises(ValueError, match=remedy) as info:
+                store.open(model, given)
+            assert "once per conversation" not in str(info.value)
+            cache = store.open(model, reshape(given))  # the advice, followed
+            out = generate(model, ids, 3, cache)
+            assert torch.equal(out, generate(model, ids, 3))
+        with pytest.raises(ValueError, match="once per conversation"):
+            store.open(model, torch.stack([ids, ids]))
+        with pytest.raises(ValueError, match=r"\(out, not out\[0\]\), or add the batch dimension to a row: row\[None\]"):
+            cache.commit(out[0])
+        assert cache.commit(out) == out.shape[1] - 1
+        assert store.open(model, out).restored_tokens == out.shape[1] - 1
+
+
 def test_ids_of_any_integer_dtype_restore_the_same_blocks(tiny_model):
     model = tiny_model("llama")
     ids = random_ids(3 * B + 2)

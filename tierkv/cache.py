@@ -1275,8 +1275,15 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
         raise TypeError(f"{what} must hold integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's "
                         "ids as they are (int64), or convert them with .long() if they are whole numbers")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"{what} must have shape (1, L), one conversation, got {tuple(input_ids.shape)}; "
-                         "call store.open once per conversation")
+        # "Once per conversation" is the remedy for a batch only: a row without its batch
+        # dimension (tokenizer(text).input_ids made a tensor, out[0]) is one conversation already.
+        if input_ids.dim() == 1:
+            remedy = f"add the batch dimension: {what}[None] (or {what}.unsqueeze(0))"
+        elif input_ids.dim() > 2 and input_ids.shape[:-1].numel() == 1:
+            remedy = f"give it as one row: {what}.reshape(1, -1)"
+        else:
+            remedy = "call store.open once per conversation, with one row of ids each"
+        raise ValueError(f"{what} must have shape (1, L), one conversation, got {tuple(input_ids.shape)}; {remedy}")
     if input_ids.shape[1] == 0:
         raise ValueError(f"{what} is empty; pass at least one token")
     if input_ids.device.type == "meta":
@@ -1307,7 +1314,9 @@ def sequence_ids_of(sequences: Any) -> np.ndarray:
     if not isinstance(sequences, torch.Tensor):
         raise TypeError(f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}")
     if sequences.dim() != 2 or sequences.shape[0] < 1:
-        raise ValueError(f"commit() takes ids of shape (1, L'), got {tuple(sequences.shape)}")
+        remedy = ("pass the tensor generate() returned as it is (out, not out[0]), or add the batch dimension "
+                  "to a row: row[None]" if sequences.dim() == 1 else "pass the tensor generate() returned")
+        raise ValueError(f"commit() takes ids of shape (1, L'), got {tuple(sequences.shape)}; {remedy}")
     return token_ids_of(sequences[:1], "sequences")
 
 
