@@ -2309,9 +2309,18 @@ def test_a_closed_store_refuses_every_operation(tiny_model, tmp_path):
             call()
         assert "new TieredStore" in str(info.value)
     store.close()  # closing twice is harmless
+    # A commit is not told to use a new store "again": no other store takes this cache, and the
+    # advice led back to this error (helper-96). What it says to do instead works.
+    with pytest.raises(ValueError, match=r"closed before its commit.*Commit each turn before store\.close\(\)"):
+        cache.commit(out)
     # The disk tier was released: the directory reopens, holding nothing since nothing was committed.
     with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as again:
         assert again.stats()["disk"]["blocks"] == 0
+        with pytest.raises(ValueError, match="closed before its commit"):
+            cache.commit(out)
+        cache = again.open(model, out, session="s")
+        nxt = verify_generate(model, out, cache, 2)
+        assert cache.commit(nxt) == nxt.shape[1] - 1
 
 
 # -- 12. threads -------------------------------------------------------------------------------------

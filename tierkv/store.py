@@ -632,8 +632,15 @@ class TieredStore:
         ``tierkv.metrics``; see ``tierkv.events``. The store only appends to the queue."""
         return self._events.subscribe(maxlen)
 
-    def _check_open(self) -> None:
+    def _check_open(self, committing: bool = False) -> None:
         if self._closed:
+            if committing:
+                # A new store cannot take this cache (it is its own store's): "create a new
+                # TieredStore to use it again" sent the caller round to this same error.
+                raise ValueError("this cache's TieredStore was closed before its commit, and a closed store keeps "
+                                 "nothing: this turn's KV is lost (the next turn recomputes it). Commit each turn "
+                                 "before store.close(); to go on, create a new TieredStore(path, ...) and open the "
+                                 "next turn's cache with it: cache = store.open(model, input_ids)")
             raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
         if os.getpid() != self._pid:
             # After a fork the child has no writer thread, shares the parent's LMDB handle and lock:
@@ -1305,7 +1312,7 @@ class TieredStore:
         return tokens
 
     def _commit_turn(self, cache: TieredCache, sequences: Any) -> int:
-        self._check_open()
+        self._check_open(committing=True)
         if cache._store is not self:
             raise ValueError("this cache was opened by another TieredStore; commit it through its own store")
         # KV computed after the model was switched (adapters, attention, weights) would be kept
@@ -1379,7 +1386,7 @@ class TieredStore:
         ids = seq[:n]
         B = self.block_size
         with self._lock, defer_interrupts():
-            self._check_open()
+            self._check_open(committing=True)
             self._reap()
             if self._forgotten_since(cache):
                 # Its KV (restored, or computed from the conversation) is what the forget took away.
