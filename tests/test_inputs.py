@@ -1957,6 +1957,26 @@ def test_the_checks_before_a_prefill_do_not_assemble_the_restore_early(monkeypat
         assert not early
 
 
+def test_the_whole_conversation_under_a_short_mask_is_told_to_give_a_mask_over_its_ids() -> None:
+    # Before: "given only the new ids, the mask covers the cache and them. Pass the whole
+    # conversation and its new ids", to a caller who had passed the whole conversation; its mask
+    # was what did not fit, which the message never said.
+    model = make_model("llama")
+    with TieredStore(None, block_size=4) as store:
+        ids = random_ids(12, 1)
+        out = one_turn(store, model, ids)
+        later = torch.cat([out, random_ids(3, 2)], dim=1)
+        cache = store.open(model, later, session="s")
+        held = cache.get_seq_length()
+        assert held and held < later.shape[1]
+        with pytest.raises(ValueError, match="whole conversation .* with a mask over all its ids, or none"):
+            greedy(model, later, past_key_values=cache, attention_mask=torch.ones(1, 5, dtype=torch.long))
+        assert cache.get_seq_length() == held
+        for mask in (torch.ones_like(later), None):  # the advice, followed: exact
+            cache = store.open(model, later, session="s")
+            assert torch.equal(greedy(model, later, past_key_values=cache, attention_mask=mask), greedy(model, later))
+
+
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_only_new_ids_whose_mask_does_not_cover_the_cache_and_them_are_refused(chunk: int | None) -> None:
     # After beams the prefill drops the rows' KV past the conversation: the new ids' mask no longer

@@ -1046,10 +1046,13 @@ def _check_prefill_length(cache: "TieredCache", given: int, length: int) -> None
         # Only the new ids, which generate() feeds all, on top of what the cache holds (less,
         # after a drop of KV it could not vouch for): a chunked prefill then gives them positions
         # from the cache's length, which no check sees to differ from the mask's (helper-41).
+        # The ids may be the whole conversation, as the message told to pass them when it spoke of
+        # new ids only: the mask was the mistake then, which it did not say (helper-96).
         raise ValueError(f"generate() was given {given} ids with an attention_mask over {length} tokens, while "
-                         f"this TieredCache holds {held} now: given only the new ids, the mask covers the cache "
-                         f"and them ({held + given}). Pass the whole conversation and its new ids (generate() "
-                         "feeds the model those past the cache), or commit this cache and open a new one with them")
+                         f"this TieredCache holds {held} now: pass the whole conversation (the sequences the last "
+                         "generate() returned, with the new message appended) with a mask over all its ids, or "
+                         f"none; or only the new ids with a mask over the cache's tokens and them ({held + given}); "
+                         "or commit this cache and open a new one with the conversation")
     if length == given and 0 < given < held:
         # generate() feeds the last ids past that length, at their positions in these ids, on top
         # of another context: one id passed every check (helper-35).
