@@ -299,6 +299,8 @@ def test_an_empty_addr_is_refused_rather_than_bound_to_every_interface() -> None
     ("localhost ", ValueError, "has spaces around it; give addr='localhost'"),
     (" ", ValueError, "would serve on every interface"),
     ("no-such-host.invalid", ValueError, "is not an address of this machine"),
+    # Addresses that are not this machine's: a bare "Cannot assign requested address" before.
+    ("192.0.2.1", OSError, "cannot serve metrics at addr='192.0.2.1': "),
 ])
 def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None:
     # Before: None or a port number raised "argument of type 'NoneType' is not iterable", and an
@@ -308,6 +310,44 @@ def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None
         serve(store, addr=addr)
     assert not store.events.active
 
+
+
+@pytest.mark.parametrize("addr, kind", [("127.0.0.1:0", "host and port"), ("http://127.0.0.1:0/metrics", "URL"),
+                                        ("http://[::1]:0", "URL"), ("http://127.0.0.1", "URL")])
+def test_a_url_or_host_and_port_as_addr_is_told_to_split_them_and_the_split_serves(addr, kind) -> None:
+    # Before: "is not an address of this machine ([Errno -2] Name or service not known)".
+    store = FakeStore()
+    with pytest.raises(ValueError, match=re.escape(f"addr={addr!r} is a {kind}; addr takes the host alone")) as info:
+        serve(store, addr=addr)
+    assert not store.events.active
+    advice = re.search(r"pass (addr=.*)$", str(info.value)).group(1)
+    call = ast.parse(f"serve(store, {advice})", mode="eval").body  # the advice's own words, pasted
+    arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    try:
+        server = serve(store, **arguments)
+    except OSError as exc:  # no IPv6 loopback here: bound as far as tierkv goes
+        assert arguments["addr"] == "::1", exc
+        return
+    with server:
+        assert server.addr == arguments["addr"] in addr
+        scrape(server.url)
+
+
+def test_a_registry_serving_a_store_already_says_to_leave_registry_out_and_both_ways_serve() -> None:
+    # Before: prometheus_client's "Duplicated timeseries in CollectorRegistry: {...}", fifty names
+    # and no way out.
+    registry = CollectorRegistry()
+    first, second = FakeStore(), FakeStore()
+    server = serve(first, registry=registry)
+    with pytest.raises(ValueError, match=r"already holds a tierkv store's metrics.*Leave registry= out.*close\(\) the "
+                                         r"other store's MetricsServer first"):
+        serve(second, registry=registry)
+    assert not second.events.active
+    with serve(second) as own:  # the first way out
+        one(scrape(own.url), "tierkv_open_duration_seconds_count")
+    server.close()
+    with serve(second, registry=registry) as shared:  # the second
+        one(scrape(shared.url), "tierkv_open_duration_seconds_count")
 
 
 def test_a_port_in_use_is_refused_saying_to_pass_another_or_port_0() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import socket
 import threading
 from bisect import bisect_left
@@ -276,7 +277,9 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     told otherwise: metrics name sessions' counts and sizes, not for every network by default.
     ``addr=""`` is refused: the socket API reads it as every interface, which is to be asked for by name.
     A port in use (or one this process may not bind) raises ``OSError`` saying to pass another port
-    or ``port=0``.
+    or ``port=0``, an address not of this machine ``OSError`` saying what to give; a URL or
+    ``host:port`` as ``addr`` is told to pass the host and port apart, and a registry that already
+    serves a store is refused saying to leave ``registry=`` out (one store per registry).
     """
     if not isinstance(addr, str):
         raise TypeError(f"addr must be a host name or IP address as a str (like '127.0.0.1' or '::1'), got "
@@ -289,6 +292,14 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     if not addr.strip():
         raise ValueError(f"addr={addr!r} would serve on every interface; pass addr='0.0.0.0' (or '::') to serve "
                          "metrics on every network, or leave the default 127.0.0.1")
+    # A URL or host:port was told only that it does not resolve ("Name or service not known").
+    url = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\[?([^/\]]*?)\]?(?::([0-9]+))?(?:/.*)?", addr)
+    host, colon, number = addr.rpartition(":")
+    if url is not None or (colon and ":" not in host and host and number.isdigit()):
+        host, number = (url.group(1), url.group(2)) if url is not None else (host, number)
+        given = f"addr={host!r}" + (f", port={int(number)}" if number else "")
+        raise ValueError(f"addr={addr!r} is a {'URL' if url is not None else 'host and port'}; addr takes the host "
+                         f"alone and port= the port: pass {given}")
     port = whole_number(port, "port", 0, " (0 picks a free port)")
     if port > 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free port), got {port}")
@@ -296,8 +307,13 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     collector = StoreCollector(store)
     try:
         registry.register(collector)
-    except BaseException:
+    except BaseException as exc:
         collector.close()
+        if isinstance(exc, ValueError) and "Duplicated timeseries" in str(exc):
+            # prometheus_client's own message lists fifty metric names and no way out.
+            raise ValueError("this registry already holds a tierkv store's metrics, and their names are fixed: a "
+                             "registry serves one store. Leave registry= out to serve this store's from a registry "
+                             "of its own, or close() the other store's MetricsServer first") from exc
         raise
     try:
         server_class = _ThreadingServer6 if ":" in addr else _ThreadingServer
@@ -310,6 +326,13 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
         if isinstance(exc, socket.gaierror):
             raise ValueError(f"addr={addr!r} is not an address of this machine ({exc}); give an IP address or a host "
                              "name that resolves, like '127.0.0.1', '::1' or '0.0.0.0'") from exc
+        if isinstance(exc, OSError) and exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
+            # Another machine's address, or a link-local one without its %interface: the bare
+            # "Cannot assign requested address" named neither the address nor what to give.
+            scope = (f" (a link-local one with its interface: '{addr}%eth0')"
+                     if addr.lower().startswith("fe80:") and "%" not in addr else "")
+            raise OSError(exc.errno, f"cannot serve metrics at addr={addr!r}: {exc.strerror}; give an address of "
+                                     f"this machine{scope}, like '127.0.0.1', '::1' or '0.0.0.0'") from exc
         if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES):
             # An OSError still (PermissionError for EACCES: the constructor picks the subclass by
             # errno), so that code catching the bare error goes on working; the message says what to do.
