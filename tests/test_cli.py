@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -1021,3 +1022,35 @@ def test_a_timeout_as_a_command_looks_at_the_stores_files_is_raised_not_read_as_
     linked = command[-1] == "linked"
     assert cut_command_everywhere(copy, command[:-1] if linked else command, looks, command == ["clear", "--all"],
                                   linked) > 10
+
+
+def run_as_printed(message: str) -> list[Result]:
+    """Each `tierkv ...` command quoted in ``message``, split as a shell splits it and run."""
+    commands = re.findall(r"`(tierkv [^`]*)`", message)
+    assert commands, message
+    return [run(*shlex.split(command)[1:]) for command in commands if "--all" not in command]
+
+
+def test_commands_in_messages_run_as_printed_for_a_path_with_spaces(built: Built, tmp_path: Path,
+                                                                    model: torch.nn.Module) -> None:
+    # Before: the path went into the command unquoted, and `tierkv check /x/my kv --repair` run as
+    # printed was "unrecognized arguments"; `stats` told to run `tierkv check --repair`, no path.
+    path = Path(shutil.copytree(built.path, tmp_path / "my kv"))
+    damage_table(path, b"refs")
+    with pytest.raises(disk.DamagedStore) as info:
+        TieredStore(path, device="cpu", block_size=B)
+    assert f"`tierkv check '{path}' --repair`" in str(info.value)
+    assert [result.code for result in run_as_printed(str(info.value))] == [cli.EXIT_OK]
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == BLOCKS - 1
+    key, head = first_head(path)  # a record whose head and header are both damaged: unreadable
+    put_head(path, key, b"\x01" * len(head))
+    env = lmdb.open(str(path), max_dbs=8)
+    damage_in_place(env, b"blocks", key, lambda record: flipped(record, 0, 0xFF))
+    env.close()
+    stats = run("stats", str(path))
+    assert stats.code == cli.EXIT_OK and f"unreadable  1 records (run `tierkv check '{path}' --repair`)" in stats.out
+    assert [result.code for result in run_as_printed(stats.out)] == [cli.EXIT_OK]
+    assert json.loads(run("stats", "--json", str(path)).out)["unreadable"] == 0
+    report = run("check", str(path))
+    assert report.code == cli.EXIT_OK and "0 bad" in report.out

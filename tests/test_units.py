@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from fractions import Fraction
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tierkv.units import format_bytes, parse_bytes, seconds_or_none, whole_number
+from tierkv.units import format_bytes, parse_bytes, seconds_or_none, shell_path, whole_number
 
 BINARY = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 DECIMAL = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
@@ -335,3 +336,14 @@ def test_a_bad_timeout_is_refused_naming_it(value: object, error: type[Exception
                                          (1 << 30, "1.0 GiB"), (1 << 50, "1024.0 TiB")])
 def test_byte_counts_are_written_in_the_largest_power_of_1024_they_reach(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(("path", "spelled"), [
+    ("/srv/kv", "/srv/kv"), ("/srv/my kv", "'/srv/my kv'"), ("/srv/it's", "'/srv/it'\"'\"'s'"),
+    ("-kv", "./-kv"), ("-my kv", "'./-my kv'"),
+])
+def test_shell_path_spells_a_path_as_a_shell_reads_it_back(path, spelled):
+    # A command in a message is run as printed: quoted, and a path read as an option led by ./
+    assert shell_path(path) == spelled
+    argument = f"./{path}" if path.startswith("-") else path
+    assert shlex.split(f"tierkv check {shell_path(path)} --repair") == ["tierkv", "check", argument, "--repair"]

@@ -48,7 +48,7 @@ import lmdb
 
 from . import __version__
 from .interrupts import raised_by_signal_handler, stat_or_none
-from .units import absolute_path, format_bytes
+from .units import absolute_path, format_bytes, shell_path
 
 if TYPE_CHECKING:
     from .codec import RecordHeader
@@ -104,7 +104,7 @@ def _stored_meta(path: str) -> dict[str, int]:
     try:
         return DiskTier.stored_meta(path)
     except DamagedStore as exc:
-        raise CliError(EXIT_USAGE, f"{exc}; `tierkv clear {path} --all` deletes it") from None
+        raise CliError(EXIT_USAGE, f"{exc}; `tierkv clear {shell_path(path)} --all` deletes it") from None
     except ValueError as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
 
@@ -291,7 +291,7 @@ def _stats_text(r: dict[str, Any]) -> str:
         f"tenants     {len(r['tenants'])}",
     ]
     if r["unreadable"]:
-        lines.append(f"unreadable  {r['unreadable']} records (run `tierkv check --repair`)")
+        lines.append(f"unreadable  {r['unreadable']} records (run `tierkv check {shell_path(r['path'])} --repair`)")
     if r["tenants"]:
         width = max(len("tenant"), *(len(_tenant_label(t["tenant"])) for t in r["tenants"]))
         lines += ["", f"{'tenant':<{width}}  {'sessions':>8}  {'blocks':>8}  {'tokens':>9}  {'bytes':>10}"]
@@ -311,7 +311,8 @@ def _refuse_unopenable(path: str, found: FileDamage) -> None:
     if unopenable:
         raise CliError(EXIT_USAGE, f"the tierkv store at {absolute_path(path)!r} is damaged where LMDB opens it "
                                    f"({'; '.join(found.tables[name] for name in unopenable)}): it cannot be read "
-                                   f"or rebuilt; `tierkv clear {path} --all` deletes it (its blocks are only a cache)")
+                                   f"or rebuilt; `tierkv clear {shell_path(path)} --all` deletes it (its blocks are "
+                                   "only a cache)")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -320,7 +321,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if found.unsafe:  # LMDB's reads there may abort the process
         tables = ", ".join(f"{name} ({found.tables[name]})" for name in sorted(found.unsafe))
         raise CliError(EXIT_USAGE, f"the tierkv store at {absolute_path(args.path)!r} is damaged in its LMDB "
-                                   f"structure: {tables}; run `tierkv check {args.path}` for what can be done")
+                                   f"structure: {tables}; run `tierkv check {shell_path(args.path)}` for what can be "
+                                   "done")
     tier, meta = _open_tier(args.path)
     try:
         report = summarise(args.path, meta, _scan(tier), tier.footprint_of, tier.file_bytes())
@@ -383,10 +385,10 @@ def _damage_text(r: dict[str, Any]) -> list[str]:
              f"{tables}: writes there fail (forget, clear), whatever the records"]
     rebuilt = r["rebuilt"]
     if rebuilt is None:
-        lines.append(f"run `tierkv check {r['path']} --repair` to rebuild the file from what is sound (damaged "
-                     "records, and blocks whose session references were lost, are dropped: blocks are a cache, "
-                     "recomputed), "
-                     f"or `tierkv clear {r['path']} --all` to delete the store")
+        lines.append(f"run `tierkv check {shell_path(r['path'])} --repair` to rebuild the file from what is "
+                     "sound (damaged records, and blocks whose session references were lost, are dropped: "
+                     "blocks are a cache, recomputed), "
+                     f"or `tierkv clear {shell_path(r['path'])} --all` to delete the store")
     else:
         lines.append(f"rebuilt the file from what was sound: kept {rebuilt['records']} records, {rebuilt['sessions']} "
                      f"sessions and {rebuilt['stamps']} last-use stamps; dropped {rebuilt['dropped']} records"
@@ -412,8 +414,8 @@ def _check_text(r: dict[str, Any]) -> str:
         if d["heads"]:
             lines.append(f"rewrote {d['heads']} heads from their records")
     elif r["bad"] or r["stale_heads"]:
-        lines.append(f"run `tierkv check {r['path']} --repair` to drop the bad records (blocks are a cache: they "
-                     "are recomputed) and rewrite damaged heads from their records")
+        lines.append(f"run `tierkv check {shell_path(r['path'])} --repair` to drop the bad records (blocks "
+                     "are a cache: they are recomputed) and rewrite damaged heads from their records")
     return "\n".join(lines)
 
 
@@ -428,8 +430,8 @@ def rebuild(tier: DiskTier, damaged: Sequence[str], block_size: int, unsafe: Seq
         rebuilt = tier.rebuild(damaged, block_size, unsafe)
     except RebuiltUnsynced as exc:
         raise CliError(EXIT_IO, f"{exc}: the store holds what was sound, but a crash before its next sync may "
-                                f"bring the damaged file back; run `tierkv check {tier.path}` again once the disk "
-                                "is healthy") from None
+                                f"bring the damaged file back; run `tierkv check {shell_path(tier.path)}` "
+                                "again once the disk is healthy") from None
     except (lmdb.Error, OSError) as exc:
         if raised_by_signal_handler(exc):
             raise
@@ -564,11 +566,13 @@ def _remove_damaged(path: str, damage: str) -> int:
 
 def _refuse_damaged(path: str, damage: str, repairable: bool) -> CliError:
     if not repairable:
-        return CliError(EXIT_USAGE, f"{damage}: nothing can be forgotten there; `tierkv clear {path} --all` deletes "
-                                    "the whole store (its blocks are only a cache)")
-    return CliError(EXIT_USAGE, f"{damage}: a forget cannot be written there. Run `tierkv check {path} --repair` "
-                                "(it rebuilds the store from what is sound), then this command again; or "
-                                f"`tierkv clear {path} --all` to delete the whole store")
+        return CliError(EXIT_USAGE, f"{damage}: nothing can be forgotten there; `tierkv clear "
+                                    f"{shell_path(path)} --all` deletes the whole store (its blocks are only a "
+                                    "cache)")
+    return CliError(EXIT_USAGE, f"{damage}: a forget cannot be written there. Run `tierkv check "
+                                f"{shell_path(path)} --repair` (it rebuilds the store from what is sound), then "
+                                f"this command again; or `tierkv clear {shell_path(path)} --all` to delete the "
+                                "whole store")
 
 
 def cmd_clear(args: argparse.Namespace) -> int:

@@ -102,7 +102,7 @@ from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, Disk
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, WriteNotQueued, copy_timer, cpu_wait_seconds,
                        resolve_device)
-from .units import format_bytes, parse_bytes, seconds_or_none, whole_number
+from .units import format_bytes, parse_bytes, seconds_or_none, shell_path, whole_number
 
 logger = logging.getLogger("tierkv")
 #: Tokens per block at most: a block is the unit of every move, and one of a million tokens is
@@ -810,7 +810,7 @@ class TieredStore:
             logger.error("tierkv: %d deletes could not be written to %s: its LMDB file is damaged; blocks that "
                          "were forgotten or evicted may still be on disk. Run `tierkv check %s --repair` and "
                          "forget them again, or delete the directory (it is only a cache)", self._owed_keys(), path,
-                         path)
+                         shell_path(path) if path is not None else path)
         elif self._owed_keys():
             logger.error("tierkv: %d deletes could not be written to %s (disk errors); blocks that were "
                          "forgotten or evicted may still be on disk. Delete the directory (it is only a "

@@ -2,11 +2,11 @@
 
 ``parse_bytes(value, name)`` reads a byte count; ``whole_number(value, name)`` an int argument
 (numpy's integers too, never a bool); ``seconds_or_none(value, name)`` a timeout; ``absolute_path(path)``
-a directory path as the kernel resolves it. KiB/MiB/GiB/TiB are powers of 1024,
-KB/MB/GB/TB powers of 1000, ``B`` or no unit means bytes. Fractions of KB and larger units are
-allowed and rounded down to whole bytes (``"0.1GiB"`` is 107374182.4 bytes); a fraction of a byte
-is refused: a float such as ``1.5``, ``"1.5B"`` or ``"1.5"`` (a unit left off, or a computed budget
-not made whole). Anything else raises with the accepted forms in the message.
+a directory path as the kernel resolves it; ``shell_path(path)`` a path as a command in a message
+spells it. KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000, ``B`` or no unit
+means bytes. Fractions of KB and larger units are allowed and rounded down to whole bytes
+(``"0.1GiB"`` is 107374182.4 bytes); a fraction of a byte is refused: a float such as ``1.5``,
+``"1.5B"`` or ``"1.5"`` (a unit left off, or a computed budget not made whole). Anything else raises with the accepted forms in the message.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import numbers
 import os
 import re
+import shlex
 from decimal import Decimal
 
 _UNITS: dict[str, int] = {
@@ -118,6 +119,15 @@ def format_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def shell_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a shell command given in a message must spell it to be run as printed: quoted
+    where it holds spaces or other characters the shell reads (``my store``: ``tierkv check my
+    store --repair`` named two arguments), and a relative one starting with ``-`` led by ``./``,
+    or the command reads it as an option."""
+    text = os.fspath(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
 def absolute_path(path: str | os.PathLike[str]) -> str:

@@ -116,7 +116,7 @@ from ..interrupts import raised_by_signal_handler
 from ..interrupts import stat_or_none as _stat_or_none
 from ..locks import SharedLock, on_stack
 from ..transfer import Job
-from ..units import absolute_path
+from ..units import absolute_path, shell_path
 from . import heads as index_entry
 from . import vm
 from .heads import OFFSET_UNKNOWN
@@ -185,8 +185,8 @@ class DamagedStore(ValueError):
         self.reason = f"{type(exc).__name__}: {exc}"
         super().__init__(f"the tierkv store at {path!r} is damaged ({type(exc).__name__}: {exc}); delete the "
                          "directory (its blocks are only a cache and will be recomputed) and create the store "
-                         f"again, or run `tierkv check {path} --repair`, which rebuilds it from what is sound where "
-                         "LMDB can still read it")
+                         f"again, or run `tierkv check {shell_path(path)} --repair`, which rebuilds it from what "
+                         "is sound where LMDB can still read it")
 
 
 class DamagedTables(lmdb.CorruptedError):
@@ -199,7 +199,7 @@ class DamagedTables(lmdb.CorruptedError):
     def __init__(self, path: str, exc: BaseException) -> None:
         super().__init__(f"the tierkv store at {path!r} is damaged: LMDB tripped over a damaged page of its B-tree "
                          f"in a write ({type(exc).__name__}: {exc}); close the store and run `tierkv check "
-                         f"{path} --repair`, or delete the directory (its blocks are only a cache)")
+                         f"{shell_path(path)} --repair`, or delete the directory (its blocks are only a cache)")
 
 
 #: What LMDB and msgpack raise on a damaged B-tree page or meta record.
@@ -795,8 +795,8 @@ def _refuse_shared(path: str) -> None:
         # them). `rm -r` of either, the remedy for a `cp -al` copy, would lose a store.
         raise ValueError(f"{file!r} has {st.st_nlink} hard links: this store's data.mdb is its own, but this lock "
                          "file is another directory's too, so the two stores would share one lock; with neither "
-                         f"store open, remove this one's (`rm {file}`: it is made again at the next open; the other "
-                         "directory keeps its own), not the directory")
+                         f"store open, remove this one's (`rm {shell_path(file)}`: it is made again at the next "
+                         "open; the other directory keeps its own), not the directory")
 
 
 def _allocate_lock_file_of(path: str) -> None:
@@ -1848,7 +1848,8 @@ class DiskTier:
             if st.st_blocks * 512 + (64 << 20) > fs.f_bavail * fs.f_frsize:
                 raise OSError(errno.ENOSPC, f"rebuilding the store needs up to {st.st_blocks * 512} bytes free "
                                             f"next to it, and the filesystem has {fs.f_bavail * fs.f_frsize}; "
-                                            f"free space, or delete the store with `tierkv clear {self.path} --all`")
+                                            "free space, or delete the store with `tierkv clear "
+                                            f"{shell_path(self.path)} --all`")
             result = Rebuilt()
             seen = 0
 
