@@ -1024,11 +1024,13 @@ def test_a_timeout_as_a_command_looks_at_the_stores_files_is_raised_not_read_as_
                                   linked) > 10
 
 
-def run_as_printed(message: str) -> list[Result]:
-    """Each `tierkv ...` command quoted in ``message``, split as a shell splits it and run."""
-    commands = re.findall(r"`(tierkv [^`]*)`", message)
+def run_as_printed(message: str, path: Path, deleting: bool = False) -> list[Result]:
+    """Each `tierkv ...` command on ``path`` quoted in ``message`` (those deleting the store only
+    if ``deleting``), split as a shell splits it and run."""
+    commands = [shlex.split(command) for command in re.findall(r"`(tierkv [^`]*)`", message)]
+    commands = [args[1:] for args in commands if str(path) in args and (deleting or "--all" not in args)]
     assert commands, message
-    return [run(*shlex.split(command)[1:]) for command in commands if "--all" not in command]
+    return [run(*args) for args in commands]
 
 
 def test_commands_in_messages_run_as_printed_for_a_path_with_spaces(built: Built, tmp_path: Path,
@@ -1040,7 +1042,7 @@ def test_commands_in_messages_run_as_printed_for_a_path_with_spaces(built: Built
     with pytest.raises(disk.DamagedStore) as info:
         TieredStore(path, device="cpu", block_size=B)
     assert f"`tierkv check '{path}' --repair`" in str(info.value)
-    assert [result.code for result in run_as_printed(str(info.value))] == [cli.EXIT_OK]
+    assert [result.code for result in run_as_printed(str(info.value), path)] == [cli.EXIT_OK]
     with TieredStore(path, device="cpu", block_size=B) as store:
         assert store.stats()["disk"]["blocks"] == BLOCKS - 1
     key, head = first_head(path)  # a record whose head and header are both damaged: unreadable
@@ -1050,7 +1052,38 @@ def test_commands_in_messages_run_as_printed_for_a_path_with_spaces(built: Built
     env.close()
     stats = run("stats", str(path))
     assert stats.code == cli.EXIT_OK and f"unreadable  1 records (run `tierkv check '{path}' --repair`)" in stats.out
-    assert [result.code for result in run_as_printed(stats.out)] == [cli.EXIT_OK]
+    assert [result.code for result in run_as_printed(stats.out, path)] == [cli.EXIT_OK]
     assert json.loads(run("stats", "--json", str(path)).out)["unreadable"] == 0
     report = run("check", str(path))
     assert report.code == cli.EXIT_OK and "0 bad" in report.out
+
+
+def _zero_meta_pages(path: Path) -> None:
+    with open(path / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * 4096))
+
+
+@pytest.mark.parametrize(("damage", "repairable"), [
+    (lambda path: damage_table(path, b"refs"), True),  # a table's rows, found by the scan at open
+    (lambda path: damage_table(path, b"meta"), False),  # the meta record, which the CLI reads first
+    (_zero_meta_pages, False),  # LMDB's meta pages: not an LMDB file to LMDB
+], ids=["refs table", "meta record", "meta pages"])
+def test_a_damaged_store_s_advice_at_open_works_when_followed(built: Built, copy: Callable[..., Path],
+                                                             damage: Callable[[Path], None], repairable: bool) -> None:
+    # Before: every DamagedStore said to run `tierkv check PATH --repair`; where LMDB cannot open
+    # the file or the meta record cannot be read, that repair refused, repeating the same advice.
+    path = copy()
+    damage(path)
+    with pytest.raises(disk.DamagedStore) as info:
+        TieredStore(path, device="cpu", block_size=B)
+    message = str(info.value)
+    assert info.value.repairable is repairable
+    assert (f"`tierkv check {path} --repair`" in message) is repairable, message
+    if not repairable:
+        assert "`tierkv check --repair` cannot rebuild it there: delete the directory" in message, message
+        refused = run("check", str(path), "--repair")
+        verify_refused(refused, cli.EXIT_USAGE, "cannot rebuild it there")
+        assert f"tierkv check {path} --repair" not in refused.err  # not told to run itself again
+    assert [result.code for result in run_as_printed(message, path, deleting=not repairable)] == [cli.EXIT_OK]
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert store.stats()["disk"]["blocks"] == (BLOCKS - 1 if repairable else 0)

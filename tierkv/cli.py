@@ -103,8 +103,8 @@ def _stored_meta(path: str) -> dict[str, int]:
 
     try:
         return DiskTier.stored_meta(path)
-    except DamagedStore as exc:
-        raise CliError(EXIT_USAGE, f"{exc}; `tierkv clear {shell_path(path)} --all` deletes it") from None
+    except DamagedStore as exc:  # its advice: no repair reads a store without its meta record
+        raise CliError(EXIT_USAGE, str(exc)) from None
     except ValueError as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
 

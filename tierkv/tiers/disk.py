@@ -179,14 +179,24 @@ class RebuiltUnsynced(OSError):
 
 class DamagedStore(ValueError):
     """The store's LMDB file is damaged where LMDB itself reads it (its B-tree, its meta record):
-    not a missing record, which is a plain miss, but a store that cannot be opened."""
+    not a missing record, which is a plain miss, but a store that cannot be opened.
+    ``repairable``: ``tierkv check --repair`` can rebuild it (a table's rows, which ``scan``
+    reads), not where LMDB cannot open the file, the meta record cannot be read (the CLI reads its
+    block size first) or a repair met the damage: there the advice to run that repair led to a
+    refusal giving the same advice."""
 
-    def __init__(self, path: str, exc: BaseException) -> None:
+    def __init__(self, path: str, exc: BaseException, repairable: bool = False) -> None:
         self.reason = f"{type(exc).__name__}: {exc}"
-        super().__init__(f"the tierkv store at {path!r} is damaged ({type(exc).__name__}: {exc}); delete the "
-                         "directory (its blocks are only a cache and will be recomputed) and create the store "
-                         f"again, or run `tierkv check {shell_path(path)} --repair`, which rebuilds it from what "
-                         "is sound where LMDB can still read it")
+        self.repairable = repairable
+        if repairable:
+            advice = (f"run `tierkv check {shell_path(path)} --repair`, which rebuilds it from what is sound, or "
+                      "delete the directory (its blocks are only a cache and will be recomputed) and create the "
+                      "store again")
+        else:
+            advice = ("`tierkv check --repair` cannot rebuild it there: delete the directory (its blocks are only "
+                      f"a cache and will be recomputed; `tierkv clear {shell_path(path)} --all` deletes its files) "
+                      "and create the store again")
+        super().__init__(f"the tierkv store at {path!r} is damaged ({self.reason}); {advice}")
 
 
 class DamagedTables(lmdb.CorruptedError):
@@ -1633,7 +1643,7 @@ class DiskTier:
         try:
             return self._scan()
         except _DAMAGE as exc:
-            raise DamagedStore(self.path, exc) from exc
+            raise DamagedStore(self.path, exc, repairable=True) from exc
 
     def _scan(self) -> ScanResult:
         result = ScanResult()
