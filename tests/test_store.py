@@ -13,7 +13,9 @@ import copy
 import logging
 import os
 import random
+import re
 import threading
+import uuid
 from collections.abc import Iterable
 
 import lmdb
@@ -2016,6 +2018,24 @@ def test_ids_of_one_conversation_in_another_shape_are_told_how_to_reshape_them(t
             cache.commit(out[0])
         assert cache.commit(out) == out.shape[1] - 1
         assert store.open(model, out).restored_tokens == out.shape[1] - 1
+
+
+@pytest.mark.parametrize(("name", "remedy"), [
+    (5, "pass its text, session='5'"), (np.int64(5), "pass its text, session='5'"),
+    (uuid.UUID(int=5), f"pass its text, session='{uuid.UUID(int=5)}'"), (b"5", "decode it: session=name.decode()"),
+])
+def test_a_session_id_that_is_not_a_str_is_told_to_pass_its_text_and_that_works(tiny_model, name, remedy):
+    # Before: "session must be a str or None, got int", naming no way to pass a database's ids.
+    model = tiny_model("llama")
+    ids = random_ids(2 * B + 1)
+    text = str(name) if not isinstance(name, bytes) else name.decode()
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        for call in (lambda: store.open(model, ids, session=name), lambda: store.forget(session=name)):
+            with pytest.raises(TypeError, match=re.escape(remedy)):
+                call()
+        cache = store.open(model, ids, session=text)
+        cache.commit(generate(model, ids, 2, cache))
+        assert store.forget(session=text) == 3 and store.stats()["device"]["blocks"] == 0
 
 
 def test_ids_of_any_integer_dtype_restore_the_same_blocks(tiny_model):

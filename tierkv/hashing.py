@@ -16,6 +16,8 @@ collision degrades to a miss, never to wrong output.
 
 from __future__ import annotations
 
+import numbers
+import uuid
 from collections.abc import Sequence
 
 import msgpack
@@ -73,7 +75,16 @@ def chain_keys(root: bytes, token_ids: TokenIds, block_size: int) -> list[bytes]
 def check_name(value: object, what: str) -> None:
     """A session or tenant name: a str (or None) that encodes as UTF-8, as names are hashed."""
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+        # A user's id from a database is an int or a UUID, a header's value bytes: each named
+        # the type and not what to pass.
+        if isinstance(value, (bytes, bytearray)):
+            remedy = f"; decode it: {what}=name.decode()"
+        elif isinstance(value, (numbers.Integral, uuid.UUID)) and not isinstance(value, bool):
+            remedy = f"; pass its text, {what}={str(value)!r} (str(...), the same at every turn and in forget())"
+        else:
+            remedy = (f"; pass a name as a str, or None for "
+                      f"{'no session' if what == 'session' else 'the default tenant'}")
+        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}{remedy}")
     if value:
         try:
             value.encode()
