@@ -4,6 +4,7 @@ generation, and deletes that hit a disk error are kept owed and retried, never l
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import faulthandler
 import functools
@@ -205,6 +206,31 @@ def test_a_flush_whose_sync_fails_raises_an_oserror_and_counts_it(model, stores,
     stats = store.stats()
     assert stats["disk_errors"] == 1 and stats["disk_failed"]
     store.close()  # the same failure again: a warning, not an exception
+
+
+def test_a_disk_error_s_warning_says_to_reopen_the_store_and_a_reopened_one_writes_through(model, stores, tmp_path,
+                                                                                          caplog):
+    # Before: "continuing with the device and host tiers only", saying nothing of how the disk
+    # tier comes back (this store never writes to it again).
+    store = make_store(stores, tmp_path / "kv")
+    apply = store._disk.apply
+
+    def failing(ops):
+        raise lmdb.DiskError("Input/output error")
+
+    store._disk.apply = failing
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        converse(store, model, random_ids(20, 711), "alice")
+        with contextlib.suppress(OSError):
+            store.flush()
+    assert store.stats()["disk_failed"]
+    assert "Check the disk, then close the store and reopen it to write through to disk again" in caplog.text
+    store._disk.apply = apply  # the disk is sound again
+    store.close()
+    again = make_store(stores, tmp_path / "kv")
+    out = converse(again, model, random_ids(20, 712), "bob")
+    again.flush()
+    assert not again.stats()["disk_failed"] and again.stats()["disk"]["blocks"] == (out.shape[1] - 1 + B - 1) // B
 
 
 def _records(path) -> set[bytes]:

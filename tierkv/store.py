@@ -2106,8 +2106,11 @@ class TieredStore:
                            DamagedTables(self._disk.path if self._disk is not None else "?", exc))
         elif not self._disk_failed:
             self._disk_failed = True
+            # What to do was left unsaid: the store never writes through again (_disk_failed), a
+            # new one on a sound disk does.
             logger.warning("tierkv: disk tier I/O error (%s); continuing with the device and host tiers only, "
-                           "blocks not yet written stay in memory. stats()['disk_errors'] counts further errors",
+                           "blocks not yet written stay in memory. stats()['disk_errors'] counts further errors. "
+                           "Check the disk, then close the store and reopen it to write through to disk again",
                            exc)
         else:
             logger.debug("tierkv: disk tier %s (%s)", "damaged" if damage else "I/O error", exc)
