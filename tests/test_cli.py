@@ -1087,3 +1087,10 @@ def test_a_damaged_store_s_advice_at_open_works_when_followed(built: Built, copy
     assert [result.code for result in run_as_printed(message, path, deleting=not repairable)] == [cli.EXIT_OK]
     with TieredStore(path, device="cpu", block_size=B) as store:
         assert store.stats()["disk"]["blocks"] == (BLOCKS - 1 if repairable else 0)
+
+
+@pytest.mark.parametrize("command", [["stats"], ["check"], ["clear", "--all"]])
+def test_an_empty_path_is_named_as_such(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: ": no such directory" (`tierkv stats "$STORE"` with STORE unset), naming nothing.
+    assert cli.main([command[0], "", *command[1:]]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == "tierkv: error: PATH is empty (an unset variable?); give the store's directory\n"

@@ -90,6 +90,8 @@ class CliError(Exception):
 def _is_directory(path: str) -> None:
     """Refuse a missing path or a file, looked at with ``stat_or_none``: ``os.path``'s helpers
     answer False to a signal handler's exception, and a timeout came out as "no such directory"."""
+    if not path:  # printed as ": no such directory", naming nothing
+        raise CliError(EXIT_USAGE, "PATH is empty (an unset variable?); give the store's directory")
     found = stat_or_none(path)
     if found is None:
         raise CliError(EXIT_USAGE, f"{path}: no such directory")
