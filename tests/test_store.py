@@ -1896,6 +1896,15 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     TieredStore(tmp_path / "kv", device="cpu", block_size=B).close()
 
 
+@pytest.mark.parametrize("budget", ["2GiB", 2**31])
+def test_a_budget_given_where_the_device_goes_is_told_to_pass_it_by_name(budget):
+    # TieredStore("kv", "2GiB"): before, "device='2GiB' is not a device", not what was meant.
+    with pytest.raises(ValueError, match=re.escape(f"(a byte count: pass it by name, device_budget={budget!r})")):
+        TieredStore(None, budget)
+    with TieredStore(None, device_budget=budget) as store:  # the advice, followed
+        assert store.stats()["device"]["budget"] == 2**31
+
+
 def test_a_directory_that_cannot_be_made_is_refused_saying_what_to_give(tmp_path):
     # Before: a bare NotADirectoryError / PermissionError / EROFS, saying nothing of what to do.
     (tmp_path / "afile").write_text("")

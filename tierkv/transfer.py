@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from .interrupts import raised_by_signal_handler
+from .units import parse_bytes
 
 logger = logging.getLogger("tierkv")
 
@@ -262,6 +263,18 @@ def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
     return lambda: start.elapsed_time(end) / 1000.0 if end.query() else None
 
 
+def _reads_as_bytes(device: object) -> bool:
+    """A byte count: a string with its unit ("2GiB"; "0" alone may mean a device's number), or an
+    int past any machine's count of devices."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device >= 1024
+    try:
+        parse_bytes(device)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(device, str) and any(c.isalpha() for c in device)
+
+
 def resolve_device(device: object) -> torch.device:
     """The hot tier's device: ``None`` means CUDA when available, else CPU."""
     if device is None:
@@ -271,7 +284,10 @@ def resolve_device(device: object) -> torch.device:
     try:
         resolved = torch.device(device)  # type: ignore[arg-type]
     except (TypeError, RuntimeError) as exc:
-        raise ValueError(f"device={device!r} is not a device; pass None, 'cpu', 'cuda' or 'cuda:N'") from exc
+        # TieredStore("kv", "2GiB"): a budget given where the device goes, second.
+        budget = _reads_as_bytes(device)
+        raise ValueError(f"device={device!r} is not a device; pass None, 'cpu', 'cuda' or 'cuda:N'"
+                         + (f" (a byte count: pass it by name, device_budget={device!r})" if budget else "")) from exc
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device type {resolved.type!r} is not supported; pass None, 'cpu', 'cuda' or 'cuda:N'")
     if resolved.type == "cpu":
@@ -284,7 +300,9 @@ def resolve_device(device: object) -> torch.device:
         resolved = torch.device("cuda", torch.cuda.current_device())
     elif resolved.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"numbered from 0; pass one of them or None")
+                         f"numbered from 0; pass one of them or None"
+                         + (f" (a byte count: pass it by name, device_budget={device!r})"
+                            if _reads_as_bytes(device) else ""))
     return resolved
 
 
