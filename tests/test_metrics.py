@@ -418,6 +418,20 @@ def test_an_overflowing_event_queue_warns_once_and_counts_the_drops(caplog) -> N
     assert len(warnings) == 1 and "tierkv_events_dropped_total" in warnings[0].getMessage()
 
 
+def test_an_overflow_under_serve_says_to_pass_a_larger_maxlen_to_it_and_that_keeps_every_event(caplog) -> None:
+    # Before: "pass a larger maxlen to StoreCollector", which serve() made with no maxlen to pass.
+    store = FakeStore()
+    for maxlen, dropped in ((2, 3), (5, 0)):
+        caplog.clear()
+        with serve(store, maxlen=maxlen) as server, caplog.at_level(logging.WARNING, logger="tierkv"):
+            for _ in range(5):
+                store.events.emit(CommitEvent(0.001, 1))
+            found = scrape(server.url)
+        assert one(found, "tierkv_events_dropped_total") == dropped
+        assert one(found, "tierkv_commit_duration_seconds_count") == 5 - dropped
+        assert (f"pass a larger maxlen (now {maxlen}) to serve() or StoreCollector" in caplog.text) is bool(dropped)
+
+
 def test_importing_tierkv_needs_no_prometheus_client_and_the_metrics_module_names_the_extra() -> None:
     script = (
         "import sys, tierkv\n"

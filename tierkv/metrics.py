@@ -126,6 +126,7 @@ class StoreCollector(Collector):
         self._store = store
         self._lock = threading.Lock()
         self._sub = store.subscribe(maxlen)
+        self._maxlen = maxlen
         self._dropped = 0  # kept past close(), when the subscription is gone
         self._warned = False
         self._move_bytes = {d: _Histogram(BYTES_BUCKETS) for d in DIRECTIONS}
@@ -155,8 +156,11 @@ class StoreCollector(Collector):
                 self._commit_seconds.observe(event.seconds)
         if self._sub.dropped > self._dropped and not self._warned:
             self._warned = True  # once: the counter tells how many followed
+            # serve() made its collector without a maxlen to pass: "pass a larger maxlen to
+            # StoreCollector" could not be done there.
             logger.warning("tierkv: the metrics event queue overflowed and dropped events; scrape more often or "
-                           "pass a larger maxlen to StoreCollector. tierkv_events_dropped_total counts them")
+                           "pass a larger maxlen (now %d) to serve() or StoreCollector. "
+                           "tierkv_events_dropped_total counts them", self._maxlen)
         self._dropped = self._sub.dropped
 
     def describe(self) -> Iterator[Metric]:
@@ -268,13 +272,14 @@ class MetricsServer:
 
 
 def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
-          registry: CollectorRegistry | None = None) -> MetricsServer:
+          registry: CollectorRegistry | None = None, maxlen: int = 100_000) -> MetricsServer:
     """Serve ``store``'s metrics over HTTP at ``http://addr:port/metrics`` from a daemon thread.
 
     ``port=0`` picks a free port (``server.port`` tells which). ``registry=None`` gives the server a
     registry of its own; pass one (``prometheus_client.REGISTRY`` for the process-wide one) to
-    serve the store's metrics beside what is already registered there. Binds to 127.0.0.1 unless
-    told otherwise: metrics name sessions' counts and sizes, not for every network by default.
+    serve the store's metrics beside what is already registered there. ``maxlen``: the events kept
+    between scrapes (``StoreCollector``'s). Binds to 127.0.0.1 unless told otherwise: metrics name
+    sessions' counts and sizes, not for every network by default.
     ``addr=""`` is refused: the socket API reads it as every interface, which is to be asked for by name.
     A port in use (or one this process may not bind) raises ``OSError`` saying to pass another port
     or ``port=0``, an address not of this machine ``OSError`` saying what to give; a URL or
@@ -304,7 +309,7 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     if port > 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free port), got {port}")
     registry = CollectorRegistry(auto_describe=True) if registry is None else registry
-    collector = StoreCollector(store)
+    collector = StoreCollector(store, maxlen)
     try:
         registry.register(collector)
     except BaseException as exc:
