@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import random_ids
+from conftest import VOCAB, random_ids
 from tierkv import TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -930,7 +931,12 @@ def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str]
     (["--arch", "t5"], "--arch 't5' has no causal language model to build"),
     # Families tierkv refuses at store.open, with the reason, before the trace starts.
     (["--arch", "bert"], "tierkv cannot serve this model: "),
-    (["--arch", "gemma2", "--hidden", "128"], "tierkv cannot serve this model: "),
+    # Told to give another model, not to "generate without a TieredCache", which no flag does.
+    (["--arch", "gemma2", "--hidden", "128"], "full-attention layers only, for now; give another --arch, such as llama"),
+    # A recurrent family: before, an AttributeError from the KV probe, before the refusal.
+    (["--arch", "mamba", "--hidden", "128"], "['linear_attention'] layers"),
+    (["--model", "{recurrent}"], "full-attention layers only, for now; give --model a decoder-only full-attention "
+                                 "checkpoint"),
 ])
 def test_chat_trace_refuses_models_it_cannot_run_before_the_trace(
         flags: list[str], message: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -940,8 +946,11 @@ def test_chat_trace_refuses_models_it_cannot_run_before_the_trace(
     (tmp_path / "file").write_text("not a model")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"')
+    if "{recurrent}" in flags:
+        config = AutoConfig.for_model("mamba", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "recurrent")
     flags = [f.format(empty=tmp_path / "empty", file=tmp_path / "file", broken=tmp_path / "broken",
-                      checkpoint=checkpoint) for f in flags]
+                      checkpoint=checkpoint, recurrent=tmp_path / "recurrent") for f in flags]
     base = TOY_TRACE_ANY_MODEL if "--model" in flags or "--arch" in flags else TOY_TRACE
     if "--arch" in flags:
         base = [*base, "--layers", "1"] + ([] if "--hidden" in flags else ["--hidden", "64"])

@@ -61,6 +61,7 @@ from . import trace_model
 from .demo import FirstTokenTimer
 from .events import MoveEvent
 from .interrupts import raised_by_signal_handler
+from .cache import _WITHOUT_TIERKV
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .units import parse_bytes
 
@@ -315,9 +316,7 @@ def budget_bytes(text: str, working_set: int, flag: str) -> int:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     model = trace_model.build_model(args, device, args.context)
-    kv_per_token = trace_model.kv_bytes_per_token(model)
     system, turns = make_trace(args, trace_model.vocab_of(model))
-    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token, args.block_size)
     with TieredStore(None, device=device, block_size=args.block_size) as warm:
         # Untimed: a model's first open reads its static facts and all its weights once
         # (memoised per model), which would fall on the first store policy's first turn. A model
@@ -327,7 +326,16 @@ def run(args: argparse.Namespace) -> dict:
         try:
             warm.open(model, torch.tensor(first).unsqueeze(0).to(device))
         except ValueError as exc:
-            raise trace_model.ModelFlagError(f"tierkv cannot serve this model: {exc}") from None
+            # The library's way out (generate without a TieredCache) is no flag of this program's:
+            # the way out here is another model.
+            reason = str(exc).removesuffix(_WITHOUT_TIERKV)
+            instead = ("give --model a decoder-only full-attention checkpoint" if args.model is not None else
+                       "give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+            raise trace_model.ModelFlagError(f"tierkv cannot serve this model: {reason}; {instead}") from None
+    # After the refusal: the probe reads keys from every layer, which a recurrent layer lacks
+    # (`--arch mamba` died in it with an AttributeError).
+    kv_per_token = trace_model.kv_bytes_per_token(model)
+    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token, args.block_size)
     try:
         from tqdm import tqdm
         progress = tqdm(total=len(turns) * 6, desc="chat trace", unit="turn")
