@@ -2047,6 +2047,25 @@ def test_a_session_id_that_is_not_a_str_is_told_to_pass_its_text_and_that_works(
         assert store.forget(session=text) == 3 and store.stats()["device"]["blocks"] == 0
 
 
+def test_a_tokenizer_s_whole_output_is_told_to_pass_its_input_ids_and_they_generate_exactly(tiny_model):
+    # apply_chat_template returns a BatchEncoding by default in transformers 5; open(model, it)
+    # was told to "use tokenizer(..., return_tensors='pt').input_ids", not to take its ids.
+    from transformers import BatchEncoding
+
+    model = tiny_model("llama")
+    ids = random_ids(3 * B + 2)
+    encoding = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(TypeError, match=re.escape("a tokenizer's output: pass the ids under its 'input_ids' key "
+                                                      "(encoding['input_ids'])")):
+            store.open(model, encoding)
+        with pytest.raises(TypeError, match=re.escape("(encoding['input_ids'], made with return_tensors='pt')")):
+            store.open(model, BatchEncoding({"input_ids": ids.tolist()}))
+        cache = store.open(model, encoding["input_ids"])
+        out = model.generate(**encoding, cache=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, generate(model, ids, 3))
+
+
 def test_ids_of_any_integer_dtype_restore_the_same_blocks(tiny_model):
     model = tiny_model("llama")
     ids = random_ids(3 * B + 2)

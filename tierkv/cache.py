@@ -87,7 +87,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -1272,6 +1272,13 @@ def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
 def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = None) -> np.ndarray:
     """A ``(1, L)`` integer tensor as int64 numpy ids, each below ``vocab`` if given, or a clear error."""
     if not isinstance(input_ids, torch.Tensor):
+        if isinstance(input_ids, Mapping) and "input_ids" in input_ids:
+            # A tokenizer's whole output (apply_chat_template returns one by default in
+            # transformers 5): its ids are in it, as generate(**inputs) takes them.
+            made = "" if isinstance(input_ids["input_ids"], torch.Tensor) else ", made with return_tensors='pt'"
+            raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}, a "
+                            f"tokenizer's output: pass the ids under its 'input_ids' key (encoding['input_ids']"
+                            f"{made})")
         raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
                         "use tokenizer(..., return_tensors='pt').input_ids")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
