@@ -439,6 +439,21 @@ def commit_failing_at(cache: TieredCache, out: torch.Tensor, monkeypatch: pytest
     monkeypatch.setattr(owner, name, real)
 
 
+def test_forget_of_nothing_names_both_ways_and_the_default_tenant_s_is_forgotten_as_told(tiny_model):
+    # Before: "forget() needs session=... and/or tenant=...", to forget(session=sid) with sid None,
+    # not saying that None names no session, nor how to forget the default tenant's blocks.
+    model = tiny_model("llama")
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        turn(store, model, random_ids(2 * B + 1, 41))  # no session, the default tenant
+        for call in (store.forget, lambda: store.forget(session=None)):
+            with pytest.raises(ValueError, match=re.escape("(session=None names none): pass session='name' to forget "
+                                                           "a session, tenant='name' to forget a tenant's blocks "
+                                                           "(tenant=None: the default tenant's)")):
+                call()
+        assert store.stats()["device"]["blocks"] == 3
+        assert store.forget(tenant=None) == 3 and store.stats()["device"]["blocks"] == 0
+
+
 def test_a_commit_that_raised_part_way_leaves_its_stored_blocks_to_forget(tiny_model, monkeypatch):
     model = tiny_model("llama")
     ids = random_ids(40, 47)

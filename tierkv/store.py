@@ -2686,7 +2686,10 @@ class TieredStore:
         """
         self._check_open()
         if session is None and tenant is _UNSET:
-            raise ValueError("forget() needs session=... and/or tenant=...")
+            # A variable holding None (forget(session=sid)) was told only to give session=...
+            raise ValueError("forget() got no session and no tenant (session=None names none): pass "
+                             "session='name' to forget a session, tenant='name' to forget a tenant's blocks "
+                             "(tenant=None: the default tenant's), or both")
         check_name(session, "session")
         if tenant is not _UNSET:
             check_name(tenant, "tenant")
