@@ -2001,6 +2001,8 @@ def test_a_store_path_through_a_linked_directory_and_up_is_the_directory_the_ker
 
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
     (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
+    # Not told to tokenize again (helper-96).
+    (lambda: random_ids(6).numpy(), TypeError, "got a numpy array; convert it: torch.from_numpy(input_ids)"),
     (lambda: random_ids(6).float(), TypeError, "convert them with .long()"),
     (lambda: random_ids(6).bool(), TypeError, "integer token ids"),
     (lambda: torch.cat([random_ids(6), random_ids(6, 1)]), ValueError, "(1, L)"),

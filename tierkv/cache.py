@@ -1279,6 +1279,10 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
             raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}, a "
                             f"tokenizer's output: pass the ids under its 'input_ids' key (encoding['input_ids']"
                             f"{made})")
+        if isinstance(input_ids, np.ndarray):
+            # Ids held in numpy are converted, not tokenized again.
+            raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a numpy array; convert it: "
+                            f"torch.from_numpy({what})")
         raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
                         "use tokenizer(..., return_tensors='pt').input_ids")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
