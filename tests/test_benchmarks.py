@@ -47,7 +47,9 @@ def left_behind(scratch: Path) -> list[str]:
 
 
 def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
-    out = run(tmp_path, "-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "1", "--block-size", "16", "--shapes", "small")
+    # Three rounds: with one, a single preemption of the floor's turn on a busy machine printed
+    # store.open's share as 0.000 (helper-96 saw it once); a median of three takes one such outlier.
+    out = run(tmp_path, "-m", "benchmarks.ttft", "--tokens", "64", "--repeats", "3", "--block-size", "16", "--shapes", "small")
     for policy in ("recompute", "floor", "tierkv device", "tierkv host", "tierkv disk (after restart)",
                    "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
