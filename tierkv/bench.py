@@ -58,10 +58,10 @@ from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
 from . import trace_model
+from .cache import _WITHOUT_TIERKV
 from .demo import FirstTokenTimer
 from .events import MoveEvent
 from .interrupts import raised_by_signal_handler
-from .cache import _WITHOUT_TIERKV
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .units import parse_bytes
 

@@ -6,7 +6,8 @@ a directory path as the kernel resolves it; ``shell_path(path)`` a path as a com
 spells it. KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000, ``B`` or no unit
 means bytes. Fractions of KB and larger units are allowed and rounded down to whole bytes
 (``"0.1GiB"`` is 107374182.4 bytes); a fraction of a byte is refused: a float such as ``1.5``,
-``"1.5B"`` or ``"1.5"`` (a unit left off, or a computed budget not made whole). Anything else raises with the accepted forms in the message.
+``"1.5B"`` or ``"1.5"`` (a unit left off, or a computed budget not made whole). Anything else
+raises with the accepted forms in the message.
 """
 
 from __future__ import annotations
