@@ -272,7 +272,7 @@ def _reads_as_bytes(device: object) -> bool:
         parse_bytes(device)
     except (TypeError, ValueError):
         return False
-    return isinstance(device, str) and any(c.isalpha() for c in device)
+    return isinstance(device, str) and any([c.isalpha() for c in device])
 
 
 def resolve_device(device: object) -> torch.device:
