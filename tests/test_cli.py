@@ -792,6 +792,26 @@ def test_missing_path_non_store_incompatible_and_in_use_are_refused(copy: Callab
     assert len(records(held)) == BLOCKS
 
 
+def test_clear_all_deletes_a_store_of_another_format(copy: Callable[..., Path], model: torch.nn.Module,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Its refusal (open, stats) says to delete the directory; `clear --all`, the command that
+    # deletes a store, refused it as well, with the same words.
+    old = copy("old")
+    env = lmdb.open(str(old), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
+                db=env.open_db(b"meta", txn=txn))
+    env.close()
+    assert cli.main(["clear", str(old), "--session", "s0"]) == cli.EXIT_USAGE  # no forget can be written there
+    err = capsys.readouterr().err
+    assert "format 99" in err and f"`tierkv clear {old} --all` deletes the whole store" in err
+    assert cli.main(["clear", str(old), "--all"]) == cli.EXIT_OK
+    assert "format 99" in capsys.readouterr().out and not (old / "data.mdb").exists()
+    with TieredStore(old, device="cpu", block_size=B) as store:  # a new store there
+        assert store.stats()["disk"]["blocks"] == 0
+        assert store.open(model, torch.arange(3 * B)[None], session="s0").restored_tokens == 0
+
+
 @pytest.mark.parametrize("code", ["EROFS", "EACCES"])
 def test_a_store_the_command_cannot_write_names_the_way_out(tmp_path, monkeypatch, capsys, code):
     """A store on a read-only mount (a snapshot) or in another user's directory: every command

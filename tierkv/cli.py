@@ -507,12 +507,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 # -- clear -------------------------------------------------------------------------------------
 def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
     """Why the store cannot be cleared entry by entry (its LMDB file is damaged: no forget can
-    be written there), or None; whether `check --repair` can mend that (a damaged table: yes;
+    be written there; or it is of another format version), or None; whether `check --repair` can mend that (a damaged table: yes;
     a store that does not open: no); and every tenant with a block or a session, the default one
     included. Read before the store opens (one environment per process at a time)."""
-    from .tiers.disk import DamagedStore, DiskTier
-
-    from .tiers.disk import UNOPENABLE
+    from .codec import FORMAT_VERSION
+    from .hashing import HASH_VERSION
+    from .tiers.disk import UNOPENABLE, DamagedStore, DiskTier
 
     found = _file_damage(path)
     if found.tables:
@@ -522,10 +522,16 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
     reasons: list[str] = []
     with _refusals():
         try:
-            block_size = DiskTier.stored_meta(path)["block_size"]
+            meta = DiskTier.stored_meta(path)
         except DamagedStore as exc:
             reasons.append(exc.reason)
-    tier = None if reasons else _new_tier(path, block_size, lambda exc: reasons.append(exc.reason))
+    if not reasons and (meta["format"], meta["hash"]) != (FORMAT_VERSION, HASH_VERSION):
+        # A store of another release: no forget can be written there, but its files can go (its
+        # open's refusal said to delete the directory, and `clear --all` refused it as well).
+        return (f"the tierkv store at {absolute_path(path)!r} was written in tierkv format {meta['format']} (hash "
+                f"{meta['hash']}), which this version ({__version__}: format {FORMAT_VERSION}, hash {HASH_VERSION}) "
+                "cannot read", False, set())
+    tier = None if reasons else _new_tier(path, meta["block_size"], lambda exc: reasons.append(exc.reason))
     if tier is None:  # no call between the making and the try: no point a handler runs at
         return f"the tierkv store at {absolute_path(path)!r} is damaged ({reasons[0]})", False, set()
     try:
@@ -547,7 +553,7 @@ def _read_for_clear(path: str) -> tuple[str | None, bool, set[str | None]]:
 
 
 def _remove_damaged(path: str, damage: str) -> int:
-    """``clear --all`` of a store too damaged to clear entry by entry: its files go."""
+    """``clear --all`` of a store too damaged to clear entry by entry, or of another format: its files go."""
     from .tiers.disk import StoreInUse, remove_store
 
     try:
@@ -560,9 +566,8 @@ def _remove_damaged(path: str, damage: str) -> int:
         if raised_by_signal_handler(exc):
             raise
         raise CliError(EXIT_IO, f"{damage}; removing its files failed: {exc}") from None
-    print(f"removed the store's files ({', '.join(removed)} in {absolute_path(path)}; {damage}, too damaged to "
-          f"clear entry by entry); a TieredStore opened at "
-          f"{absolute_path(path)} starts a new store")
+    print(f"removed the store's files ({', '.join(removed)} in {absolute_path(path)}; {damage}: it cannot be "
+          f"cleared entry by entry); a TieredStore opened at {absolute_path(path)} starts a new store")
     return EXIT_OK
 
 
