@@ -562,6 +562,47 @@ def test_a_forked_child_is_refused_the_parents_store(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_childs_stats_is_refused_even_while_a_parent_thread_held_the_lock(tmp_path):
+    """stats() answered in a forked child: the parent's numbers as of the fork, after a reap that
+    queues work for a writer the child does not have; and it hung where another thread of the
+    parent held the store's lock at the fork (a metrics scrape in a worker process)."""
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    model = make_model("llama")
+    ids = conversation(1, 0)
+    cache = store.open(model, ids)
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)  # a child stuck on the lock is killed, and its exit status says so
+                store.stats()
+            except ValueError as exc:
+                code = 0 if "forked" in str(exc) else 2
+            except BaseException:  # noqa: BLE001 - any other failure is the child's exit code
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0  # -SIGALRM: it hung on the lock; 1: it answered
+    assert store.stats()["disk"]["blocks"] > 0  # the parent's own view is untouched
+    store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
 def test_a_forked_childs_close_leaves_the_parents_lock_and_store_alone(tmp_path):
     path = tmp_path / "kv"
     store = TieredStore(path, device="cpu", block_size=4)

@@ -642,6 +642,9 @@ class TieredStore:
                                  "before store.close(); to go on, create a new TieredStore(path, ...) and open the "
                                  "next turn's cache with it: cache = store.open(model, input_ids)")
             raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
+        self._check_owner()
+
+    def _check_owner(self) -> None:
         if os.getpid() != self._pid:
             # After a fork the child has no writer thread, shares the parent's LMDB handle and lock:
             # using them would hang or corrupt the store (py-lmdb: never use an environment across fork).
@@ -2769,7 +2772,12 @@ class TieredStore:
         ``pending_writes``; ``commit_wait_seconds`` (time commits waited for a disk writer
         ``WRITE_BACKLOG_BYTES`` or ``WRITE_BACKLOG_OPS`` behind); ``host_pool`` (CUDA's pinned
         pool, or None); ``sessions`` (sessions tracked).
+
+        Answers on a closed store too; in a process forked from the store's, raises ``ValueError``
+        as every other call does.
         """
+        # Before the lock: a thread of the parent that held it at the fork never lets go of it here.
+        self._check_owner()
         with self._lock, defer_interrupts():
             if not self._closed:
                 self._reap()
