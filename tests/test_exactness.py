@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, RepetitionPenaltyLogitsProcessor
 
 from conftest import ARCHITECTURES, make_model, random_ids
 from tierkv import TieredCache, TieredStore
@@ -347,6 +347,107 @@ def test_logits_through_restored_cache_equal_full_forward(tiny_model, tmp_path: 
         assert_opened(cache, tier, L)
         got = greedy(model, longer, past_key_values=cache)
         assert_tokens_equal(got, greedy(model, longer), f"{arch}/{tier} after a forward-filled commit")
+
+
+# -- 5b. generate() options that read the whole conversation ---------------------------------------
+# Logits processors and stopping criteria read all of generate()'s ids, while the model computes
+# only those past the restored prefix: each option through a restored cache equals plain generate,
+# scores included, and the first step's scores show the option saw the restored tokens.
+def _options(ids: torch.Tensor, eos: int) -> dict[str, dict[str, Any]]:
+    return {
+        "repetition_penalty": dict(repetition_penalty=0.2),
+        "no_repeat_ngram_size": dict(repetition_penalty=0.2, no_repeat_ngram_size=1),
+        "sampled_penalties": dict(do_sample=True, repetition_penalty=0.2, no_repeat_ngram_size=2),
+        # max_length counts the whole conversation; min_new_tokens holds back an eos greedy emits first.
+        "min_new_tokens_max_length": dict(max_length=ids.shape[1] + NEW, min_new_tokens=NEW - 1, eos_token_id=eos),
+    }
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_options_reading_the_whole_conversation_equal_plain_generate(tiny_model, tmp_path: Path, arch: str,
+                                                                      tier: str) -> None:
+    model = tiny_model(arch)
+    with new_store(tmp_path, tier) as store:
+        ids = random_ids(PROMPT, seed=11)
+        cache = store.open(model, ids, session="opts")
+        out = greedy(model, ids, past_key_values=cache)
+        assert cache.commit(out) == out.shape[1] - 1
+        ids = torch.cat([out, random_ids(6, seed=102)], dim=1)
+        restored = out.shape[1] - 1
+        only_restored = set(ids[0, :restored].tolist()) - set(ids[0, restored:].tolist())
+        eos = int(greedy(model, ids)[0, ids.shape[1]])
+        for name, options in _options(ids, eos).items():
+            kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+            kwargs.update(options)
+            if "max_length" not in kwargs:
+                kwargs["max_new_tokens"] = NEW
+            torch.manual_seed(SEED)
+            plain = model.generate(ids, **kwargs)
+            cache = store.open(model, ids, session=name)
+            assert_opened(cache, tier, restored)
+            torch.manual_seed(SEED)
+            got = model.generate(ids, past_key_values=cache, **kwargs)
+            assert_tokens_equal(got.sequences, plain.sequences, f"{arch}/{tier} {name}")
+            assert len(got.scores) == len(plain.scores) == got.sequences.shape[1] - ids.shape[1]
+            for step, (a, b, c, d) in enumerate(zip(got.scores, plain.scores, got.logits, plain.logits)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} scores {step}: {m}")
+                torch.testing.assert_close(c, d, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} logits {step}: {m}")
+            reply = got.sequences[0, ids.shape[1]:].tolist()
+            first = got.scores[0][0]
+            if name == "repetition_penalty":
+                # Guard: the penalty reached the restored prefix (its tokens' scores), not only
+                # the ids past it.
+                penalty = RepetitionPenaltyLogitsProcessor(0.2)
+                torch.testing.assert_close(first, penalty(ids, got.logits[0].clone())[0])
+                assert not torch.allclose(first, penalty(ids[:, restored:], got.logits[0].clone())[0])
+            elif name == "no_repeat_ngram_size":
+                assert torch.isinf(first[sorted(only_restored)]).all()
+                assert not set(reply) & set(ids[0].tolist()), "a token of the conversation repeated"
+            elif name == "min_new_tokens_max_length":
+                # Greedy's first token is that eos: held back for NEW - 1 tokens, to max_length.
+                assert len(reply) == NEW and eos not in reply[:NEW - 1]
+            # The whole output object is what a chatbot hands back. (Forgotten after: the next
+            # option restores the first turn only.)
+            assert cache.commit(got) == got.sequences.shape[1] - 1
+            assert store.forget(session=name) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_in_a_thread_streaming_as_chat_servers_do_equals_plain_generate(tiny_model, tmp_path: Path,
+                                                                                 arch: str) -> None:
+    """transformers' chat recipe: ``generate`` in a ``Thread`` feeding a ``TextIteratorStreamer``,
+    the caller reading the reply as it comes; the cache opened in the caller's thread. The hook's
+    checks (kernel switches read in the forward's thread) run in the other; every turn restores
+    from disk, streams plain's tokens and commits the ids the thread returned."""
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    class Ids:  # the streamer's tokenizer: a token per word
+        def decode(self, ids: list[int], **kwargs: Any) -> str:
+            return "".join(f" {i}" for i in ids)
+
+    model = tiny_model(arch)
+    ids = random_ids(PROMPT, seed=12)
+    expected_restored = 0
+    with new_store(tmp_path, "disk") as store:
+        for turn in range(3):
+            cache = store.open(model, ids, session="streamed")
+            assert_opened(cache, "disk", expected_restored)
+            streamer = TextIteratorStreamer(Ids(), skip_prompt=True, timeout=60)
+            returned: list[torch.Tensor] = []
+            thread = threading.Thread(target=lambda: returned.append(greedy(model, ids, past_key_values=cache,
+                                                                            streamer=streamer)))
+            thread.start()
+            shown = "".join(streamer)
+            thread.join()
+            plain = greedy(model, ids)
+            assert_tokens_equal(returned[0], plain, f"{arch} streamed turn {turn}")
+            assert shown.split() == [str(i) for i in plain[0, ids.shape[1]:].tolist()]
+            assert cache.commit(returned[0]) == plain.shape[1] - 1
+            expected_restored = plain.shape[1] - 1
+            ids = torch.cat([plain, user_tokens(turn, seed=1200)], dim=1)
 
 
 
