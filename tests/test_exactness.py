@@ -436,12 +436,21 @@ def test_generate_in_a_thread_streaming_as_chat_servers_do_equals_plain_generate
             cache = store.open(model, ids, session="streamed")
             assert_opened(cache, "disk", expected_restored)
             streamer = TextIteratorStreamer(Ids(), skip_prompt=True, timeout=60)
-            returned: list[torch.Tensor] = []
-            thread = threading.Thread(target=lambda: returned.append(greedy(model, ids, past_key_values=cache,
-                                                                            streamer=streamer)))
+            returned: list[Any] = []
+
+            def run(ids: torch.Tensor = ids, cache: TieredCache = cache, streamer: Any = streamer) -> None:
+                try:
+                    returned.append(greedy(model, ids, past_key_values=cache, streamer=streamer))
+                except Exception as exc:  # raised here, in the test's thread, rather than a hang
+                    returned.append(exc)
+                    streamer.end()
+
+            thread = threading.Thread(target=run)
             thread.start()
             shown = "".join(streamer)
             thread.join()
+            if isinstance(returned[0], Exception):
+                raise returned[0]
             plain = greedy(model, ids)
             assert_tokens_equal(returned[0], plain, f"{arch} streamed turn {turn}")
             assert shown.split() == [str(i) for i in plain[0, ids.shape[1]:].tolist()]
