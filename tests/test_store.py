@@ -2046,6 +2046,28 @@ def test_ids_of_one_conversation_in_another_shape_are_told_how_to_reshape_them(t
         assert store.open(model, out).restored_tokens == out.shape[1] - 1
 
 
+@pytest.mark.parametrize(("convert", "remedy", "follow"), [
+    # A text-generation pipeline's generated_token_ids (return_tensors=True), a history kept as a list.
+    (lambda out: out[0].tolist(), "list of token ids; convert it, as one row: torch.tensor([sequences])",
+     lambda ids: torch.tensor([ids])),
+    (lambda out: out.tolist(), "list of rows of token ids; convert it: torch.tensor(sequences)", torch.tensor),
+    (lambda out: out.numpy(), "got a numpy array; convert it: torch.from_numpy(sequences)", torch.from_numpy),
+])
+def test_a_commit_of_ids_held_outside_a_tensor_is_told_how_to_convert_them_and_that_keeps_the_turn(
+        tiny_model, convert, remedy, follow):
+    # Before: "commit() takes the LongTensor that generate() returned, got list", which a caller
+    # holding a pipeline's ids (it returns no tensor from generate()) could not follow.
+    model = tiny_model("llama")
+    ids = random_ids(3 * B + 2)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        cache = store.open(model, ids)
+        out = generate(model, ids, 3, cache)
+        with pytest.raises(TypeError, match=re.escape(remedy)):
+            cache.commit(convert(out))
+        assert cache.commit(follow(convert(out))) == out.shape[1] - 1  # the advice, followed
+        assert store.open(model, torch.cat([out, random_ids(2, 9)], dim=1)).restored_tokens == out.shape[1] - 1
+
+
 @pytest.mark.parametrize(("name", "remedy"), [
     (5, "pass its text, session='5'"), (np.int64(5), "pass its text, session='5'"),
     (uuid.UUID(int=5), f"pass its text, session='{uuid.UUID(int=5)}'"), (b"5", "decode it: session=name.decode()"),

@@ -1320,13 +1320,27 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
     return row.numpy()
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def sequence_ids_of(sequences: Any) -> np.ndarray:
     """Row 0 of the ids ``generate`` returned, ``(k, L')``: every row starts with the prompt.
     A ``generate`` output object (``return_dict_in_generate=True``) gives its ``.sequences``."""
     if not isinstance(sequences, torch.Tensor) and isinstance(getattr(sequences, "sequences", None), torch.Tensor):
         sequences = sequences.sequences
     if not isinstance(sequences, torch.Tensor):
-        raise TypeError(f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}")
+        wanted = f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}"
+        # Ids the caller holds otherwise (a pipeline's generated_token_ids, a chat history kept as
+        # a list, numpy): converted, since the caller may have no tensor from generate() to pass.
+        if isinstance(sequences, np.ndarray) or (isinstance(sequences, Mapping) and "input_ids" in sequences):
+            token_ids_of(sequences, "sequences")  # raises, saying how to convert them
+        if isinstance(sequences, (list, tuple)) and sequences:
+            if all([_is_id(i) for i in sequences]):
+                raise TypeError(f"{wanted} of token ids; convert it, as one row: torch.tensor([sequences])")
+            if all([isinstance(row, (list, tuple)) and row and all([_is_id(i) for i in row]) for row in sequences]):
+                raise TypeError(f"{wanted} of rows of token ids; convert it: torch.tensor(sequences)")
+        raise TypeError(wanted)
     if sequences.dim() != 2 or sequences.shape[0] < 1:
         remedy = ("pass the tensor generate() returned as it is (out, not out[0]), or add the batch dimension "
                   "to a row: row[None]" if sequences.dim() == 1 else "pass the tensor generate() returned")
