@@ -2000,7 +2000,9 @@ def test_a_store_path_through_a_linked_directory_and_up_is_the_directory_the_ker
 
 
 @pytest.mark.parametrize(("make_ids", "error", "word"), [
-    (lambda: [[5, 6, 7]], TypeError, "LongTensor"),
+    (lambda: [[5, 6, 7]], TypeError, "list of rows of token ids; convert it: torch.tensor(input_ids)"),
+    (lambda: (5, 6, 7), TypeError, "tuple of token ids; convert it, as one row: torch.tensor([input_ids])"),
+    (lambda: [5, 6.0], TypeError, "got list; use tokenizer("),
     # Not told to tokenize again (helper-96).
     (lambda: random_ids(6).numpy(), TypeError, "got a numpy array; convert it: torch.from_numpy(input_ids)"),
     (lambda: random_ids(6).float(), TypeError, "convert them with .long()"),
@@ -2040,6 +2042,10 @@ def test_ids_of_one_conversation_in_another_shape_are_told_how_to_reshape_them(t
             assert torch.equal(out, generate(model, ids, 3))
         with pytest.raises(ValueError, match="once per conversation"):
             store.open(model, torch.stack([ids, ids]))
+        # A list (tokenizer(text)["input_ids"]) was told to tokenize again (helper-99).
+        with pytest.raises(TypeError, match=re.escape("as one row: torch.tensor([input_ids])")):
+            store.open(model, ids[0].tolist())
+        assert torch.equal(generate(model, ids, 3, store.open(model, torch.tensor([ids[0].tolist()]))), out)
         with pytest.raises(ValueError, match=r"\(out, not out\[0\]\), or add the batch dimension to a row: row\[None\]"):
             cache.commit(out[0])
         assert cache.commit(out) == out.shape[1] - 1

@@ -1283,6 +1283,15 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
             # Ids held in numpy are converted, not tokenized again.
             raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a numpy array; convert it: "
                             f"torch.from_numpy({what})")
+        if isinstance(input_ids, (list, tuple)) and input_ids:
+            # Ids the caller holds as a list (tokenizer(text)["input_ids"], a chat history) are
+            # converted, not tokenized again, as numpy's are and as commit() says of a list.
+            if all([_is_id(i) for i in input_ids]):
+                raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a {type(input_ids).__name__} "
+                                f"of token ids; convert it, as one row: torch.tensor([{what}])")
+            if all([isinstance(row, (list, tuple)) and row and all([_is_id(i) for i in row]) for row in input_ids]):
+                raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a {type(input_ids).__name__} "
+                                f"of rows of token ids; convert it: torch.tensor({what})")
         raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
                         "use tokenizer(..., return_tensors='pt').input_ids")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
