@@ -1374,7 +1374,9 @@ class TieredStore:
             n = known
             if not _same_ids(fed[:n - len(opened)], seq[len(opened):n]):
                 raise ValueError("commit() got ids that differ from the ones the model generated with this cache; "
-                                 "pass the sequences that generate() returned, unedited")
+                                 "pass the sequences that generate() returned, unedited (with generate() in a "
+                                 "thread feeding a streamer, keep what it returns: the streamed text tokenized "
+                                 "again need not give the same ids)")
         token = cache.model_info.masked_token
         if token is not None:
             # generate() masks this id wherever it appears in a later turn's ids, and KV computed
