@@ -769,16 +769,22 @@ def test_clear_without_one_clear_filter_is_refused_and_changes_nothing(
     assert file_digest(built.path) == before
 
 
+def of_format_99(path: Path) -> Path:
+    """``path``'s store, its meta record rewritten as another tierkv release's (format 99)."""
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
+                db=env.open_db(b"meta", txn=txn))
+    env.close()
+    return path
+
+
 def test_missing_path_non_store_incompatible_and_in_use_are_refused(copy: Callable[..., Path],
                                                                     tmp_path: Path) -> None:
     missing, empty = tmp_path / "nope", tmp_path / "empty"
     empty.mkdir()
     incompatible = copy("incompatible")
-    env = lmdb.open(str(incompatible), max_dbs=8)
-    with env.begin(write=True) as txn:
-        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
-                db=env.open_db(b"meta", txn=txn))
-    env.close()
+    of_format_99(incompatible)
     held = copy("held")
     # The lock is per open file description: this process holding it refuses the subprocess.
     with TieredStore(held, device="cpu", block_size=B):
@@ -796,12 +802,7 @@ def test_clear_all_deletes_a_store_of_another_format(copy: Callable[..., Path], 
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # Its refusal (open, stats) says to delete the directory; `clear --all`, the command that
     # deletes a store, refused it as well, with the same words.
-    old = copy("old")
-    env = lmdb.open(str(old), max_dbs=8)
-    with env.begin(write=True) as txn:
-        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
-                db=env.open_db(b"meta", txn=txn))
-    env.close()
+    old = of_format_99(copy("old"))
     assert cli.main(["clear", str(old), "--session", "s0"]) == cli.EXIT_USAGE  # no forget can be written there
     err = capsys.readouterr().err
     assert "format 99" in err and f"`tierkv clear {old} --all` deletes the whole store" in err

@@ -71,6 +71,14 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Te
     return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
+def greedy_turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, session: str) -> torch.Tensor:
+    """One greedy turn of ``session`` through ``store``, committed whole; its ids."""
+    cache = store.open(model, ids, session=session)
+    out = greedy(model, ids, past_key_values=cache)
+    assert cache.commit(out) == out.shape[1] - 1
+    return out
+
+
 def kept_by_commit(model: torch.nn.Module, ids: torch.Tensor, out: torch.Tensor) -> int:
     """The tokens a commit keeps: all but the last id, up to the first one that generate() masked
     in the prompt (its pad_token_id, where that is not an eos id): KV from there on depends on
@@ -269,9 +277,7 @@ def test_generation_modes_with_restored_cache(tiny_model, tmp_path: Path, arch: 
     model = tiny_model(arch)
     with new_store(tmp_path, tier) as store:
         ids = random_ids(PROMPT, seed=4)
-        cache = store.open(model, ids, session="modes")
-        out = greedy(model, ids, past_key_values=cache)
-        assert cache.commit(out) == out.shape[1] - 1
+        out = greedy_turn(store, model, ids, "modes")
 
         # The user quotes an earlier span: its last bigram occurs earlier, so prompt lookup has
         # candidates to propose.
@@ -370,9 +376,7 @@ def test_options_reading_the_whole_conversation_equal_plain_generate(tiny_model,
     model = tiny_model(arch)
     with new_store(tmp_path, tier) as store:
         ids = random_ids(PROMPT, seed=11)
-        cache = store.open(model, ids, session="opts")
-        out = greedy(model, ids, past_key_values=cache)
-        assert cache.commit(out) == out.shape[1] - 1
+        out = greedy_turn(store, model, ids, "opts")
         ids = torch.cat([out, random_ids(6, seed=102)], dim=1)
         restored = out.shape[1] - 1
         only_restored = set(ids[0, :restored].tolist()) - set(ids[0, restored:].tolist())
