@@ -299,6 +299,8 @@ def test_an_empty_addr_is_refused_rather_than_bound_to_every_interface() -> None
     ("localhost ", ValueError, "has spaces around it; give addr='localhost'"),
     (" ", ValueError, "would serve on every interface"),
     ("no-such-host.invalid", ValueError, "is not an address of this machine"),
+    # str.isdigit() is true of '²', which int() refuses: a bare "invalid literal for int()".
+    ("localhost:\u00b2", ValueError, "is not an address of this machine"),
     # Addresses that are not this machine's: a bare "Cannot assign requested address" before.
     ("192.0.2.1", OSError, "cannot serve metrics at addr='192.0.2.1': "),
 ])

@@ -300,7 +300,8 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
     # A URL or host:port was told only that it does not resolve ("Name or service not known").
     url = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\[?([^/\]]*?)\]?(?::([0-9]+))?(?:/.*)?", addr)
     host, colon, number = addr.rpartition(":")
-    if url is not None or (colon and ":" not in host and host and number.isdigit()):
+    # ASCII digits: isdigit() is true of '²' too, which int() below refuses.
+    if url is not None or (colon and ":" not in host and host and re.fullmatch("[0-9]+", number)):
         host, number = (url.group(1), url.group(2)) if url is not None else (host, number)
         given = f"addr={host!r}" + (f", port={int(number)}" if number else "")
         raise ValueError(f"addr={addr!r} is a {'URL' if url is not None else 'host and port'}; addr takes the host "
