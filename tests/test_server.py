@@ -1293,6 +1293,24 @@ def test_the_system_fingerprint_names_what_decides_the_replies(server: Server) -
     assert len(others) == 4 and server.state.fingerprint not in others
 
 
+def test_the_system_fingerprint_tells_apart_machines_whose_kernels_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the device's type alone, so an H100's server and an A100's (or an AVX2 and an AVX512
+    # CPU's) gave one fingerprint, while their kernels round otherwise (tierkv keys its own stores
+    # on the GPU model and the CPU's vector code for that) and a seed may draw other replies.
+    from examples.server.app import fingerprint
+
+    settings = Settings(store=None)
+    seen = set()
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        seen.add(fingerprint(settings, torch.device("cpu")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        seen.add(fingerprint(settings, torch.device("cuda", 0)))
+    assert len(seen) == 4
+
+
 def test_unseeded_sampling_does_not_repeat_the_last_run_after_a_restart() -> None:
     # torch seeds its generator with one constant at import, so each restarted server drew the same
     # "random" replies to unseeded requests as the last one did.

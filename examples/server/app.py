@@ -98,10 +98,15 @@ REFUSALS = (ValueError, OSError, LmdbError)
 
 def fingerprint(settings: Settings, device: torch.device) -> str:
     """OpenAI's ``system_fingerprint`` for this configuration: another model, weights' seed or shape,
-    device kind, tierkv or torch gives another one, so that a client comparing seeded replies across
-    servers can tell when the same seed may no longer give the same reply."""
+    device kind (a GPU's model, a CPU's vector code), tierkv or torch gives another one, so that a
+    client comparing seeded replies across servers can tell when the same seed may no longer give
+    the same reply."""
+    # Kernels differ with the GPU model and the CPU's vector code, and round otherwise (tierkv keys
+    # its stores on both for that): the device's type alone gave an H100 and an A100 one fingerprint.
+    kind = (torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available()
+            else torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else "")
     config = (tierkv.__version__, torch.__version__, transformers.__version__, settings.model, settings.seed,
-              settings.tiny_hidden, settings.tiny_layers, device.type)
+              settings.tiny_hidden, settings.tiny_layers, device.type, kind)
     return "fp_" + hashlib.sha256(repr(config).encode()).hexdigest()[:10]
 
 
