@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -600,3 +603,68 @@ def test_no_library_module_calls_print() -> None:
                   and func.value.attr in ("stdout", "stderr")):
                 offenders.append(f"{source.name}:{node.lineno} {func.value.attr}.write()")
     assert offenders == [], "the library logs through logging.getLogger('tierkv'); it never prints"
+
+
+def _in_a_forked_child(child: Callable[[], None]) -> int:
+    """``child()`` run in a forked child: its exit status, 0 where it returned, -SIGALRM where it hung."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)  # a child stuck on a lock is killed, and its exit status says so
+            child()
+            code = 0
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_childs_scrape_is_refused_even_while_a_parent_scrape_held_the_collectors_lock() -> None:
+    # Before: the collector took its own lock before stats() (which a forked child is refused):
+    # a scrape of the parent's in progress at the fork left it held for good, and the child's
+    # scrape of a registry it inherited hung.
+    store = FakeStore()
+    collector = StoreCollector(store)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with collector._lock:
+            held.set()
+            release.wait()
+
+    def scrape_refused() -> None:
+        with pytest.raises(ValueError, match="forked from it"):
+            list(collector.collect())
+        collector.close()  # nothing of the parent's is let go of, and no wait
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        status = _in_a_forked_child(scrape_refused)
+    finally:
+        release.set()
+        holder.join()
+    assert status == 0  # -SIGALRM: it hung on the lock
+    assert one(samples(generate_latest(_registry_of(collector)).decode()), "tierkv_sessions") == 0
+    collector.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_childs_close_of_the_parents_metrics_server_returns_and_the_parent_serves_on() -> None:
+    # Before: close() in a child (a `with serve(store):` block the child leaves) waited for the
+    # serving thread's loop to stop, a thread the child does not have: it hung for good.
+    store = FakeStore()
+    with serve(store) as server:
+        assert _in_a_forked_child(server.close) == 0  # -SIGALRM: it hung
+        scrape(server.url)
+    assert not store.events.active
+
+
+def _registry_of(collector: StoreCollector) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry

@@ -14,7 +14,10 @@ The store's hot paths only append events to the subscription's bounded queue; ``
 that queue under the collector's lock into cumulative histograms kept here (so concurrent scrapes
 neither double count nor lose an event), then reads ``store.stats()`` for the gauges and counters.
 Histograms count from the collector's subscription on; counters read from ``stats()`` count from the
-store's open. ``store.stats()`` stays the in-process view; this module only exports it.
+store's open. ``store.stats()`` stays the in-process view; this module only exports it. In a
+process forked from the collector's, ``collect()`` raises ``ValueError`` as ``stats()`` does there,
+and ``close()`` (the server's too) lets go of nothing of the parent's, waiting for none of its locks
+or threads.
 
 Metric names follow Prometheus conventions: a ``tierkv_`` prefix, base units (bytes, seconds),
 ``_total`` on counters, and a ``tier`` or ``direction`` label rather than one name per tier.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import socket
 import threading
@@ -125,6 +129,7 @@ class StoreCollector(Collector):
     def __init__(self, store: Any, maxlen: int = 100_000) -> None:
         self._store = store
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._sub = store.subscribe(maxlen)
         self._maxlen = maxlen
         self._dropped = 0  # kept past close(), when the subscription is gone
@@ -136,7 +141,10 @@ class StoreCollector(Collector):
 
     def close(self) -> None:
         """Unsubscribe from the store's events; later scrapes still export ``stats()`` and the
-        histograms as they stand. Closing twice is harmless."""
+        histograms as they stand. Closing twice is harmless; in a process forked from the
+        collector's, it does nothing."""
+        if self._forked():
+            return
         with self._lock:
             if self._sub is not None:
                 self._fold()
@@ -172,7 +180,18 @@ class StoreCollector(Collector):
         for name, (doc, labels) in _HISTOGRAMS.items():
             yield HistogramMetricFamily(name, doc, labels=labels)
 
+    def _forked(self) -> bool:
+        # Checked before the lock: a scrape in a thread of the parent that held it at the fork
+        # never lets go of it here, and a child's scrape or close waited for it for good.
+        return os.getpid() != self._pid
+
     def collect(self) -> Iterator[Metric]:
+        """The store's metrics; in a process forked from the collector's, ``ValueError`` (the store's
+        ``stats()`` is refused there)."""
+        if self._forked():
+            raise ValueError("this StoreCollector belongs to the process that created it (this one was forked "
+                             "from it), as its TieredStore does; in this process, make a StoreCollector of a "
+                             "TieredStore created here")
         with self._lock:
             if self._sub is not None:
                 self._fold()
@@ -255,6 +274,11 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
+        if self.collector._forked():
+            # A forked child has no serving thread: shutdown() waited for its loop to stop, for
+            # good. The child's copy of the socket goes; the parent's server serves on.
+            self._httpd.server_close()
+            return
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
