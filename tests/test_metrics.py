@@ -24,7 +24,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierkv
@@ -622,7 +622,7 @@ def _in_a_forked_child(child: Callable[[], None]) -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
-def test_a_forked_childs_scrape_is_refused_even_while_a_parent_scrape_held_the_collectors_lock() -> None:
+def test_a_forked_childs_scrape_exports_nothing_even_while_a_parent_scrape_held_the_collectors_lock() -> None:
     # Before: the collector took its own lock before stats() (which a forked child is refused):
     # a scrape of the parent's in progress at the fork left it held for good, and the child's
     # scrape of a registry it inherited hung.
@@ -635,16 +635,28 @@ def test_a_forked_childs_scrape_is_refused_even_while_a_parent_scrape_held_the_c
             held.set()
             release.wait()
 
-    def scrape_refused() -> None:
-        with pytest.raises(ValueError, match="forked from it"):
-            list(collector.collect())
+    registry = _registry_of(collector)
+    other = Counter("worker_requests", "a metric of the program's own, in the same registry", registry=registry)
+    other.inc()
+
+    def scrape_in_child() -> None:
+        # A worker forked with the registry: its own metrics still scraped, none of the store's
+        # (an exception here failed the whole scrape), and a warning once.
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("tierkv").addHandler(handler)
+        text = generate_latest(registry).decode()
+        generate_latest(registry)
+        assert "worker_requests_total 1.0" in text and "tierkv_" not in text
+        assert len([r for r in records if "forked" in r.getMessage()]) == 1
         collector.close()  # nothing of the parent's is let go of, and no wait
 
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait()
     try:
-        status = _in_a_forked_child(scrape_refused)
+        status = _in_a_forked_child(scrape_in_child)
     finally:
         release.set()
         holder.join()

@@ -15,8 +15,8 @@ that queue under the collector's lock into cumulative histograms kept here (so c
 neither double count nor lose an event), then reads ``store.stats()`` for the gauges and counters.
 Histograms count from the collector's subscription on; counters read from ``stats()`` count from the
 store's open. ``store.stats()`` stays the in-process view; this module only exports it. In a
-process forked from the collector's, ``collect()`` raises ``ValueError`` as ``stats()`` does there,
-and ``close()`` (the server's too) lets go of nothing of the parent's, waiting for none of its locks
+process forked from the collector's, ``collect()`` exports nothing (``stats()`` is refused there;
+an exception would cost the registry's other collectors their metrics), and ``close()`` (the server's too) lets go of nothing of the parent's, waiting for none of its locks
 or threads.
 
 Metric names follow Prometheus conventions: a ``tierkv_`` prefix, base units (bytes, seconds),
@@ -130,6 +130,7 @@ class StoreCollector(Collector):
         self._store = store
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._warned_forked = False
         self._sub = store.subscribe(maxlen)
         self._maxlen = maxlen
         self._dropped = 0  # kept past close(), when the subscription is gone
@@ -186,12 +187,18 @@ class StoreCollector(Collector):
         return os.getpid() != self._pid
 
     def collect(self) -> Iterator[Metric]:
-        """The store's metrics; in a process forked from the collector's, ``ValueError`` (the store's
-        ``stats()`` is refused there)."""
+        """The store's metrics; in a process forked from the collector's, none (the store's
+        ``stats()`` is refused there), with a warning the first time."""
         if self._forked():
-            raise ValueError("this StoreCollector belongs to the process that created it (this one was forked "
-                             "from it), as its TieredStore does; in this process, make a StoreCollector of a "
-                             "TieredStore created here")
+            # Nothing rather than an exception: a worker forked with the registry (prometheus'
+            # REGISTRY, a server preloaded before its fork) would lose every other collector's
+            # metrics to a raise here; this process has no store to export.
+            if not self._warned_forked:
+                self._warned_forked = True
+                logger.warning("tierkv: a StoreCollector scraped in a process forked from the one that made it "
+                               "exports nothing (its TieredStore serves only that process); make a TieredStore "
+                               "and a StoreCollector of it in this process")
+            return
         with self._lock:
             if self._sub is not None:
                 self._fold()
