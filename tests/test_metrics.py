@@ -318,7 +318,8 @@ def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None
 
 
 @pytest.mark.parametrize("addr, kind", [("127.0.0.1:0", "host and port"), ("http://127.0.0.1:0/metrics", "URL"),
-                                        ("http://[::1]:0", "URL"), ("http://127.0.0.1", "URL")])
+                                        ("http://[::1]:0", "URL"), ("http://127.0.0.1", "URL"),
+                                        ("http://::1/metrics", "URL")])  # was told addr=':', port=1
 def test_a_url_or_host_and_port_as_addr_is_told_to_split_them_and_the_split_serves(addr, kind) -> None:
     # Before: "is not an address of this machine ([Errno -2] Name or service not known)".
     store = FakeStore()

@@ -302,6 +302,18 @@ class MetricsServer:
         self.close()
 
 
+def _host_and_port(netloc: str) -> tuple[str, str]:
+    """A URL's host and port (``""`` for none): an IPv6 host is bracketed where a port follows, and
+    a bare one ("http://::1") is the host whole, not the host ':' and the port 1."""
+    if netloc.startswith("[") and "]" in netloc:
+        host, _, rest = netloc[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") and re.fullmatch("[0-9]+", rest[1:]) else ""
+    if netloc.count(":") == 1:
+        host, _, number = netloc.partition(":")
+        return host, number if re.fullmatch("[0-9]+", number) else ""
+    return netloc, ""
+
+
 def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
           registry: CollectorRegistry | None = None, maxlen: int = 100_000) -> MetricsServer:
     """Serve ``store``'s metrics over HTTP at ``http://addr:port/metrics`` from a daemon thread.
@@ -329,11 +341,12 @@ def serve(store: Any, port: int = 0, addr: str = "127.0.0.1",
         raise ValueError(f"addr={addr!r} would serve on every interface; pass addr='0.0.0.0' (or '::') to serve "
                          "metrics on every network, or leave the default 127.0.0.1")
     # A URL or host:port was told only that it does not resolve ("Name or service not known").
-    url = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\[?([^/\]]*?)\]?(?::([0-9]+))?(?:/.*)?", addr)
+    url = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://([^/]*)(?:/.*)?", addr)
     host, colon, number = addr.rpartition(":")
     # ASCII digits: isdigit() is true of '²' too, which int() below refuses.
     if url is not None or (colon and ":" not in host and host and re.fullmatch("[0-9]+", number)):
-        host, number = (url.group(1), url.group(2)) if url is not None else (host, number)
+        if url is not None:
+            host, number = _host_and_port(url.group(1))
         given = f"addr={host!r}" + (f", port={int(number)}" if number else "")
         raise ValueError(f"addr={addr!r} is a {'URL' if url is not None else 'host and port'}; addr takes the host "
                          f"alone and port= the port: pass {given}")
