@@ -1272,28 +1272,9 @@ def _rows_equal(rows: np.ndarray, ids: np.ndarray) -> bool:
 def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = None) -> np.ndarray:
     """A ``(1, L)`` integer tensor as int64 numpy ids, each below ``vocab`` if given, or a clear error."""
     if not isinstance(input_ids, torch.Tensor):
-        if isinstance(input_ids, Mapping) and "input_ids" in input_ids:
-            # A tokenizer's whole output (apply_chat_template returns one by default in
-            # transformers 5): its ids are in it, as generate(**inputs) takes them.
-            made = "" if isinstance(input_ids["input_ids"], torch.Tensor) else ", made with return_tensors='pt'"
-            raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}, a "
-                            f"tokenizer's output: pass the ids under its 'input_ids' key (encoding['input_ids']"
-                            f"{made})")
-        if isinstance(input_ids, np.ndarray):
-            # Ids held in numpy are converted, not tokenized again.
-            raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a numpy array; convert it: "
-                            f"torch.from_numpy({what})")
-        if isinstance(input_ids, (list, tuple)) and input_ids:
-            # Ids the caller holds as a list (tokenizer(text)["input_ids"], a chat history) are
-            # converted, not tokenized again, as numpy's are and as commit() says of a list.
-            if all([_is_id(i) for i in input_ids]):
-                raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a {type(input_ids).__name__} "
-                                f"of token ids; convert it, as one row: torch.tensor([{what}])")
-            if all([isinstance(row, (list, tuple)) and row and all([_is_id(i) for i in row]) for row in input_ids]):
-                raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got a {type(input_ids).__name__} "
-                                f"of rows of token ids; convert it: torch.tensor({what})")
-        raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), got {type(input_ids).__name__}; "
-                        "use tokenizer(..., return_tensors='pt').input_ids")
+        raise TypeError(f"{what} must be a torch.LongTensor of shape (1, L), "
+                        + (_held_otherwise(input_ids, what) or f"got {type(input_ids).__name__}; use "
+                           "tokenizer(..., return_tensors='pt').input_ids"))
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"{what} must hold integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's "
                         "ids as they are (int64), or convert them with .long() if they are whole numbers")
@@ -1329,6 +1310,28 @@ def token_ids_of(input_ids: Any, what: str = "input_ids", vocab: int | None = No
     return row.numpy()
 
 
+def _held_otherwise(value: Any, what: str) -> str | None:
+    """How ids held outside a tensor, in ``value`` named ``what``, become one ("got ...; convert
+    it: ..."), for ``open`` and ``commit`` alike; None for anything else. Such ids are converted,
+    not tokenized again: the caller may have no tensor from a tokenizer or generate() to pass (a
+    pipeline's generated_token_ids, a chat history kept as a list)."""
+    if isinstance(value, Mapping) and "input_ids" in value:
+        # A tokenizer's whole output (apply_chat_template returns one by default in
+        # transformers 5): its ids are in it, as generate(**inputs) takes them.
+        made = "" if isinstance(value["input_ids"], torch.Tensor) else ", made with return_tensors='pt'"
+        return (f"got {type(value).__name__}, a tokenizer's output: pass the ids under its 'input_ids' key "
+                f"(encoding['input_ids']{made})")
+    if isinstance(value, np.ndarray):
+        return f"got a numpy array; convert it: torch.from_numpy({what})"
+    if isinstance(value, (list, tuple)) and value:
+        kind = type(value).__name__
+        if all([_is_id(i) for i in value]):
+            return f"got a {kind} of token ids; convert it, as one row: torch.tensor([{what}])"
+        if all([isinstance(row, (list, tuple)) and row and all([_is_id(i) for i in row]) for row in value]):
+            return f"got a {kind} of rows of token ids; convert it: torch.tensor({what})"
+    return None
+
+
 def _is_id(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -1339,17 +1342,8 @@ def sequence_ids_of(sequences: Any) -> np.ndarray:
     if not isinstance(sequences, torch.Tensor) and isinstance(getattr(sequences, "sequences", None), torch.Tensor):
         sequences = sequences.sequences
     if not isinstance(sequences, torch.Tensor):
-        wanted = f"commit() takes the LongTensor that generate() returned, got {type(sequences).__name__}"
-        # Ids the caller holds otherwise (a pipeline's generated_token_ids, a chat history kept as
-        # a list, numpy): converted, since the caller may have no tensor from generate() to pass.
-        if isinstance(sequences, np.ndarray) or (isinstance(sequences, Mapping) and "input_ids" in sequences):
-            token_ids_of(sequences, "sequences")  # raises, saying how to convert them
-        if isinstance(sequences, (list, tuple)) and sequences:
-            if all([_is_id(i) for i in sequences]):
-                raise TypeError(f"{wanted} of token ids; convert it, as one row: torch.tensor([sequences])")
-            if all([isinstance(row, (list, tuple)) and row and all([_is_id(i) for i in row]) for row in sequences]):
-                raise TypeError(f"{wanted} of rows of token ids; convert it: torch.tensor(sequences)")
-        raise TypeError(wanted)
+        raise TypeError("commit() takes the LongTensor that generate() returned, "
+                        + (_held_otherwise(sequences, "sequences") or f"got {type(sequences).__name__}"))
     if sequences.dim() != 2 or sequences.shape[0] < 1:
         remedy = ("pass the tensor generate() returned as it is (out, not out[0]), or add the batch dimension "
                   "to a row: row[None]" if sequences.dim() == 1 else "pass the tensor generate() returned")

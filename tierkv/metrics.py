@@ -16,8 +16,8 @@ neither double count nor lose an event), then reads ``store.stats()`` for the ga
 Histograms count from the collector's subscription on; counters read from ``stats()`` count from the
 store's open. ``store.stats()`` stays the in-process view; this module only exports it. In a
 process forked from the collector's, ``collect()`` exports nothing (``stats()`` is refused there;
-an exception would cost the registry's other collectors their metrics), and ``close()`` (the server's too) lets go of nothing of the parent's, waiting for none of its locks
-or threads.
+an exception would cost the registry's other collectors their metrics), and ``close()`` (the
+server's too) lets go of nothing of the parent's, waiting for none of its locks or threads.
 
 Metric names follow Prometheus conventions: a ``tierkv_`` prefix, base units (bytes, seconds),
 ``_total`` on counters, and a ``tier`` or ``direction`` label rather than one name per tier.
