@@ -1911,13 +1911,20 @@ def test_bad_store_arguments_raise_with_a_remedy(tmp_path, kwargs, error, word):
     TieredStore(tmp_path / "kv", device="cpu", block_size=B).close()
 
 
-@pytest.mark.parametrize("budget", ["2GiB", 2**31])
+@pytest.mark.parametrize("budget", ["2GiB", 2**31, np.int64(2**31), float(2**31), np.float64(2**31)])
 def test_a_budget_given_where_the_device_goes_is_told_to_pass_it_by_name(budget):
     # TieredStore("kv", "2GiB"): before, "device='2GiB' is not a device", not what was meant.
     with pytest.raises(ValueError, match=re.escape(f"(a byte count: pass it by name, device_budget={budget!r})")):
         TieredStore(None, budget)
     with TieredStore(None, device_budget=budget) as store:  # the advice, followed
         assert store.stats()["device"]["budget"] == 2**31
+
+
+def test_a_device_number_past_a_c_long_is_told_what_a_device_is():
+    # Before: torch's bare "Overflow when unpacking long long".
+    with pytest.raises(ValueError, match=re.escape("pass None, 'cpu', 'cuda' or 'cuda:N' (a byte count: pass it by "
+                                                   f"name, device_budget={2**70!r})")):
+        TieredStore(None, 2**70)
 
 
 def test_a_directory_that_cannot_be_made_is_refused_saying_what_to_give(tmp_path):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from .interrupts import raised_by_signal_handler
@@ -264,10 +265,13 @@ def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
 
 
 def _reads_as_bytes(device: object) -> bool:
-    """A byte count: a string with its unit ("2GiB"; "0" alone may mean a device's number), or an
-    int past any machine's count of devices."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device >= 1024
+    """A byte count: a string with its unit ("2GiB"; "0" alone may mean a device's number), or a
+    number (numpy's too, and a float, which ``device_budget`` then refuses saying what to write)
+    past any machine's count of devices."""
+    if isinstance(device, (bool, np.bool_)):
+        return False
+    if isinstance(device, (int, float, np.integer, np.floating)):
+        return bool(device >= 1024)
     try:
         parse_bytes(device)
     except (TypeError, ValueError):
@@ -283,8 +287,9 @@ def resolve_device(device: object) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)  # type: ignore[arg-type]
-    except (TypeError, RuntimeError) as exc:
-        # TieredStore("kv", "2GiB"): a budget given where the device goes, second.
+    except (TypeError, RuntimeError, ValueError) as exc:
+        # ValueError: an int past a C long (device=2**70). TieredStore("kv", "2GiB"): a budget
+        # given where the device goes, second.
         budget = _reads_as_bytes(device)
         raise ValueError(f"device={device!r} is not a device; pass None, 'cpu', 'cuda' or 'cuda:N'"
                          + (f" (a byte count: pass it by name, device_budget={device!r})" if budget else "")) from exc
