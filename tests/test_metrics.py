@@ -98,6 +98,8 @@ def verify_scrape_equals_stats(found: dict, stats: dict) -> None:
     assert by(found, "tierkv_hit_tokens_total", "tier") == stats["hits"]
     assert one(found, "tierkv_miss_tokens_total") == stats["misses"]
     assert one(found, "tierkv_evictions_total") == stats["evictions"]
+    assert one(found, "tierkv_diverged_turns_total") == stats["diverged_turns"]
+    assert one(found, "tierkv_diverged_tokens_total") == stats["diverged_tokens"]
     assert one(found, "tierkv_corrupt_records_total") == stats["corrupt"]
     assert one(found, "tierkv_disk_errors_total") == stats["disk_errors"]
     assert one(found, "tierkv_disk_failed") == float(stats["disk_failed"])
@@ -190,7 +192,8 @@ class FakeStore:
     def stats(self) -> dict:
         tier = {"bytes": 0, "budget": 0, "blocks": 0}
         return {"device": tier, "host": tier, "disk": tier, "hits": {t: 0 for t in TIERS}, "misses": 0,
-                "evictions": 0, "corrupt": 0, "disk_errors": 0, "disk_failed": False,
+                "evictions": 0, "diverged_turns": 0, "diverged_tokens": 0, "corrupt": 0, "disk_errors": 0,
+                "disk_failed": False,
                 "moved_bytes": {d: 0 for d in DIRECTIONS}, "peak_bytes": {t: 0 for t in TIERS}, "pending_writes": 0,
                 "sessions": 0}
 
@@ -385,7 +388,7 @@ def test_metric_names_follow_prometheus_conventions(model) -> None:
         turn(store, model, random_ids(20, 60))
         text = generate_latest(registry).decode()
     families = list(text_string_to_metric_families(text))
-    assert len(families) == 18
+    assert len(families) == 20
     for family in families:
         assert family.name.startswith("tierkv_"), family.name
         names = {s.name for s in family.samples}

@@ -1647,6 +1647,8 @@ class TieredCache(Cache):
     ``restored_tokens``: tokens whose KV ``open`` restored (at most ``L - 1``); ``restored_from``:
     those tokens per tier, ``{"device": n1, "host": n2, "disk": n3}``. Both drop to 0 when the
     restore is thrown away (``reset()``, as assisted decoding does: ``stats()["discarded"]``).
+    ``diverged_at``: where the ids first differ from the conversation the session committed last
+    (an edit, or a chat template rendering past turns anew), or None (see ``TieredStore.open``).
     Pass the cache to ``model.generate(input_ids, cache=cache)`` (or ``past_key_values=``) with the
     whole conversation, then ``commit`` what ``generate`` returned.
     """
@@ -1682,6 +1684,9 @@ class TieredCache(Cache):
         self.tenant = tenant
         self.restored_from = dict(restored_from)
         self.restored_tokens = sum(restored_from.values())
+        # Where the ids first differ from the conversation the session committed last (set by open).
+        self.diverged_at: int | None = None
+        self._sid: bytes | None = None  # the session's key in the store (set by open)
         self._restored_held = self.restored_tokens  # restored KV still held: a crop below it gives it back
         # The first token whose KV commit must not keep: one a forward's attention_mask hid, or the
         # first that generate() computed with MoE experts on their decode kernel.

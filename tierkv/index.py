@@ -69,6 +69,10 @@ class SessionInfo:
     tenant: str | None
     name: str | None  # None for a session read back from disk, where names are never written
     keys: set[bytes] = field(default_factory=set)
+    # The last block of the chain its latest commit kept: the conversation it last stored, against
+    # which a returning turn's ids are compared (``TieredStore._diverged``). None until it commits
+    # in this process (a session read back from disk).
+    last: bytes | None = None
 
 
 class Index:

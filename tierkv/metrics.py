@@ -100,6 +100,9 @@ _COUNTERS = {  # family names without _total: the exposition appends it
     "tierkv_hit_tokens": ("Tokens restored by open(), by the tier they came from.", ["tier"]),
     "tierkv_miss_tokens": ("Tokens open() could not restore and generate() computes.", []),
     "tierkv_evictions": ("Blocks evicted from a tier to make room.", []),
+    "tierkv_diverged_turns": ("Turns whose ids differed from the conversation their session committed last "
+                              "(an edit, or a chat template rendering past turns anew).", []),
+    "tierkv_diverged_tokens": ("Stored tokens of those sessions past the difference, computed again.", []),
     "tierkv_corrupt_records": ("Disk records dropped as unreadable (checksum, version, fingerprint).", []),
     "tierkv_disk_errors": ("Disk tier operations that failed with an I/O error.", []),
     "tierkv_moved_bytes": ("KV bytes of whole blocks moved between tiers, by direction, since the store opened.",
@@ -225,6 +228,8 @@ class StoreCollector(Collector):
             "tierkv_hit_tokens": [([t], stats["hits"][t]) for t in TIERS],
             "tierkv_miss_tokens": [([], stats["misses"])],
             "tierkv_evictions": [([], stats["evictions"])],
+            "tierkv_diverged_turns": [([], stats["diverged_turns"])],
+            "tierkv_diverged_tokens": [([], stats["diverged_tokens"])],
             "tierkv_corrupt_records": [([], stats["corrupt"])],
             "tierkv_disk_errors": [([], stats["disk_errors"])],
             "tierkv_moved_bytes": [([d], stats["moved_bytes"][d]) for d in DIRECTIONS],

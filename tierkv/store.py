@@ -541,6 +541,10 @@ class TieredStore:
         self._hits = {t.value: 0 for t in Tier}
         self._misses = 0
         self._discarded = 0  # restored tokens that the cache threw away and recomputed
+        # Turns whose ids differed from their session's last stored conversation, and the stored
+        # tokens past the difference that they computed again (``_diverged``).
+        self._diverged_turns = 0
+        self._diverged_tokens = 0
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
@@ -884,8 +888,9 @@ class TieredStore:
         from the model's masked pad id on, and nothing past a dynamic RoPE's base length. Disk
         blocks are read and verified before this returns; a bad one ends the restore there (counted
         in ``stats()['corrupt']``). The cache's ``restored_tokens`` and ``restored_from`` (tokens per
-        tier) say what came back. Pass it to ``model.generate(input_ids, cache=cache)``, then call
-        ``cache.commit(output)``.
+        tier) say what came back; its ``diverged_at``, where the ids first differ from the
+        conversation the session committed last (None where they agree or the store cannot tell).
+        Pass it to ``model.generate(input_ids, cache=cache)``, then call ``cache.commit(output)``.
 
         Raises ``TypeError``/``ValueError`` (saying what to pass instead) for ids that are not one
         ``(1, L)`` row of the model's token ids, names that are not str, a model the store cannot
@@ -1179,12 +1184,63 @@ class TieredStore:
         for tier_name, n in restored_from.items():
             self._hits[tier_name] += n
         self._misses += len(ids) - restored
+        sid = _session_id(tenant, session) if session is not None else None
+        diverged = self._diverged(sid, root, ids, plan) if sid is not None else None
         cache = TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
                             blocks=blocks, restored_from=restored_from, model=model, buffer=buffer)
+        cache._sid = sid  # its commit's too: a hash, cold right after a forward
+        if diverged is not None:
+            at, lost, stored_id = diverged
+            cache.diverged_at = at
+            self._diverged_turns += 1
+            self._diverged_tokens += lost
+            # Once per store at INFO: an edited message is an ordinary turn, and a store whose every
+            # turn diverges must not flood the log; stats() counts them all.
+            log = logger.info if self._diverged_turns == 1 else logger.debug
+            log("tierkv: a returning session's ids differ from the conversation it committed last at token %d "
+                "(id %d given, %d stored), so %d stored tokens past it are computed again. An edited message "
+                "does this; if most turns do, the ids of earlier turns are not those generate() returned: "
+                "a chat template that renders past replies differently (one that drops a reasoning "
+                "model's thinking, a date in the system prompt) or a reply decoded to text and tokenized "
+                "again. stats()['diverged_turns'] counts these turns%s", at, int(ids[at]),
+                stored_id, lost, "; further ones are logged at DEBUG" if self._diverged_turns == 1 else "")
         # Block j of the restore starts at token j * block_size: a forget of a partial tail it
         # restored drops a key its commit's chain never holds (the commit extends that tail).
         cache._restored_keys = [meta.key for meta in used]
         return cache
+
+    def _diverged(self, sid: bytes, root: bytes, ids: np.ndarray,
+                  plan: list[tuple[BlockMeta, int]]) -> tuple[int, int, int] | None:
+        """Where ``ids`` first differ from the conversation the session committed last, how many
+        of its stored tokens past there (up to ``L - 1``) the turn computes again, and the stored id
+        there; None where they agree (the ids extend it, or it extends them) or where the store
+        cannot tell: no such session tracked, a block of that conversation gone, or one committed
+        by another model (a chain under another root)."""
+        info = self._index.sessions.get(sid)
+        if info is None:
+            return None
+        last = info.last if info.last is not None else self._only_leaf(info.keys)
+        if last is None or (plan and plan[-1][0].key == last and plan[-1][1] == plan[-1][0].n_tokens):
+            return None  # the usual returning turn: its restore ends with that conversation's tail, whole
+        chain: list[np.ndarray] = []
+        key = last
+        while key != root:
+            meta = self._index.blocks.get(key)
+            if meta is None:
+                return None
+            chain.append(meta.token_ids)
+            key = meta.parent
+        stored = np.concatenate(chain[::-1])
+        at = _common_prefix(stored, ids)
+        end = min(len(stored), len(ids) - 1)
+        return (at, end - at, int(stored[at])) if at < end else None
+
+    def _only_leaf(self, keys: set[bytes]) -> bytes | None:
+        """A session's one block that continues none of its others (read back from disk, it has
+        no ``last``): the conversation it stored, where it stored one; None for several."""
+        parents = {self._index.blocks[key].parent for key in keys if key in self._index.blocks}
+        leaves = [key for key in keys if key not in parents]
+        return leaves[0] if len(leaves) == 1 else None
 
     def _match(self, root: bytes, ids: np.ndarray, masked: int | None = None) -> list[tuple[BlockMeta, int]]:
         """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens
@@ -1407,7 +1463,7 @@ class TieredStore:
                 # Its KV from there on is a forgotten conversation's, or was computed over it.
                 logger.debug("tierkv: a turn opened before a forget of blocks it holds keeps the blocks before them")
                 spans = spans[:cut]
-            sid = _session_id(cache.tenant, cache.session) if cache.session is not None else None
+            sid = cache._sid
             parent = cache.root
             pins: list[bytes] = []
             ref = (sid, cache.tenant) if sid is not None else None
@@ -1646,6 +1702,8 @@ class TieredStore:
         info = self._index.sessions.get(sid)
         if info is None:
             return
+        if chain:
+            info.last = chain[-1].key
         # A partial tail of this session is superseded when the new chain covers all its tokens
         # after the same parent; tails of other branches or other models stay.
         in_chain = {m.key for m in chain}
@@ -2761,7 +2819,9 @@ class TieredStore:
         the file); ``peak_bytes`` (per tier, the most bytes at rest at any moment since the store
         opened); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
         tokens thrown away and recomputed, by assisted decoding or ``cache.reset()``: in ``hits``
-        and in ``misses`` too), ``evictions``, ``corrupt``;
+        and in ``misses`` too), ``evictions``, ``diverged_turns`` and ``diverged_tokens`` (turns whose
+        ids differed from their session's last stored conversation, ``cache.diverged_at``, and the
+        stored tokens past the difference they computed again), ``corrupt``;
         ``disk_errors`` (disk operations that failed: each block write, delete or reference of a
         failed transaction counts), ``disk_failed``, ``disk_damaged`` (that failure was the LMDB file's
         damaged pages, not the disk: ``tierkv check --repair``), ``disk_full`` (block writes that found the map at its
@@ -2797,6 +2857,8 @@ class TieredStore:
                 "hits": dict(self._hits),
                 "misses": self._misses,
                 "discarded": self._discarded,
+                "diverged_turns": self._diverged_turns,
+                "diverged_tokens": self._diverged_tokens,
                 "evictions": self._evictions,
                 "corrupt": self._corrupt,
                 "disk_errors": self._disk_errors,
