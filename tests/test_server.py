@@ -958,6 +958,8 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
         ("logprobs", True, "unsupported_parameter"), ("tools", [{"type": "function"}], "unsupported_parameter"),
         ("function_call", {"name": "f"}, "unsupported_value"), ("audio", {"voice": "x"}, "unsupported_parameter"),
         ("verbosity", "high", "unsupported_value"), ("web_search_options", {}, "unsupported_parameter"),
+        # Moderation was asked for and silently skipped: unmoderated replies reached the client.
+        ("moderation", {"model": "omni-moderation-latest"}, "unsupported_parameter"),
         ("top_p", -0.1, "invalid_value"), ("temperature", -0.5, "invalid_value"), ("n", 0, "invalid_value"),
         ("frequency_penalty", 2.5, "invalid_value"), ("top_logprobs", 21, "invalid_value"),
         ("stop", "", "invalid_value"), ("stop", ["a", ""], "invalid_value"),
@@ -1064,7 +1066,9 @@ def test_neutral_values_of_the_fields_this_server_refuses_are_accepted(server: S
                    tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False,
                    verbosity="medium", n=1, parallel_tool_calls=False, metadata={"a": "b"}, service_tier="auto",
                    prediction={"type": "content", "content": "x"}, audio=None, functions=None, function_call="auto",
-                   stream_options=None, stream=None)  # null: OpenAI's types are "boolean or null"
+                   stream_options=None, stream=None,  # null: OpenAI's types are "boolean or null"
+                   moderation=None, prompt_cache_key="k", prompt_cache_options={"ttl": "30m"},
+                   prompt_cache_retention="24h", safety_identifier="u-1")
     assert text(server.chat(messages, key="k-neutral", **neutral)) == plain
     # A message's: what a client sends back of OpenAI's replies (refusal: null...), an empty name.
     history = [*messages, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More?"}]

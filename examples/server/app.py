@@ -396,6 +396,9 @@ def refuse_unsupported(req: schemas.ChatCompletionRequest) -> None:
     if req.web_search_options is not None:
         raise refuse("web_search_options", "this server cannot search the web; send the request without "
                      "web_search_options")
+    if req.moderation is not None:
+        raise refuse("moderation", "this server runs no moderation model on the request or the reply; send the "
+                     "request without moderation (and moderate the text yourself, before and after)")
     if req.stream_options is not None and not req.stream:
         # As OpenAI refuses it: its include_usage asks for a usage chunk, and without a stream there is none.
         raise refuse("stream_options", "stream_options is only allowed with \"stream\": true; send stream: true, "

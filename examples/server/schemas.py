@@ -3,11 +3,13 @@
 Requests are validated strictly (``"5"`` is not an integer, ``true`` is not a number), as OpenAI
 does. Every field of OpenAI's chat-completions request is read: the ones that shape the reply are
 honoured (``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` included), or, where this
-server cannot honour them (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text...),
+server cannot honour them (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text,
+``moderation``...),
 refused by name with a 400 unless they hold their neutral value, as are the fields of a message
 the chat template has no place for (``name``, an assistant's ``tool_calls``...) and ``stream_options``
 without ``stream``; the ones that do not change the reply (``metadata``, ``parallel_tool_calls``,
-``prediction``, ``service_tier``) are accepted.
+``prediction``, ``service_tier``, the prompt-cache hints ``prompt_cache_key``, ``prompt_cache_options``
+and ``prompt_cache_retention``, ``safety_identifier``) are accepted.
 Fields OpenAI does not define are ignored.
 
 Usage reports what tierkv did for the turn::
@@ -92,11 +94,20 @@ class ChatCompletionRequest(BaseModel):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # Asks for the input and the reply to be moderated: ignored, unmoderated text would reach a client
+    # that relies on it, without a word.
+    moderation: dict[str, Any] | None = None
     # Accepted and without effect on the reply: this server has nothing they would change.
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None     # no tools are ever called
     prediction: dict[str, Any] | None = None    # a latency hint; the reply is the same without it
     service_tier: str | None = None
+    # Hints to OpenAI's prompt cache; tierkv caches every prompt's blocks in any case, keyed on the
+    # tenant and the tokens (the session id, not these, names what a DELETE forgets).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None  # for OpenAI's abuse detection; nobody here reads it
 
 
 FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, TextPart, StreamOptions)
