@@ -888,8 +888,17 @@ BIG = "x" * 1000  # 1000 tokens: over max_input_tokens=600, under max_body_bytes
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
     ({"messages": [{"role": "user"}]}, 400, "messages[0].content", "missing_required_parameter"),
+    # Parts other than text are named by their place and type (pydantic's "Input should be 'text'; or
+    # Field required" named the content and said nothing of images), and a text part needs its text.
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "messages[0].content", None),
+     "messages[0].content[0].type", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio"}]}]}, 400,
+     "messages[0].content[1].type", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "No."}]}]}, 400, "messages[1].content[0].type", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text",
+     "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, 400, "messages[0].content", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, 400, "max_tokens", "invalid_value"),
@@ -1140,6 +1149,10 @@ def test_other_refusals_are_openai_errors_too(server: Server) -> None:
     assert "send POST" in httpx.get(f"{server.url}/v1/chat/completions").json()["error"]["message"]
     r = httpx.get(f"{server.url}/v1/sessions/private-id")
     assert r.status_code == 405 and "send DELETE" in r.text and "private-id" not in r.text
+    # A content part's type is named, up to a length: the input is not echoed in bulk.
+    for kind, told in (("input_audio", '"input_audio"'), ("x" * 5000, "too long to repeat")):
+        r = server.post({"messages": [{"role": "user", "content": [{"type": kind}]}]})
+        assert r.status_code == 400 and told in r.json()["error"]["message"] and len(r.text) < 500, r.text
     assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"  # and the server is still well
 
 

@@ -409,11 +409,27 @@ def refuse_unsupported(req: schemas.ChatCompletionRequest) -> None:
 def refuse_unsupported_message(i: int, message: schemas.Message) -> None:
     """The 400 for a field OpenAI defines on ``messages[i]`` that this server's chat template has no
     place for (``tokenizer``: role and text only), unless it holds its neutral value: left out of
-    the prompt, it would change what the model reads without telling the client."""
+    the prompt, it would change what the model reads without telling the client. A content part
+    other than text (an image, audio, a file, a refusal) is refused by its type, a text part
+    without text as missing it."""
     def refuse(field: str, why: str) -> ApiError:
         return ApiError(400, f"messages[{i}].{field}: {why}", param=f"messages[{i}].{field}",
                         code="unsupported_parameter")
 
+    for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        where = f"messages[{i}].content[{j}]"
+        if part.type == "refusal":
+            raise ApiError(400, f"{where}: this server's chat template has no place for a refusal; send its text "
+                           "as a text part ({\"type\": \"text\", \"text\": ...}) instead", param=f"{where}.type",
+                           code="unsupported_value")
+        if part.type != "text":
+            kind = json.dumps(part.type) if len(part.type) <= 40 else "(a type too long to repeat)"
+            raise ApiError(400, f"{where}: this server's model reads text only, and cannot be shown a content part "
+                           f"of type {kind}; send text parts ({{\"type\": \"text\", \"text\": ...}}) or a string "
+                           "as content", param=f"{where}.type", code="unsupported_value")
+        if part.text is None:
+            raise ApiError(400, f"{where}.text is required for a part of type \"text\"", param=f"{where}.text",
+                           code="missing_required_parameter")
     if message.name:  # "" names no one: nothing is lost without it
         raise refuse("name", "this server's chat template has no place for a participant's name; omit name, "
                      "and write the name into the content instead (\"Alice: ...\")")

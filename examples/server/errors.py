@@ -85,7 +85,7 @@ def sse_event(body: dict[str, Any]) -> str:
 
 def _param(loc: Sequence[int | str], fields: frozenset[str]) -> str | None:
     """``("messages", 0, "content", "str")`` -> ``"messages[0].content"``: pydantic appends union
-    member tags (``str``, ``list[TextPart]``) to a location, which are not parameters."""
+    member tags (``str``, ``list[ContentPart]``) to a location, which are not parameters."""
     out = ""
     for part in loc:
         if isinstance(part, int):

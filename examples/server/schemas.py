@@ -33,16 +33,20 @@ from .settings import MAX_MODEL_CHARS
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content. Only ``text`` parts are served; any other ``type`` (an image,
+    audio, a file, an assistant's refusal) is read here and refused by name (``app.refuse_unsupported_message``):
+    a ``Literal["text"]`` told a client sending an image "Input should be 'text'; or Field required"."""
+
     model_config = _STRICT
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None  # required of a text part, checked with the type
 
 
 class Message(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     # Refused unless neutral (see app.refuse_unsupported_message): the chat template has no place for them.
     name: str | None = None
     tool_calls: list[Any] | None = None         # an assistant's
@@ -52,7 +56,7 @@ class Message(BaseModel):
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content
 
 
@@ -110,7 +114,7 @@ class ChatCompletionRequest(BaseModel):
     safety_identifier: str | None = None  # for OpenAI's abuse detection; nobody here reads it
 
 
-FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, TextPart, StreamOptions)
+FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, ContentPart, StreamOptions)
                    for name in model.model_fields)
 
 
