@@ -2,7 +2,8 @@
 
 One server per module: uvicorn in a background thread on 127.0.0.1 (a socket bound to a free port),
 a tmp store with small budgets (sessions move between tiers), the tiny model at 2 layers, greedy
-replies of a few tokens; clients are httpx. Each test speaks as its own tenant (API key), so no
+replies of a few tokens; clients are httpx, and the official openai client (skipped where it is not
+installed) as a user of the README's server drives it. Each test speaks as its own tenant (API key), so no
 test hits another's blocks. One more test runs ``python -m examples.server`` as a subprocess. Where
 what matters is what the app lets out to the server (an exception, which the server logs), the
 test calls the served app as an ASGI app directly (``call_asgi``).
@@ -1180,6 +1181,115 @@ def test_healthz_models_and_metrics(server: Server) -> None:
             if s.name == "tierkv_hit_tokens_total"}
     assert set(hits) == {"device", "host", "disk"} and sum(hits.values()) > 0
     assert "tierkv_tier_bytes" in families and "tierkv_open_duration_seconds" in families
+
+
+# The official client, as a user of the README's server runs it. Its reply models are built without
+# validation (a field of the wrong type would only show in the user's code), so each body is also
+# validated against them here.
+NO_OPENAI = "the official openai client is not installed (pip install -e '.[test]' installs it)"
+
+
+def test_the_openai_client_parses_every_reply_stream_model_and_error(server: Server) -> None:
+    openai = pytest.importorskip("openai", reason=NO_OPENAI)
+    from openai.types import Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k-openai", max_retries=0, timeout=60)
+    messages: list[Any] = conversation("openai client")
+    session = {"X-Session-ID": "openai-chat"}
+    raw = client.chat.completions.with_raw_response.create(model="test-model", messages=messages, max_tokens=6,
+                                                           temperature=0, extra_headers=session)
+    assert raw.headers["content-type"] == "application/json"
+    first = raw.parse()
+    ChatCompletion.model_validate(json.loads(raw.text), strict=True)
+    assert first.object == "chat.completion" and first.model == "test-model" and first.id.startswith("chatcmpl-")
+    assert abs(first.created - time.time()) < 3600 and first.system_fingerprint == server.state.fingerprint
+    assert first.choices[0].finish_reason in ("stop", "length") and first.choices[0].logprobs is None
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # The next turn as such a client sends it: the reply object itself appended to the history.
+    messages += [first.choices[0].message, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="test-model", messages=messages, max_completion_tokens=6,
+                                            temperature=0, extra_headers=session)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    # Streamed, with usage: the same reply, chunk by chunk; stop and seed as the request gave them.
+    fields: dict[str, Any] = dict(model="test-model", messages=messages, max_tokens=12, temperature=0.7, seed=7,
+                                  stop=["\n\n"], extra_body={"user": "openai-chat"})
+    whole = client.chat.completions.create(**fields)
+    with client.chat.completions.with_streaming_response.create(stream=True, stream_options={"include_usage": True},
+                                                                **fields) as streamed:
+        lines = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: {")]
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line), strict=True) for line in lines]
+    parsed = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **fields))
+    assert [(c.choices and c.choices[0].delta.content, c.usage) for c in parsed] == [
+        (c.choices and c.choices[0].delta.content, c.usage) for c in chunks]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == whole.choices[0].finish_reason
+    # Models: listed, retrieved, another one a NotFoundError.
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [server.settings.model_name]
+    Model.model_validate(client.models.retrieve(server.settings.model_name).model_dump(), strict=True)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found" and "GET /v1/models lists it" in missing.value.message
+    # Refusals arrive as the client's typed errors, carrying the server's own words and param.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="test-model", messages=messages, n=2)
+    assert refused.value.param == "n" and "send n requests instead" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="test-model", messages=messages, logprobs=True, top_logprobs=2)
+    assert refused.value.param == "logprobs" and refused.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="test-model", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+    assert refused.value.param == "messages[0].content[0].type" and '"image_url"' in refused.value.message
+    # A base URL without /v1 is told so.
+    bare = openai.OpenAI(base_url=server.url, api_key="k-openai", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as lost:
+        bare.chat.completions.create(model="test-model", messages=messages)
+    assert "base URL ends in /v1" in lost.value.message
+
+
+def test_the_openai_client_waits_the_retry_after_of_a_full_queue_then_is_served(busy: Server) -> None:
+    openai = pytest.importorskip("openai", reason=NO_OPENAI)
+    gate = threading.Event()
+    refused_at: list[float] = []
+    sent_at: list[float] = []
+
+    def on_response(response: Any) -> None:
+        if response.status_code == 429:
+            gate.set()  # the queue drains before the client, whose thread this is, goes on
+            wait_for_pending(busy, 0, "the queued turns never ran")
+            refused_at.append(time.monotonic())
+
+    http = openai.DefaultHttpxClient(event_hooks={"request": [lambda _: sent_at.append(time.monotonic())],
+                                                  "response": [on_response]})
+    client = openai.OpenAI(base_url=f"{busy.url}/v1", api_key="k-openai-429", max_retries=1, timeout=60,
+                           http_client=http)
+    queued_client = openai.OpenAI(base_url=f"{busy.url}/v1", api_key="k-openai-429", max_retries=0, timeout=60)
+    messages = conversation("openai retry")
+    held = busy.state.engine.submit(gate.wait)
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    measured = busy.state.engine.turn_seconds
+    try:
+        queued = [pool.submit(queued_client.chat.completions.create, model="m", max_tokens=2, temperature=0,
+                              messages=[{"role": "user", "content": f"{i} waits in the queue."}]) for i in range(3)]
+        wait_for_pending(busy, 3, "the three turns the queue holds were never queued")
+        busy.state.engine.turn_seconds = None  # Retry-After: 1 s
+        served = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=4,
+                                                                  temperature=0)
+        assert [f.result(timeout=60).choices[0].finish_reason in ("stop", "length") for f in queued] == [True] * 3
+    finally:
+        gate.set()
+        held.result(timeout=60)
+        pool.shutdown()
+        busy.state.engine.turn_seconds = measured
+    assert served.retries_taken == 1 and served.parse().choices[0].message.content == text(
+        busy.chat(messages, key="k-openai-alone", max_tokens=4))
+    # It slept the server's 1 s, not its own first backoff (at most 0.5 s).
+    assert len(refused_at) == 1 and len(sent_at) == 2 and sent_at[1] - refused_at[0] >= 0.95
 
 
 def test_settings_come_from_the_environment_then_the_flags() -> None:
