@@ -1149,3 +1149,105 @@ def test_a_close_another_signals_handler_cuts_short_can_be_finished() -> None:
         assert not closing.is_alive() and not writer.alive()
     finally:
         rec.release.set()
+
+
+class _FakeCuda:
+    """What ``CopyEngine`` calls of ``torch`` on CUDA, on CPU: tensors that log the copies issued
+    into and out of them (by their base) and the streams the caching allocator is told of."""
+
+    class Stream:
+        cuda_stream = 7
+
+        def __init__(self, device: object = None) -> None:
+            pass
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+        def wait_event(self, event: object) -> None:
+            pass
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            pass
+
+    class Tensor:
+        def __init__(self, log: list, shape: tuple[int, ...], dtype: torch.dtype, is_cuda: bool,
+                     base: object = None) -> None:
+            self.log, self.shape, self.dtype, self.is_cuda = log, torch.Size(shape), dtype, is_cuda
+            self.device = torch.device("cuda", 0) if is_cuda else torch.device("cpu")
+            self.base = self if base is None else base
+
+        def __getitem__(self, index: object) -> "_FakeCuda.Tensor":
+            return _FakeCuda.Tensor(self.log, self.shape, self.dtype, self.is_cuda, self.base)
+
+        def copy_(self, src: "_FakeCuda.Tensor", non_blocking: bool = False) -> None:
+            self.log.append(("copy", self.base, src.base))
+
+        def record_stream(self, stream: object) -> None:
+            self.log.append(("record", self.base, stream))
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object, object]] = []
+        self.stream = self.Stream()
+
+    def torch(self) -> object:
+        """A stand-in for the ``torch`` module as ``tierkv.transfer`` uses it."""
+        from types import SimpleNamespace
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype, device: object = None,
+                  pin_memory: bool = False) -> _FakeCuda.Tensor:
+            return self.Tensor(self.log, shape, dtype, device is not None and torch.device(device).type == "cuda")
+
+        cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=lambda device=None: self.Stream(),
+                               stream=lambda stream: contextlib.nullcontext())
+        return SimpleNamespace(cuda=cuda, empty=empty)
+
+    def unrecorded(self, stream: object) -> list[object]:
+        """The CUDA tensors a copy was issued on that the allocator was not told ``stream`` uses."""
+        recorded = {id(base) for kind, base, on in self.log if kind == "record" and on is stream}
+        return [base for kind, dst, src in self.log if kind == "copy" for base in (dst, src)
+                if base.is_cuda and id(base) not in recorded]
+
+
+def test_a_cuda_copy_cut_short_leaves_no_device_tensor_freed_under_its_queued_copy(monkeypatch) -> None:
+    # Before: the caching allocator was told of the copy streams' use of a copy's device
+    # tensors after every copy was issued (to_device_many: after every layer group's). Another
+    # signal's handler (a SIGALRM timeout) raising as a copy returned lost the job, and its
+    # destinations, allocated on the compute stream, went back there at once with copies still
+    # queued into them on the side stream: the next tensors made there (a forward's) written
+    # over by late KV. An evicted block's D2H copy likewise read memory handed on.
+    from conftest import raised_on_the_way_in
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(tierkv.transfer, "torch", fake.torch())
+    engine = CopyEngine(torch.device("cuda", 0))
+    host = [fake.Tensor(fake.log, (4, 2, 1, 8, 2), torch.float32, False) for _ in range(3)]
+    calls = {
+        "to_device_many": (lambda: engine.to_device_many(host), engine._h2d),
+        "to_device": (lambda: engine.to_device(host[0]), engine._h2d),
+        "to_host": (lambda: engine.to_host(fake.Tensor(fake.log, (4, 2, 1, 8, 2), torch.float32, True)), engine._d2h),
+    }
+    for name, (call, stream) in calls.items():
+        def enter(call: Callable[[], object] = call) -> object:
+            fake.log.clear()
+            call()
+            return contextlib.nullcontext()
+
+        def told(sent: list, stream: object = stream, name: str = name) -> None:
+            assert not fake.unrecorded(stream), f"{name}: a device tensor's queued copy untold at {sent}"
+
+        within = {"to_device_many", "to_device", "to_host", "_copy", "_record_on"}
+        assert raised_on_the_way_in(enter, told, within=within) > 5, name
+        enter()
+        assert any(kind == "copy" for kind, _, _ in fake.log) and not fake.unrecorded(stream), name
+

@@ -335,6 +335,15 @@ class _LayeredCudaJob(_CudaCopyJob):
         return self._tensor
 
 
+def _record_on(stream: "torch.cuda.Stream", *tensors: torch.Tensor) -> None:
+    """Tell the caching allocator that a copy on ``stream`` uses the CUDA ones of ``tensors``:
+    freed, their memory is reused only once the work queued there by then is done. Host
+    buffers need no telling (the pinned allocator records each copy itself; the pool fences)."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
 class CopyEngine:
     """Device <-> host copies of block tensors, asynchronous on CUDA."""
 
@@ -358,18 +367,18 @@ class CopyEngine:
             src = src._tensor
         elif isinstance(src, Job):
             src = src.wait()
+        # The caching allocator must not hand src's or dst's memory to another tensor before the
+        # copy on this side stream has finished: told before the copy is issued. Told after it,
+        # another signal's handler raising as the copy returned left a device tensor freed with
+        # the copy still queued (the job never made): a late write into memory a tensor made
+        # on the compute stream already held.
+        _record_on(stream, src, dst)
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
-        # The caching allocator must not hand src's or dst's memory to another tensor before the
-        # copy on this side stream has finished.
-        if src.is_cuda:
-            src.record_stream(stream)
-        if dst.is_cuda:
-            dst.record_stream(stream)
         return _CudaCopyJob(event, dst, start)
 
     def ready(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
@@ -420,6 +429,9 @@ class CopyEngine:
             elif isinstance(src, Job):
                 src = src.wait()
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            # Before any copy is issued, as _copy's: a handler raising past the first copy
+            # dropped every destination still queued for a write.
+            _record_on(stream, src, dst)
             pairs.append((src, dst))
         layers = max(src.shape[0] for src, _ in pairs)
         per_group = -(-layers // layer_groups(len(pairs), layers))
@@ -436,13 +448,7 @@ class CopyEngine:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
                 events.extend([event] * (last - first))
-        jobs: list[Job[torch.Tensor]] = []
-        for src, dst in pairs:
-            if src.is_cuda:
-                src.record_stream(stream)
-            dst.record_stream(stream)
-            jobs.append(_LayeredCudaJob(events[: src.shape[0]], dst, start))
-        return jobs
+        return [_LayeredCudaJob(events[: src.shape[0]], dst, start) for src, dst in pairs]
 
     def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
         """A device copy of ``src`` (a tensor, or the job producing one)."""
