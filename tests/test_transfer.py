@@ -1251,3 +1251,31 @@ def test_a_cuda_copy_cut_short_leaves_no_device_tensor_freed_under_its_queued_co
         enter()
         assert any(kind == "copy" for kind, _, _ in fake.log) and not fake.unrecorded(stream), name
 
+
+def test_a_read_cut_short_leaves_no_stream_noted_that_the_allocator_was_not_told_of() -> None:
+    # Before: _used_on noted the reading stream before telling the allocator: another signal's
+    # handler raising as the note returned left it noted for good, so no later read there told
+    # it either; the block, evicted and freed while that stream's forward still read it, went
+    # to the next tensor made on its own stream.
+    from conftest import raised_on_the_way_in
+
+    from tierkv.transfer import _CudaCopyJob, _LayeredCudaJob
+
+    fake = _FakeCuda()
+    stream = fake.Stream()
+    for make in (lambda t: _CudaCopyJob(fake.Event(), t), lambda t: _LayeredCudaJob([fake.Event()], t)):
+        jobs: list[_CudaCopyJob] = []
+
+        def enter(make: Callable[[object], _CudaCopyJob] = make) -> object:
+            jobs.append(make(fake.Tensor(fake.log, (1, 2, 1, 8, 2), torch.float32, True)))
+            jobs[-1].stream_wait_layer(0, set(), stream)
+            return contextlib.nullcontext()
+
+        def told(sent: list) -> None:
+            job = jobs[-1]
+            if stream.cuda_stream in job._recorded:
+                assert ("record", job._tensor, stream) in fake.log, f"a stream noted untold at {sent}"
+
+        assert raised_on_the_way_in(enter, told, within={"stream_wait_layer", "_used_on"}) >= 2
+        enter()
+        assert ("record", jobs[-1]._tensor, stream) in fake.log and jobs[-1]._recorded == {stream.cuda_stream}

@@ -203,10 +203,14 @@ class _CudaCopyJob(Job[torch.Tensor]):
         return self._tensor.device
 
     def _used_on(self, stream: torch.cuda.Stream) -> None:
-        # Once per stream, not once per layer: a restore reads each block on every layer.
+        # Once per stream, not once per layer: a restore reads each block on every layer. Noted
+        # once told: noted first, another signal's handler raising as the note's add returned
+        # left a stream noted that the allocator never heard of: the block, evicted and freed
+        # while a forward there still read it, went to the next tensor made on its own stream,
+        # whose writes that forward then read.
         if stream.cuda_stream not in self._recorded:
-            self._recorded.add(stream.cuda_stream)
             self._tensor.record_stream(stream)
+            self._recorded.add(stream.cuda_stream)
 
     def stream_wait_layer(self, layer: int, seen: set[int], stream: torch.cuda.Stream | None = None
                           ) -> torch.Tensor:
