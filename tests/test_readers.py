@@ -491,6 +491,52 @@ def test_a_read_pool_reads_side_by_side_and_starts_none_past_the_first_miss():
         pool.close()
 
 
+def test_a_read_pools_helpers_run_its_start_before_their_first_read():
+    # The store's start makes its CUDA device the helper's own: a helper's read takes a pool
+    # buffer, whose reclaim asks the copies' CUDA events, and a thread on GPU 0 (every new
+    # thread) made GPU 0's context for that, in a process whose store is on another GPU.
+    started: set[str] = set()
+    pool = ReadPool(2, start=lambda: started.add(threading.current_thread().name))
+    try:
+        both = threading.Barrier(2, timeout=5)
+        unstarted: list[str] = []
+
+        def read(i):
+            name = threading.current_thread().name
+            if name.startswith("tierkv-disk-read") and name not in started:
+                unstarted.append(name)
+            if i in (1, 2):
+                both.wait()  # two helpers at once
+            return True
+
+        pool.run(list(range(4)), read)
+        assert len(started) == 2 and all(name.startswith("tierkv-disk-read") for name in started)
+        assert not unstarted
+    finally:
+        pool.close()
+
+
+def test_a_stores_read_helpers_start_bound_to_its_device(tiny_model, tmp_path, side_by_side, monkeypatch):
+    model = tiny_model("llama")
+    out = stored(model, tmp_path / "kv", random_ids(6 * B + 1, 5))
+    nxt = torch.cat([out, random_ids(2, 6)], dim=1)
+    bound: dict[str, object] = {}
+    devices: list[object] = []
+
+    def binding(device):
+        devices.append(device)
+        return lambda: bound.setdefault(threading.current_thread().name, device)
+
+    monkeypatch.setattr(store_module, "thread_binding", binding)
+    seen = reads_by_thread(monkeypatch)
+    with disk_only(tmp_path / "kv") as store:
+        cache = store.open(model, nxt)
+        assert cache.restored_from["disk"] == cache.restored_tokens
+    helpers = {name for name in seen.values() if name.startswith("tierkv-disk-read")}
+    assert devices == [store.device] and helpers and helpers <= set(bound)
+    assert set(bound.values()) == {store.device}
+
+
 def test_a_read_pool_helper_waits_for_the_first_read_to_make_what_it_writes_into():
     pool = ReadPool(1)
     ready = Latch()

@@ -1279,3 +1279,26 @@ def test_a_read_cut_short_leaves_no_stream_noted_that_the_allocator_was_not_told
         assert raised_on_the_way_in(enter, told, within={"stream_wait_layer", "_used_on"}) >= 2
         enter()
         assert ("record", jobs[-1]._tensor, stream) in fake.log and jobs[-1]._recorded == {stream.cuda_stream}
+
+
+def test_the_stores_threads_take_its_cuda_device_and_none_off_cuda(monkeypatch) -> None:
+    # A new thread's current device is GPU 0: the writer's event waits and the read helpers'
+    # event queries there made GPU 0's context (hundreds of MiB) in a process on another GPU.
+    from tierkv.transfer import thread_binding
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.current_thread().name, device)))
+    assert thread_binding(None) is None and thread_binding(torch.device("cpu")) is None
+    bind = thread_binding(torch.device("cuda", 1))
+    assert bind is not None and not calls
+    bind()
+    assert calls == [(threading.current_thread().name, torch.device("cuda", 1))]
+    calls.clear()
+    writer: BackgroundWriter[str] = BackgroundWriter(lambda items: [None] * len(items), name="bound-writer",
+                                                    device=torch.device("cuda", 1))
+    try:
+        writer.submit("x").wait(WAIT)
+    finally:
+        writer.close(timeout=WAIT)
+    assert calls == [("bound-writer", torch.device("cuda", 1))]
+

@@ -9,7 +9,9 @@ the others write into exists (a restore's buffer, sized by the first record), or
 exception out of a read is raised by ``run`` after every read ended, where it came from the first
 miss (one past it would not have run one at a time); a signal handler's (``SystemExit``, or a
 timeout's ``Exception``: ``interrupts.raised_by_signal_handler``) or any other that is no
-``Exception`` wherever it came from. ``close`` lets the helpers go.
+``Exception`` wherever it came from. ``close`` lets the helpers go. ``ReadPool(threads, start)``:
+each helper runs ``start`` first (the store's: its CUDA device made the helper's own, as the disk
+writer's is, for the pool buffers a read takes, whose reclaim asks the copies' events).
 
 Why: a read is a copy out of LMDB's map and a checksum (numpy and xxhash, both without the GIL),
 bound by one core's memory bandwidth; a restore of several records reads them side by side.
@@ -163,8 +165,13 @@ def _claim(task: _Task, helper: bool) -> bool:
     return task.claims[0] is helper
 
 
-def _work(tasks: "queue.SimpleQueue[Any]") -> None:
-    """A helper thread: runs the tasks put on ``tasks`` until a None."""
+def _work(tasks: "queue.SimpleQueue[Any]", start: Callable[[], None] | None = None) -> None:
+    """A helper thread: runs ``start``, then the tasks put on ``tasks`` until a None."""
+    if start is not None:
+        try:
+            start()
+        except Exception:  # noqa: BLE001 - the reads need none of it: they go on without
+            pass
     while True:
         item = tasks.get()
         if item is None:
@@ -219,8 +226,9 @@ class ReadPool:
     those, and a helper stuck in a read of a hung disk (or waiting for the first read's buffer,
     stuck there) would hang it; a store's close at exit gives up on such a read instead."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, start: Callable[[], None] | None = None) -> None:
         self.threads = threads
+        self._start = start
         self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -234,7 +242,7 @@ class ReadPool:
             if self._closed or count <= 0 or os.getpid() != self._pid:
                 return  # a forked child has none of the parent's threads
             while len(self._workers) < self.threads:
-                thread = threading.Thread(target=_work, args=(self._tasks,), daemon=True,
+                thread = threading.Thread(target=_work, args=(self._tasks, self._start), daemon=True,
                                           name=f"tierkv-disk-read-{len(self._workers)}")
                 try:
                     thread.start()

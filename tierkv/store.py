@@ -101,7 +101,7 @@ from .tiers.disk import (UNREADABLE, DamagedTables, DeleteBlocks, DiskFull, Disk
                          weak_members)
 from .pool import HostPool
 from .transfer import (BackgroundWriter, CopyEngine, Job, WriteAbandoned, WriteNotQueued, copy_timer, cpu_wait_seconds,
-                       resolve_device)
+                       resolve_device, thread_binding)
 from .units import format_bytes, parse_bytes, seconds_or_none, shell_path, whole_number
 
 logger = logging.getLogger("tierkv")
@@ -472,7 +472,7 @@ class TieredStore:
         self._engine = CopyEngine(self.device, host_alloc=self._host.alloc if cuda else None)
         self._disk: DiskTier | None = None
         self._writer: BackgroundWriter[DiskOp] | None = None
-        self._readers = ReadPool(helper_threads())
+        self._readers = ReadPool(helper_threads(), thread_binding(self.device))
         self._index = Index()
         self._lock = _StoreLock()
         self._pending_writes: dict[bytes, tuple[Job[None], RecordHeader]] = {}

@@ -467,6 +467,16 @@ class CopyEngine:
         return self._copy(src, dst, self._h2d)
 
 
+def thread_binding(device: torch.device | None) -> Callable[[], None] | None:
+    """What a thread of the store's own runs first where it may call CUDA (a copy event's query
+    or wait, a pinned allocation): ``device`` made its current device; None off CUDA. A thread
+    starts on GPU 0, whose primary context CUDA's runtime makes, hundreds of MiB on that GPU, at
+    the first such call there, in a process whose store and model are on another one."""
+    if device is None or device.type != "cuda":
+        return None
+    return lambda: torch.cuda.set_device(device)
+
+
 def cpu_wait_seconds() -> float | None:
     """How long the calling thread has waited, runnable, for a CPU since it started (Linux's
     schedstat), or None where the OS does not tell. The disk writer runs at a lower priority than
@@ -744,8 +754,9 @@ class BackgroundWriter(Generic[T]):
         batch: list[tuple[T, Job[None]]] = []
         try:
             _lower_priority()
-            if self._device is not None and self._device.type == "cuda":
-                torch.cuda.set_device(self._device)  # event waits here must not open a context on GPU 0
+            bind = thread_binding(self._device)
+            if bind is not None:
+                bind()  # event waits here must not open a context on GPU 0
             self._loop(batch)
         except BaseException as exc:  # noqa: BLE001 - handed to every job, queued or to come
             self._fail(batch, exc)
