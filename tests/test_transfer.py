@@ -1302,3 +1302,36 @@ def test_the_stores_threads_take_its_cuda_device_and_none_off_cuda(monkeypatch) 
         writer.close(timeout=WAIT)
     assert calls == [("bound-writer", torch.device("cuda", 1))]
 
+
+def test_a_copys_timer_asks_its_events_under_the_copys_device(monkeypatch) -> None:
+    # A metrics scrape drains the moves' timers in a thread of its own (one per request), on
+    # GPU 0: the end event's query made GPU 0's context there.
+    from tierkv.transfer import _CudaCopyJob, copy_timer
+
+    current: list[object] = [0]
+    asked: list[object] = []
+
+    @contextlib.contextmanager
+    def device(index: object) -> Iterator[None]:
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class Event:
+        def query(self) -> bool:
+            asked.append(current[0])
+            return True
+
+        def elapsed_time(self, end: object) -> float:
+            asked.append(current[0])
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    fake = _FakeCuda()
+    tensor = fake.Tensor(fake.log, (1,), torch.float32, True)
+    tensor.device = torch.device("cuda", 1)
+    timer = copy_timer(_CudaCopyJob(Event(), tensor, Event()))
+    assert timer is not None and timer() == 0.002
+    assert asked == [1, 1] and current == [0]

@@ -264,8 +264,15 @@ def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
     """
     if not isinstance(job, _CudaCopyJob) or job._start is None:
         return None
-    start, end = job._start, job._cuda_event
-    return lambda: start.elapsed_time(end) / 1000.0 if end.query() else None
+    start, end, index = job._start, job._cuda_event, job.device.index
+
+    def seconds() -> float | None:
+        # Under the copy's device: asked in a thread of the program's (a metrics scrape, one
+        # thread per request), the query made GPU 0's context there (see ``thread_binding``).
+        with torch.cuda.device(index):
+            return start.elapsed_time(end) / 1000.0 if end.query() else None
+
+    return seconds
 
 
 def _reads_as_bytes(device: object) -> bool:
