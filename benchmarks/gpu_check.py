@@ -7,7 +7,10 @@
    events) against a raw pinned ``copy_`` of the same bytes.
 3. Overlap: restore + prefill of the new tokens, against the sum of a restore alone and a prefill
    on a ready cache alone.
-4. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
+4. Devices: CPU-computed blocks are not restored on CUDA; a store made without ``device=``; a
+   restore's disk records read by helper threads on the store's device; a child forked from a
+   process whose store holds CUDA blocks drops them and exits cleanly.
+5. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
    read there with one ``take`` per parameter), against a one-token forward.
 
     python benchmarks/gpu_check.py            # on a GPU machine
@@ -144,6 +147,121 @@ def check_default_device(device: torch.device) -> list[str]:
     verdict = "ok" if exact and written and restored else "WRONG"
     return [f"| a store without device= | {verdict}: on {where}, {written} blocks written, {restored} restored after "
             f"a restart, {'exact' if exact else 'MISMATCH'} |"]
+
+
+def check_reads_side_by_side(device: torch.device) -> list[str]:
+    """A restore's disk records read by helper threads beside the opening one (as a large
+    restore's are, ``PARALLEL_READ_BYTES``), into pinned pool buffers: exact, and every helper
+    that read on the store's device (``transfer.thread_binding``: a thread on GPU 0 asking the
+    copies' events made GPU 0's context in a process on another GPU)."""
+    import threading
+
+    import tierkv.store as store_module
+    from tierkv.tiers.disk import DiskTier
+
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-reads-")
+    model = tiny("llama", torch.float32, device)
+    ids = torch.randint(3, 512, (1, 8 * 8 + 1), generator=torch.Generator().manual_seed(4)).to(device)
+    disk_only = dict(device=device, block_size=8, device_budget=0, host_budget=0)
+    with TieredStore(path, **disk_only) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+    read_on: dict[str, object] = {}
+    real = DiskTier.read_into
+
+    def read_into(self, key, into):
+        read_on[threading.current_thread().name] = torch.cuda.current_device() if device.type == "cuda" else "cpu"
+        time.sleep(0.005)  # slow enough for the helpers to take some of the records
+        return real(self, key, into)
+
+    saved = store_module.PARALLEL_READ_BYTES, store_module.helper_threads, DiskTier.read_into
+    store_module.PARALLEL_READ_BYTES, store_module.helper_threads, DiskTier.read_into = 0, lambda: 2, read_into
+    try:
+        with TieredStore(path, **disk_only) as store:
+            cache = store.open(model, out)
+            restored = cache.restored_from["disk"]
+            exact = torch.equal(model.generate(out, past_key_values=cache, max_new_tokens=5, do_sample=False),
+                                model.generate(out, max_new_tokens=5, do_sample=False))
+    finally:
+        store_module.PARALLEL_READ_BYTES, store_module.helper_threads, DiskTier.read_into = saved
+    shutil.rmtree(path, ignore_errors=True)
+    helpers = {name: on for name, on in read_on.items() if name.startswith("tierkv-disk-read")}
+    want = device.index if device.type == "cuda" else "cpu"
+    verdict = "ok" if exact and restored and helpers and set(helpers.values()) == {want} else "WRONG"
+    return [f"| disk records read side by side | {verdict}: {restored} tokens restored, "
+            f"{'exact' if exact else 'MISMATCH'}, helpers read on {sorted(set(helpers.values()), key=str)} |"]
+
+
+def check_forked_child(device: torch.device) -> list[str]:
+    """A process forked from one whose store holds blocks on CUDA (a server's workers forked
+    after a warm-up): the child is refused every call, drops the store (its copies' device
+    tensors told of the copy streams, its events, the pinned pool) and exits cleanly, and the
+    parent's store goes on exact. A forked child cannot use CUDA: were tearing those down to
+    call it there, the child would die in the tensors' deleters (SIGABRT), not exit 0."""
+    import gc
+    import os
+    import signal
+    import weakref
+
+    if not hasattr(os, "fork"):
+        return ["| a forked child drops the store | n/a (no fork here) |"]
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-fork-")
+    model = tiny("llama", torch.float32, device)
+    block = 2 * 2 * 2 * 8 * 16 * 4  # layers x (K, V) x kv heads x tokens x head dim x fp32
+    store = TieredStore(path, device=device, block_size=8, device_budget=3 * block, host_budget=3 * block)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 512, (1, 6 * 8 + 1), generator=gen).to(device)
+    for _ in range(2):  # the second turn restores: device copies from pinned buffers, evictions back
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        ids = torch.cat([out, torch.randint(3, 512, (1, 3), generator=gen).to(device)], dim=1)
+    cache = store.open(model, ids, session="s")  # a restore in flight at the fork
+    kept = weakref.ref(store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "this process is multi-threaded": the writer, the readers
+        pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            try:
+                store.stats()
+                code = 3  # served: the child would have used the parent's store
+            except ValueError:
+                pass
+            cache = store = out = None
+            gc.collect()
+            if kept() is not None:
+                code = 4  # nothing torn down: this check would tell nothing
+        except BaseException:  # noqa: BLE001 - any failure is this check's verdict, told by the code
+            code = 2
+        os._exit(code)
+    deadline = time.monotonic() + 60
+    status = None
+    while status is None and time.monotonic() < deadline:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        status = raw if done else None
+        time.sleep(0.05)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        child = "hung (killed after 60 s)"
+    elif os.WIFSIGNALED(status):
+        child = f"died of {signal.Signals(os.WTERMSIG(status)).name}"
+    else:
+        code = os.WEXITSTATUS(status)
+        child = {0: "exited 0", 2: "raised as it dropped the store", 3: "was served stats()",
+                 4: "kept the store alive (nothing torn down)"}.get(code, f"exited {code}")
+    exact = torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False),
+                        model.generate(ids, max_new_tokens=5, do_sample=False))
+    restored = cache.restored_tokens
+    cache.commit(ids)
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)
+    verdict = "ok" if child == "exited 0" and exact and restored else "WRONG"
+    return [f"| a forked child drops the store | {verdict}: the child {child}; the parent's turn after the fork "
+            f"{'exact' if exact else 'MISMATCH'}, {restored} tokens restored |"]
 
 
 def check_pool_churn(device: torch.device) -> list[str]:
@@ -297,9 +415,11 @@ def main() -> None:
     for line in check_exactness(device):
         print(line)
         failed += failure(line)
-    print("\nDevices: the fingerprint's device kind, and a store's default device:\n")
+    print("\nDevices: the fingerprint's device kind, a store's default device, its read helpers' device, "
+          "a forked child:\n")
     print("| case | result |\n|---|---|")
-    for line in check_device_kind(device) + check_default_device(device):
+    for line in check_device_kind(device) + check_default_device(device) + check_reads_side_by_side(device) + \
+            check_forked_child(device):
         print(line)
         failed += failure(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")
