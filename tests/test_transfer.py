@@ -1156,16 +1156,36 @@ class _FakeCuda:
     into and out of them (by their base) and the streams the caching allocator is told of."""
 
     class Stream:
-        cuda_stream = 7
+        """``torch.cuda.Stream``'s members that tierkv reads; id 0 is a device's default stream."""
 
-        def __init__(self, device: object = None) -> None:
-            pass
+        made = 0
+
+        def __init__(self, device: object = None, stream_id: int | None = None) -> None:
+            self.device = torch.device("cuda", 0) if device is None else torch.device(device)
+            self.device_index, self.device_type = self.device.index or 0, 1
+            if stream_id is None:
+                _FakeCuda.Stream.made += 1
+                stream_id = _FakeCuda.Stream.made
+            self.stream_id = self.cuda_stream = stream_id
 
         def wait_stream(self, other: object) -> None:
             pass
 
         def wait_event(self, event: object) -> None:
             pass
+
+    class StreamContext:
+        """``torch.cuda.stream``'s: its put-back is a Python ``__exit__``, calling Python."""
+
+        def __init__(self, fake: "_FakeCuda", stream: "_FakeCuda.Stream") -> None:
+            self.fake, self.stream = fake, stream
+
+        def __enter__(self) -> None:
+            self.before = self.fake.current_stream()
+            self.fake.set_stream(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            self.fake.set_stream(self.before)
 
     class Event:
         def __init__(self, enable_timing: bool = False) -> None:
@@ -1198,7 +1218,17 @@ class _FakeCuda:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, object, object]] = []
-        self.stream = self.Stream()
+        self.device = 0  # the calling thread's current device
+        # The last torch._C._cuda_setStream's arguments: a C callable (dict.update), as the real
+        # one is, where no signal's handler runs before it returns.
+        self.set_to: dict[str, int] = {}
+
+    def current_stream(self, device: object = None) -> "_FakeCuda.Stream":
+        return self.Stream(torch.device("cuda", self.device) if device is None else device, stream_id=0)
+
+    def set_stream(self, stream: "_FakeCuda.Stream") -> None:
+        self.set_to.update(stream_id=stream.stream_id, device_index=stream.device_index,
+                           device_type=stream.device_type)
 
     def torch(self) -> object:
         """A stand-in for the ``torch`` module as ``tierkv.transfer`` uses it."""
@@ -1208,9 +1238,9 @@ class _FakeCuda:
                   pin_memory: bool = False) -> _FakeCuda.Tensor:
             return self.Tensor(self.log, shape, dtype, device is not None and torch.device(device).type == "cuda")
 
-        cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=lambda device=None: self.Stream(),
-                               stream=lambda stream: contextlib.nullcontext())
-        return SimpleNamespace(cuda=cuda, empty=empty)
+        cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=self.current_stream,
+                               stream=lambda stream: self.StreamContext(self, stream))
+        return SimpleNamespace(cuda=cuda, empty=empty, _C=SimpleNamespace(_cuda_setStream=self.set_to.update))
 
     def unrecorded(self, stream: object) -> list[object]:
         """The CUDA tensors a copy was issued on that the allocator was not told ``stream`` uses."""
@@ -1250,6 +1280,41 @@ def test_a_cuda_copy_cut_short_leaves_no_device_tensor_freed_under_its_queued_co
         assert raised_on_the_way_in(enter, told, within=within) > 5, name
         enter()
         assert any(kind == "copy" for kind, _, _ in fake.log) and not fake.unrecorded(stream), name
+
+
+def test_a_cuda_copy_cut_short_leaves_no_copy_stream_the_callers_current_one(monkeypatch) -> None:
+    # Before: the copies ran inside ``with torch.cuda.stream(stream)``, whose put-back of the
+    # caller's stream is a Python __exit__ (set_stream, _set_stream_by_id, then the C call):
+    # another signal's handler (a SIGALRM timeout around a turn) raising at any of them left the
+    # copy stream the thread's current one for good, its forwards queued behind tierkv's copies.
+    from conftest import raised_on_the_way_in
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(tierkv.transfer, "torch", fake.torch())
+    engine = CopyEngine(torch.device("cuda", 0))
+    copy_streams = {engine._h2d.stream_id, engine._d2h.stream_id}
+    host = [fake.Tensor(fake.log, (4, 2, 1, 8, 2), torch.float32, False) for _ in range(3)]
+    calls = {
+        "to_device_many": lambda: engine.to_device_many(host),
+        "to_device": lambda: engine.to_device(host[0]),
+        "to_host": lambda: engine.to_host(fake.Tensor(fake.log, (4, 2, 1, 8, 2), torch.float32, True)),
+    }
+    for current_device in (0, 1):  # the thread's current device: the store's, or another
+        fake.device = current_device
+        for name, call in calls.items():
+            def enter(call: Callable[[], object] = call) -> object:
+                fake.set_to.clear()
+                call()
+                return contextlib.nullcontext()
+
+            def put_back(sent: list, name: str = name) -> None:
+                assert fake.set_to.get("stream_id", 0) not in copy_streams, \
+                    f"{name}: a copy stream left current by the cut at {sent}"
+
+            within = {"to_device_many", "to_device", "to_host", "_copy", "__exit__"}
+            assert raised_on_the_way_in(enter, put_back, within=within) > 5, name
+            enter()
+            assert fake.set_to == {"stream_id": 0, "device_index": current_device, "device_type": 1}, name
 
 
 def test_a_read_cut_short_leaves_no_stream_noted_that_the_allocator_was_not_told_of() -> None:

@@ -355,6 +355,28 @@ def _record_on(stream: "torch.cuda.Stream", *tensors: torch.Tensor) -> None:
             tensor.record_stream(stream)
 
 
+def _streams_to_swap(stream: "torch.cuda.Stream") -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
+    """``torch._C._cuda_setStream``'s arguments that make ``stream`` the current one (its device
+    the current device), then those that put back the caller's: the current stream of
+    ``stream``'s device, and, where the calling thread's current device is another, that
+    device's (last: it makes that device current again), else None.
+
+    What ``with torch.cuda.stream(stream)`` does, but its put-back is in a Python ``__exit__``,
+    three Python calls deep: another signal's handler raising at any of them (a SIGALRM timeout
+    around a turn) left the copy stream the thread's current one for good, the program's own
+    work (its forwards) queued behind tierkv's copies from then on. A ``finally`` of C calls
+    alone has no point where a handler runs before its first call returns: only where the
+    thread's current device is not the stream's can one raise between the two, leaving that
+    device current (its stream as it was)."""
+    def args(s: "torch.cuda.Stream") -> dict[str, int]:
+        return {"stream_id": s.stream_id, "device_index": s.device_index, "device_type": s.device_type}
+
+    mine = torch.cuda.current_stream(stream.device)
+    current = torch.cuda.current_stream()
+    other = args(current) if current.device_index != stream.device_index else None
+    return args(stream), args(mine), other
+
+
 class CopyEngine:
     """Device <-> host copies of block tensors, asynchronous on CUDA."""
 
@@ -384,12 +406,19 @@ class CopyEngine:
         # the copy still queued (the job never made): a late write into memory a tensor made
         # on the compute stream already held.
         _record_on(stream, src, dst)
-        with torch.cuda.stream(stream):
+        side, mine, other = _streams_to_swap(stream)
+        try:
+            torch._C._cuda_setStream(**side)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
+        finally:
+            # The caller's streams put back by C calls alone (see _streams_to_swap).
+            torch._C._cuda_setStream(**mine)
+            if other is not None:
+                torch._C._cuda_setStream(**other)
         return _CudaCopyJob(event, dst, start)
 
     def ready(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
@@ -447,7 +476,9 @@ class CopyEngine:
         layers = max(src.shape[0] for src, _ in pairs)
         per_group = -(-layers // layer_groups(len(pairs), layers))
         events: list[torch.cuda.Event] = []  # per layer: its group's event
-        with torch.cuda.stream(stream):
+        side, mine, other = _streams_to_swap(stream)
+        try:
+            torch._C._cuda_setStream(**side)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             for first in range(0, layers, per_group):
@@ -459,6 +490,10 @@ class CopyEngine:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
                 events.extend([event] * (last - first))
+        finally:
+            torch._C._cuda_setStream(**mine)  # as _copy's
+            if other is not None:
+                torch._C._cuda_setStream(**other)
         return [_LayeredCudaJob(events[: src.shape[0]], dst, start) for src, dst in pairs]
 
     def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
