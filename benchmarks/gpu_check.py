@@ -7,8 +7,8 @@
    events) against a raw pinned ``copy_`` of the same bytes.
 3. Overlap: restore + prefill of the new tokens, against the sum of a restore alone and a prefill
    on a ready cache alone.
-4. Devices: CPU-computed blocks are not restored on CUDA; a store made without ``device=``; a
-   restore's disk records read by helper threads on the store's device; a child forked from a
+4. Devices: CPU-computed blocks are not restored on CUDA; a store made without ``device=``; the
+   caller's current stream and device kept across the engine's copies; a restore's disk records read by helper threads on the store's device; a child forked from a
    process whose store holds CUDA blocks drops them and exits cleanly.
 5. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
    read there with one ``take`` per parameter), against a one-token forward.
@@ -191,6 +191,28 @@ def check_reads_side_by_side(device: torch.device) -> list[str]:
     verdict = "ok" if exact and restored and helpers and set(helpers.values()) == {want} else "WRONG"
     return [f"| disk records read side by side | {verdict}: {restored} tokens restored, "
             f"{'exact' if exact else 'MISMATCH'}, helpers read on {sorted(set(helpers.values()), key=str)} |"]
+
+
+def check_streams_put_back(device: torch.device) -> list[str]:
+    """The copy engine's copies run on its own streams and put the caller's back (a try/finally
+    of ``torch._C._cuda_setStream`` calls, not ``with torch.cuda.stream``): inside a stream of
+    the program's own, after copies each way, that stream and device are still current, and
+    the copies landed."""
+    if device.type != "cuda":
+        return ["| the caller's stream after copies | n/a (dry run on CPU) |"]
+    engine = CopyEngine(device)
+    mine = torch.cuda.Stream(device)
+    src = torch.arange(4 * 2 * 2 * 8 * 4, dtype=torch.float32).reshape(4, 2, 2, 8, 4)
+    with torch.cuda.stream(mine):
+        before = (torch.cuda.current_device(), torch.cuda.current_stream(device))
+        jobs = engine.to_device_many([src.pin_memory(), src + 1])
+        back = engine.to_host(jobs[0])
+        after = (torch.cuda.current_device(), torch.cuda.current_stream(device))
+        landed = torch.equal(back.wait(), src) and torch.equal(jobs[1].wait().cpu(), src + 1)
+    default = torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    verdict = "ok" if before == after and before[1] == mine and landed and default else "WRONG"
+    return [f"| the caller's stream after copies | {verdict}: {'kept' if before == after else 'CHANGED'}, "
+            f"copies {'landed' if landed else 'MISMATCH'}, the default stream current after the with: {default} |"]
 
 
 def check_forked_child(device: torch.device) -> list[str]:
@@ -415,11 +437,11 @@ def main() -> None:
     for line in check_exactness(device):
         print(line)
         failed += failure(line)
-    print("\nDevices: the fingerprint's device kind, a store's default device, its read helpers' device, "
-          "a forked child:\n")
+    print("\nDevices: the fingerprint's device kind, a store's default device, the caller's stream, its read "
+          "helpers' device, a forked child:\n")
     print("| case | result |\n|---|---|")
-    for line in check_device_kind(device) + check_default_device(device) + check_reads_side_by_side(device) + \
-            check_forked_child(device):
+    for line in check_device_kind(device) + check_default_device(device) + check_streams_put_back(device) + \
+            check_reads_side_by_side(device) + check_forked_child(device):
         print(line)
         failed += failure(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")
