@@ -6,7 +6,10 @@ A job completes exactly once, with a value or an exception; ``wait`` re-raises t
 ``CopyEngine`` copies block tensors between the device and host:
   * CUDA: each copy runs on a dedicated stream that first waits on the compute stream (a copy
     that skips this reads half-written KV), into pinned host memory for D2H; the job is an event
-    that ``done()`` queries without blocking.
+    that ``done()`` queries without blocking. A copy's device tensors are made known to the
+    caching allocator before it is issued, and the caller's current stream is put back by C
+    calls alone, so that another signal's handler raising anywhere in between frees no memory a
+    queued copy still uses and leaves no copy stream current.
   * CPU: device and host are the same memory, so a move hands the immutable tensor over and the
     job is complete at once. The interface does not change between the two.
 
