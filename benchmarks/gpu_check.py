@@ -8,8 +8,9 @@
 3. Overlap: restore + prefill of the new tokens, against the sum of a restore alone and a prefill
    on a ready cache alone.
 4. Devices: CPU-computed blocks are not restored on CUDA; a store made without ``device=``; the
-   caller's current stream and device kept across the engine's copies; a restore's disk records read by helper threads on the store's device; a child forked from a
-   process whose store holds CUDA blocks drops them and exits cleanly.
+   caller's current stream and device kept across the engine's copies; a restore's disk records
+   read by helper threads on the store's device; a child forked from a process whose store
+   holds CUDA blocks drops them and exits cleanly.
 5. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
    read there with one ``take`` per parameter), against a one-token forward.
 

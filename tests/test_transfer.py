@@ -1352,7 +1352,8 @@ def test_the_stores_threads_take_its_cuda_device_and_none_off_cuda(monkeypatch) 
     from tierkv.transfer import thread_binding
 
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.current_thread().name, device)))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append((threading.current_thread().name, device)))
     assert thread_binding(None) is None and thread_binding(torch.device("cpu")) is None
     bind = thread_binding(torch.device("cuda", 1))
     assert bind is not None and not calls
