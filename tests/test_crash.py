@@ -359,6 +359,29 @@ def test_a_store_dropped_without_close_is_closed_its_writes_landing_and_its_dire
     assert len(dropped) == 1 and dropped[0].levelname == "WARNING"
 
 
+def test_a_dropped_stores_close_thread_takes_its_device_first(tmp_path, monkeypatch):
+    """The close of a store dropped without close() runs on a thread of its own, whose flush
+    waits for the memory tiers' copies: on CUDA their events, from a thread on GPU 0, where the
+    wait made GPU 0's context in a process whose store is on another GPU. The thread takes the
+    store's device first, as the store's writer and read helpers do."""
+    import gc
+
+    bound: list[tuple[str, object]] = []
+    monkeypatch.setattr(tierkv.store, "thread_binding",
+                        lambda device: lambda: bound.append((threading.current_thread().name, device)))
+    model = make_model("llama")
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    device = store.device
+    ids = random_ids(9, 70)
+    cache = store.open(model, ids)
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False))
+    bound.clear()  # the writer's and the read helpers' own
+    del store, cache
+    gc.collect()
+    tierkv.store._wait_for_dropped(30)
+    assert ("tierkv-close-dropped", device) in bound
+
+
 def test_a_store_collected_with_garbage_that_lets_its_writer_run_still_writes(tmp_path):
     """A store dropped in a reference cycle whose garbage holds a finaliser that sleeps (or does
     I/O): gc cleared the store's weak references first, its writer ran before the store's own

@@ -271,6 +271,14 @@ def _close_dropped(store: "TieredStore") -> None:
     path = store._disk.path if store._disk is not None else None
     logger.warning("tierkv: a TieredStore at %s was dropped without close(); closing it now (its queued writes "
                    "land first). Close stores, or open them with `with TieredStore(...) as store:`", path)
+    bind = thread_binding(store.device)
+    if bind is not None:
+        # Its flush waits for the memory tiers' CUDA copies, on this new thread: on GPU 0,
+        # whose context the wait made in a process whose store is on another GPU.
+        try:
+            bind()
+        except Exception:  # noqa: BLE001 - the close needs none of it, and goes on
+            pass
     try:
         store._close(None)
     except Exception:  # noqa: BLE001 - nobody is left to raise it to
