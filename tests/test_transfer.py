@@ -1222,6 +1222,7 @@ class _FakeCuda:
         # The last torch._C._cuda_setStream's arguments: a C callable (dict.update), as the real
         # one is, where no signal's handler runs before it returns.
         self.set_to: dict[str, int] = {}
+        self.exchanged: list[int] = []  # torch._C._cuda_maybeExchangeDevice's, C too (list.append)
 
     def current_stream(self, device: object = None) -> "_FakeCuda.Stream":
         return self.Stream(torch.device("cuda", self.device) if device is None else device, stream_id=0)
@@ -1239,8 +1240,10 @@ class _FakeCuda:
             return self.Tensor(self.log, shape, dtype, device is not None and torch.device(device).type == "cuda")
 
         cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=self.current_stream,
+                               current_device=lambda: self.device,
                                stream=lambda stream: self.StreamContext(self, stream))
-        return SimpleNamespace(cuda=cuda, empty=empty, _C=SimpleNamespace(_cuda_setStream=self.set_to.update))
+        c = SimpleNamespace(_cuda_setStream=self.set_to.update, _cuda_maybeExchangeDevice=self.exchanged.append)
+        return SimpleNamespace(cuda=cuda, empty=empty, _C=c)
 
     def unrecorded(self, stream: object) -> list[object]:
         """The CUDA tensors a copy was issued on that the allocator was not told ``stream`` uses."""
@@ -1304,6 +1307,7 @@ def test_a_cuda_copy_cut_short_leaves_no_copy_stream_the_callers_current_one(mon
         for name, call in calls.items():
             def enter(call: Callable[[], object] = call) -> object:
                 fake.set_to.clear()
+                fake.exchanged.clear()
                 call()
                 return contextlib.nullcontext()
 
@@ -1314,7 +1318,10 @@ def test_a_cuda_copy_cut_short_leaves_no_copy_stream_the_callers_current_one(mon
             within = {"to_device_many", "to_device", "to_host", "_copy", "__exit__"}
             assert raised_on_the_way_in(enter, put_back, within=within) > 5, name
             enter()
-            assert fake.set_to == {"stream_id": 0, "device_index": current_device, "device_type": 1}, name
+            # The stream's device's stream put back; the thread's own device (another) as
+            # torch.cuda.device puts one back, its stream never changed.
+            assert fake.set_to == {"stream_id": 0, "device_index": 0, "device_type": 1}, name
+            assert fake.exchanged == ([1] if current_device == 1 else []), name
 
 
 def test_a_read_cut_short_leaves_no_stream_noted_that_the_allocator_was_not_told_of() -> None:

@@ -358,26 +358,29 @@ def _record_on(stream: "torch.cuda.Stream", *tensors: torch.Tensor) -> None:
             tensor.record_stream(stream)
 
 
-def _streams_to_swap(stream: "torch.cuda.Stream") -> tuple[dict[str, int], dict[str, int], dict[str, int] | None]:
-    """``torch._C._cuda_setStream``'s arguments that make ``stream`` the current one (its device
-    the current device), then those that put back the caller's: the current stream of
-    ``stream``'s device, and, where the calling thread's current device is another, that
-    device's (last: it makes that device current again), else None.
+def _streams_to_swap(stream: "torch.cuda.Stream") -> tuple[dict[str, int], dict[str, int], int | None]:
+    """``torch._C._cuda_setStream``'s arguments that make ``stream`` the current one (and its
+    device the current device), then those that put back the current stream of its device as it
+    was, and the calling thread's current device where that is another one (None where not),
+    for ``torch._C._cuda_maybeExchangeDevice``.
 
     What ``with torch.cuda.stream(stream)`` does, but its put-back is in a Python ``__exit__``,
     three Python calls deep: another signal's handler raising at any of them (a SIGALRM timeout
     around a turn) left the copy stream the thread's current one for good, the program's own
     work (its forwards) queued behind tierkv's copies from then on. A ``finally`` of C calls
     alone has no point where a handler runs before its first call returns: only where the
-    thread's current device is not the stream's can one raise between the two, leaving that
-    device current (its stream as it was)."""
+    thread's current device is not the stream's can one raise between the two, leaving the
+    stream's device current (its stream as it was). That device is put back as
+    ``torch.cuda.device`` puts one back, not by setting the stream there (as ``torch.cuda.stream``
+    does): a device not yet used in this thread is then not made current, which made its CUDA
+    context (hundreds of MiB on GPU 0, for a thread that never set its device and a store on
+    another GPU)."""
     def args(s: "torch.cuda.Stream") -> dict[str, int]:
         return {"stream_id": s.stream_id, "device_index": s.device_index, "device_type": s.device_type}
 
     mine = torch.cuda.current_stream(stream.device)
-    current = torch.cuda.current_stream()
-    other = args(current) if current.device_index != stream.device_index else None
-    return args(stream), args(mine), other
+    current = torch.cuda.current_device()
+    return args(stream), args(mine), current if current != stream.device_index else None
 
 
 class CopyEngine:
@@ -418,10 +421,10 @@ class CopyEngine:
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         finally:
-            # The caller's streams put back by C calls alone (see _streams_to_swap).
+            # The caller's stream and device put back by C calls alone (see _streams_to_swap).
             torch._C._cuda_setStream(**mine)
             if other is not None:
-                torch._C._cuda_setStream(**other)
+                torch._C._cuda_maybeExchangeDevice(other)
         return _CudaCopyJob(event, dst, start)
 
     def ready(self, tensor: torch.Tensor) -> Job[torch.Tensor]:
@@ -496,7 +499,7 @@ class CopyEngine:
         finally:
             torch._C._cuda_setStream(**mine)  # as _copy's
             if other is not None:
-                torch._C._cuda_setStream(**other)
+                torch._C._cuda_maybeExchangeDevice(other)
         return [_LayeredCudaJob(events[: src.shape[0]], dst, start) for src, dst in pairs]
 
     def to_device(self, src: "torch.Tensor | Job[torch.Tensor]") -> Job[torch.Tensor]:
