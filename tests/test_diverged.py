@@ -96,6 +96,28 @@ def test_the_latest_conversation_counts_not_an_older_branch(model):
         assert counts(store)[0] == 1
 
 
+def test_a_turn_back_on_an_older_branch_it_restores_whole_has_not_diverged(model):
+    # A chat UI's branch switcher: after an edit, the user goes back to the first version and goes
+    # on from it. Its blocks are still stored and restore in full: nothing was computed again, and
+    # reporting it counted every token of the newer branch past the edit as lost.
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        ids = plain_next_turn(store, model)
+        stored = ids.shape[1] - 5 - 1
+        cache, _ = turn(store, model, edited(ids, 12))
+        assert cache.diverged_at == 12 and counts(store) == (1, stored - 12)
+        cache = store.open(model, ids, session="alice")
+        assert cache.restored_tokens == stored and cache.diverged_at is None
+        # Another session's conversation, which alice's ids now follow, is as good as her own.
+        _, out = turn(store, model, random_ids(19, seed=7), session="bob")
+        cache, _ = turn(store, model, torch.cat([out, random_ids(3, seed=8)], 1))
+        assert cache.restored_tokens == out.shape[1] - 1 and cache.diverged_at is None
+        assert counts(store) == (1, stored - 12)
+        # Going back restores the older branch only as far as it agrees: a difference past there
+        # is a difference again, from the conversation alice committed last.
+        cache = store.open(model, edited(torch.cat([out, random_ids(3, seed=8)], 1), 20), session="alice")
+        assert cache.diverged_at == 20 and cache.restored_tokens == 20
+
+
 def test_a_conversation_differing_inside_its_last_partial_block(model):
     # The stored tail is a partial block: the difference is found inside it, not at its start.
     with TieredStore(None, device="cpu", block_size=B) as store:

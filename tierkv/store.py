@@ -897,7 +897,8 @@ class TieredStore:
         blocks are read and verified before this returns; a bad one ends the restore there (counted
         in ``stats()['corrupt']``). The cache's ``restored_tokens`` and ``restored_from`` (tokens per
         tier) say what came back; its ``diverged_at``, where the ids first differ from the
-        conversation the session committed last (None where they agree or the store cannot tell).
+        conversation the session committed last (None where they agree, where the restore reaches
+        past that point along another stored conversation, or where the store cannot tell).
         Pass it to ``model.generate(input_ids, cache=cache)``, then call ``cache.commit(output)``.
 
         Raises ``TypeError``/``ValueError`` (saying what to pass instead) for ids that are not one
@@ -1221,7 +1222,8 @@ class TieredStore:
                   plan: list[tuple[BlockMeta, int]]) -> tuple[int, int, int] | None:
         """Where ``ids`` first differ from the conversation the session committed last, how many
         of its stored tokens past there (up to ``L - 1``) the turn computes again, and the stored id
-        there; None where they agree (the ids extend it, or it extends them) or where the store
+        there; None where they agree (the ids extend it, or it extends them), where ``plan``
+        restores past the difference (from another stored conversation), or where the store
         cannot tell: no such session tracked, a block of that conversation gone, or one committed
         by another model (a chain under another root)."""
         info = self._index.sessions.get(sid)
@@ -1241,7 +1243,13 @@ class TieredStore:
         stored = np.concatenate(chain[::-1])
         at = _common_prefix(stored, ids)
         end = min(len(stored), len(ids) - 1)
-        return (at, end - at, int(stored[at])) if at < end else None
+        if at >= end or sum(n for _, n in plan) > at:
+            # Restored past the difference: the ids follow another stored conversation there (an
+            # older branch of this session, one the user went back to, or another session's), and
+            # nothing of the latest was computed again. Reported, such a turn counted as lost every
+            # stored token of the latest branch, and the log said they were computed again.
+            return None
+        return at, end - at, int(stored[at])
 
     def _only_leaf(self, keys: set[bytes]) -> bytes | None:
         """A session's one block that continues none of its others (read back from disk, it has
