@@ -183,6 +183,8 @@ def test_the_first_difference_is_logged_at_info_then_at_debug(model, caplog):
         first = said[0].getMessage()
         assert f"at token 9 (id {int(given[0, 9])} given, {int(ids[0, 9])} stored)" in first
         assert "chat template" in first and "stats()['diverged_turns']" in first
+        # The remedy, not only the causes: what to pass instead.
+        assert "keep the ids generate() returned and append the new message's ids to them" in first
         assert "further ones are logged at DEBUG" in first and "further" not in said[1].getMessage()
         assert "alice" not in first  # session names stay out of the logs
 

@@ -1211,7 +1211,9 @@ class TieredStore:
                 "does this; if most turns do, the ids of earlier turns are not those generate() returned: "
                 "a chat template that renders past replies differently (one that drops a reasoning "
                 "model's thinking, a date in the system prompt) or a reply decoded to text and tokenized "
-                "again. stats()['diverged_turns'] counts these turns%s", at, int(ids[at]),
+                "again; keep the ids generate() returned and append the new message's ids to them, rather "
+                "than rendering and tokenizing the whole conversation each turn. "
+                "stats()['diverged_turns'] counts these turns%s", at, int(ids[at]),
                 stored_id, lost, "; further ones are logged at DEBUG" if self._diverged_turns == 1 else "")
         # Block j of the restore starts at token j * block_size: a forget of a partial tail it
         # restored drops a key its commit's chain never holds (the commit extends that tail).
