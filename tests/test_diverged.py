@@ -21,9 +21,9 @@ def model() -> torch.nn.Module:
 
 
 def turn(store: TieredStore, model: torch.nn.Module, ids: torch.Tensor, session: str | None = "alice",
-         tenant: str | None = None):
+         tenant: str | None = None, max_new_tokens: int = 4):
     cache = store.open(model, ids, session=session, tenant=tenant)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
     cache.commit(out)
     return cache, out
 
@@ -169,6 +169,28 @@ def test_after_a_restart_a_session_of_one_conversation_is_compared_too(model, tm
         assert store.open(model, edited(ids, 3), session="alice").diverged_at is None
         cache, out = turn(store, model, edited(ids, 3))
         assert store.open(model, edited(out, 20), session="alice").diverged_at == 20
+
+
+def test_after_a_restart_a_conversation_ending_inside_an_older_one_is_no_difference(model, tmp_path):
+    # A reply regenerated shorter (a smaller max_new_tokens): the latest conversation ends inside
+    # the first one's last full block, and the reopen lets go of its tail, which that block
+    # restores. The first conversation, left the session's only one, was taken for its latest:
+    # the next turn, going on from the shorter reply, was reported as diverging where it went on.
+    prompt = random_ids(27)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        _, first = turn(store, model, prompt, max_new_tokens=10)
+        _, out = turn(store, model, prompt, max_new_tokens=5)
+        assert torch.equal(first[:, :out.shape[1]], out) and (out.shape[1] - 1) % B  # a partial tail
+        ids = torch.cat([out, random_ids(6, seed=9)], 1)
+        assert int(ids[0, out.shape[1]]) != int(first[0, out.shape[1]])
+        assert store.open(model, ids, session="alice").diverged_at is None
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids, session="alice")
+        assert cache.restored_tokens == out.shape[1] and cache.diverged_at is None
+        assert counts(store) == (0, 0)
+        # Its next commit tells the store again.
+        _, out = turn(store, model, ids)
+        assert store.open(model, edited(out, 30), session="alice").diverged_at == 30
 
 
 def test_the_first_difference_is_logged_at_info_then_at_debug(model, caplog):
