@@ -553,9 +553,6 @@ class TieredStore:
         # tokens past the difference that they computed again (``_diverged``).
         self._diverged_turns = 0
         self._diverged_tokens = 0
-        # Sessions read back from disk holding a conversation that ends inside another of theirs
-        # (``_drop_replaced_tails``): which one they committed last is not on disk.
-        self._ends_inside: set[bytes] = set()
         self._evictions = 0
         self._corrupt = 0
         self._disk_errors = 0
@@ -1230,15 +1227,16 @@ class TieredStore:
         there; None where they agree (the ids extend it, or it extends them), where ``plan``
         restores past the difference (from another stored conversation), or where the store
         cannot tell: no such session tracked, a block of that conversation gone, one committed
-        by another model (a chain under another root), or, read back from disk, a session holding
-        more than one conversation."""
+        by another model (a chain under another root), or a session read back from disk that has
+        not committed since."""
         info = self._index.sessions.get(sid)
         if info is None:
             return None
-        if info.last is not None:
-            last: bytes | None = info.last
-        else:
-            last = None if sid in self._ends_inside else self._only_leaf(info.keys)
+        # Read back from disk, a session has no ``last`` until it commits: which of its
+        # conversations is the latest is not on disk, and guessing it from the blocks it holds
+        # (one with no continuation among them) took an older one for it where the latest ended
+        # inside it (a reply regenerated shorter, a beam search's commit of its prompt alone).
+        last = info.last
         if last is None or (plan and plan[-1][0].key == last and plan[-1][1] == plan[-1][0].n_tokens):
             return None  # the usual returning turn: its restore ends with that conversation's tail, whole
         chain: list[np.ndarray] = []
@@ -1252,21 +1250,13 @@ class TieredStore:
         stored = np.concatenate(chain[::-1])
         at = _common_prefix(stored, ids)
         end = min(len(stored), len(ids) - 1)
-        if at >= end or sum(n for _, n in plan) > at:
+        if at >= end or sum([n for _, n in plan]) > at:
             # Restored past the difference: the ids follow another stored conversation there (an
             # older branch of this session, one the user went back to, or another session's), and
             # nothing of the latest was computed again. Reported, such a turn counted as lost every
             # stored token of the latest branch, and the log said they were computed again.
             return None
         return at, end - at, int(stored[at])
-
-    def _only_leaf(self, keys: set[bytes]) -> bytes | None:
-        """A session's one block that continues none of its others (read back from disk, it has
-        no ``last``): the conversation it stored, where it stored one; None for several. A later
-        conversation that ended on a block boundary inside an older one is not told from it."""
-        parents = {self._index.blocks[key].parent for key in keys if key in self._index.blocks}
-        leaves = [key for key in keys if key not in parents]
-        return leaves[0] if len(leaves) == 1 else None
 
     def _match(self, root: bytes, ids: np.ndarray, masked: int | None = None) -> list[tuple[BlockMeta, int]]:
         """(block, tokens used) along the longest stored prefix of ``ids``, at most ``L - 1`` tokens
@@ -1730,7 +1720,6 @@ class TieredStore:
             return
         if chain:
             info.last = chain[-1].key
-            self._ends_inside.discard(sid)
         # A partial tail of this session is superseded when the new chain covers all its tokens
         # after the same parent; tails of other branches or other models stay.
         in_chain = {m.key for m in chain}
@@ -2514,17 +2503,12 @@ class TieredStore:
         the tails they replace (``DiskTier.apply``) leaves both, and the tail would take room
         under the disk budget that the reopen then freed by evicting other blocks. A tail of a
         session's later, shorter conversation (a shorter regenerated reply) goes the same way: the
-        longer block restores its tokens. Its latest conversation is then unknown (``_diverged``)."""
+        longer block restores its tokens."""
         info = self._index.sessions[sid]
         metas = [self._index.blocks[key] for key in info.keys]
-        tails = [tail for tail in metas if tail.n_tokens < self.block_size and any([
+        self._release_tails(sid, [tail for tail in metas if tail.n_tokens < self.block_size and any([
             other is not tail and other.parent == tail.parent and other.n_tokens > tail.n_tokens
-            and _same_ids(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas])]
-        if tails:
-            # Left to _only_leaf, the longer conversation was taken for the latest: a turn going
-            # on from the shorter one was reported as diverging where it went on.
-            self._ends_inside.add(sid)
-        self._release_tails(sid, tails)
+            and _same_ids(other.token_ids[:tail.n_tokens], tail.token_ids) for other in metas])])
 
     def _release_unheld_tails(self, tenant: str | None, root: bytes, ids: np.ndarray, chain: list[BlockMeta]) -> None:
         """A turn of no session lets go of the partial tails no session holds that its chain
