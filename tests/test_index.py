@@ -109,6 +109,84 @@ def test_remove_returns_meta_and_clears_children() -> None:
     assert idx.remove(key(2)) is None
 
 
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=5), min_size=1, max_size=60, unique_by=tuple),
+       st.lists(st.integers(0, 3), min_size=0, max_size=6), st.data())
+def test_ordered_continuations_answer_as_reading_them_all(tails: list[list[int]], query: list[int],
+                                                          data: st.DataObject) -> None:
+    # Continuations of one prefix with one first id (9, then a few of four ids, negative ones
+    # too): past ORDERED_FROM they are looked up in token order, which must answer as a read of
+    # every one of them does, through adds and removes, the bucket growing past it and back.
+    from tierkv.hashing import token_bytes
+    from tierkv.index import ORDERED_FROM
+    idx = Index()
+    seqs = {n: [9, *(t - 2 for t in tail)] for n, tail in enumerate(tails, 1)}
+    for n, ids in seqs.items():
+        idx.add(meta(n, ids=ids))
+    gone = data.draw(st.sets(st.sampled_from(sorted(seqs))))
+    for n in gone:
+        idx.remove(key(n))
+    left = {n: ids for n, ids in seqs.items() if n not in gone}
+    q = [9, *(t - 2 for t in query)]
+    tokens = token_bytes(np.array(q, dtype=np.int64))
+    ordered = (ROOT, 9) in idx._ordered
+    assert ordered == (len(seqs) >= ORDERED_FROM and bool(left))
+    if ordered:
+        assert sorted(idx._ordered[(ROOT, 9)]) == sorted(key(n) for n in left)
+    best = max([_shared(ids, q) for ids in left.values()], default=0)
+    near = idx.nearest(ROOT, tokens)
+    assert len(near) <= (2 if ordered else len(left))
+    assert max([_shared(list(m.token_ids), q) for m in near], default=0) == best
+    prefixes = {key(n) for n, ids in left.items() if q[:len(ids)] == ids}
+    found = [m.key for m in idx.prefixes_of(ROOT, tokens)]
+    assert len(found) == len(set(found))
+    assert (set(found) == prefixes) if ordered else (set(found) == {key(n) for n in left})
+    related = prefixes | {key(n) for n, ids in left.items() if ids[:len(q)] == q}
+    found = [m.key for m in idx.related(ROOT, tokens)]
+    assert len(found) == len(set(found))
+    assert (set(found) == related) if ordered else (set(found) == {key(n) for n in left})
+    for n in left:
+        idx.remove(key(n))
+    assert idx._children == {} and idx._ordered == {}
+
+
+def test_ordered_lookups_read_few_continuations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every conversation after a shared system prompt is a continuation of its last block with
+    # the chat template's first id: a look-up read each of them (an open of a new conversation
+    # grew with every conversation stored).
+    idx = Index()
+    rng = np.random.default_rng(0)
+    for n in range(1, 5001):
+        idx.add(meta(n, ids=[7, *rng.integers(0, 50, 3)]))
+    reads = 0
+    tokens_of = idx._tokens_of
+
+    def counted(k: bytes) -> bytes:
+        nonlocal reads
+        reads += 1
+        return tokens_of(k)
+
+    monkeypatch.setattr(idx, "_tokens_of", counted)
+    monkeypatch.setattr(idx, "children", lambda *a: pytest.fail("read every continuation"))
+    from tierkv.hashing import token_bytes
+    for q in ([7, 3, 4, 5], [7, 49, 49, 49], [7, 0]):
+        tokens = token_bytes(np.array(q, dtype=np.int64))
+        reads = 0
+        assert 1 <= len(idx.nearest(ROOT, tokens)) <= 2
+        assert reads <= 20
+        reads = 0
+        idx.prefixes_of(ROOT, tokens)
+        idx.related(ROOT, tokens)
+        assert reads <= 200
+
+
 def test_remove_frees_bytes_and_lru_everywhere() -> None:
     idx = Index()
     a, b = meta(1, nbytes=10, record_bytes=11), meta(2, nbytes=20, record_bytes=22)
@@ -414,6 +492,12 @@ def _in_step(idx: Index) -> None:
         size = (lambda m: m.record_bytes) if tier is Tier.DISK else (lambda m: m.nbytes)
         assert idx.bytes[tier] == sum(size(m) for m in here), tier
     assert all(k in idx.blocks for by_first in idx._children.values() for keys in by_first.values() for k in keys)
+    from tierkv.hashing import token_bytes
+    for (parent, first), ordered in idx._ordered.items():
+        assert all(k in idx.blocks for k in ordered)
+        assert set(idx._children.get(parent, {}).get(first, ())) <= set(ordered)
+        tokens = [token_bytes(idx.blocks[k].token_ids) for k in ordered]
+        assert tokens == sorted(tokens)
     assert all(k in idx.blocks for info in idx.sessions.values() for k in info.keys)
 
 
@@ -477,6 +561,45 @@ def test_a_removal_another_signals_handler_cuts_short_leaves_no_key_outside_the_
     assert raised_on_the_way_in(lambda: (idx.remove(key(1)), nullcontext())[1], in_step) > 4
     _in_step(idx)
     assert idx.blocks == {}
+
+
+def test_an_add_or_removal_cut_short_in_an_ordered_bucket_leaves_its_order_whole() -> None:
+    # Continuations past ORDERED_FROM are kept in token order too: a cut must never leave a key
+    # in the bucket that the order lacks (a look-up misses it for good) or in the order without
+    # its block (a KeyError at the next look-up); the removal the store does next finishes it.
+    from contextlib import nullcontext
+
+    from conftest import raised_on_the_way_in
+    from tierkv.hashing import token_bytes
+    from tierkv.index import ORDERED_FROM
+
+    idx = Index()
+    for n in range(1, ORDERED_FROM + 4):
+        idx.add(meta(n, ids=[7, n, n]))
+    assert (ROOT, 7) in idx._ordered
+    ids = np.array([7, 5, 99], dtype=np.int64)
+    m = meta(100, ids=list(ids))
+
+    def after_add(sent: list) -> None:
+        _in_step(idx)
+        idx.remove(key(100))  # the store drops a block whose add raised (_store_block)
+        _in_step(idx)
+        assert key(100) not in idx._ordered[(ROOT, 7)], sent
+
+    assert raised_on_the_way_in(lambda: (idx.add(m), nullcontext())[1], after_add) > 2
+    _in_step(idx)
+    assert [b.key for b in idx.nearest(ROOT, token_bytes(ids))].count(key(100)) == 1
+
+    def after_remove(sent: list) -> None:
+        _in_step(idx)
+        idx.remove(key(100))  # the store's next removal of it, or its settle, finishes it
+        _in_step(idx)
+        assert key(100) not in idx._ordered[(ROOT, 7)], sent
+        idx.add(meta(100, ids=list(ids)))
+
+    assert raised_on_the_way_in(lambda: (idx.remove(key(100)), nullcontext())[1], after_remove) > 2
+    _in_step(idx)
+    assert key(100) not in idx.blocks and key(100) not in idx._ordered[(ROOT, 7)]
 
 
 def test_a_reference_another_signals_handler_cuts_short_is_made_on_both_sides_or_neither() -> None:

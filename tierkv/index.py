@@ -8,7 +8,9 @@ Pure bookkeeping over keys and sizes (no torch, no I/O), so the policy is testab
 * ``Index.lru[tier]`` orders the blocks resting in each tier, least recently used first.
 * ``Index.children(parent, first_token)`` finds stored continuations of a prefix, so a
   conversation that diverges inside a block, or ends in a partial tail, restores as far as its
-  token ids agree.
+  token ids agree. Past ``ORDERED_FROM`` of them (every conversation's first message after a
+  shared system prompt and chat template), they are also kept in token order, and
+  ``nearest``, ``prefixes_of`` and ``related`` answer from a few of them, not all.
 * Sessions reference blocks; a block referenced by no session stays until it is evicted, unless
   its last session was forgotten. The store keeps a session only while one of its blocks is
   referenced by it alone (``TieredStore._untrack_if_hollow``), so sessions are bounded by blocks.
@@ -16,12 +18,29 @@ Pure bookkeeping over keys and sizes (no torch, no I/O), so the policy is testab
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .hashing import token_bytes
+
+#: Continuations of one prefix with one first token from which they are also kept in token order
+#: (``Index._ordered``). Below it a look-up reads each of them; past it, a chat deployment's
+#: shared system prompt, whose continuations are every conversation's first message, made each
+#: new conversation's ``open`` read every conversation stored (16 ms at 4,000 conversations,
+#: growing with every one; 0.5 ms at 130).
+ORDERED_FROM = 16
+
+
+def _shared_tokens(a: bytes, b: bytes) -> int:
+    """How many whole int64 token ids ``token_bytes`` ``a`` and ``b`` begin with in common."""
+    n = min(len(a), len(b)) // 8
+    diff = np.flatnonzero(np.frombuffer(a, "<i8", n) != np.frombuffer(b, "<i8", n))
+    return int(diff[0]) if diff.size else n
 
 
 class Tier(enum.Enum):
@@ -83,12 +102,31 @@ class Index:
         self.bytes: dict[Tier, int] = {t: 0 for t in Tier}
         self.disk_peak = 0  # the most of ``bytes[Tier.DISK]`` at any moment
         self._children: dict[bytes, dict[int, set[bytes]]] = {}
+        # The buckets of ``_children`` that reached ``ORDERED_FROM`` keys, by (parent, first
+        # token): their keys (and, where another signal's handler cut an add or a removal short,
+        # that one too) sorted by their blocks' token bytes, until none is left. In a list sorted
+        # so, the stored continuation sharing the most leading tokens with any ids lies beside
+        # where those ids would go.
+        self._ordered: dict[tuple[bytes, int], list[bytes]] = {}
+
+    def _tokens_of(self, key: bytes) -> bytes:
+        return token_bytes(self.blocks[key].token_ids)
 
     # -- blocks -------------------------------------------------------------------------------
     def add(self, meta: BlockMeta) -> None:
         self.blocks[meta.key] = meta
         first = int(meta.token_ids[0])
-        self._children.setdefault(meta.parent, {}).setdefault(first, set()).add(meta.key)
+        keys = self._children.setdefault(meta.parent, {}).setdefault(first, set())
+        if meta.key not in keys:
+            # Ordered before the bucket takes it: a cut between the two leaves a key in the order
+            # that the bucket lacks, which ``remove`` still finds there, never one in the bucket
+            # that a look-up in the order misses for good.
+            ordered = self._ordered.get((meta.parent, first))
+            if ordered is not None:
+                bisect.insort(ordered, meta.key, key=self._tokens_of)
+            elif len(keys) + 1 >= ORDERED_FROM:
+                self._ordered[(meta.parent, first)] = sorted([*keys, meta.key], key=self._tokens_of)
+        keys.add(meta.key)
 
     def remove(self, key: bytes) -> BlockMeta | None:
         # Out of ``blocks`` last, each step before it idempotent: another signal's handler raising
@@ -102,8 +140,8 @@ class Index:
         self.set_resident(meta, None)
         self.set_disk(meta, DiskState.NONE)
         by_first = self._children.get(meta.parent)
+        first = int(meta.token_ids[0])
         if by_first is not None:
-            first = int(meta.token_ids[0])
             keys = by_first.get(first)
             if keys is not None:
                 keys.discard(key)
@@ -111,6 +149,13 @@ class Index:
                     del by_first[first]
             if not by_first:
                 del self._children[meta.parent]
+        # After the bucket, as ``add`` orders a key before it: the order holds every key its
+        # bucket does (a cut leaves it one more, found by the removal done again).
+        ordered = self._ordered.get((meta.parent, first))
+        if ordered is not None:
+            self._unorder(ordered, meta)
+            if not ordered:
+                del self._ordered[(meta.parent, first)]
         for sid in meta.sessions:
             info = self.sessions.get(sid)
             if info is not None:
@@ -121,6 +166,67 @@ class Index:
     def children(self, parent: bytes, first_token: int) -> Iterator[BlockMeta]:
         for key in self._children.get(parent, {}).get(first_token, ()):
             yield self.blocks[key]
+
+    def _unorder(self, ordered: list[bytes], meta: BlockMeta) -> None:
+        tokens = token_bytes(meta.token_ids)
+        at = bisect.bisect_left(ordered, tokens, key=self._tokens_of)
+        # Blocks of one parent and the same ids have one key; a collision's, replaced, did not.
+        while at < len(ordered) and self._tokens_of(ordered[at]) == tokens:
+            if ordered[at] == meta.key:
+                del ordered[at]
+                return
+            at += 1
+
+    def nearest(self, parent: bytes, tokens: bytes) -> list[BlockMeta]:
+        """Stored continuations of ``parent`` that begin with the first of ``tokens``
+        (``token_bytes``, at most a block's) among which is one sharing the most leading tokens
+        with them: all of them, or past ``ORDERED_FROM`` the two beside those ids in token order
+        (in a sorted list the longest common prefix with any string lies beside its place)."""
+        first = int.from_bytes(tokens[:8], "little", signed=True)
+        ordered = self._ordered.get((parent, first))
+        if ordered is None:
+            return list(self.children(parent, first))
+        at = bisect.bisect_left(ordered, tokens, key=self._tokens_of)
+        return [self.blocks[key] for key in ordered[max(at - 1, 0):at + 1]]
+
+    def prefixes_of(self, parent: bytes, tokens: bytes) -> list[BlockMeta]:
+        """Stored continuations of ``parent`` whose ids are a prefix of ``tokens`` (``token_bytes``):
+        exactly those past ``ORDERED_FROM``, all that begin with the same id below it."""
+        first = int.from_bytes(tokens[:8], "little", signed=True)
+        ordered = self._ordered.get((parent, first))
+        if ordered is None:
+            return list(self.children(parent, first))
+        found = []
+        # Every prefix at or past ``end`` is found. A block before it that is no prefix shares
+        # ``n`` whole ids with ``tokens`` and sorts below them at the next: each prefix longer
+        # than ``n`` sorts above it, so the prefixes left are those of the first ``n`` ids, which
+        # sort at or below them (``n`` smaller each time: at most a block's ids of searches).
+        end = bisect.bisect_right(ordered, tokens, key=self._tokens_of)
+        while end > 0:
+            key = ordered[end - 1]
+            have = self._tokens_of(key)
+            if tokens.startswith(have):
+                found.append(self.blocks[key])
+                end -= 1
+            else:
+                end = bisect.bisect_right(ordered, tokens[:8 * _shared_tokens(have, tokens)], hi=end - 1,
+                                          key=self._tokens_of)
+        return found
+
+    def related(self, parent: bytes, tokens: bytes) -> list[BlockMeta]:
+        """Stored continuations of ``parent`` whose ids are a prefix of ``tokens`` or begin with
+        them: exactly those past ``ORDERED_FROM``, all that begin with the same id below it."""
+        first = int.from_bytes(tokens[:8], "little", signed=True)
+        ordered = self._ordered.get((parent, first))
+        if ordered is None:
+            return list(self.children(parent, first))
+        found = [meta for meta in self.prefixes_of(parent, tokens) if meta.n_tokens * 8 < len(tokens)]
+        # Those beginning with ``tokens`` sort together, from ``tokens`` on.
+        at = bisect.bisect_left(ordered, tokens, key=self._tokens_of)
+        while at < len(ordered) and self._tokens_of(ordered[at]).startswith(tokens):
+            found.append(self.blocks[ordered[at]])
+            at += 1
+        return found
 
     def all_children(self, parent: bytes) -> list[BlockMeta]:
         """Every stored continuation of ``parent``, whatever its first token."""

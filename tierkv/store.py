@@ -1281,7 +1281,7 @@ class TieredStore:
                     parent, pos = meta.key, pos + B
                     continue
             best, best_n = None, 0
-            for child in self._index.children(parent, int(ids[pos])):
+            for child in self._index.nearest(parent, data[pos * 8:(pos + B) * 8]):
                 n = _common_prefix(child.token_ids, ids[pos:])
                 if n > best_n:
                     best, best_n = child, n
@@ -2522,7 +2522,7 @@ class TieredStore:
             start = i * B
             if start >= len(ids):
                 break
-            for meta in self._index.children(parent, int(ids[start])):
+            for meta in self._index.prefixes_of(parent, token_bytes(ids[start:start + B])):
                 n = meta.n_tokens
                 if n < B and not meta.sessions and meta.key not in in_chain and start + n <= len(ids) \
                         and _same_ids(ids[start:start + n], meta.token_ids):
@@ -2699,7 +2699,8 @@ class TieredStore:
         Noted in ``dropped`` before each drop."""
         for tail in tails:
             head = tail.token_ids.tobytes()
-            siblings = self._index.all_children(tail.parent)
+            # Only those extending the tail, and shorter ones it or they extend, can matter here.
+            siblings = self._index.related(tail.parent, token_bytes(tail.token_ids))
             # A session's tail that the block extends too may be what it continued (helper-41:
             # another conversation's turn, stored before this session existed): kept.
             held = [m.token_ids.tobytes() for m in siblings if m.sessions]
