@@ -187,6 +187,20 @@ def test_ordered_lookups_read_few_continuations(monkeypatch: pytest.MonkeyPatch)
         assert reads <= 200
 
 
+def test_a_tenants_blocks_in_the_order_blocks_holds_them() -> None:
+    idx = Index()
+    for n in range(1, 9):
+        idx.add(meta(n, tenant="a" if n % 3 else None))
+    idx.remove(key(4))
+    idx.add(meta(4, tenant="a"))  # added again: last, as in ``blocks``
+    assert [m.key for m in idx.of_tenant("a")] == [m.key for m in idx.blocks.values() if m.tenant == "a"]
+    assert [m.key for m in idx.of_tenant(None)] == [key(3), key(6)]
+    assert idx.of_tenant("b") == []
+    for n in range(1, 9):
+        idx.remove(key(n))
+    assert idx._tenants == {}
+
+
 def test_remove_frees_bytes_and_lru_everywhere() -> None:
     idx = Index()
     a, b = meta(1, nbytes=10, record_bytes=11), meta(2, nbytes=20, record_bytes=22)
@@ -492,6 +506,7 @@ def _in_step(idx: Index) -> None:
         size = (lambda m: m.record_bytes) if tier is Tier.DISK else (lambda m: m.nbytes)
         assert idx.bytes[tier] == sum(size(m) for m in here), tier
     assert all(k in idx.blocks for by_first in idx._children.values() for keys in by_first.values() for k in keys)
+    assert all(k in idx.blocks and idx.blocks[k].tenant == t for t, keys in idx._tenants.items() for k in keys)
     from tierkv.hashing import token_bytes
     for (parent, first), ordered in idx._ordered.items():
         assert all(k in idx.blocks for k in ordered)

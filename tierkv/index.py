@@ -108,6 +108,10 @@ class Index:
         # so, the stored continuation sharing the most leading tokens with any ids lies beside
         # where those ids would go.
         self._ordered: dict[tuple[bytes, int], list[bytes]] = {}
+        # Each tenant's blocks, in the order ``blocks`` holds them: ``forget(tenant=...)`` read
+        # every block of every tenant to find one tenant's (10 ms at 100,000 blocks, a forget of
+        # a tenant of a few blocks as of one of thousands).
+        self._tenants: dict[str | None, dict[bytes, None]] = {}
 
     def _tokens_of(self, key: bytes) -> bytes:
         return token_bytes(self.blocks[key].token_ids)
@@ -115,6 +119,7 @@ class Index:
     # -- blocks -------------------------------------------------------------------------------
     def add(self, meta: BlockMeta) -> None:
         self.blocks[meta.key] = meta
+        self._tenants.setdefault(meta.tenant, {})[meta.key] = None
         first = int(meta.token_ids[0])
         keys = self._children.setdefault(meta.parent, {}).setdefault(first, set())
         if meta.key not in keys:
@@ -160,6 +165,11 @@ class Index:
             info = self.sessions.get(sid)
             if info is not None:
                 info.keys.discard(key)
+        mine = self._tenants.get(meta.tenant)
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
+                del self._tenants[meta.tenant]
         del self.blocks[key]
         return meta
 
@@ -227,6 +237,10 @@ class Index:
             found.append(self.blocks[ordered[at]])
             at += 1
         return found
+
+    def of_tenant(self, tenant: str | None) -> list[BlockMeta]:
+        """The tenant's blocks, in the order ``blocks`` holds them."""
+        return [self.blocks[key] for key in self._tenants.get(tenant, ())]
 
     def all_children(self, parent: bytes) -> list[BlockMeta]:
         """Every stored continuation of ``parent``, whatever its first token."""

@@ -2825,7 +2825,7 @@ class TieredStore:
             for sid in sids:
                 removed += self._forget_session(sid)
             if kind == "tenant":
-                for meta in [m for m in self._index.blocks.values() if m.tenant == name]:
+                for meta in self._index.of_tenant(name):
                     self._drop(meta)
                     removed += 1
         del self._forgets_owed[what]
