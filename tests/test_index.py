@@ -157,6 +157,24 @@ def test_ordered_continuations_answer_as_reading_them_all(tails: list[list[int]]
     assert idx._children == {} and idx._ordered == {}
 
 
+def test_adds_left_unordered_are_ordered_at_once_by_order() -> None:
+    from tierkv.hashing import token_bytes
+    from tierkv.index import ORDERED_FROM
+    idx = Index()
+    rng = np.random.default_rng(1)
+    for n in range(1, 3 * ORDERED_FROM):
+        idx.add(meta(n, ids=[7, *rng.integers(0, 9, 2)]), ordered=n < ORDERED_FROM + 2)
+    idx.add(meta(1000, parent=key(1), ids=[1, 2]), ordered=False)  # a bucket too small to order
+    assert len(idx._ordered[(ROOT, 7)]) == ORDERED_FROM + 1
+    idx.order()
+    _in_step(idx)
+    assert sorted(idx._ordered[(ROOT, 7)]) == sorted(key(n) for n in range(1, 3 * ORDERED_FROM))
+    assert list(idx._ordered) == [(ROOT, 7)]
+    q = token_bytes(np.array([7, 4, 4], dtype=np.int64))
+    best = max(_shared(list(m.token_ids), [7, 4, 4]) for m in idx.blocks.values() if m.parent == ROOT)
+    assert max(_shared(list(m.token_ids), [7, 4, 4]) for m in idx.nearest(ROOT, q)) == best
+
+
 def test_ordered_lookups_read_few_continuations(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every conversation after a shared system prompt is a continuation of its last block with
     # the chat template's first id: a look-up read each of them (an open of a new conversation

@@ -2582,8 +2582,9 @@ class TieredStore:
                              nbytes=header.payload_nbytes, record_bytes=self._disk.footprint_of(header, size))
             if meta.n_tokens == 0:
                 continue
-            self._index.add(meta)
+            self._index.add(meta, ordered=False)
             self._index.set_disk(meta, DiskState.DURABLE)
+        self._index.order()
         self._sessions_on_disk.update(scan.sessions)
         self._sessions_on_disk.update(scan.bad_sessions)
         damaged = dict(scan.bad_sessions)
