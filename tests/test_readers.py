@@ -357,6 +357,94 @@ def test_a_reader_whose_exit_a_handler_cut_short_is_let_go_once_its_with_is_gone
         assert lock._readers == 1
 
 
+def test_a_reader_waiting_for_a_slot_lets_go_of_a_stale_reader_of_another_thread():
+    """The module's protocol: a reader waiting for a slot looks for stale readers after
+    ``_RECHECK_S``, not only an exclusive holder. A thread whose shared ``with`` was cut short in
+    its exit (here: entered, never exited) and that never takes the lock again: with
+    every slot held so, a later reader waited forever (no exclusive holder to sweep)."""
+    lock = SharedLock(limit=1)
+    stale: list[str] = []
+
+    def held_and_left():
+        lock.enter_shared(sys._getframe(), lambda: stale.append("aborted"))
+
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_then_idle():
+        held_and_left()
+        entered.set()
+        done.wait()  # alive and never taking the lock again (its ident not reused by the reader)
+
+    idle = threading.Thread(target=hold_then_idle, daemon=True)
+    idle.start()
+    entered.wait()
+    assert lock._readers == 1 and not stale  # the one slot, held for a frame that left
+
+    got: list[int] = []
+
+    def read():
+        with lock.shared():
+            got.append(lock._readers)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)  # a guard against a hang, never a timing: it gets in at its first look
+    done.set()
+    assert got == [1] and stale == ["aborted"] and lock._readers == 0
+
+
+def test_a_stale_holding_of_a_thread_that_ended_is_let_go_and_readers_leave_no_entry_behind():
+    """A thread that ended has no stack: every reader it left (an exit cut short, then the
+    thread's end) is stale, and an exclusive holder's look lets it go (before, such a reader was
+    kept for good: a close or a remap waited forever); so is an exclusive holding it left. And
+    each reader's thread leaves the lock's books as it leaves: a server's many short-lived
+    threads kept an entry each."""
+    lock = SharedLock()
+    stale: list[str] = []
+
+    def held_and_left():
+        lock.enter_shared(sys._getframe(), lambda: stale.append("aborted"))
+
+    ended = threading.Thread(target=held_and_left)
+    ended.start()
+    ended.join()
+    assert lock._readers == 1 and not stale
+    assert lock.acquire(timeout=10)  # let go at the first look, past _RECHECK_S: no timing here
+    assert stale == ["aborted"] and lock._readers == 0
+    lock.release()
+
+    def read():
+        with lock.shared():
+            pass
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for thread in readers:
+        thread.start()
+    for thread in readers:
+        thread.join()
+    assert lock._holders == {}
+
+    # The exclusive side alike: held by a thread that ended without letting go (a release cut
+    # short as it started), let go at a waiting reader's look, and at an exclusive holder's.
+    def acquire_and_end():
+        assert lock.acquire()
+
+    ended = threading.Thread(target=acquire_and_end)
+    ended.start()
+    ended.join()
+    assert lock.locked()
+    got: list[bool] = []
+    reader = threading.Thread(target=lambda: (read(), got.append(True)), daemon=True)
+    reader.start()
+    reader.join(10)  # a guard against a hang: it gets in at its first look
+    assert got == [True] and not lock.locked()
+    ended = threading.Thread(target=acquire_and_end)
+    ended.start()
+    ended.join()
+    assert lock.acquire(timeout=10) and lock.locked()
+    lock.release()
+
+
 def test_an_exclusive_holding_whose_release_a_handler_cut_short_is_let_go_once_its_frame_is_gone():
     """A handler raising as ``release`` starts (in a ``with``'s exit, or a ``finally`` after
     ``acquire``, as the disk tier's close has) left the lock held exclusively for good: a second
@@ -394,13 +482,24 @@ def test_an_exclusive_holding_whose_release_a_handler_cut_short_is_let_go_once_i
         with lock.shared():  # this thread's own next holding: at once
             assert not lock.locked()
 
-    # Still held by a frame that runs: kept through two looks of another thread's waiting.
+    # Still held by a frame that runs: kept through two looks of another thread's waiting, taken
+    # by a ``with`` or by ``acquire`` (held by its caller's frame, not by ``acquire``'s own,
+    # which has returned).
     with lock:
         seen: list[bool] = []
         waiting = threading.Thread(target=lambda: seen.append(lock.acquire(timeout=0.6)))
         waiting.start()
         waiting.join(10)
         assert seen == [False] and lock.locked()
+    assert not lock.locked()
+    assert lock.acquire()
+    try:
+        waiting = threading.Thread(target=lambda: seen.append(lock.acquire(timeout=0.6)))
+        waiting.start()
+        waiting.join(10)
+        assert seen == [False, False] and lock.locked()
+    finally:
+        lock.release()
     assert not lock.locked()
 
 
