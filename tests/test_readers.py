@@ -695,6 +695,11 @@ def cgroups(tmp_path, membership: str, files: dict[str, str]) -> tuple[str, str]
      {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
       "cpu,cpuacct/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 0.5),
     ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    # v1 with the controllers named together but mounted as "cpu" alone: no such directory, or
+    # something else of that name (not a hierarchy to read)
+    ("3:cpu,cpuacct:/x\n", {"cpu/x/cpu.cfs_quota_us": "50000\n", "cpu/x/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ("3:cpu,cpuacct:/x\n", {"cpu,cpuacct": "", "cpu/x/cpu.cfs_quota_us": "50000\n",
+                             "cpu/x/cpu.cfs_period_us": "100000\n"}, 0.5),
     ("", {}, None),  # no cgroups to read
 ])
 def test_helper_threads_count_a_containers_cpu_quota(tmp_path, monkeypatch, membership, files, quota):
@@ -810,7 +815,7 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
 
     def waits_for_a_helper():
         frame = sys._current_frames().get(caller)
-        while frame is not None and frame.f_code.co_name != "result":
+        while frame is not None and frame.f_code.co_name != "_settle":
             frame = frame.f_back
         return frame is not None
 
