@@ -613,6 +613,46 @@ def test_a_turn_opened_before_forgets_no_longer_remembered_keeps_nothing(tiny_mo
         assert recent.commit(verify_generate(model, ids, recent, 2)) > 0
 
 
+def test_a_turn_opened_after_a_forget_keeps_the_blocks_stored_again_since(tiny_model):
+    """What a forget took before a turn opened is not taken from it at its commit: a later turn
+    stored the conversation again, this one restored it from there, and a forget of another
+    session since (so that the commit looks at the blocks forgotten) leaves all it holds."""
+    model = tiny_model("llama")
+    ids = random_ids(2 * B + 3, 97)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        turn(store, model, ids, session="A", new=2)
+        assert store.forget(session="A") > 0
+        _, out = turn(store, model, ids, new=2, expect=0)  # no session: stores it again
+        later = cat(out, random_ids(2, 98))
+        cache = verify_open(store, model, later, expect=out.shape[1] - 1)
+        reply = verify_generate(model, later, cache, 2)
+        turn(store, model, random_ids(B + 1, 99), session="Z", new=2)
+        assert store.forget(session="Z") > 0
+        assert cache.commit(reply) == reply.shape[1] - 1
+
+
+def test_a_turn_opened_before_forgotten_blocks_no_longer_remembered_keeps_none_it_restored(tiny_model, monkeypatch):
+    """Past ``_FORGOTTEN_BLOCKS_KEPT`` blocks the older forgotten ones are let go: a turn opened
+    before them cannot tell whether what it restored was taken, and keeps none of it (before, a
+    turn that restored a forgotten conversation wrote it back at its commit)."""
+    from tierkv import store as store_module
+    monkeypatch.setattr(store_module, "_FORGOTTEN_BLOCKS_KEPT", 4)
+    model = tiny_model("llama")
+    ids = random_ids(2 * B + 3, 101)
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="A", new=2)
+        later = cat(out, random_ids(2, 102))
+        cache = verify_open(store, model, later, expect=out.shape[1] - 1)  # no session
+        reply = verify_generate(model, later, cache, 2)
+        assert store.forget(session="A") > 0
+        for i in range(3):  # others' forgets: A's blocks are let go from what is remembered
+            turn(store, model, random_ids(2 * B + 1, 103 + i), session=f"other{i}", new=2)
+            assert store.forget(session=f"other{i}") > 0
+        assert not set(cache._restored_keys) & set(store._forgotten_blocks)
+        assert cache.commit(reply) == 0
+        assert store.open(model, later).restored_tokens == 0
+
+
 def test_forget_a_tenant_counts_blocks_no_session_references(tiny_model, tmp_path):
     model = tiny_model("llama")
     with TieredStore(None, device="cpu", block_size=B) as store:
