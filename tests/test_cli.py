@@ -769,11 +769,11 @@ def test_clear_without_one_clear_filter_is_refused_and_changes_nothing(
     assert file_digest(built.path) == before
 
 
-def of_format_99(path: Path) -> Path:
-    """``path``'s store, its meta record rewritten as another tierkv release's (format 99)."""
+def of_another_release(path: Path, format: int = 99, hash: int = 1) -> Path:
+    """``path``'s store, its meta record rewritten as another tierkv release's (format 99 unless told)."""
     env = lmdb.open(str(path), max_dbs=8)
     with env.begin(write=True) as txn:
-        txn.put(b"tierkv", msgpack.packb({"format": 99, "hash": 1, "block_size": B}),
+        txn.put(b"tierkv", msgpack.packb({"format": format, "hash": hash, "block_size": B}),
                 db=env.open_db(b"meta", txn=txn))
     env.close()
     return path
@@ -781,33 +781,48 @@ def of_format_99(path: Path) -> Path:
 
 def test_missing_path_non_store_incompatible_and_in_use_are_refused(copy: Callable[..., Path],
                                                                     tmp_path: Path) -> None:
-    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    missing, empty, a_file, hollow = tmp_path / "nope", tmp_path / "empty", tmp_path / "file", tmp_path / "hollow"
     empty.mkdir()
+    a_file.write_bytes(b"")
+    hollow.mkdir()
+    (hollow / "data.mdb").write_bytes(b"")  # a TieredStore opened there starts a new store
     incompatible = copy("incompatible")
-    of_format_99(incompatible)
+    of_another_release(incompatible)
     held = copy("held")
     # The lock is per open file description: this process holding it refuses the subprocess.
     with TieredStore(held, device="cpu", block_size=B):
         results = run_all(["stats", str(missing)], ["check", str(empty), "--repair"],
-                          ["stats", str(incompatible), "--json"], ["clear", str(held), "--all"])
+                          ["stats", str(incompatible), "--json"], ["clear", str(held), "--all"],
+                          ["stats", str(a_file)], ["check", str(a_file)], ["check", str(hollow)])
     verify_refused(results[0], 2, "no such directory")
     verify_refused(results[1], 2, "not a tierkv store")
     verify_refused(results[2], 2, "format 99")
     verify_refused(results[3], 3, f"pid {os.getpid()}")
+    verify_refused(results[4], 2, "is a file, not a tierkv store directory")
+    verify_refused(results[5], 2, "is a file, not a tierkv store directory")
+    verify_refused(results[6], 2, "its data.mdb is empty")
     assert not missing.exists() and list(empty.iterdir()) == []  # nothing created where nothing was
+    assert sorted(p.name for p in hollow.iterdir()) == ["data.mdb"] and not (hollow / "data.mdb").stat().st_size
     assert len(records(held)) == BLOCKS
 
 
+@pytest.mark.parametrize("release", ["format", "hash"])
 def test_clear_all_deletes_a_store_of_another_format(copy: Callable[..., Path], model: torch.nn.Module,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+                                                     capsys: pytest.CaptureFixture[str], release: str) -> None:
     # Its refusal (open, stats) says to delete the directory; `clear --all`, the command that
-    # deletes a store, refused it as well, with the same words.
-    old = of_format_99(copy("old"))
+    # deletes a store, refused it as well, with the same words. Another release's hash alone is
+    # another format too (hand mutation, helper-102: a check of the format alone passed).
+    from tierkv.codec import FORMAT_VERSION
+    from tierkv.hashing import HASH_VERSION
+
+    old = copy("old")
+    of_another_release(old, *((99, HASH_VERSION) if release == "format" else (FORMAT_VERSION, HASH_VERSION + 98)))
+    named = "format 99" if release == "format" else f"hash {HASH_VERSION + 98})"
     assert cli.main(["clear", str(old), "--session", "s0"]) == cli.EXIT_USAGE  # no forget can be written there
     err = capsys.readouterr().err
-    assert "format 99" in err and f"`tierkv clear {old} --all` deletes the whole store" in err
+    assert named in err and f"`tierkv clear {old} --all` deletes the whole store" in err
     assert cli.main(["clear", str(old), "--all"]) == cli.EXIT_OK
-    assert "format 99" in capsys.readouterr().out and not (old / "data.mdb").exists()
+    assert named in capsys.readouterr().out and not (old / "data.mdb").exists()
     with TieredStore(old, device="cpu", block_size=B) as store:  # a new store there
         assert store.stats()["disk"]["blocks"] == 0
         assert store.open(model, torch.arange(3 * B)[None], session="s0").restored_tokens == 0
