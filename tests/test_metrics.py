@@ -307,6 +307,8 @@ def test_an_empty_addr_is_refused_rather_than_bound_to_every_interface() -> None
     ("no-such-host.invalid", ValueError, "is not an address of this machine"),
     # str.isdigit() is true of '²', which int() refuses: a bare "invalid literal for int()".
     ("localhost:\u00b2", ValueError, "is not an address of this machine"),
+    # A port without a host is not told to pass addr='', which is refused.
+    (":9100", ValueError, "is not an address of this machine"),
     # Addresses that are not this machine's: a bare "Cannot assign requested address" before.
     ("192.0.2.1", OSError, "cannot serve metrics at addr='192.0.2.1': "),
 ])
@@ -320,9 +322,29 @@ def test_a_bad_addr_is_refused_saying_what_to_give(addr, error, message) -> None
 
 
 
+def test_a_link_local_address_without_its_interface_is_told_to_name_one() -> None:
+    """Bound without its ``%interface``, a link-local IPv6 address fails with ``EINVAL``, not the
+    ``EADDRNOTAVAIL`` of another machine's address: a bare "Invalid argument" before."""
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 sockets here")
+    store = FakeStore()
+    with pytest.raises(OSError, match=re.escape("cannot serve metrics at addr='fe80::1': ")) as info:
+        serve(store, addr="fe80::1")
+    assert "(a link-local one with its interface: 'fe80::1%eth0')" in str(info.value)
+    # One given its interface (where that address is not) is not told to add one.
+    with pytest.raises(OSError, match=re.escape("cannot serve metrics at addr='fe80::1%lo': ")) as info:
+        serve(store, addr="fe80::1%lo")
+    assert "link-local" not in str(info.value)
+    assert not store.events.active
+
+
 @pytest.mark.parametrize("addr, kind", [("127.0.0.1:0", "host and port"), ("http://127.0.0.1:0/metrics", "URL"),
                                         ("http://[::1]:0", "URL"), ("http://127.0.0.1", "URL"),
-                                        ("http://::1/metrics", "URL")])  # was told addr=':', port=1
+                                        ("http://::1/metrics", "URL"),  # was told addr=':', port=1
+                                        # no port ('²' is a digit to str.isdigit, not to int())
+                                        ("http://127.0.0.1:²/metrics", "URL"), ("http://[::1]:²", "URL")])
 def test_a_url_or_host_and_port_as_addr_is_told_to_split_them_and_the_split_serves(addr, kind) -> None:
     # Before: "is not an address of this machine ([Errno -2] Name or service not known)".
     store = FakeStore()
