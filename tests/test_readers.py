@@ -842,6 +842,62 @@ def test_a_run_a_signal_handler_cuts_short_returns_once_its_reads_ended():
         pool.close()
 
 
+def test_a_run_whose_gate_opening_is_cut_short_twice_lets_its_waiting_helper_go():
+    """``run`` opens the gate its helpers wait at (``ready``) after its own read, and again as it
+    ends, and once more if that second opening is cut short: a signal's handler raising as each
+    of the first two began (a ``SIGALRM`` timeout, then another) left a helper waiting at the
+    gate, and ``run`` waiting for that helper, for good."""
+    pool = ReadPool(1)
+    main = threading.get_ident()
+
+    class CutGate(Latch):
+        __slots__ = ("cuts",)
+
+        def set(self) -> None:
+            if threading.get_ident() == main and len(self.cuts) < 2:
+                self.cuts.append(1)
+                raise Timeout  # as a handler's, before the release
+            super().set()
+
+    gate = CutGate()
+    gate.cuts = []
+
+    def at_the_gate() -> bool:
+        return any(f.f_code is Latch.wait.__code__ for ident, top in sys._current_frames().items()
+                   if ident != main for f in _stack(top))
+
+    def read(i):
+        deadline = time.monotonic() + 10  # a guard: the helper is at the gate at once
+        while not at_the_gate() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return True
+
+    hung: list[bool] = []
+    finished = threading.Event()
+
+    def watchdog():  # a guard against a hang, never a timing: run returns at once
+        if not finished.wait(10):
+            hung.append(True)
+            Latch.set(gate)
+
+    guard = threading.Thread(target=watchdog, daemon=True)
+    guard.start()
+    try:
+        with pytest.raises(Timeout):
+            pool.run([0, 1], read, gate)
+    finally:
+        finished.set()
+        pool.close()
+    guard.join()
+    assert len(gate.cuts) == 2 and not hung
+
+
+def _stack(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
 def read_past_a_helpers_miss(then):
     """A read for ``pool.run([0, 1, 2], read)`` on a pool of one helper: the calling thread reads
     0, the helper misses 1, and the calling thread's read of 2, past that miss (one that one
