@@ -2208,3 +2208,24 @@ def test_plain_lmdb_env_with_a_key_named_like_a_sub_database_raises_value_error(
     with pytest.raises(ValueError) as info:
         DiskTier(path, budget=1, block_size=BLOCK)
     assert "not a tierkv store" in str(info.value)
+
+
+def test_a_store_in_use_refused_again_and_again_leaves_no_descriptor_open(tmp_path: pathlib.Path) -> None:
+    """Each refusal of a store another holder locks (here another open of it in this process: a
+    flock is held per open file description) closes the lock file it opened to ask: a program
+    retrying until the holder leaves kept one descriptor more per try."""
+    from tierkv.tiers.disk import StoreInUse
+
+    path = str(tmp_path / "kv")
+    held = DiskTier(path, 1 << 30, 16)
+    try:
+        def descriptors() -> int:
+            return len(os.listdir("/proc/self/fd"))
+
+        before = descriptors()
+        for _ in range(5):
+            with pytest.raises(StoreInUse):
+                DiskTier(path, 1 << 30, 16)
+        assert descriptors() == before
+    finally:
+        held.close()
