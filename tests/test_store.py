@@ -2050,6 +2050,10 @@ def test_a_store_path_through_a_linked_directory_and_up_is_the_directory_the_ker
     (lambda: [[5, 6, 7]], TypeError, "list of rows of token ids; convert it: torch.tensor(input_ids)"),
     (lambda: (5, 6, 7), TypeError, "tuple of token ids; convert it, as one row: torch.tensor([input_ids])"),
     (lambda: [5, 6.0], TypeError, "got list; use tokenizer("),
+    # Not ids to convert: bools, nothing, an empty row (torch.tensor of those is no LongTensor).
+    (lambda: [True, False], TypeError, "got list; use tokenizer("),
+    (lambda: [], TypeError, "got list; use tokenizer("),
+    (lambda: [[]], TypeError, "got list; use tokenizer("),
     # Not told to tokenize again (helper-96).
     (lambda: random_ids(6).numpy(), TypeError, "got a numpy array; convert it: torch.from_numpy(input_ids)"),
     (lambda: random_ids(6).float(), TypeError, "convert them with .long()"),
