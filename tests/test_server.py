@@ -1063,9 +1063,10 @@ def test_each_limit_is_accepted_and_one_past_it_refused(server: Server) -> None:
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens, r.text
     r = server.post({"messages": [{"role": "user", "content": fits + "x"}], "max_tokens": 1}, key="k-limits")
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    # Four stop strings, and the ends of logit_bias's ranges (+100 on a token that can be generated).
+    # Four stop strings, and the ends of logit_bias's ranges (+100 on a token that can be generated; a
+    # zero bias, as neutral as none, on one that cannot).
     r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stop": ["a", "b", "c", "d"],
-                     "logit_bias": {"0": -100, str(VOCAB_SIZE - 1): -100, "126": 100}}, key="k-limits")
+                     "logit_bias": {"0": -100, "13": 0, str(VOCAB_SIZE - 1): -100, "126": 100}}, key="k-limits")
     assert r.status_code == 200 and text(r.json()) == "~", r.text
 
 
