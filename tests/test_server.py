@@ -1004,9 +1004,11 @@ def test_a_body_sent_compressed_or_not_in_utf_8_is_told_so(server: Server) -> No
     # A UTF-8 byte order mark (PowerShell's UTF-8 files begin with one) is read past, as RFC 8259 allows.
     r = server.post(None, raw=codecs.BOM_UTF8 + body.encode(), key="k-bad", headers=json_type)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2 + len("caf\u00e9".encode()) + 2, r.text
-    # Malformed JSON sent as UTF-8 is still told where it breaks.
-    r = server.post(None, raw=b'{"messages": [', key="k-bad", headers=json_type)
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # Malformed JSON sent as UTF-8 is still told where it breaks, "Content-Encoding: identity"
+    # (no encoding) too.
+    for encoding in ({}, {"Content-Encoding": "identity"}):
+        r = server.post(None, raw=b'{"messages": [', key="k-bad", headers={**json_type, **encoding})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
 
 
 def test_a_number_that_is_not_finite_is_refused_as_such(server: Server) -> None:
