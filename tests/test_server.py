@@ -1927,3 +1927,36 @@ def test_requests_after_the_engine_closed_get_a_503_and_hold_no_place_in_the_que
         assert state.engine.pending == 0
     finally:
         state.close()
+
+
+def test_lines_routed_to_uvicorn_s_handlers_are_not_logged_again_by_a_root_handler_added_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``log_where_uvicorn_logs`` hands the example's lines to uvicorn's handlers; a root handler
+    a program adds after that (``logging.basicConfig`` at its first warning, say) would log each
+    line a second time unless they stop there."""
+    import logging
+
+    from examples.server import app as app_module
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    uvicorn_s, root_s = Kept(), Kept()
+    root, ours = logging.getLogger(), app_module.logger
+    monkeypatch.setattr(root, "handlers", [])  # pytest's own capture: "the program configured logging"
+    monkeypatch.setattr(logging.getLogger("uvicorn"), "handlers", [uvicorn_s])
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "propagate", True)
+    level = ours.level
+    try:
+        app_module.log_where_uvicorn_logs()
+        root.handlers.append(root_s)
+        ours.warning("a line")
+    finally:
+        ours.setLevel(level)  # setLevel, not an attribute put back: it clears the loggers' cached levels
+    assert uvicorn_s.lines == ["a line"] and root_s.lines == []
