@@ -811,8 +811,32 @@ def test_a_server_error_is_a_500_logged_once(server: Server, monkeypatch: pytest
     assert sent[0]["status"] == 500
     error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
     assert error["type"] == "server_error" and error["message"] == "internal server error"  # no details
-    assert [r.getMessage() for r in logged.records] == ["internal error serving POST /v1/chat/completions"]
+    rid = dict(sent[0]["headers"])[b"x-request-id"].decode()
+    assert re.fullmatch(r"req_[0-9a-f]{32}", rid)
+    # The client's report of its request id finds the log line.
+    assert [r.getMessage() for r in logged.records] == [f"internal error serving POST /v1/chat/completions "
+                                                        f"(request {rid})"]
     assert logged.records[0].exc_info is not None  # with its traceback
+
+
+def test_every_response_names_its_request_id(server: Server) -> None:
+    # OpenAI's x-request-id (its client's _request_id): one a proxy sent, where plain, else a new one.
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ids = [httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).headers["x-request-id"]
+           for _ in range(2)]
+    ids += [httpx.get(f"{server.url}{path}", timeout=30).headers["x-request-id"] for path in ("/v1/models", "/nowhere")]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        ids.append(r.headers["x-request-id"])
+        r.read()
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert refused.status_code == 400
+    ids.append(refused.headers["x-request-id"])
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids
+    given = httpx.get(f"{server.url}/v1/models", headers={"X-Request-ID": "lb-7f3a.21:9"}, timeout=30)
+    assert given.headers.get_list("x-request-id") == ["lb-7f3a.21:9"]
+    # One that is no plain id (spaces, another header's text) is not echoed into a header or the log.
+    odd = httpx.get(f"{server.url}/v1/models", headers={"X-Request-ID": "a b\tc" + "x" * 200}, timeout=30)
+    assert re.fullmatch(r"req_[0-9a-f]{32}", odd.headers["x-request-id"])
 
 
 def test_greedy_replies_equal_plain_transformers_from_every_tier(server: Server) -> None:
@@ -1205,6 +1229,7 @@ def test_the_openai_client_parses_every_reply_stream_model_and_error(server: Ser
     assert raw.headers["content-type"] == "application/json"
     first = raw.parse()
     ChatCompletion.model_validate(json.loads(raw.text), strict=True)
+    assert first._request_id == raw.headers["x-request-id"] and first._request_id.startswith("req_")
     assert first.object == "chat.completion" and first.model == "test-model" and first.id.startswith("chatcmpl-")
     assert abs(first.created - time.time()) < 3600 and first.system_fingerprint == server.state.fingerprint
     assert first.choices[0].finish_reason in ("stop", "length") and first.choices[0].logprobs is None
@@ -1853,8 +1878,9 @@ def test_a_cancelled_error_the_request_was_not_asked_for_is_a_500_and_a_double_c
     with Records("examples.server") as logged:
         sent = call_asgi(server.app, "POST", "/v1/chat/completions", [(b"content-type", b"application/json")],
                          list(request))
+    rid = dict(sent[0]["headers"])[b"x-request-id"].decode()
     assert sent[0]["status"] == 500 and [r.getMessage() for r in logged.records] == [
-        "internal error serving POST /v1/chat/completions"]
+        f"internal error serving POST /v1/chat/completions (request {rid})"]
 
     async def hang(*args: Any, **kwargs: Any) -> Any:
         await asyncio.Event().wait()

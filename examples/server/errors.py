@@ -7,6 +7,9 @@ unknown route names the routes served (and the ``/v1`` a client's base URL lacks
 the fault); a wrong method names the methods the route takes.
 A client that left (Starlette's ``ClientDisconnect``) is not an error: nothing is sent, and only a
 DEBUG line is logged.
+Every response carries an ``x-request-id`` (OpenAI's header, which its client reports as
+``_request_id``): a proxy's own ``X-Request-ID`` where it sent a plain one, else a new
+``req_<hex>``; a 500's and a cancellation's log lines name it.
 A bug is a 500, logged once with its traceback (``InternalErrors``). A request the server cancels
 (uvicorn does, once ``--timeout-graceful-shutdown`` runs out) is a 503, "shutting down", like a turn
 the engine's close drops: the JSON error, or in a stream already begun, the error event and the end
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +38,17 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("examples.server")
+# A request id taken from a proxy (nginx's $request_id, a load balancer's): printable and short,
+# for it goes into a response header and the log.
+_GIVEN_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(scope: Scope) -> bytes:
+    """The request's id: the ``X-Request-ID`` a proxy sent where it is a plain one, else a new one."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"x-request-id" and _GIVEN_ID.fullmatch(value):
+            return value
+    return b"req_" + uuid.uuid4().hex.encode()
 _SESSION_ROUTE = "/v1/sessions/"
 
 
@@ -144,6 +160,8 @@ class InternalErrors:
             await self.app(scope, receive, send)
             return
         started = finished = events = False
+        rid = request_id(scope)
+        send = _naming(send, rid)  # every response, a 500 and a 503 sent from here too
 
         async def watch(message: Message) -> None:
             nonlocal started, finished, events
@@ -161,13 +179,13 @@ class InternalErrors:
             task = asyncio.current_task()
             cancels = task.cancelling() if task is not None else 0
             if cancels == 0:  # not a cancellation of this request: a bug
-                await self._internal_error(scope, receive, send, started)
+                await self._internal_error(scope, receive, send, started, rid)
                 return
             if cancels > 1 or (started and not finished and not events):
                 raise
             task.uncancel()  # type: ignore[union-attr]  # answered: the request ends here, as asked
-            logger.info("%s %s cancelled by the server (shutting down): answered so", scope["method"],
-                        redact_path(scope["path"]))
+            logger.info("%s %s cancelled by the server (shutting down): answered so (request %s)", scope["method"],
+                        redact_path(scope["path"]), rid.decode())
             if not started:
                 await shutting_down().response()(scope, receive, send)
             elif not finished:
@@ -175,16 +193,30 @@ class InternalErrors:
                             "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception:
-            await self._internal_error(scope, receive, send, started)
+            await self._internal_error(scope, receive, send, started, rid)
 
     @staticmethod
-    async def _internal_error(scope: Scope, receive: Receive, send: Send, started: bool) -> None:
+    async def _internal_error(scope: Scope, receive: Receive, send: Send, started: bool, rid: bytes) -> None:
         """Called in an ``except`` block: re-raises once a response has started."""
         if started:
             raise  # noqa: PLE0704 - the exception being handled
-        # A bug, not a bad request: logged with its traceback here, and not described to the client.
-        logger.exception("internal error serving %s %s", scope["method"], redact_path(scope["path"]))
+        # A bug, not a bad request: logged with its traceback here, and not described to the client,
+        # whose report of its request id finds this line.
+        logger.exception("internal error serving %s %s (request %s)", scope["method"], redact_path(scope["path"]),
+                         rid.decode())
         await ApiError(500, "internal server error", type="server_error").response()(scope, receive, send)
+
+
+def _naming(send: Send, rid: bytes) -> Send:
+    """``send`` with ``x-request-id: rid`` in the response's headers (replacing one a route set)."""
+
+    async def named(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+        await send(message)
+
+    return named
 
 
 def not_found(request: Request) -> str:
