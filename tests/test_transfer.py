@@ -5,6 +5,7 @@ and flushes and drains. Threads are synchronised with events, never with sleeps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import threading
@@ -1182,9 +1183,13 @@ class _FakeCuda:
 
         def __enter__(self) -> None:
             self.before = self.fake.current_stream()
+            if self.before.device != self.stream.device:
+                self.there = self.fake.current_stream(self.stream.device)
             self.fake.set_stream(self.stream)
 
         def __exit__(self, *exc: object) -> None:
+            if self.before.device != self.stream.device:
+                self.fake.set_stream(self.there)
             self.fake.set_stream(self.before)
 
     class Event:
@@ -1218,18 +1223,32 @@ class _FakeCuda:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, object, object]] = []
-        self.device = 0  # the calling thread's current device
-        # The last torch._C._cuda_setStream's arguments: a C callable (dict.update), as the real
-        # one is, where no signal's handler runs before it returns.
-        self.set_to: dict[str, int] = {}
-        self.exchanged: list[int] = []  # torch._C._cuda_maybeExchangeDevice's, C too (list.append)
+        # The calling thread's CUDA state as torch._C._cuda_setStream leaves it: "device_index"
+        # its current device (the real call makes the stream's device current where it is
+        # another), "stream_id" device 0's current stream (a copy stream is only ever on 0).
+        # That call is this dict's update, a C callable as the real one is, where no signal's
+        # handler runs before it returns; torch._C._cuda_maybeExchangeDevice sets the device
+        # here too, so that the order of the two counts, as it does on a GPU.
+        self.state: dict[str, int] = {}
+        self.enter()
+        self.elsewhere = 200  # the thread's current stream on device 1, which no copy may change
+
+    def enter(self, device: int = 0, stream_id: int = 0) -> None:
+        """The thread's current device, and its current stream on device 0 (0: the default,
+        another: inside a ``with torch.cuda.stream`` of the program's own)."""
+        self.state.clear()
+        self.state.update(stream_id=stream_id, device_index=device, device_type=1)
 
     def current_stream(self, device: object = None) -> "_FakeCuda.Stream":
-        return self.Stream(torch.device("cuda", self.device) if device is None else device, stream_id=0)
+        index = self.state["device_index"] if device is None else torch.device(device).index or 0
+        return self.Stream(torch.device("cuda", index), stream_id=self.state["stream_id"] if index == 0 else self.elsewhere)
 
     def set_stream(self, stream: "_FakeCuda.Stream") -> None:
-        self.set_to.update(stream_id=stream.stream_id, device_index=stream.device_index,
-                           device_type=stream.device_type)
+        """``torch.cuda.set_stream``: the stream's device made current too."""
+        if stream.device_index == 0:
+            self.state.update(stream_id=stream.stream_id, device_index=0, device_type=stream.device_type)
+        else:
+            self.elsewhere, self.state["device_index"] = stream.stream_id, stream.device_index
 
     def torch(self) -> object:
         """A stand-in for the ``torch`` module as ``tierkv.transfer`` uses it."""
@@ -1240,9 +1259,12 @@ class _FakeCuda:
             return self.Tensor(self.log, shape, dtype, device is not None and torch.device(device).type == "cuda")
 
         cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=self.current_stream,
-                               current_device=lambda: self.device,
+                               current_device=lambda: self.state["device_index"],
                                stream=lambda stream: self.StreamContext(self, stream))
-        c = SimpleNamespace(_cuda_setStream=self.set_to.update, _cuda_maybeExchangeDevice=self.exchanged.append)
+        # The exchange's return has no point of its own (a partial is no traced C call): the
+        # next point, or none, sees what it left.
+        c = SimpleNamespace(_cuda_setStream=self.state.update,
+                            _cuda_maybeExchangeDevice=functools.partial(self.state.__setitem__, "device_index"))
         return SimpleNamespace(cuda=cuda, empty=empty, _C=c)
 
     def unrecorded(self, stream: object) -> list[object]:
@@ -1302,26 +1324,43 @@ def test_a_cuda_copy_cut_short_leaves_no_copy_stream_the_callers_current_one(mon
         "to_device": lambda: engine.to_device(host[0]),
         "to_host": lambda: engine.to_host(fake.Tensor(fake.log, (4, 2, 1, 8, 2), torch.float32, True)),
     }
-    for current_device in (0, 1):  # the thread's current device: the store's, or another
-        fake.device = current_device
+    # The thread's current device (the store's, or another) and its stream on the store's
+    # device (the default, or one of the program's own inside its ``with torch.cuda.stream``).
+    for device, mine in ((0, 0), (0, 100), (1, 0), (1, 100)):
         for name, call in calls.items():
-            def enter(call: Callable[[], object] = call) -> object:
-                fake.set_to.clear()
-                fake.exchanged.clear()
+            def enter(call: Callable[[], object] = call, device: int = device, mine: int = mine) -> object:
+                fake.enter(device, mine)
                 call()
                 return contextlib.nullcontext()
 
-            def put_back(sent: list, name: str = name) -> None:
-                assert fake.set_to.get("stream_id", 0) not in copy_streams, \
+            def put_back(sent: list, name: str = name, device: int = device, mine: int = mine) -> None:
+                assert fake.state["stream_id"] == mine and fake.elsewhere == 200, \
                     f"{name}: a copy stream left current by the cut at {sent}"
+                # Only a cut between the two C calls of the put-back leaves the store's device
+                # current (see _streams_to_swap), its stream the caller's.
+                assert fake.state["device_index"] in (device, 0), f"{name}: device {fake.state} at {sent}"
 
             within = {"to_device_many", "to_device", "to_host", "_copy", "__exit__"}
             assert raised_on_the_way_in(enter, put_back, within=within) > 5, name
             enter()
-            # The stream's device's stream put back; the thread's own device (another) as
-            # torch.cuda.device puts one back, its stream never changed.
-            assert fake.set_to == {"stream_id": 0, "device_index": 0, "device_type": 1}, name
-            assert fake.exchanged == ([1] if current_device == 1 else []), name
+            # What ``with torch.cuda.stream`` leaves: the stream's device's stream put back, the
+            # thread's own device (another) as torch.cuda.device puts one back, its stream never
+            # changed.
+            assert fake.state == {"stream_id": mine, "device_index": device, "device_type": 1}, (name, device, mine)
+            assert fake.elsewhere == 200
+
+
+def test_the_cuda_stand_in_puts_back_as_torch_cuda_stream_does() -> None:
+    # The stand-in's own semantics, against torch/cuda/__init__.py's StreamContext: what the
+    # test above holds the copies to is what a ``with torch.cuda.stream`` leaves.
+    fake = _FakeCuda()
+    side = fake.Stream(torch.device("cuda", 0))
+    for device, mine in ((0, 0), (0, 100), (1, 0), (1, 100)):
+        fake.enter(device, mine)
+        with fake.StreamContext(fake, side):
+            assert fake.state == {"stream_id": side.stream_id, "device_index": 0, "device_type": 1}
+            assert fake.current_stream().stream_id == side.stream_id
+        assert fake.state == {"stream_id": mine, "device_index": device, "device_type": 1} and fake.elsewhere == 200
 
 
 def test_a_read_cut_short_leaves_no_stream_noted_that_the_allocator_was_not_told_of() -> None:
