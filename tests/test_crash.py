@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -380,6 +381,33 @@ def test_a_dropped_stores_close_thread_takes_its_device_first(tmp_path, monkeypa
     gc.collect()
     tierkv.store._wait_for_dropped(30)
     assert ("tierkv-close-dropped", device) in bound
+
+
+def test_a_dropped_stores_close_run_on_the_dropping_thread_leaves_its_device(tmp_path, monkeypatch):
+    """Where no thread can be started for the close (the process at its thread limit), it runs on
+    the thread that dropped the store: the program's own, whose current CUDA device (the one its
+    ``device="cuda"`` tensors go to) the close took for the store's for good, as ``close()`` on
+    that thread never does. Only the close's own thread takes the store's device."""
+    import gc
+
+    bound: list[str] = []
+    monkeypatch.setattr(tierkv.store, "thread_binding",
+                        lambda device: lambda: bound.append(threading.current_thread().name))
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "tierkv-close-dropped":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    ref = weakref.ref(store)
+    bound.clear()  # the writer's and the read helpers' own
+    monkeypatch.setattr(threading.Thread, "start", start)
+    del store
+    gc.collect()
+    assert ref() is None  # closed, here
+    assert threading.current_thread().name not in bound
 
 
 def test_a_store_collected_with_garbage_that_lets_its_writer_run_still_writes(tmp_path):

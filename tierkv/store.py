@@ -271,11 +271,13 @@ _dropped: dict[threading.Thread, str | None] = {}  # each close's thread, and it
 BUSY_WRITER_WAIT_S = 5.0
 
 
-def _close_dropped(store: "TieredStore") -> None:
+def _close_dropped(store: "TieredStore", own_thread: bool = True) -> None:
     path = store._disk.path if store._disk is not None else None
     logger.warning("tierkv: a TieredStore at %s was dropped without close(); closing it now (its queued writes "
                    "land first). Close stores, or open them with `with TieredStore(...) as store:`", path)
-    bind = thread_binding(store.device)
+    # Not on the thread that dropped the store (no thread to be had): the program's own, whose
+    # current device (where its device="cuda" tensors go) must stay its own, as close() there.
+    bind = thread_binding(store.device) if own_thread else None
     if bind is not None:
         # Its flush waits for the memory tiers' CUDA copies, on this new thread: on GPU 0,
         # whose context the wait made in a process whose store is on another GPU.
@@ -641,7 +643,7 @@ class TieredStore:
         except RuntimeError:  # the interpreter is shutting down: no new threads
             _dropped.pop(thread, None)
             if self._writer is None or not self._writer.on_thread():
-                _close_dropped(self)
+                _close_dropped(self, own_thread=False)
 
     def subscribe(self, maxlen: int = 100_000) -> Subscription:
         """Events of this store (opens, commits, moves) for an observer such as
