@@ -40,7 +40,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tierkv import TieredStore  # noqa: E402
 from tierkv.pool import HostPool  # noqa: E402
-from tierkv.transfer import CopyEngine  # noqa: E402
+from tierkv.transfer import CopyEngine, copy_timer  # noqa: E402
 
 from benchmarks.micro import checks  # noqa: E402
 
@@ -210,10 +210,16 @@ def check_streams_put_back(device: torch.device) -> list[str]:
         back = engine.to_host(jobs[0])
         after = (torch.cuda.current_device(), torch.cuda.current_stream(device))
         landed = torch.equal(back.wait(), src) and torch.equal(jobs[1].wait().cpu(), src + 1)
+        # A copy's timer (metrics) asks its events under the copy's device, put back by
+        # torch._C._cuda_exchangeDevice and _cuda_maybeExchangeDevice.
+        timer = copy_timer(back)
+        seconds = timer() if timer is not None else None
+        timed = seconds is not None and seconds >= 0 and torch.cuda.current_device() == before[0]
     default = torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
-    verdict = "ok" if before == after and before[1] == mine and landed and default else "WRONG"
+    verdict = "ok" if before == after and before[1] == mine and landed and default and timed else "WRONG"
     return [f"| the caller's stream after copies | {verdict}: {'kept' if before == after else 'CHANGED'}, "
-            f"copies {'landed' if landed else 'MISMATCH'}, the default stream current after the with: {default} |"]
+            f"copies {'landed' if landed else 'MISMATCH'}, the default stream current after the with: {default}, "
+            f"a copy's timer read {'with the device kept' if timed else f'WRONG ({seconds})'} |"]
 
 
 def check_forked_child(device: torch.device) -> list[str]:

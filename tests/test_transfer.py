@@ -1192,6 +1192,19 @@ class _FakeCuda:
                 self.fake.set_stream(self.there)
             self.fake.set_stream(self.before)
 
+    class DeviceContext:
+        """``torch.cuda.device``'s: its put-back is a Python ``__exit__`` too."""
+
+        def __init__(self, fake: "_FakeCuda", index: int) -> None:
+            self.fake, self.index = fake, index
+
+        def __enter__(self) -> None:
+            self.before = self.fake.state["device_index"]
+            self.fake.state["device_index"] = self.index
+
+        def __exit__(self, *exc: object) -> None:
+            self.fake.state["device_index"] = self.before
+
     class Event:
         def __init__(self, enable_timing: bool = False) -> None:
             pass
@@ -1260,11 +1273,13 @@ class _FakeCuda:
 
         cuda = SimpleNamespace(Stream=self.Stream, Event=self.Event, current_stream=self.current_stream,
                                current_device=lambda: self.state["device_index"],
-                               stream=lambda stream: self.StreamContext(self, stream))
+                               stream=lambda stream: self.StreamContext(self, stream),
+                               device=lambda index: self.DeviceContext(self, index))
         # The exchange's return has no point of its own (a partial is no traced C call): the
         # next point, or none, sees what it left.
-        c = SimpleNamespace(_cuda_setStream=self.state.update,
-                            _cuda_maybeExchangeDevice=functools.partial(self.state.__setitem__, "device_index"))
+        exchange = functools.partial(self.state.__setitem__, "device_index")
+        c = SimpleNamespace(_cuda_setStream=self.state.update, _cuda_exchangeDevice=exchange,
+                            _cuda_maybeExchangeDevice=exchange)
         return SimpleNamespace(cuda=cuda, empty=empty, _C=c)
 
     def unrecorded(self, stream: object) -> list[object]:
@@ -1417,33 +1432,37 @@ def test_the_stores_threads_take_its_cuda_device_and_none_off_cuda(monkeypatch) 
 
 def test_a_copys_timer_asks_its_events_under_the_copys_device(monkeypatch) -> None:
     # A metrics scrape drains the moves' timers in a thread of its own (one per request), on
-    # GPU 0: the end event's query made GPU 0's context there.
+    # GPU 0: the end event's query made GPU 0's context there. A drain in the main thread that
+    # another signal's handler cut inside ``with torch.cuda.device``'s Python __exit__ left
+    # the copy's device the thread's current one for good.
+    from conftest import raised_on_the_way_in
+
     from tierkv.transfer import _CudaCopyJob, copy_timer
 
-    current: list[object] = [0]
-    asked: list[object] = []
-
-    @contextlib.contextmanager
-    def device(index: object) -> Iterator[None]:
-        before, current[0] = current[0], index
-        try:
-            yield
-        finally:
-            current[0] = before
+    fake = _FakeCuda()
+    monkeypatch.setattr(tierkv.transfer, "torch", fake.torch())
+    asked: list[int] = []
 
     class Event:
         def query(self) -> bool:
-            asked.append(current[0])
+            asked.append(fake.state["device_index"])
             return True
 
         def elapsed_time(self, end: object) -> float:
-            asked.append(current[0])
+            asked.append(fake.state["device_index"])
             return 2.0
 
-    monkeypatch.setattr(torch.cuda, "device", device)
-    fake = _FakeCuda()
     tensor = fake.Tensor(fake.log, (1,), torch.float32, True)
     tensor.device = torch.device("cuda", 1)
     timer = copy_timer(_CudaCopyJob(Event(), tensor, Event()))
     assert timer is not None and timer() == 0.002
-    assert asked == [1, 1] and current == [0]
+    assert asked == [1, 1] and fake.state["device_index"] == 0
+
+    def enter() -> object:
+        timer()
+        return contextlib.nullcontext()
+
+    def put_back(sent: list) -> None:
+        assert fake.state["device_index"] == 0, f"the copy's device left current by the cut at {sent}"
+
+    assert raised_on_the_way_in(enter, put_back, within={"seconds", "__exit__"}) >= 3

@@ -272,8 +272,15 @@ def copy_timer(job: Job[Any]) -> Callable[[], float | None] | None:
     def seconds() -> float | None:
         # Under the copy's device: asked in a thread of the program's (a metrics scrape, one
         # thread per request), the query made GPU 0's context there (see ``thread_binding``).
-        with torch.cuda.device(index):
+        # The thread's device put back by a C call in a finally, as torch.cuda.device's
+        # __exit__ does but with no Python call in between: a drain in the main thread that
+        # another signal's handler cut there left the store's device its current one for good.
+        before = torch.cuda.current_device()
+        try:
+            torch._C._cuda_exchangeDevice(index)
             return start.elapsed_time(end) / 1000.0 if end.query() else None
+        finally:
+            torch._C._cuda_maybeExchangeDevice(before)
 
     return seconds
 
