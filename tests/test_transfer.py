@@ -1254,7 +1254,8 @@ class _FakeCuda:
 
     def current_stream(self, device: object = None) -> "_FakeCuda.Stream":
         index = self.state["device_index"] if device is None else torch.device(device).index or 0
-        return self.Stream(torch.device("cuda", index), stream_id=self.state["stream_id"] if index == 0 else self.elsewhere)
+        stream_id = self.state["stream_id"] if index == 0 else self.elsewhere
+        return self.Stream(torch.device("cuda", index), stream_id=stream_id)
 
     def set_stream(self, stream: "_FakeCuda.Stream") -> None:
         """``torch.cuda.set_stream``: the stream's device made current too."""
