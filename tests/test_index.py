@@ -157,6 +157,74 @@ def test_ordered_continuations_answer_as_reading_them_all(tails: list[list[int]]
     assert idx._children == {} and idx._ordered == {}
 
 
+# Ids whose little-endian bytes share leading bytes inside one id (1, 257, 65537; -1, -257), the
+# extremes, and zero: the order is of bytes, not numbers, and a common prefix is counted in ids.
+_BYTEWISE_IDS = [0, 1, 2, 256, 257, 65537, (1 << 56) | 1, 2**63 - 1, -1, -2, -257, -2**63]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from([1, 2, 3, 16]), st.integers(1, 6), st.lists(st.sampled_from(_BYTEWISE_IDS), min_size=2,
+                                                                  max_size=5, unique=True),
+       st.lists(st.tuples(st.sampled_from(["add", "same", "remove", "order"]), st.integers(0, 2**32)),
+                min_size=1, max_size=120))
+def test_ordered_continuations_answer_as_reading_them_all_through_any_adds_and_removes(
+        ordered_from: int, block: int, ids: list[int], steps: list[tuple[str, int]]) -> None:
+    # The test above adds every block, then removes some, in one bucket, one id set. Here adds and
+    # removes interleave over four buckets (two parents, negative first ids), so a bucket's order
+    # empties, is made again and shrinks below ORDERED_FROM; blocks share bytes inside an id; two
+    # keys hold equal ids (``_unorder`` must remove the key asked, not the first of equal ids);
+    # blocks and queries run up to a block's ids. Each look-up is checked against the bucket.
+    import random
+
+    import tierkv.index
+    from tierkv.hashing import token_bytes
+    parents, firsts = [ROOT, key(0)], [ids[0], ids[-1]]
+    idx, live, made = Index(), {}, 0
+    saved = tierkv.index.ORDERED_FROM
+    tierkv.index.ORDERED_FROM = ordered_from
+    try:
+        for op, seed in steps:
+            rng = random.Random(seed)
+            if op == "remove" and live:
+                gone = rng.choice(sorted(live))
+                assert idx.remove(gone) is live.pop(gone)
+            elif op == "order":
+                idx.order()
+            elif op in ("add", "same"):
+                made += 1
+                if op == "same" and live:
+                    twin = live[rng.choice(sorted(live))]
+                    m = meta(made, parent=twin.parent, ids=list(twin.token_ids))
+                else:
+                    m = meta(made, parent=rng.choice(parents),
+                             ids=[rng.choice(firsts), *rng.choices(ids, k=rng.randrange(block))])
+                idx.add(m)
+                live[m.key] = m
+            _in_step(idx)
+            parent = rng.choice(parents)
+            q = [rng.choice(firsts), *rng.choices(ids, k=rng.randrange(block))]
+            tokens = token_bytes(np.array(q, dtype=np.int64))
+            bucket = {k: list(m.token_ids) for k, m in live.items() if m.parent == parent and m.token_ids[0] == q[0]}
+            ordered = (parent, q[0]) in idx._ordered
+            if ordered:
+                assert sorted(idx._ordered[(parent, q[0])]) == sorted(bucket)
+            near = idx.nearest(parent, tokens)
+            assert {m.key for m in near} <= set(bucket) and len(near) <= (2 if ordered else len(bucket))
+            assert max([_shared(list(m.token_ids), q) for m in near], default=0) == \
+                max([_shared(got, q) for got in bucket.values()], default=0), q
+            prefixes = {k for k, got in bucket.items() if q[:len(got)] == got}
+            related = prefixes | {k for k, got in bucket.items() if got[:len(q)] == q}
+            for found, exact in ((idx.prefixes_of(parent, tokens), prefixes), (idx.related(parent, tokens), related)):
+                keys = [m.key for m in found]
+                assert len(keys) == len(set(keys))
+                assert set(keys) == exact if ordered else set(keys) == set(bucket)
+        for k in list(live):
+            idx.remove(k)
+        assert idx._children == {} and idx._ordered == {} and idx._tenants == {}
+    finally:
+        tierkv.index.ORDERED_FROM = saved
+
+
 def test_adds_left_unordered_are_ordered_at_once_by_order() -> None:
     from tierkv.hashing import token_bytes
     from tierkv.index import ORDERED_FROM
