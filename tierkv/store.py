@@ -1737,8 +1737,9 @@ class TieredStore:
             # A session of many conversations (one name for all a user's chats): reading each of
             # its blocks at every commit cost 23 ms at 15,000. Its tails that the chain can cover
             # are continuations of the chain's blocks with the ids that follow them.
+            data = token_bytes(ids)
             found = [meta for parent, start in offsets.items() if start < len(ids)
-                     for meta in self._index.prefixes_of(parent, token_bytes(ids[start:start + B]))
+                     for meta in self._index.prefixes_of(parent, data[start * 8:(start + B) * 8])
                      if sid in meta.sessions]
         stale = []
         for meta in found:
@@ -2533,11 +2534,12 @@ class TieredStore:
         B = self.block_size
         in_chain = {m.key for m in chain}
         stale = []
+        data = token_bytes(ids)  # once, not a block's ids at a time (0.5 us a block more at 16 tokens)
         for i, parent in enumerate([root, *(m.key for m in chain)]):
             start = i * B
             if start >= len(ids):
                 break
-            for meta in self._index.prefixes_of(parent, token_bytes(ids[start:start + B])):
+            for meta in self._index.prefixes_of(parent, data[start * 8:(start + B) * 8]):
                 n = meta.n_tokens
                 if n < B and not meta.sessions and meta.key not in in_chain and start + n <= len(ids) \
                         and _same_ids(ids[start:start + n], meta.token_ids):
