@@ -37,11 +37,16 @@ from .hashing import token_bytes
 ORDERED_FROM = 16
 
 
-def _shared_tokens(a: bytes, b: bytes) -> int:
-    """How many whole int64 token ids ``token_bytes`` ``a`` and ``b`` begin with in common."""
-    n = min(len(a), len(b)) // 8
-    diff = np.flatnonzero(np.frombuffer(a, "<i8", n) != np.frombuffer(b, "<i8", n))
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids two 1-d arrays of ids share."""
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+def _shared_tokens(a: bytes, b: bytes) -> int:
+    """``common_prefix`` of two ``token_bytes``."""
+    return common_prefix(np.frombuffer(a, "<i8", len(a) // 8), np.frombuffer(b, "<i8", len(b) // 8))
 
 
 class Tier(enum.Enum):
@@ -130,9 +135,9 @@ class Index:
             # Ordered before the bucket takes it: a cut between the two leaves a key in the order
             # that the bucket lacks, which ``remove`` still finds there, never one in the bucket
             # that a look-up in the order misses for good.
-            ordered = self._ordered.get((meta.parent, first))
-            if ordered is not None:
-                bisect.insort(ordered, meta.key, key=self._tokens_of)
+            order = self._ordered.get((meta.parent, first))
+            if order is not None:
+                bisect.insort(order, meta.key, key=self._tokens_of)
             elif len(keys) + 1 >= ORDERED_FROM:
                 self._ordered[(meta.parent, first)] = sorted([*keys, meta.key], key=self._tokens_of)
         keys.add(meta.key)

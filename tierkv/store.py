@@ -91,6 +91,7 @@ from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
 from .index import BlockMeta, DiskState, Index, Tier
+from .index import common_prefix as _common_prefix
 from .interrupts import defer_interrupts, pending_check, raise_pending, raised_by_signal_handler
 from .owed import OwedOps
 from .readers import Latch, ReadPool, helper_threads
@@ -142,12 +143,6 @@ def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:
     any exception inside it (``except Exception``), a signal handler's (a ``SIGALRM`` timeout)
     included: the timeout vanished, and a commit raised that its ids were not the conversation's."""
     return a.shape[0] == b.shape[0] and bool((a == b).all())
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 #: How long the disk writer gathers writes before a transaction. Each transaction ends in a sync
