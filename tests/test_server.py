@@ -1280,6 +1280,34 @@ def test_the_openai_client_parses_every_reply_stream_model_and_error(server: Ser
     assert "base URL ends in /v1" in lost.value.message
 
 
+def test_replies_carry_the_fields_openai_s_current_api_always_sends(server: Server) -> None:
+    # Optional in OpenAI's types, always in its replies: usage.completion_tokens_details was left out,
+    # so a client reading its reasoning_tokens (as usage trackers do) failed on None; likewise a
+    # message's refusal and annotations, and the reply's service_tier.
+    openai = pytest.importorskip("openai", reason=NO_OPENAI)
+    none = {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    messages = conversation("current fields")
+    reply = server.chat(messages, key="k-fields", session="fields", service_tier="auto")
+    assert reply["service_tier"] == "default"  # the tier that served it, as OpenAI answers "auto"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": text(reply), "refusal": None,
+                                              "annotations": []}
+    assert reply["usage"]["completion_tokens_details"] == none
+    details = reply["usage"]["prompt_tokens_details"]
+    assert sorted(details) == ["audio_tokens", "cached_tokens", "cached_tokens_by_tier"] and details["audio_tokens"] == 0
+    # The message sent back as it came (refusal null, annotations []) is accepted and restores the turn.
+    again = server.chat(follow_up(messages, reply, "More?"), key="k-fields", session="fields")
+    assert cached(again) == reply["usage"]["total_tokens"] - 1
+    streamed = server.stream(messages, key="k-fields-stream")
+    assert [p["service_tier"] for p in streamed[:-1]] == ["default"] * (len(streamed) - 1)
+    assert streamed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert streamed[-2]["usage"]["completion_tokens_details"] == none
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k-fields-openai", max_retries=0, timeout=60)
+    typed = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+    assert typed.usage is not None and typed.usage.completion_tokens_details is not None
+    assert typed.usage.completion_tokens_details.reasoning_tokens == 0 and typed.service_tier == "default"
+    assert typed.choices[0].message.refusal is None and typed.choices[0].message.annotations == []
+
+
 def test_the_openai_client_waits_the_retry_after_of_a_full_queue_then_is_served(busy: Server) -> None:
     openai = pytest.importorskip("openai", reason=NO_OPENAI)
     gate = threading.Event()

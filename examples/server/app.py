@@ -488,7 +488,7 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, f
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, result: TurnResult | None = None) -> str:
         return _event(schemas.chunk(cid, created, model, fingerprint, delta, finish, include_usage, result))
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"role": "assistant", "content": "", "refusal": None})  # as OpenAI's first delta
     result: TurnResult | None = None
     try:
         # aclosing: if this stream is abandoned, the engine's stream is closed too, which stops the turn.

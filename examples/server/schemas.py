@@ -16,7 +16,18 @@ Usage reports what tierkv did for the turn::
 
     "usage": {"prompt_tokens": 120, "completion_tokens": 16, "total_tokens": 136,
               "prompt_tokens_details": {"cached_tokens": 103,     # restored from tierkv, not computed
-                                        "cached_tokens_by_tier": {"device": 64, "host": 39, "disk": 0}}}
+                                        "audio_tokens": 0,
+                                        "cached_tokens_by_tier": {"device": 64, "host": 39, "disk": 0}},
+              "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                            "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}
+
+The details, a message's ``refusal`` and ``annotations``, and ``service_tier`` are there as OpenAI's
+current API always sends them: the types make them optional, but clients read
+``usage.completion_tokens_details.reasoning_tokens`` and the like straight off a reply, and fail on
+a server that leaves them out. Each holds what is true here: this model neither reasons nor refuses,
+reads and writes no audio, uses no prediction (``prediction`` is accepted as the hint it is), cites
+nothing, and runs in one tier, ``"default"``, whatever ``service_tier`` the request asked for (as
+OpenAI answers "auto" with the tier that served it).
 """
 
 from __future__ import annotations
@@ -118,21 +129,27 @@ FIELDS = frozenset(name for model in (ChatCompletionRequest, Message, ContentPar
                    for name in model.model_fields)
 
 
+SERVICE_TIER = "default"  # the one way this server processes a request, whatever service_tier asked for
+
+
 def usage(result: TurnResult) -> dict[str, Any]:
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "audio_tokens": 0,
                                   "cached_tokens_by_tier": dict(result.cached_by_tier)},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0},
     }
 
 
 def completion(cid: str, created: int, model: str, fingerprint: str, result: TurnResult) -> dict[str, Any]:
     return {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "system_fingerprint": fingerprint,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+        "system_fingerprint": fingerprint, "service_tier": SERVICE_TIER,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None,
+                                             "annotations": []},
                      "logprobs": None, "finish_reason": result.finish_reason}],
         "usage": usage(result),
     }
@@ -144,7 +161,7 @@ def chunk(cid: str, created: int, model: str, fingerprint: str, delta: dict[str,
     """A ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices) that
     ``stream_options.include_usage`` adds last, as OpenAI does (other chunks then carry ``usage: null``)."""
     body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "system_fingerprint": fingerprint,
+                            "system_fingerprint": fingerprint, "service_tier": SERVICE_TIER,
                             "choices": [] if delta is None else
                             [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
     if with_usage:
