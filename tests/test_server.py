@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from examples.server import errors
 from examples.server.app import ServerState, create_app, tenant_name
 from examples.server.engine import build_model
 from examples.server.settings import Settings
@@ -560,10 +562,12 @@ def test_a_queued_stream_sends_keep_alive_comments_and_the_same_content(busy: Se
     assert payloads == alone and payloads[-1] == "[DONE]"
 
 
-def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_alone(busy: Server) -> None:
+def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_alone(
+        busy: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every request waited in an unbounded queue. The limit counts streams as their requests come,
     # not when their responses start: a burst of streams all saw a count their neighbours had not
     # raised yet.
+    monkeypatch.setattr(errors, "RETRY", errors.RetryAfter(0.0))  # the spread's sequence, from its start
     # Distinct from their first character on, so that no prompt hits another's blocks.
     convs = [[{"role": "user", "content": f"{i} is the number of this queued turn."}] for i in range(8)]
     alone = [text(busy.chat(c, key="k-full-alone")) for c in convs]
@@ -571,9 +575,13 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
     gate = threading.Event()
     held = busy.state.engine.submit(gate.wait)  # the running turn: the queue holds whatever comes now
     # Turns of 7.2 s on average: a place frees in about that, which Retry-After says (it said 1 s
-    # whatever the turns took, so clients of slow turns came back several times per place).
+    # whatever the turns took, so clients of slow turns came back several times per place), spread
+    # over [7.2, 14.4) s (it said 8 s to every client of a burst, which came back together).
     assert busy.state.engine.turn_seconds is not None  # measured by the turns above
     busy.state.engine.turn_seconds = 7.2
+    # 7.2 s * (1 + u), u stepping by 0.618... from 0; Retry-After: the same in whole seconds, rounded up.
+    waits = [("12", "11650"), ("9", "8900"), ("14", "13350"), ("11", "10600"), ("8", "7850"), ("13", "12300"),
+             ("10", "9549")]
     pool = concurrent.futures.ThreadPoolExecutor(len(convs))
     try:
         def stream(i: int) -> tuple[int, list[str], httpx.Headers]:
@@ -589,14 +597,15 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
         wait_for_pending(busy, 3, "the three turns the queue holds were never queued")
         # The same full queue, for a request not streamed.
         r = busy.post({"messages": convs[0], "temperature": 0, "max_tokens": 8}, key="k-full")
-        assert r.status_code == 429 and r.headers["retry-after"] == "8", r.text
+        assert r.status_code == 429 and (r.headers["retry-after"], r.headers["retry-after-ms"]) == waits[5], r.text
         error = r.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
         assert "3 turns (or session deletes) are queued or running already" in error["message"]
         assert busy.state.engine.pending == 3
         # A session delete, queued on the same worker behind the turns, is refused alike.
         r = httpx.delete(f"{busy.url}/v1/sessions/s", headers={"X-API-Key": "k-full"})
-        assert r.status_code == 429 and r.headers["retry-after"] == "8" and "retry after 8 s" in r.text
+        assert r.status_code == 429 and (r.headers["retry-after"], r.headers["retry-after-ms"]) == waits[6]
+        assert "retry after 10 s" in r.text
         gate.set()
         outcomes = [f.result(timeout=60) for f in started]
     finally:
@@ -605,9 +614,11 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
         pool.shutdown()
     accepted = [i for i, (status, _, _) in enumerate(outcomes) if status == 200]
     assert len(accepted) == 3, [status for status, _, _ in outcomes]
+    # The five refused streams, in whatever order they came: the sequence's first five waits.
+    assert sorted((h["retry-after"], h["retry-after-ms"]) for status, _, h in outcomes if status == 429) == sorted(
+        waits[:5])
     for i, (status, lines, headers) in enumerate(outcomes):
         if status == 429:
-            assert headers["retry-after"] == "8"
             assert json.loads("".join(lines))["error"]["type"] == "rate_limit_error"
         else:  # the queued turns finish as they would alone
             payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
@@ -618,16 +629,28 @@ def test_a_full_queue_refuses_with_429_and_retry_after_leaving_the_queued_turns_
     assert [cached(busy.chat(c, key="k-full")) > 2 for c in convs] == [i in accepted for i in range(len(convs))]
 
 
-def test_retry_after_is_about_one_turn_in_whole_seconds(busy: Server) -> None:
+def test_retry_after_is_about_one_turn_spread_over_the_next(busy: Server) -> None:
     engine, measured = busy.state.engine, busy.state.engine.turn_seconds
     try:
         answers = []
         for seconds in (None, 0.01, 1.0, 1.01, 7.2, 3600.0):
             engine.turn_seconds = seconds
             answers.append(engine.retry_after())
-        assert answers == [1, 1, 1, 2, 8, 60]  # never 0 (retry at once), never an hour
+        assert answers == [1.0, 1.0, 1.0, 1.01, 7.2, 60.0]  # never 0 (retry at once), never an hour
     finally:
         engine.turn_seconds = measured
+    # Any run of refusals, from any start, is told waits spread over [10, 20) s: no two close, no gap
+    # wide (0.45 and 1.9 of an even spread's, the golden ratio's bounds).
+    for start in (0.0, 0.37, 0.999):
+        spread = errors.RetryAfter(start)
+        told = [spread.headers(10.0) for _ in range(100)]
+        assert [h["Retry-After"] for h in told] == [str(math.ceil(int(h["retry-after-ms"]) / 1000)) for h in told]
+        ms = [int(h["retry-after-ms"]) for h in told]
+        assert 10_000 <= min(ms) and max(ms) <= 20_000
+        for n in range(2, len(ms) + 1):
+            points = sorted(ms[:n])
+            gaps = [b - a for a, b in zip(points, points[1:])] + [points[0] + 10_000 - points[-1]]
+            assert 0.4 * 10_000 / n <= min(gaps) and max(gaps) <= 2 * 10_000 / n, (start, n)
 
 
 def test_a_queued_session_delete_holds_a_place_in_the_queue(busy: Server) -> None:
@@ -683,7 +706,9 @@ def test_a_stream_holds_its_place_in_the_queue_from_its_request_on() -> None:
         await asyncio.wait_for(held.wait(), 30)
         assert state.engine.pending == 1 and not stream.done()
         refused = await request(body)
-        assert refused[0]["status"] == 429 and (b"retry-after", b"1") in refused[0]["headers"]
+        told = dict(refused[0]["headers"])  # 1 s before any turn ran, spread over the next
+        assert refused[0]["status"] == 429 and told[b"retry-after"] in (b"1", b"2")
+        assert 1000 <= int(told[b"retry-after-ms"]) < 2000
         assert state.engine.pending == 1
         stream.cancel()  # its connection is gone before the response began
         await asyncio.wait([stream])
@@ -1313,12 +1338,14 @@ def test_the_openai_client_waits_the_retry_after_of_a_full_queue_then_is_served(
     gate = threading.Event()
     refused_at: list[float] = []
     sent_at: list[float] = []
+    told: list[int] = []
 
     def on_response(response: Any) -> None:
         if response.status_code == 429:
             gate.set()  # the queue drains before the client, whose thread this is, goes on
             wait_for_pending(busy, 0, "the queued turns never ran")
             refused_at.append(time.monotonic())
+            told.append(int(response.headers["retry-after-ms"]))
 
     http = openai.DefaultHttpxClient(event_hooks={"request": [lambda _: sent_at.append(time.monotonic())],
                                                   "response": [on_response]})
@@ -1333,7 +1360,7 @@ def test_the_openai_client_waits_the_retry_after_of_a_full_queue_then_is_served(
         queued = [pool.submit(queued_client.chat.completions.create, model="m", max_tokens=2, temperature=0,
                               messages=[{"role": "user", "content": f"{i} waits in the queue."}]) for i in range(3)]
         wait_for_pending(busy, 3, "the three turns the queue holds were never queued")
-        busy.state.engine.turn_seconds = None  # Retry-After: 1 s
+        busy.state.engine.turn_seconds = None  # Retry-After: 1 s, spread: 1 to 2 s
         served = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=4,
                                                                   temperature=0)
         assert [f.result(timeout=60).choices[0].finish_reason in ("stop", "length") for f in queued] == [True] * 3
@@ -1344,8 +1371,9 @@ def test_the_openai_client_waits_the_retry_after_of_a_full_queue_then_is_served(
         busy.state.engine.turn_seconds = measured
     assert served.retries_taken == 1 and served.parse().choices[0].message.content == text(
         busy.chat(messages, key="k-openai-alone", max_tokens=4))
-    # It slept the server's 1 s, not its own first backoff (at most 0.5 s).
-    assert len(refused_at) == 1 and len(sent_at) == 2 and sent_at[1] - refused_at[0] >= 0.95
+    # It slept the server's retry-after-ms (1 to 2 s), not its own first backoff (at most 0.5 s).
+    assert len(refused_at) == 1 and len(sent_at) == 2 and 1000 <= told[0] < 2000
+    assert sent_at[1] - refused_at[0] >= told[0] / 1000 - 0.05
 
 
 def test_settings_come_from_the_environment_then_the_flags() -> None:
@@ -1884,6 +1912,8 @@ def test_requests_the_graceful_shutdown_cancels_get_a_503_without_a_traceback() 
     assert response.status_code == 503, response.text
     assert response.json()["error"] == {"message": "the server is shutting down; retry the request",
                                         "type": "server_error", "param": None, "code": None}
+    # When to come back (it said nothing, as a 429 does): soon, another server takes it behind a balancer.
+    assert 1000 <= int(response.headers["retry-after-ms"]) < 2000 and response.headers["retry-after"] in ("1", "2")
     # The stream: its role chunk, then the error event, then its end (no [DONE]: the turn did not finish).
     assert status == 200 and len(lines) == 2, lines
     assert json.loads(lines[1][len("data: "):]) == response.json()
@@ -1978,6 +2008,7 @@ def test_requests_after_the_engine_closed_get_a_503_and_hold_no_place_in_the_que
             else:
                 assert sent[0]["status"] == 503, content
                 assert json.loads(content)["error"]["message"] == "the server is shutting down; retry the request"
+                assert 1000 <= int(dict(sent[0]["headers"])[b"retry-after-ms"]) < 2000
         assert state.engine.pending == 0
     finally:
         state.close()

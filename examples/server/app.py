@@ -31,7 +31,7 @@ Who is asking:
 
 Per request: validate (every refusal is an OpenAI error body with a 4xx status, see ``errors``),
 template the messages to ids, take a place in the engine's queue (past ``max_pending_turns`` turns
-queued or running: a 429 with ``Retry-After``; a stream takes its place before its response starts,
+queued or running: a 429 with ``Retry-After``, spread over a turn, see ``errors.RetryAfter``; a stream takes its place before its response starts,
 ``AdmittedStream``), then one tierkv turn on the engine (``engine``):
 ``store.open`` -> ``generate`` -> ``cache.commit``. ``usage.prompt_tokens_details.cached_tokens``
 is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from``.
@@ -39,7 +39,8 @@ is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from
 Lifespan: the store, the model and the metrics collector are created at startup and closed at
 shutdown (the running turn finishes and commits, the store is flushed). uvicorn waits for the
 requests in flight before it shuts the lifespan down, so by default the queued turns run first; a
-turn still queued when the engine closes (``Engine.close``) is dropped with a 503, "shutting down".
+turn still queued when the engine closes (``Engine.close``) is dropped with a 503, "shutting down"
+(its ``Retry-After`` 1 to 2 s, spread: ``errors.shutting_down``).
 With ``--timeout-graceful-shutdown`` (uvicorn's flag, or ``python -m examples.server``'s, which it hands
 to uvicorn), uvicorn cancels the requests still running when it runs out:
 they get the same 503 (a stream: the error event, then its end), and the turn stops at its next
@@ -570,10 +571,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         # Refused before anything was queued or stored: the client may simply retry.
-        wait = state(request).engine.retry_after()
-        error = ApiError(429, f"this server is busy: {exc}; retry after {wait} s",
-                         type="rate_limit_error", code="rate_limit_exceeded")
-        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(wait)})
+        headers = errors.RETRY.headers(state(request).engine.retry_after())
+        return ApiError(429, f"this server is busy: {exc}; retry after {headers['Retry-After']} s",
+                        type="rate_limit_error", code="rate_limit_exceeded", headers=headers).response()
 
     def state(request: Request) -> ServerState:
         return request.app.state.server

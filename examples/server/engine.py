@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -253,10 +252,12 @@ class Engine:
             raise QueueFull(self.max_pending)
         return Admission(self)
 
-    def retry_after(self) -> int:
-        """Whole seconds a client refused with ``QueueFull`` should wait: about one turn, the time
-        until the running one ends and frees a place; 1 before any turn ran, 60 at most."""
-        return min(60, max(1, math.ceil(self.turn_seconds or 1)))
+    def retry_after(self) -> float:
+        """Seconds a client refused with ``QueueFull`` should wait at least: about one turn, the time
+        until the running one ends and frees a place; 1 before any turn ran, never less (a retry at
+        once would find the same queue), 60 at most. The 429 spreads the burst it refuses from there
+        (``errors.RetryAfter``)."""
+        return min(60.0, max(1.0, self.turn_seconds or 1.0))
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the worker thread after every turn submitted before it; ``ServerClosing`` once

@@ -14,6 +14,9 @@ A bug is a 500, logged once with its traceback (``InternalErrors``). A request t
 (uvicorn does, once ``--timeout-graceful-shutdown`` runs out) is a 503, "shutting down", like a turn
 the engine's close drops: the JSON error, or in a stream already begun, the error event and the end
 of the stream (``InternalErrors``).
+A refusal to retry (a 429, a 503) says when: ``Retry-After`` in whole seconds and OpenAI's
+``retry-after-ms``, spread by ``RetryAfter`` so that the clients refused together do not all come
+back together.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import random
 import re
 import uuid
 from collections.abc import Sequence
@@ -71,27 +76,65 @@ class RedactSessionIds(logging.Filter):
 
 
 class ApiError(Exception):
-    """A refusal with its HTTP status and OpenAI error fields."""
+    """A refusal with its HTTP status, OpenAI error fields and the headers that go with it."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+class RetryAfter:
+    """The waits told to refused clients, spread over ``[seconds, 2 * seconds)``.
+
+    One wait for every refusal sent a burst of clients refused together (a full queue, the turns a
+    shutdown dropped) back together, into a queue that had freed one place, to be refused together
+    again. Each call steps ``u`` by the golden ratio's fraction (mod 1): any run of consecutive
+    refusals covers the interval about evenly (no two of them close, whatever their number), where
+    random draws would bunch some, and the sequence is known from ``start`` (tests give one; by
+    default a random one, so that servers behind one balancer do not tell the same waits in step).
+
+    ``headers(seconds)``: ``retry-after-ms`` (what OpenAI's client reads first; 120 s is the most it
+    waits, beyond which it does not retry at all) and ``Retry-After``, whole seconds (RFC 9110 has
+    no fractions), rounded up so that a client reading either never comes back sooner.
+    """
+
+    def __init__(self, start: float | None = None) -> None:
+        self._u = random.random() if start is None else start % 1.0
+
+    def headers(self, seconds: float) -> dict[str, str]:
+        self._u = (self._u + _GOLDEN) % 1.0
+        ms = math.ceil(seconds * 1000 * (1 + self._u))
+        return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
+
+
+# Shared by every refusal of the process (the middleware's 503s know no app): tests replace it.
+RETRY = RetryAfter()
+# A 503 for the shutdown: behind a balancer the retry goes to another server at once (uvicorn stopped
+# listening at SIGTERM), and alone no fixed wait covers a restart (the client's connection errors back
+# off on their own); spread, the dropped turns do not land on the other servers in one instant.
+SHUTDOWN_RETRY_SECONDS = 1.0
 
 
 def shutting_down() -> ApiError:
-    """What a request the server will not finish, since it shuts down, is answered."""
-    return ApiError(503, "the server is shutting down; retry the request", type="server_error")
+    """What a request the server will not finish, since it shuts down, is answered; its
+    ``Retry-After`` spread by ``RETRY``."""
+    return ApiError(503, "the server is shutting down; retry the request", type="server_error",
+                    headers=RETRY.headers(SHUTDOWN_RETRY_SECONDS))
 
 
 def sse_event(body: dict[str, Any]) -> str:
