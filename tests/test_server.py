@@ -93,11 +93,15 @@ class Server:
         return [p if p == "[DONE]" else json.loads(p) for p in (line[len("data: "):] for line in lines)]
 
 
-def start_uvicorn(app: Any, name: str, **config: Any) -> tuple[Any, threading.Thread, socket.socket, str]:
+def start_uvicorn(app: Any, name: str, send_buffer: int | None = None,
+                  **config: Any) -> tuple[Any, threading.Thread, socket.socket, str]:
     """Serve ``app`` on a port of its own in a daemon thread, once uvicorn says it started: the
     server, its thread, its socket (bound here and handed to uvicorn: no race for the port) and
-    its URL."""
+    its URL. ``send_buffer``: the kernel's send buffer of each connection, in bytes (its default
+    grows with the traffic)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)  # accepted sockets inherit it
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
@@ -110,10 +114,11 @@ def start_uvicorn(app: Any, name: str, **config: Any) -> tuple[Any, threading.Th
 
 
 @contextlib.contextmanager
-def served(settings: Settings, name: str) -> Iterator[Server]:
-    """The app of ``settings`` under uvicorn in a thread named ``name``, stopped on exit."""
+def served(settings: Settings, name: str, **config: Any) -> Iterator[Server]:
+    """The app of ``settings`` under uvicorn in a thread named ``name``, stopped on exit; ``config``:
+    ``start_uvicorn``'s."""
     app = create_app(settings)
-    uv, thread, sock, url = start_uvicorn(app, name)
+    uv, thread, sock, url = start_uvicorn(app, name, **config)
     try:
         yield Server(url, settings, app.state.server, app)
     finally:
@@ -772,6 +777,56 @@ def test_a_running_turn_whose_client_left_stops_at_its_next_token(server: Server
         time.sleep(0.02)
     # Two tokens (the one generated when the client left, the next one), not 64.
     assert results[0].completion_tokens == 2 and results[0].finish_reason == "length"
+
+
+def unchunk(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 response sent with ``Transfer-Encoding: chunked``, its head cut off."""
+    rest, body = raw.split(b"\r\n\r\n", 1)[1], b""
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if not int(size, 16):
+            return body
+        body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+
+
+def test_a_stream_whose_client_reads_nothing_gives_its_place_back_once_its_turn_ends() -> None:
+    # A stream held its place in the queue until its client had read the whole reply: a client that
+    # kept its connection but read nothing held it for good once the socket's buffers were full, its
+    # turn long done and committed, and --max-pending-turns such clients had every other request
+    # refused with a 429. The worker never waits for a client: its place is the queue's, not the socket's.
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class SmallWriteBuffer(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        """uvicorn's protocol, its connections waiting for the socket past 1 KiB unsent (asyncio's 64 KiB)."""
+
+        def connection_made(self, transport: Any) -> None:
+            transport.set_write_buffer_limits(high=1024)
+            super().connection_made(transport)
+
+    settings = Settings(store=None, max_pending_turns=1, **SMALL)
+    with served(settings, "test-uvicorn-unread", send_buffer=4096, http=SmallWriteBuffer) as server:
+        # The model's name is echoed in each chunk: about 33 KB in all, twice what the buffers hold.
+        fields = {"model": "m" * 256, "messages": conversation("unread"), "temperature": 0, "max_tokens": 64,
+                  "logit_bias": {"260": -100}}
+        body = json.dumps({**fields, "stream": True}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            client.settimeout(60)
+            client.connect((host, int(port)))
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nX-API-Key: k-unread\r\n"
+                           b"Connection: close\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (len(body), body))
+            wait_for_pending(server, 0, "the stream whose client reads nothing kept its place after its turn ended")
+            whole = server.post(fields, key="k-unread")  # served, not refused: the queue's one place is free
+            assert whole.status_code == 200, whole.text
+            received = b""
+            while chunk := client.recv(1 << 16):  # at last: the whole stream, nothing lost while it waited
+                received += chunk
+        events = [line[len(b"data: "):] for line in unchunk(received).split(b"\n\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        content = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert len(content) == 64 and content == text(whole.json())
 
 
 ASGI_SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "query_string": b"",

@@ -520,8 +520,9 @@ async def _sse(engine: Engine, turn: Turn, cid: str, created: int, model: str, f
 
 class AdmittedStream(StreamingResponse):
     """A stream whose turn was counted in ``pending`` before its response started (``Engine.admit``):
-    its generator gives the count back as it ends, but one that never started (the client left before
-    the response began) or was left suspended (a send failed) runs no ``finally`` of its own."""
+    its turn gives the count back as it leaves the worker (``Engine.stream``), but one that never
+    started (the client left before the response began) or was left suspended (a send failed) runs
+    no turn or ``finally`` of its own."""
 
     def __init__(self, content: AsyncIterator[str], admission: Admission, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)

@@ -27,7 +27,9 @@ disconnects (a stream closed, or ``complete``'s ``until`` returned) is dropped i
 and otherwise stops at the next token and commits what it generated.
 
 ``pending`` (turns and calls queued or running) is bounded by ``max_pending``: a turn past it is refused with
-``QueueFull`` before anything is queued. ``complete`` counts its turn as it is called; a stream's
+``QueueFull`` before anything is queued. A streamed turn gives its place back as it leaves the worker, whether
+or not its client has read it yet (the worker never waits for a client: deltas queue without bound, at most
+``max_tokens`` of them). ``complete`` counts its turn as it is called; a stream's
 generator runs only once its response has started, so whoever must refuse it before that (with a
 status, not an error event) counts it with ``admit`` first, and gives the count back with
 ``Admission.release`` if the stream never ran (releasing twice is a no-op).
@@ -323,6 +325,10 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        def release_soon(admission: Admission) -> None:
+            with contextlib.suppress(RuntimeError):  # pending is the event loop's to touch
+                loop.call_soon_threadsafe(admission.release)
+
         hold = max(map(len, turn.stop), default=1) - 1
         ids: list[int] = []
         sent = 0
@@ -333,6 +339,11 @@ class Engine:
             # The end of the deltas, after the job's last emit; also for a turn close() drops unrun
             # (a job's own `finally` never ran then, and the consumer below waited forever).
             submitted.add_done_callback(lambda _: emit(None))
+            # The place is the queue's: given back as the job leaves the worker, not once the client
+            # read every delta. A client that keeps its connection and reads nothing stops this
+            # generator at its next yield (the server's send waits for the socket), and held the
+            # place for good, its turn long committed: enough of them and every request got a 429.
+            submitted.add_done_callback(lambda _: release_soon(admission))
             future = asyncio.wrap_future(submitted)
             while True:
                 try:
