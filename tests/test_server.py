@@ -1373,7 +1373,8 @@ def test_replies_carry_the_fields_openai_s_current_api_always_sends(server: Serv
                                               "annotations": []}
     assert reply["usage"]["completion_tokens_details"] == none
     details = reply["usage"]["prompt_tokens_details"]
-    assert sorted(details) == ["audio_tokens", "cached_tokens", "cached_tokens_by_tier"] and details["audio_tokens"] == 0
+    assert sorted(details) == ["audio_tokens", "cached_tokens", "cached_tokens_by_tier"]
+    assert details["audio_tokens"] == 0
     # The message sent back as it came (refusal null, annotations []) is accepted and restores the turn.
     again = server.chat(follow_up(messages, reply, "More?"), key="k-fields", session="fields")
     assert cached(again) == reply["usage"]["total_tokens"] - 1

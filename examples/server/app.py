@@ -31,8 +31,8 @@ Who is asking:
 
 Per request: validate (every refusal is an OpenAI error body with a 4xx status, see ``errors``),
 template the messages to ids, take a place in the engine's queue (past ``max_pending_turns`` turns
-queued or running: a 429 with ``Retry-After``, spread over a turn, see ``errors.RetryAfter``; a stream takes its place before its response starts,
-``AdmittedStream``), then one tierkv turn on the engine (``engine``):
+queued or running: a 429 with ``Retry-After``, spread over a turn, ``errors.RetryAfter``; a stream
+takes its place before its response starts, ``AdmittedStream``), then one tierkv turn on the engine (``engine``):
 ``store.open`` -> ``generate`` -> ``cache.commit``. ``usage.prompt_tokens_details.cached_tokens``
 is ``cache.restored_tokens``; ``cached_tokens_by_tier`` is ``cache.restored_from``.
 
