@@ -270,6 +270,7 @@ def one(model_type: str) -> dict:
     path = Path(tempfile.mkdtemp(dir=SCRATCH)) / "kv"
     ids = prompt
     stage = "open"
+    store = None
     try:
         store = TieredStore(path, **budgets)
         for turn in range(3):
@@ -324,6 +325,9 @@ def one(model_type: str) -> dict:
                        tb=traceback.format_exc()[-1500:])
     except Exception as e:
         out.update(cls="crash", why=f"{stage}: {type(e).__name__}: {str(e)[:400]}", tb=traceback.format_exc()[-1500:])
+    finally:
+        if store is not None:
+            store.close()  # a refusal or crash left it open (closing again is a no-op)
     out["turns"] = turns
     out["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if VARIANT == "decoder":
