@@ -165,14 +165,33 @@ _SHAPES: dict[str, dict[str, object]] = {
     "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
     "bloom": dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.05),  # at 0.02 the prefix barely moves its logits
     "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    # Sliding windows (12 tokens: shorter than every conversation the tests hold, and not a
+    # multiple of their block size) in every layer, or beside full-attention layers.
+    "mistral_window": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=12),
+    "qwen2_window": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=12),
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=12,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "cohere2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4),
 }
 ARCHITECTURES = list(_SHAPES)
+# The model type of a shape named otherwise.
+_MODEL_TYPE = {"mistral_window": "mistral", "qwen2_window": "qwen2"}
+# The shapes whose layers (some or all) attend over a sliding window.
+SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss"]
 
 
 def make_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A tiny random causal LM of ``model_type``, eval mode, float32, CPU."""
     fields = {"vocab_size": VOCAB, **_SHAPES[model_type], **overrides}
-    config = AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(_MODEL_TYPE.get(model_type, model_type), **fields)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 

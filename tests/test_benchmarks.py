@@ -936,10 +936,11 @@ def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str]
     # Families tierkv refuses at store.open, with the reason, before the trace starts.
     (["--arch", "bert"], "tierkv cannot serve this model: "),
     # Told to give another model, not to "generate without a TieredCache", which no flag does.
-    (["--arch", "gemma2", "--hidden", "128"], "full-attention layers only, for now; give another --arch, such as llama"),
+    (["--arch", "llama4_text", "--hidden", "128"],
+     "sliding-window layers only, for now; give another --arch, such as llama"),
     # A recurrent family: before, an AttributeError from the KV probe, before the refusal.
     (["--arch", "mamba", "--hidden", "128"], "['linear_attention'] layers"),
-    (["--model", "{recurrent}"], "full-attention layers only, for now; give --model a decoder-only full-attention "
+    (["--model", "{recurrent}"], "sliding-window layers only, for now; give --model a decoder-only full-attention "
                                  "checkpoint"),
 ])
 def test_chat_trace_refuses_models_it_cannot_run_before_the_trace(
@@ -1078,14 +1079,14 @@ def test_chat_trace_help_gives_every_flags_default() -> None:
 
 def test_arch_sweep_classes_an_exact_model_and_a_refused_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The developers' architecture sweep runs: GPT-2 through its three turns (mixed tiers, then a
-    restart) equals plain generate, and Mistral's sliding window is refused at open."""
+    restart) equals plain generate, and Mamba's recurrent layers are refused at open."""
     from benchmarks import arch_sweep
 
     monkeypatch.setattr(arch_sweep, "SCRATCH", tmp_path)
     exact = arch_sweep.one("gpt2")
     assert exact["cls"] == "exact", exact
-    refused = arch_sweep.one("mistral")
-    assert refused["cls"] == "refused" and "sliding_attention" in refused["why"], refused
+    refused = arch_sweep.one("mamba")
+    assert refused["cls"] == "refused" and "linear_attention" in refused["why"], refused
 
 
 def test_chat_trace_reports_returning_turns_apart_from_first_ones() -> None:

@@ -268,7 +268,9 @@ def run_mode(model: torch.nn.Module, arch: str, mode: str, ids: torch.Tensor, **
 
 # Every mode for three position schemes (RoPE, learned absolute, Falcon's rotary) from disk, and
 # llama's from the device and host tiers too.
+# Sliding windows too: in every layer (from the host tier), beside full attention (from disk).
 MODE_CASES = [(arch, "disk") for arch in ("llama", "gpt2", "falcon")] + [("llama", "device"), ("llama", "host")]
+MODE_CASES += [("gemma3_text", "disk"), ("mistral_window", "host")]
 
 
 @pytest.mark.parametrize("mode", list(MODES))

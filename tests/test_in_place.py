@@ -100,9 +100,14 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
             logits = model(nxt[:, r:], past_key_values=cache).logits
         assert shares_buffer(cache, restore.buffer)
         assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
-        for layer, (keys, values, _) in zip(cache.layers, plain):
-            assert torch.allclose(layer.keys, keys, atol=1e-5, rtol=0)
-            assert torch.allclose(layer.values, values, atol=1e-5, rtol=0)
+        for layer, plain_layer in zip(cache.layers, plain.layers):
+            keys, values = plain_layer.keys, plain_layer.values
+            # A sliding layer holds the whole conversation (commit stores it), DynamicCache's its window.
+            n = keys.shape[-2]
+            assert layer.is_sliding == plain_layer.is_sliding
+            assert layer.keys.shape[-2] == (nxt.shape[1] if layer.is_sliding else n)
+            assert torch.allclose(layer.keys[:, :, -n:], keys, atol=1e-5, rtol=0)
+            assert torch.allclose(layer.values[:, :, -n:], values, atol=1e-5, rtol=0)
         # And a whole turn, token for token.
         cache = store.open(model, nxt)
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))

@@ -1005,12 +1005,14 @@ def test_a_restored_layer_whose_assembly_failed_keeps_its_blocks(monkeypatch: py
         assert torch.equal(greedy(model, later, past_key_values=cache), greedy(model, later))
 
 
-def test_a_last_layer_whose_values_missed_a_token_is_refused() -> None:
-    model = make_model("llama", num_hidden_layers=3)
+@pytest.mark.parametrize("arch", ["llama", "mistral_window"])
+def test_a_last_layer_whose_values_missed_a_token_is_refused(arch: str) -> None:
+    model = make_model(arch, num_hidden_layers=3)
     ids = random_ids(20, 1)
     with TieredStore(None, block_size=8) as store, torch.no_grad():
         cache = store.open(model, ids, session="s")
-        model(ids, past_key_values=cache)
+        model(ids[:, :19], past_key_values=cache)
+        model(ids[:, 19:], past_key_values=cache)  # a sliding layer's room made (a step after the first)
         last = cache.layers[-1]
 
         def keys_only(layer: TieredLayer, keys: torch.Tensor, values: torch.Tensor, *args: object,

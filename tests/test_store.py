@@ -2362,14 +2362,18 @@ def test_a_model_without_a_kv_cache_is_refused(tiny_model):
                            llama.generate(ids, max_new_tokens=3, do_sample=False))
 
 
-def test_a_sliding_window_refusal_advises_sliding_window_none_only_where_it_helps(tiny_model):
-    # Where the config lists layer_types (Gemma 2), those decide the layers: the advice went round.
-    config = AutoConfig.for_model("gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=None)
-    with TieredStore(None, device="cpu", block_size=B) as store:
-        with pytest.raises(ValueError, match="sliding_attention") as info:
-            store.open(AutoModelForCausalLM.from_config(config).eval(), random_ids(6))
-        assert "sliding_window=None" not in str(info.value)
+def test_sliding_attention_layers_without_a_window_are_refused_saying_what_to_give(tiny_model):
+    # Gemma 2's layer_types name sliding layers whatever sliding_window says: None (or 0) there
+    # is no window to keep, for transformers' own caches either; a window of 1 they mishandle.
+    for window in (None, 0, 1):
+        config = AutoConfig.for_model("gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      sliding_window=window)
+        with TieredStore(None, device="cpu", block_size=B) as store:
+            with pytest.raises(ValueError, match=f"sliding_attention layers with sliding_window={window!r}; tierkv "
+                                                 "needs a window of at least 2 tokens"):
+                store.open(AutoModelForCausalLM.from_config(config).eval(), random_ids(6))
+            assert store.stats()["misses"] == 0
 
 
 def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
@@ -2385,8 +2389,6 @@ def test_bad_names_and_bad_models_raise_with_a_remedy(tiny_model):
             store.forget(session=3)
         with pytest.raises(TypeError, match="must be a str"):
             store.forget(tenant=3)
-        with pytest.raises(ValueError, match="sliding_window=None"):
-            store.open(tiny_model("mistral", sliding_window=16), ids)
         config = AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128)
         t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
         with pytest.raises(ValueError, match="decoder-only") as info:

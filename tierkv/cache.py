@@ -154,6 +154,7 @@ class ModelInfo:
     # Which sampled parameters the fingerprint read (its WeightSample's id) and their version
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
+    windows: tuple[int | None, ...] = ()
 
 
 @dataclass(slots=True)
@@ -188,6 +189,7 @@ class _Static:
     # prepare_inputs_for_generation describe_model keeps checked (_install_checked_prepare).
     prepare_classes: tuple[type, ...] = ()
     kv_dtype: torch.dtype | None = None  # see _kv_dtype
+    windows: tuple[int | None, ...] = ()
 
     def config_current(self, model: Any) -> bool:
         """Whether the fields the config digest covers are as they were when it was taken (a
@@ -230,6 +232,29 @@ def _declared_layer_types(text_config: Any) -> list[str]:
                  ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers)
     shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
     return types[: len(types) - shared] + ["dummy"] * shared
+
+
+def _windows(text_config: Any, layer_types: list[str]) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers' caches size it, or None for full attention."""
+    if "sliding_attention" not in layer_types:
+        return (None,) * len(layer_types)
+    per_layer = get_layer_types_and_kwargs(text_config)[1] if get_layer_types_and_kwargs is not None else []
+    windows: list[int | None] = []
+    for i, kind in enumerate(layer_types):
+        window = per_layer[i].get("sliding_window") if i < len(per_layer) else text_config.sliding_window
+        windows.append(_window(window) if kind == "sliding_attention" else None)
+    return tuple(windows)
+
+
+def _window(window: Any) -> int:
+    # A window of 1 (each token attending to itself alone): transformers' DynamicSlidingWindowLayer
+    # keeps every token then (its slice [-0:]) while its mask sizes say none, so plain generate
+    # itself computes no such model as it was trained.
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"the model's config has sliding_attention layers with sliding_window={window!r}; "
+                         "tierkv needs a window of at least 2 tokens (an int): give the window the checkpoint "
+                         "was trained with")
+    return window
 
 
 def _position_limit(text_config: Any) -> int | None:
@@ -424,6 +449,27 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _builds_sliding_masks(model: torch.nn.Module) -> bool:
+    """Whether the modeling code of a transformers model inside ``model`` builds sliding-window
+    masks (read from its module's source; False where no source can be read). A window is kept
+    by two hands in transformers: the mask, which windows every forward, and the cache's layer,
+    which drops what lies past the window after each forward; a model whose mask is causal alone
+    attends past its window in a forward of many tokens (a prefill), and within it after."""
+    for part in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
+        module = sys.modules.get(type(part).__module__)
+        if module is None:
+            continue
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError) as exc:
+            if raised_by_signal_handler(exc):
+                raise  # a SIGALRM timeout's, as the source was read: not a module without source
+            continue
+        if "create_sliding_window_causal_mask" in source:
+            return True
+    return False
+
+
 def _refuse_hidden_weights(model: torch.nn.Module) -> None:
     """Weights held outside the model's parameters, where the fingerprint cannot read them: torch's
     own quantised modules keep theirs packed in an opaque object. Two such models that differ only
@@ -613,12 +659,11 @@ def _static_facts(model: Any) -> _Static:
     declared = getattr(text_config, "layer_types", None)
     if isinstance(declared, (list, tuple)) and len(declared) == len(layer_types):
         layer_types = [d if t == "dummy" and d in ("mlp", "moe") else t for t, d in zip(layer_types, declared)]
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    # Sliding-window layers are served (TieredSlidingLayer); chunked attention (Llama 4's), whose
+    # mask restarts at each chunk, is not.
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other:
-        # With layer_types in the config, those name the layers' kinds whatever sliding_window says.
-        hint = (" (for a Mistral-like config whose checkpoint was trained without a window, set "
-                "sliding_window=None)" if "sliding_attention" in other and
-                getattr(text_config, "layer_types", None) is None else "")
+        hint = ""
         if {"mlp", "moe"} & set(other):
             hint += (" ('mlp' and 'moe' layers have no attention and hold no KV, so the cache's layers are not "
                      "the model's; tierkv supports models whose every layer holds its own KV)")
@@ -629,7 +674,15 @@ def _static_facts(model: Any) -> _Static:
                              "caches); tierkv supports decoder-only models whose every layer holds its own "
                              f"full-attention KV{_WITHOUT_TIERKV}")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
-                         f"full-attention layers only, for now{hint}{_WITHOUT_TIERKV}")
+                         f"full-attention and sliding-window layers only, for now{hint}{_WITHOUT_TIERKV}")
+    if "sliding_attention" in layer_types and not _builds_sliding_masks(model):
+        raise ValueError(f"{type(model).__name__}'s config names sliding_attention layers (sliding_window="
+                         f"{getattr(text_config, 'sliding_window', None)!r}), but its modeling code builds no "
+                         "sliding-window mask for them (transformers' create_sliding_window_causal_mask; Moshi "
+                         "builds a full causal one), or could not be read: transformers' own caches then keep its "
+                         "window only from its second forward on, so plain generate's output depends on how a "
+                         "conversation is fed and no restore can equal it. Set sliding_window=None in its config "
+                         "if the checkpoint attends to the whole conversation" + _WITHOUT_TIERKV)
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
     # model's, and its forward call the inner forward directly, without the wrapper's own hooks
     # (peft does both; so does torch.compile's module): the inner hook checks those forwards.
@@ -664,7 +717,7 @@ def _static_facts(model: Any) -> _Static:
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
     # Compared at every describe (_Static.config_current): a field edited on the live config
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
-    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample,
+    return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample, windows=_windows(text_config, layer_types),
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
                    positions_from_pad=any([hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()]),
@@ -1253,7 +1306,7 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
         h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, device=first.device, dtype=first.dtype,
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows, device=first.device, dtype=first.dtype,
                      kv_dtype=kv_dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
                      attention=attention, experts=experts, precision=precision, switches=switches, vocab=static.vocab,
@@ -1592,6 +1645,91 @@ class TieredLayer(DynamicLayer):
         super().reset()
 
 
+class TieredSlidingLayer(TieredLayer):
+    """A layer attending over a sliding window of ``sliding_window`` tokens (Mistral's, Gemma's
+    local layers, GPT-OSS's...): to attention it answers as transformers' ``DynamicSlidingWindowLayer``
+    does (the same mask sizes, and the keys and values of the window and the new tokens), but it
+    holds the whole conversation, as a full-attention layer does: ``commit`` stores every token's
+    KV of every layer, so that a later turn can restore any prefix, whose window is its last
+    tokens.
+
+    Its keys and values grow in room kept ahead (``_room``), where a ``DynamicLayer`` concatenates
+    its whole history at each step: a decode step then copies its new token alone, as the
+    window's own cache does, not the conversation. A view of the room is handed on and kept by
+    no one past its forward; a layer whose keys are no longer a view of the room (beams
+    reordered, a reset, autograd recording) takes ``DynamicLayer``'s path, and room again at the
+    next append without."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        before = self.get_seq_length()
+        appended = self._append(key_states, value_states)
+        keys, values = appended if appended is not None else super().update(key_states, value_states, *args, **kwargs)
+        # DynamicSlidingWindowLayer's: the window's last sliding_window - 1 tokens, then the new.
+        visible = min(before, self.sliding_window - 1) + key_states.shape[-2]
+        if visible >= keys.shape[-2]:
+            return keys, values
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values with the new tokens written into the room after them, or None for
+        ``DynamicLayer``'s concatenation: a restore still pending (its first forward has its own
+        path), an empty layer, tensors of another batch, dtype, device or head shape (beams
+        expanding a restored row; the refusals of a dtype not the store's), keys and values of
+        different lengths (a forward that raised between them), or autograd
+        recording (an in-place write into a tensor its graph saved)."""
+        keys, values = self._keys, self._values
+        if self._pending is not None or not self.is_initialized or keys is None or values is None \
+                or keys.dim() != 4 or values.dim() != 4 or not keys.numel() or torch.is_grad_enabled():
+            return None
+        n, q = keys.shape[-2], key_states.shape[-2]
+        if values.shape[-2] != n:  # a forward that raised between the two: DynamicLayer's path, as before
+            return None
+        for new, held in ((key_states, keys), (value_states, values)):
+            if new.dim() != 4 or new.shape[:2] != held.shape[:2] or new.shape[3] != held.shape[3] \
+                    or new.shape[2] != q or new.dtype != held.dtype or new.device != held.device:
+                return None
+        room = self._room
+        if room is None or not (_is_head_of(keys, room[0]) and _is_head_of(values, room[1])) \
+                or n + q > room[0].shape[-2] or (room[0].is_inference() and not torch.is_inference_mode_enabled()):
+            # Past the room (or none): room for a quarter more, at least 256 tokens, copied once.
+            size = n + q + max(256, (n + q) // 4)
+            room = (keys.new_empty((*keys.shape[:2], size, keys.shape[3])),
+                    values.new_empty((*values.shape[:2], size, values.shape[3])))
+            room[0][:, :, :n].copy_(keys)
+            room[1][:, :, :n].copy_(values)
+            self._room = room
+        room[0][:, :, n:n + q].copy_(key_states)
+        room[1][:, :, n:n + q].copy_(value_states)
+        self._keys, self._values = room[0][:, :, :n + q], room[1][:, :, :n + q]
+        return self._keys, self._values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        held = self.get_seq_length()
+        return min(held, self.sliding_window - 1) + query_length, max(held - self.sliding_window + 1, 0)
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        self._room = None
+        super().reset()
+
+
+def _is_head_of(tensor: torch.Tensor, room: torch.Tensor) -> bool:
+    """``tensor`` is ``room``'s first tokens, a view (what a crop or an append left)."""
+    return tensor.data_ptr() == room.data_ptr() and tensor.stride() == room.stride() \
+        and tensor.shape[:2] == room.shape[:2] and tensor.shape[3] == room.shape[3]
+
+
 # The forward arguments besides the ids that ``_check_inputs`` reads.
 _CHECKED_KWARGS = ("attention_mask", "position_ids", "inputs_embeds", "token_type_ids")
 # The tensor inputs of a forward whose effect on the KV the hook checks (ids, mask, positions),
@@ -1657,7 +1795,8 @@ class TieredCache(Cache):
                  session: str | None, tenant: str | None,
                  blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int],
                  model: torch.nn.Module | None = None, buffer: torch.Tensor | None = None) -> None:
-        layers = [TieredLayer() for _ in range(info.num_layers)]
+        windows = info.windows or (None,) * info.num_layers
+        layers = [TieredLayer() if w is None else TieredSlidingLayer(w) for w in windows]
         super().__init__(layers=layers)
         self._store = store
         self.model_info = info
@@ -1705,11 +1844,13 @@ class TieredCache(Cache):
             for i, layer in enumerate(layers):
                 layer.restore(i, restore)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, None]]:
-        """Each layer's keys and values, as ``DynamicCache`` yields them (no sliding window):
-        ``DynamicCache(cache)`` copies them out, e.g. to hand a turn's KV to code of its own."""
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Each layer's keys and values, and its sliding window (a tensor) or None, as
+        ``DynamicCache`` yields them: ``DynamicCache(cache)`` copies them out, e.g. to hand a
+        turn's KV to code of its own (its sliding layers then keep their window alone)."""
         for layer in self.layers:
-            yield layer.keys, layer.values, None
+            window = getattr(layer, "sliding_window", None)
+            yield layer.keys, layer.values, None if window is None else torch.tensor(window, dtype=torch.long)
 
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "

@@ -13,9 +13,9 @@ is the one line the reports print.
 
 Random models draw their token ids from ``[3, vocab)``: ids 0-2 are their pad, bos and eos
 (a family's own defaults, e.g. Phi-3's pad 32000, lie past a 4096-token vocabulary). A global
-sliding window is switched off (tierkv serves full attention; a checkpoint keeps its own, and
-tierkv refuses it at ``store.open`` with the reason); families whose layers alternate between
-sliding and full attention (``layer_types``) are left as they are, and refused the same way.
+sliding window is switched off (so that ``--arch mistral`` replays the full attention the other
+families do; a checkpoint keeps its own window); families whose layers alternate between sliding
+and full attention (``layer_types``) are left as they are.
 """
 
 from __future__ import annotations

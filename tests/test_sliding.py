@@ -1,0 +1,237 @@
+"""Sliding-window attention (Mistral's window, Gemma 2/3's and Cohere 2's local layers, GPT-OSS's,
+Qwen2's upper layers): the layers of a ``TieredCache`` answer attention as transformers'
+``DynamicSlidingWindowLayer`` does, whatever tier their prefix came from, while holding every
+token for ``commit``. Exactness through every tier, a restart and every generation mode is in
+test_exactness.py (``conftest.SLIDING`` is among its architectures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from conftest import SLIDING, VOCAB, make_model, random_ids
+from tierkv import TieredStore
+
+BLOCK = 8
+BUDGETS = {
+    "device": dict(device_budget="1GiB", host_budget="1GiB"),
+    "host": dict(device_budget=0, host_budget="1GiB"),
+    "disk": dict(device_budget=0, host_budget=0),
+}
+
+
+def _windows_of(model: torch.nn.Module) -> list[int]:
+    return [layer.sliding_window for layer in DynamicCache(config=model.config).layers
+            if isinstance(layer, DynamicSlidingWindowLayer)]
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_the_windows_change_these_models_outputs(tiny_model, arch: str) -> None:
+    """Guard: at the tests' sizes the window changes what the model computes, so that exactness
+    against plain generate shows the window kept, not merely a full attention that agrees."""
+    model = tiny_model(arch)
+    assert _windows_of(model) and set(_windows_of(model)) == {12}
+    ids = random_ids(40, seed=5)
+    with torch.no_grad():
+        windowed = model(ids, use_cache=False).logits
+        text = model.config.get_text_config(decoder=True)
+        text.sliding_window = 1000
+        try:
+            unwindowed = model(ids, use_cache=False).logits
+        finally:
+            text.sliding_window = 12
+    assert torch.equal(windowed[:, :12], unwindowed[:, :12])  # within the window: the same attention
+    assert (windowed[:, 20:] - unwindowed[:, 20:]).abs().max() > 1e-4
+
+
+def _recording(cache: Any) -> list[list[tuple[int, ...]]]:
+    """The shapes of the keys and values each layer's update hands attention, per call."""
+    seen: list[list[tuple[int, ...]]] = [[] for _ in cache.layers]
+    for i, layer in enumerate(cache.layers):
+        update = layer.update
+
+        def recorded(*args: Any, _update: Any = update, _i: int = i, **kwargs: Any) -> Any:
+            keys, values = _update(*args, **kwargs)
+            seen[_i].append((tuple(keys.shape), tuple(values.shape)))
+            return keys, values
+
+        layer.update = recorded
+    return seen
+
+
+@pytest.mark.parametrize("tier", list(BUDGETS))
+@pytest.mark.parametrize("arch", SLIDING)
+def test_sliding_layers_answer_attention_as_transformers_own_do(tiny_model, tmp_path: Path, arch: str,
+                                                                tier: str) -> None:
+    model = tiny_model(arch)
+    first = random_ids(29, seed=6)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS[tier]) as store:
+        cache = store.open(model, first, session="s")
+        out = model.generate(first, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        ids = torch.cat([out, random_ids(6, seed=7)], dim=1)
+        cache = store.open(model, ids, session="s")
+        r = cache.restored_tokens
+        assert r == out.shape[1] - 1 and cache.restored_from[tier] == r
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :r], past_key_values=plain)
+        assert cache.is_sliding == plain.is_sliding and True in cache.is_sliding
+        seen, seen_plain = _recording(cache), _recording(plain)
+        # The turn's new tokens, decode steps past the window's edge, then a chunk longer than it.
+        feeds = [ids[:, r:], *[random_ids(1, seed=20 + k) for k in range(3)], random_ids(15, seed=30)]
+        for feed in feeds:
+            q = feed.shape[1]
+            sizes = [cache.get_mask_sizes(q, i) for i in range(len(cache.layers))]
+            assert sizes == [plain.get_mask_sizes(q, i) for i in range(len(plain.layers))]
+            with torch.no_grad():
+                logits = model(feed, past_key_values=cache).logits
+                expected = model(feed, past_key_values=plain).logits
+            torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+            assert cache.get_seq_length() == plain.get_seq_length()
+        assert seen == seen_plain  # the same keys and values, window for window
+        # Each layer holds the whole conversation for commit; a sliding one's window is its tail.
+        held = cache.get_seq_length()
+        for layer, plain_layer in zip(cache.layers, plain.layers):
+            assert layer.keys.shape[-2] == held
+            n = plain_layer.keys.shape[-2]
+            assert n == (min(held, plain_layer.sliding_window - 1) if plain_layer.is_sliding else held)
+            torch.testing.assert_close(layer.keys[:, :, -n:], plain_layer.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(layer.values[:, :, -n:], plain_layer.values, rtol=0, atol=1e-5)
+
+
+def test_dynamic_cache_of_a_tiered_cache_keeps_the_windows(tiny_model, tmp_path: Path) -> None:
+    model = tiny_model("gemma3_text")
+    ids = random_ids(30, seed=8)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(4, seed=9)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        with torch.no_grad():
+            model(nxt[:, cache.restored_tokens:-1], past_key_values=cache)
+        copy = DynamicCache(cache)
+        assert [type(layer) for layer in copy.layers] == [DynamicSlidingWindowLayer, type(copy.layers[1])]
+        assert copy.layers[0].sliding_window == 12 and copy.layers[0].keys.shape[-2] == 11
+        assert copy.get_seq_length() == cache.get_seq_length() == nxt.shape[1] - 1
+        torch.testing.assert_close(copy.layers[0].keys, cache.layers[0].keys[:, :, -11:], rtol=0, atol=0)
+        # Generation goes on from the copy exactly.
+        got = model.generate(nxt, past_key_values=copy, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("window", [2, 5, 8, 9, 64])
+def test_windows_shorter_than_a_block_or_longer_than_the_conversation_are_exact(tmp_path: Path, window: int) -> None:
+    model = make_model("mistral_window", sliding_window=window)
+    ids = random_ids(21, seed=10)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        for turn in range(3):
+            cache = store.open(model, ids, session="w")
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+            assert torch.equal(out, model.generate(ids, max_new_tokens=5, do_sample=False)), (window, turn)
+            assert cache.restored_tokens == (0 if turn == 0 else ids.shape[1] - 5)
+            cache.commit(out)
+            ids = torch.cat([out, random_ids(4, seed=11 + turn)], dim=1)
+
+
+def test_chunked_attention_is_refused_naming_its_layers() -> None:
+    """Llama 4's chunked attention restarts its mask at each chunk: not a window tierkv serves."""
+    config = AutoConfig.for_model("llama4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with TieredStore(None, device="cpu", block_size=BLOCK) as store:
+        with pytest.raises(ValueError, match=r"\['chunked_attention'\] layers; tierkv supports decoder-only models "
+                                             "with full-attention and sliding-window layers only"):
+            store.open(model, random_ids(20))
+        assert store.stats()["misses"] == 0
+
+
+def _turn_two(model: torch.nn.Module, tmp_path: Path, store: TieredStore) -> tuple[Any, torch.Tensor]:
+    """A second turn's cache (its prefix restored from the host tier) and its ids."""
+    ids = random_ids(30, seed=12)
+    cache = store.open(model, ids, session="r")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    cache.commit(out)
+    nxt = torch.cat([out, random_ids(5, seed=13)], dim=1)
+    return store.open(model, nxt, session="r"), nxt
+
+
+def test_decode_steps_write_into_room_kept_ahead_not_a_copy_of_the_conversation(tiny_model, tmp_path: Path) -> None:
+    """A sliding layer holds the whole conversation (for commit): concatenated at each step as a
+    DynamicLayer does, a decode step copied all of it, where the window's own cache copies a
+    window (decode 1.3-1.5x DynamicCache's at 2,048 tokens and a 256-token window)."""
+    model = tiny_model("gemma3_text")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache, nxt = _turn_two(model, tmp_path, store)
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :cache.restored_tokens], past_key_values=plain)
+            feeds = [nxt[:, cache.restored_tokens:], *[random_ids(1, seed=40 + k) for k in range(6)]]
+            places = []
+            for feed in feeds:
+                torch.testing.assert_close(model(feed, past_key_values=cache).logits,
+                                           model(feed, past_key_values=plain).logits, rtol=0, atol=1e-5)
+                places.append(cache.layers[0].keys.data_ptr())
+        # The first step after the turn's forward makes the room; every later one writes into it.
+        assert len(set(places[1:])) == 1 and cache.layers[0]._room is not None
+        assert cache.layers[0].keys.data_ptr() == cache.layers[0]._room[0].data_ptr()
+        assert cache.layers[1]._keys.data_ptr() != places[-1]  # the full-attention layer: DynamicLayer's own
+        cache.reset()
+        assert cache.layers[0]._room is None  # let go of with the KV
+
+
+@pytest.mark.parametrize("modes", [("grad", "no_grad", "grad"), ("inference", "no_grad", "inference", "no_grad")])
+def test_room_kept_ahead_under_autograd_and_inference_mode_as_dynamic_cache(tiny_model, tmp_path: Path,
+                                                                             modes: tuple[str, ...]) -> None:
+    """Autograd recording takes DynamicLayer's concatenation (an in-place write into a tensor its
+    graph saved fails backward), and room made under inference_mode is made again outside it
+    (torch refuses in-place writes into inference tensors there)."""
+    model = tiny_model("mistral_window")
+    contexts = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache, nxt = _turn_two(model, tmp_path, store)
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :cache.restored_tokens], past_key_values=plain)
+            model(nxt[:, cache.restored_tokens:], past_key_values=plain)
+            model(nxt[:, cache.restored_tokens:], past_key_values=cache)
+        for k, mode in enumerate([m for m in modes for _ in range(2)]):
+            feed = random_ids(1 + k % 2, seed=50 + k)
+            with contexts[mode]():
+                logits = model(feed, past_key_values=cache).logits
+                if mode == "grad":
+                    logits.sum().backward(retain_graph=True)  # through the window's keys and values
+            with torch.no_grad():
+                expected = model(feed, past_key_values=plain).logits
+            torch.testing.assert_close(logits.detach(), expected, rtol=0, atol=1e-5)
+        assert cache.get_seq_length() == plain.get_seq_length()
+
+
+def test_a_model_whose_masks_ignore_its_window_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moshi's config names a window (every layer sliding for transformers' caches) while its
+    forward builds a causal mask alone: its prefill attends past the window, its decode steps
+    within it, so plain generate's own output depends on how a conversation is fed (the
+    architecture sweep found tierkv's turn 1 differing from plain's). Refused at open, as is a
+    model whose modeling source cannot be read to tell."""
+    from benchmarks.arch_sweep import build
+
+    moshi = build("moshi")
+    with TieredStore(None, device="cpu", block_size=BLOCK) as store:
+        with pytest.raises(ValueError, match="MoshiForCausalLM's config names sliding_attention layers "
+                                             r"\(sliding_window=16\), but its modeling code builds no sliding-window "
+                                             "mask") as info:
+            store.open(moshi, random_ids(20))
+        assert "Set sliding_window=None" in str(info.value)
+        monkeypatch.setattr("inspect.getsource", lambda _: (_ for _ in ()).throw(OSError("no source")))
+        with pytest.raises(ValueError, match="or could not be read"):
+            store.open(make_model("mistral_window", seed=3), random_ids(20))
+        monkeypatch.undo()
+        store.open(make_model("mistral_window", seed=3), random_ids(20))
+        assert store.stats()["misses"] == 20
