@@ -109,6 +109,43 @@ def test_remove_returns_meta_and_clears_children() -> None:
     assert idx.remove(key(2)) is None
 
 
+def test_a_parent_of_one_continuation_holds_its_key_alone_and_again_when_one_is_left() -> None:
+    # Memory (h110): nearly every block is its parent's only continuation, and a dict by first
+    # token and a set for it took 400 B a block. The key held is the block's own bytes.
+    idx = Index()
+    a, b, c = meta(1, ids=[7, 8]), meta(2, ids=[9, 1]), meta(3, ids=[7, 2])
+    idx.add(a)
+    assert idx._children == {ROOT: key(1)} and idx._children[ROOT] is a.key
+    assert children(idx, ROOT, 7) == {key(1)} and children(idx, ROOT, 8) == set()
+    assert [m.key for m in idx.all_children(ROOT)] == [key(1)]
+    idx.add(a)  # again: nothing changes
+    assert idx._children[ROOT] is a.key
+    idx.add(b)
+    idx.add(c)
+    assert idx._children == {ROOT: {7: {key(1), key(3)}, 9: {key(2)}}}
+    assert children(idx, ROOT, 7) == {key(1), key(3)} and children(idx, ROOT, 9) == {key(2)}
+    idx.remove(key(1))
+    assert idx._children == {ROOT: {7: {key(3)}, 9: {key(2)}}}
+    idx.remove(key(2))
+    assert idx._children == {ROOT: key(3)} and idx._children[ROOT] is c.key
+    assert children(idx, ROOT, 7) == {key(3)} and {m.key for m in idx.all_children(ROOT)} == {key(3)}
+    idx.add(b)
+    assert children(idx, ROOT, 9) == {key(2)} and children(idx, ROOT, 7) == {key(3)}
+    idx.remove(key(3))
+    idx.remove(key(2))
+    assert idx._children == {}
+
+
+def test_blocks_of_one_size_share_one_int_for_it() -> None:
+    # Memory (h110): each block computed its own two sizes, 56 B a block.
+    idx = Index()
+    a, b = meta(1, nbytes=1000, record_bytes=5000), meta(2, nbytes=int("1000"), record_bytes=int("5000"))
+    assert b.nbytes is not a.nbytes
+    idx.add(a)
+    idx.add(b)
+    assert b.nbytes is a.nbytes and b.record_bytes is a.record_bytes and b.nbytes == 1000
+
+
 def _shared(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -591,12 +628,12 @@ def _in_step(idx: Index) -> None:
         assert set(idx.lru[tier]) == {m.key for m in here}, tier
         size = (lambda m: m.record_bytes) if tier is Tier.DISK else (lambda m: m.nbytes)
         assert idx.bytes[tier] == sum(size(m) for m in here), tier
-    assert all(k in idx.blocks for by_first in idx._children.values() for keys in by_first.values() for k in keys)
+    assert all(k in idx.blocks for held in idx._children.values() for keys in idx._by_first(held).values() for k in keys)
     assert all(k in idx.blocks and idx.blocks[k].tenant == t for t, keys in idx._tenants.items() for k in keys)
     from tierkv.hashing import token_bytes
     for (parent, first), ordered in idx._ordered.items():
         assert all(k in idx.blocks for k in ordered)
-        assert set(idx._children.get(parent, {}).get(first, ())) <= set(ordered)
+        assert set(idx._by_first(idx._children.get(parent)).get(first, ())) <= set(ordered)
         tokens = [token_bytes(idx.blocks[k].token_ids) for k in ordered]
         assert tokens == sorted(tokens)
     assert all(k in idx.blocks for info in idx.sessions.values() for k in info.keys)

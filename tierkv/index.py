@@ -107,7 +107,11 @@ class Index:
         self.lru: dict[Tier, OrderedDict[bytes, None]] = {t: OrderedDict() for t in Tier}
         self.bytes: dict[Tier, int] = {t: 0 for t in Tier}
         self.disk_peak = 0  # the most of ``bytes[Tier.DISK]`` at any moment
-        self._children: dict[bytes, dict[int, set[bytes]]] = {}
+        # parent -> its continuations by first token; a parent of one continuation holds that
+        # block's key alone (``meta.key`` itself, not a copy): nearly every block is its parent's
+        # only continuation, and a dict and a set for it took 400 B a block (a quarter of the
+        # index's memory at 10^5 blocks).
+        self._children: dict[bytes, bytes | dict[int, set[bytes]]] = {}
         # The buckets of ``_children`` that reached ``ORDERED_FROM`` keys, by (parent, first
         # token): their keys (and, where another signal's handler cut an add or a removal short,
         # that one too) sorted by their blocks' token bytes, until none is left. In a list sorted
@@ -118,6 +122,9 @@ class Index:
         # every block of every tenant to find one tenant's (10 ms at 100,000 blocks, a forget of
         # a tenant of a few blocks as of one of thousands).
         self._tenants: dict[str | None, dict[bytes, None]] = {}
+        # One int object for each size blocks have (a full block's, a tail's of each length):
+        # each block computed its own two, 56 B a block.
+        self._sizes: dict[int, int] = {}
 
     def _tokens_of(self, key: bytes) -> bytes:
         return token_bytes(self.blocks[key].token_ids)
@@ -127,10 +134,21 @@ class Index:
         """Index a block; ``ordered=False``: its bucket's order is left to ``order()`` (a reopen's
         adds, in last-use order: inserted one at a time, the keys a bucket held were moved with each,
         6.8 us an add at 10,000 continuations of one block, 52 us at 300,000)."""
+        meta.nbytes = self._sizes.setdefault(meta.nbytes, meta.nbytes)
+        meta.record_bytes = self._sizes.setdefault(meta.record_bytes, meta.record_bytes)
         self.blocks[meta.key] = meta
         self._tenants.setdefault(meta.tenant, {})[meta.key] = None
         first = int(meta.token_ids[0])
-        keys = self._children.setdefault(meta.parent, {}).setdefault(first, set())
+        held = self._children.get(meta.parent)
+        if held is None and ORDERED_FROM > 1:
+            self._children[meta.parent] = meta.key
+            return
+        if isinstance(held, bytes):
+            if held == meta.key:
+                return
+            # One assignment: a cut before it leaves the lone key, after it the same key in a bucket.
+            self._children[meta.parent] = held = {self._first_of(held): {held}}
+        keys = (held if held is not None else self._children.setdefault(meta.parent, {})).setdefault(first, set())
         if meta.key not in keys and ordered:
             # Ordered before the bucket takes it: a cut between the two leaves a key in the order
             # that the bucket lacks, which ``remove`` still finds there, never one in the bucket
@@ -145,8 +163,8 @@ class Index:
     def order(self) -> None:
         """Order the buckets that reached ``ORDERED_FROM`` keys whose adds left it (``add(...,
         ordered=False)``), one sort each."""
-        for parent, by_first in self._children.items():
-            for first, keys in by_first.items():
+        for parent, held in self._children.items():
+            for first, keys in self._by_first(held).items():
                 held = self._ordered.get((parent, first), [])
                 if len(keys) >= ORDERED_FROM and not keys <= set(held):
                     self._ordered[(parent, first)] = sorted({*keys, *held}, key=self._tokens_of)
@@ -164,7 +182,10 @@ class Index:
         self.set_disk(meta, DiskState.NONE)
         by_first = self._children.get(meta.parent)
         first = int(meta.token_ids[0])
-        if by_first is not None:
+        if isinstance(by_first, bytes):
+            if by_first == key:
+                del self._children[meta.parent]
+        elif by_first is not None:
             keys = by_first.get(first)
             if keys is not None:
                 keys.discard(key)
@@ -172,6 +193,13 @@ class Index:
                     del by_first[first]
             if not by_first:
                 del self._children[meta.parent]
+            elif len(by_first) == 1 and ORDERED_FROM > 1:
+                # Back to the lone key once one is left (a session's tail replaced by a longer one
+                # left every such parent with a dict and a set for good).
+                (left,) = by_first.values()
+                if len(left) == 1:
+                    (only,) = left
+                    self._children[meta.parent] = only
         # After the bucket, as ``add`` orders a key before it: the order holds every key its
         # bucket does (a cut leaves it one more, found by the removal done again).
         ordered = self._ordered.get((meta.parent, first))
@@ -192,8 +220,19 @@ class Index:
         return meta
 
     def children(self, parent: bytes, first_token: int) -> Iterator[BlockMeta]:
-        for key in self._children.get(parent, {}).get(first_token, ()):
+        for key in self._by_first(self._children.get(parent)).get(first_token, ()):
             yield self.blocks[key]
+
+    def _first_of(self, key: bytes) -> int:
+        return int(self.blocks[key].token_ids[0])
+
+    def _by_first(self, held: bytes | dict[int, set[bytes]] | None) -> dict[int, set[bytes]] | dict[int, tuple[bytes]]:
+        """A parent's ``_children`` entry as continuations by first token (a lone key as one)."""
+        if held is None:
+            return {}
+        if isinstance(held, bytes):
+            return {self._first_of(held): (held,)}
+        return held
 
     def _unorder(self, ordered: list[bytes], meta: BlockMeta) -> None:
         tokens = token_bytes(meta.token_ids)
@@ -262,7 +301,7 @@ class Index:
 
     def all_children(self, parent: bytes) -> list[BlockMeta]:
         """Every stored continuation of ``parent``, whatever its first token."""
-        return [self.blocks[key] for keys in self._children.get(parent, {}).values() for key in keys]
+        return [self.blocks[key] for keys in self._by_first(self._children.get(parent)).values() for key in keys]
 
     # -- placement ----------------------------------------------------------------------------
     def set_resident(self, meta: BlockMeta, tier: Tier | None) -> None:
