@@ -1763,6 +1763,33 @@ def test_reopen_rebuilds_the_index_in_last_use_order(tiny_model, tmp_path):
             verify_generate(model, ids, cache, 1)
 
 
+def test_the_index_holds_each_key_and_tenant_once_live_and_after_a_reopen(tiny_model, tmp_path):
+    # Memory (h110): a turn's chain of keys is a copy of every key the index held, and a reopen
+    # decoded each block's parent key, tenant and key (the disk tier's place of it) once more: a
+    # block's parent, its tenant and the disk tier's map share the index's own objects.
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+
+    def shared(store: TieredStore) -> None:
+        blocks = store._index.blocks
+        with_parents = [m for m in blocks.values() if m.parent in blocks]
+        assert len(with_parents) >= 4
+        assert all([m.parent is blocks[m.parent].key for m in with_parents])
+        assert len({id(m.tenant) for m in blocks.values()}) == 1
+        assert len(store._disk._where) == len(blocks)
+        assert all([k is blocks[k].key for k in store._disk._where])
+
+    ids = cat(random_ids(2 * B + 3, 40))
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        for t in range(3):
+            _, out = turn(store, model, ids, session="s", tenant="acme", new=2)
+            ids = cat(out, random_ids(B, 41 + t))
+        store.flush()
+        shared(store)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        shared(store)
+
+
 def test_a_store_written_without_heads_reopens_whole_and_gains_them(tiny_model, tmp_path):
     # Stores written before heads existed: every block is found from its record, restores
     # exactly, and is given a head, so that the next reopen reads no record.

@@ -1508,7 +1508,9 @@ class TieredStore:
                             break
                         if ref is not None and meta.disk is not DiskState.NONE:
                             referenced.add(key)
-                    parent = key
+                    # The index's own bytes: the next block's ``parent`` then shares them (this
+                    # turn's chain is a copy of every key it already held).
+                    parent = meta.key
             finally:
                 # Handed over first, in one C call: a handler raising at a later point of this
                 # cleanup left the commit's blocks pinned for good (never evicted again).
@@ -2575,8 +2577,13 @@ class TieredStore:
         # Stamps and sequence numbers come from one clock: a block never used since its commit
         # ranks by its commit.
         order = sorted(scan.headers, key=lambda hs: (scan.atime.get(hs[0].key, hs[0].seq), hs[0].seq))
+        # Each header decoded a parent key and a tenant of its own: a block's parent shares its
+        # parent's key, and a tenant's blocks one name (98 B a block).
+        own_key = {header.key: header.key for header, _ in scan.headers}
+        tenant_of: dict[str | None, str | None] = {}
         for header, size in order:
-            meta = BlockMeta(key=header.key, parent=header.parent, tenant=header.tenant,
+            meta = BlockMeta(key=header.key, parent=own_key.get(header.parent, header.parent),
+                             tenant=tenant_of.setdefault(header.tenant, header.tenant),
                              token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),
                              nbytes=header.payload_nbytes, record_bytes=self._disk.footprint_of(header, size))
             if meta.n_tokens == 0:

@@ -1663,7 +1663,7 @@ class DiskTier:
                         header, size, offset = index_entry.decode(head)
                         result.headers.append((_under(key, header), size))
                         if offset != OFFSET_UNKNOWN and offset + size <= used:
-                            self._where[key] = (offset, size)
+                            self._where[header.key] = (offset, size)  # the index's key, not a copy
                         continue
                     except CorruptRecord:
                         pass
