@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.index import BlockMeta, DiskState, Index, SessionInfo, Tier
+from tierkv.index import NO_SESSIONS, BlockMeta, DiskState, Index, SessionInfo, Tier
 
 ROOT = b"R" * 16
 
@@ -57,7 +57,7 @@ def test_block_meta_defaults() -> None:
     assert m.disk is DiskState.NONE
     assert m.sessions == set()
     assert m.n_tokens == 3
-    assert meta(2).sessions is not m.sessions
+    assert meta(2).sessions is m.sessions is NO_SESSIONS  # immutable: changed by replacing it (h110)
 
 
 def test_add_does_not_place() -> None:
@@ -600,6 +600,40 @@ def test_unref_drops_both_sides() -> None:
     assert b.sessions == {b"s1"}
     assert idx.sessions[b"s1"].keys == {key(2)}
     assert idx.ref(b"s1", None, "alice", a) is True  # a dropped reference can be made again
+
+
+def test_the_blocks_of_one_session_share_one_frozen_set_of_it_and_several_sessions_a_set() -> None:
+    # Memory (h110): a set of its sessions each took 216 B a block, and nearly every block is one
+    # session's. Shared, it is never changed in place: a second session makes a set of its own.
+    idx = Index()
+    a, b, c = meta(1), meta(2), meta(3)
+    for m in (a, b, c):
+        idx.add(m)
+    idx.ref(b"s1", None, "alice", a)
+    idx.ref(b"s1", None, "alice", b)
+    alone = idx.sessions[b"s1"].alone
+    assert alone == {b"s1"} and a.sessions is alone and b.sessions is alone
+    idx.ref(b"s2", None, "bob", a)
+    assert a.sessions == {b"s1", b"s2"} and isinstance(a.sessions, set)
+    assert b.sessions is alone and alone == {b"s1"}
+    idx.ref(b"s3", None, "carol", a)
+    assert a.sessions == {b"s1", b"s2", b"s3"}
+    idx.unref(b"s2", a)
+    assert a.sessions == {b"s1", b"s3"} and b.sessions is alone and alone == {b"s1"}
+    idx.unref(b"s3", c)  # a block that does not name it: unchanged, not copied
+    assert c.sessions is NO_SESSIONS
+    idx.unref(b"s1", b)
+    assert b.sessions is NO_SESSIONS and idx.sessions[b"s1"].keys == {key(1)}
+    idx.unname(a, b"s3")
+    idx.unname(a, b"s3")
+    assert a.sessions == {b"s1"}
+    idx.unname(a, b"s1")
+    assert a.sessions is NO_SESSIONS
+    idx.ref(b"s2", None, "bob", b)
+    idx.unname(b, b"s1")  # another session's: unchanged
+    assert b.sessions is idx.sessions[b"s2"].alone and idx.sessions[b"s2"].alone == {b"s2"}
+    idx.unname(b, b"s2")
+    assert b.sessions is NO_SESSIONS and NO_SESSIONS == frozenset()
 
 
 def test_sessions_do_not_affect_placement() -> None:

@@ -2029,7 +2029,7 @@ class TieredStore:
         self._hollow.add(sid)
         keys = list(info.keys)
         for key in keys:
-            blocks[key].sessions.discard(sid)
+            self._index.unname(blocks[key], sid)
         self._owed.drop_refs(sid)  # a retry would write none of them
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
@@ -2692,7 +2692,7 @@ class TieredStore:
             meta = self._index.blocks.get(key)
             if meta is None:
                 continue
-            meta.sessions.discard(sid)
+            self._index.unname(meta, sid)
             if not meta.sessions:
                 dropped.append(key)  # twice where a cut fell before its drop: harmless
                 if meta.n_tokens < self.block_size:
