@@ -119,7 +119,7 @@ def main() -> None:
         # writes through the map when it reuses them. Reopened once the filesystem filled.
         tier = DiskTier(path, 1 << 30, 8)
         tier.apply([put(i) for i in range(1, 41)])
-        doomed = [tier._where[key(i)] for i in range(1, 31)]
+        doomed = [tier._place(key(i)) for i in range(1, 31)]
         tier.apply([DeleteBlocks([key(i) for i in range(1, 31)])])
         tier.apply([Touch({key(40): 1})])  # the transaction after: the delete's pages free for reuse
         tier.close()

@@ -707,10 +707,15 @@ def test_scan_reads_the_heads_not_the_records(tmp_path: pathlib.Path) -> None:
         assert torch.equal(loaded, block_tensor(7, shape=BIG))
 
 
+def places(tier: DiskTier) -> dict[bytes, tuple[int, int]]:
+    """Where the tier knows each record lies: key -> (offset, length)."""
+    return {k: tier._place(k) for k in tier._where}
+
+
 def records_where_heads_say(tier: DiskTier, path: pathlib.Path) -> dict[bytes, bytes]:
     """Each block's bytes read from the file at the offset its head keeps, by plain file I/O."""
     data = (path / "data.mdb").read_bytes()
-    return {k: data[offset:offset + length] for k, (offset, length) in tier._where.items()}
+    return {k: data[offset:offset + length] for k, (offset, length) in places(tier).items()}
 
 
 def test_heads_know_where_each_record_lies_in_the_file(tmp_path: pathlib.Path,
@@ -738,12 +743,24 @@ def test_heads_know_where_each_record_lies_in_the_file(tmp_path: pathlib.Path,
         tier.close()
 
 
+def test_a_records_place_is_kept_as_one_int_and_read_back_whole(disk: DiskTier) -> None:
+    # Memory (h110): a tuple of two ints took 112 B a block, one int 36; a place past 4 GiB and a
+    # length past 4 GiB (none is; LMDB's values are below it) read back as they were.
+    assert disk.apply([put_op(1, block_tensor(1)), put_op(2, block_tensor(2))]) == [None, None]
+    assert [type(place) for place in disk._where.values()] == [int, int]
+    offset, length = disk._place(key(1))
+    assert disk._where[key(1)] == offset << disk_module._LENGTH_BITS | length and 0 < length < 1 << 20
+    assert disk._place(key(3)) is None
+    disk._where[key(3)] = (5 << 40) + 7 << disk_module._LENGTH_BITS | (1 << 39) + 3
+    assert disk._place(key(3)) == ((5 << 40) + 7, (1 << 39) + 3)
+
+
 def test_prefetch_reads_the_records_before_load(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "store"
     data = cold_store(path, range(1, 17))
     with opened(path) as tier:
         tier.scan()
-        where = dict(tier._where)
+        where = places(tier)
         wanted, others = [key(n) for n in range(1, 17, 2)], [key(n) for n in range(2, 17, 2)]
         assert all(resident_share(data, *where[k]) < 0.5 for k in wanted)  # opening read little of them
         tier.prefetch([*wanted, key(99)])  # an unknown block is skipped
@@ -779,7 +796,7 @@ def test_prefetch_asks_no_readahead_of_records_the_page_cache_holds(tmp_path: pa
     data = cold_store(path, range(1, 4))
     with opened(path) as tier:
         tier.scan()
-        where = dict(tier._where)
+        where = places(tier)
         assert tier.load(key(1), empty)[1].equal(block_tensor(1, shape=BIG))  # now cached, every page
         assert resident_share(data, *where[key(1)]) == 1
         assert ctypes.string_at(tier._map_start + where[key(2)][0], 1)  # one page of key 2 (MADV_RANDOM)
@@ -830,7 +847,7 @@ def test_prefetch_asks_the_page_cache_once_a_run_of_records_lying_together(tmp_p
         asked.clear()
         tier.prefetch([key(n) for n in range(1, 9)])
         assert len(asked) == 1
-        first = min(tier._where[key(n)][0] for n in range(1, 9)) // tier.page_size * tier.page_size
+        first = min(tier._place(key(n))[0] for n in range(1, 9)) // tier.page_size * tier.page_size
         assert asked[0][0] == tier._map_start + first
         for n in range(1, 9):
             assert tier.load(key(n), empty)[1].equal(block_tensor(n, shape=BIG))
@@ -846,7 +863,7 @@ def test_prefetch_counts_the_oss_pages_where_lmdbs_differ(tmp_path: pathlib.Path
     cold_store(path, range(1, 9))  # one transaction: its records lie in a row, one run
     with opened(path) as tier:
         tier.scan()
-        where = dict(tier._where)
+        where = places(tier)
         assert tier.load(key(1), empty)[1].equal(block_tensor(1, shape=BIG))  # now cached, every page
         asked = readahead_asked(monkeypatch, tier)
         monkeypatch.setattr(tier, "page_size", int(disk_module.vm.PAGE * ratio))
@@ -1069,7 +1086,7 @@ def test_a_deleted_cold_record_is_zeroed_in_the_file_without_being_read(tmp_path
     data = cold_store(path, (1, 2, 3), zeroing=True)
     with opened(path) as tier:
         tier.scan()
-        offset, length = tier._where[key(2)]
+        offset, length = tier._place(key(2))
         allocated = os.stat(data).st_blocks * 512
         tier.apply([DeleteBlocks([key(2)])])
         tier.sync()
@@ -1088,7 +1105,7 @@ def test_a_deleted_record_is_zeroed_in_place_where_cached_and_in_the_file_elsewh
     data = cold_store(path, (1, 2, 3), zeroing=True)
     with opened(path) as tier:
         tier.scan()
-        offset, length = tier._where[key(2)]
+        offset, length = tier._place(key(2))
         page = tier.page_size
         first, last = -(-offset // page) * page, (offset + length) // page * page
         middle = (first + last) // 2 // page * page
@@ -1110,7 +1127,7 @@ def test_a_deleted_record_is_zeroed_whatever_the_os_can_tell_or_do(tmp_path: pat
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
-        offset, length = tier._where[key(2)]
+        offset, length = tier._place(key(2))
         if os_says == "mincore fails":
             monkeypatch.setattr(disk_module.vm, "resident", lambda start, length: None)
         elif os_says == "zero_range fails":  # on pages it says are not cached (tmpfs, say)
@@ -1134,7 +1151,7 @@ def test_a_retried_batch_does_not_zero_a_record_again(tmp_path: pathlib.Path,
     data = cold_store(path, (1, 2, *range(10, 60)), zeroing=True)
     with opened(path) as tier:
         tier.scan()
-        offset, length = tier._where[key(1)]
+        offset, length = tier._place(key(1))
         put_records, failed = DiskTier._put_records, []
 
         def full_once(self, txn, run, batch):
@@ -1161,9 +1178,9 @@ def test_a_record_written_again_leaves_no_copy_of_the_old_one(tmp_path: pathlib.
     path = tmp_path / "store"
     with opened(path) as tier:
         tier.apply([big_op(1)])
-        old = tier._where[key(1)]
+        old = tier._place(key(1))
         tier.apply([put_op(1, block_tensor(5, shape=BIG))])  # the same key, other bytes
-        assert tier._where[key(1)] != old
+        assert tier._place(key(1)) != old
         tier.sync()
         with open(path / "data.mdb", "rb") as f:
             f.seek(old[0])
@@ -1202,7 +1219,7 @@ def test_an_evicted_record_is_zeroed_once_the_next_transaction_commits(tmp_path:
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
-        where = tier._where[key(2)]
+        where = tier._place(key(2))
         written = record_bytes_at(path / "data.mdb", where)
         assert tier.apply([DeleteBlocks([key(2)], evicted=True), big_op(4)]) == [None, None]
         assert raw_get(tier, b"blocks", key(2)) is None and raw_get(tier, b"heads", key(2)) is None
@@ -1227,7 +1244,7 @@ def test_a_transaction_that_reuses_no_page_zeroes_every_eviction_before_it_commi
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
-        evicted, forgotten = tier._where[key(2)], tier._where[key(3)]
+        evicted, forgotten = tier._place(key(2)), tier._place(key(3))
         eviction = DeleteBlocks([key(2)], evicted=True)
         if evicted_in == "an earlier transaction":
             tier.apply([eviction, big_op(4)])
@@ -1319,7 +1336,7 @@ from tests.test_tiers import big_op, key
 from tierkv.tiers.disk import DeleteBlocks, DiskTier
 tier = DiskTier({path!r}, budget=1 << 30, block_size=4)
 assert tier.apply([big_op(1), big_op(2), big_op(3)]) == [None] * 3
-print(*tier._where[key(2)], flush=True)
+print(*tier._place(key(2)), flush=True)
 tier.apply([DeleteBlocks([key(2)], evicted=True), big_op(4)])
 os._exit(0)  # a crash before the next transaction
 """
@@ -1351,7 +1368,7 @@ def test_a_ledger_that_cannot_be_trusted_zeroes_nothing(tmp_path: pathlib.Path, 
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2)]) == [None, None]
-        where = tier._where[key(1)]
+        where = tier._place(key(1))
         with tier.env.begin(write=True) as txn:
             value = b"\xc1" if row == "damaged" else msgpack.packb({"txn": txn.id(), "ranges": [list(where)]})
             txn.put(b"unzeroed", value, db=tier._meta)
@@ -1369,7 +1386,7 @@ def test_a_ledger_row_is_finished_at_reopen_only_if_no_transaction_committed_aft
     path = tmp_path / "store"
     with opened(path) as tier:
         assert tier.apply([big_op(1), big_op(2)]) == [None, None]
-        where = tier._where[key(2)]
+        where = tier._place(key(2))
         with tier.env.begin(write=True) as txn:  # deleted without zeroing, the ledger naming it
             txn.delete(key(2), db=tier._blocks)
             txn.delete(key(2), db=tier._heads)
@@ -1434,7 +1451,7 @@ def test_a_timeout_as_a_main_threads_apply_notes_its_writes_or_zeroes_evictions_
             a, b, c = (len(stored) + n for n in (1, 2, 3))
             stored.extend([a, b, c])
             assert tier.apply([big_op(a), big_op(b)]) == [None, None]
-            evicted[:] = [(key(a), tier._where[key(a)]), (key(b), tier._where[key(b)])]
+            evicted[:] = [(key(a), tier._place(key(a))), (key(b), tier._place(key(b)))]
             assert tier.apply([DeleteBlocks([key(a), key(b)], evicted=True), big_op(c)]) == [None, None]
             assert tier.apply([]) == []  # no block write: the evicted records are zeroed now
             return contextlib.nullcontext()
@@ -1510,7 +1527,7 @@ def test_a_timeout_as_a_scan_reads_a_session_row_or_the_ledger_is_raised(tmp_pat
     original = tmp_path / "original"
     with opened(original) as tier:
         assert tier.apply([big_op(1), big_op(2), PutRefs(sid(1), "acme", [key(1)])]) == [None] * 3
-        where = tier._where[key(2)]
+        where = tier._place(key(2))
         with tier.env.begin(write=True) as txn:  # deleted without zeroing, the ledger naming it
             txn.delete(key(2), db=tier._blocks)
             txn.delete(key(2), db=tier._heads)
@@ -1554,9 +1571,9 @@ def test_a_wrong_place_never_zeroes_another_record(tmp_path: pathlib.Path) -> No
         tier._where[key(1)] = tier._where[key(2)]  # as if the bookkeeping had gone stale
         tier.apply([DeleteBlocks([key(1)])])
         assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
-        offset, length = tier._where[key(2)]  # a place off by a page: LMDB's page header disagrees
+        offset, length = tier._place(key(2))  # a place off by a page: LMDB's page header disagrees
         tier.apply([big_op(3)])
-        tier._where[key(3)] = (offset + tier.page_size, length)
+        tier._where[key(3)] = (offset + tier.page_size) << disk_module._LENGTH_BITS | length
         tier.apply([DeleteBlocks([key(3)])])
         assert torch.equal(tier.load(key(2), empty)[1], block_tensor(2, shape=BIG))
         with pytest.raises(KeyError):
@@ -1589,7 +1606,7 @@ def test_small_records_get_pages_of_their_own_and_deletes_zero_them(disk: DiskTi
         for n in (1, 2):
             value = txn.get(key(n), db=disk._blocks)
             where[key(n)] = (disk_module.vm.address(value) - disk._map_start, len(value))
-    assert disk._where == where
+    assert places(disk) == where
     assert all(length >= disk.min_record_bytes for _, length in where.values())
     disk.apply([DeleteBlocks([key(1), key(2)])])
     disk.sync()

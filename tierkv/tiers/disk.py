@@ -137,6 +137,12 @@ _INTENT_AT = 64
 _PAIR = struct.Struct("<QQ")
 _U64 = struct.Struct("<Q")
 _CHECKSUM_BYTES = 8  # the codec's trailer
+# ``DiskTier._where``'s places: a record's length in the low bits (LMDB's values are below 4 GiB).
+_LENGTH_BITS = 40
+
+
+def _unpack_place(place: int) -> tuple[int, int]:
+    return place >> _LENGTH_BITS, place & ((1 << _LENGTH_BITS) - 1)
 # Small: with writemap the file is truncated to the map's size, and tools that copy or read a store
 # naively (cp, a checksum) then handle all of it; a 1 GiB start made a new store's first spill only
 # 1.3x faster, and the test suite's copies of small stores several times slower. And every page of
@@ -1174,8 +1180,10 @@ class DiskTier:
             raise
         self._data_ino = os.fstat(self._data_fd).st_ino
         self._allocate_map(fresh)
-        # Where each block's record lies in the file (offset, length), from its head: for prefetch.
-        self._where: dict[bytes, tuple[int, int]] = {}
+        # Where each block's record lies in the file, from its head: for prefetch. One int,
+        # ``offset << _LENGTH_BITS | length`` (``_place`` reads it): a tuple of two ints took 112 B
+        # a block, this 36.
+        self._where: dict[bytes, int] = {}
         # Evicted records deleted and not zeroed yet (``_defer_scrub``): those the last committed
         # transaction deleted; those a crash left so (read by ``scan``); and whether ``meta``
         # holds a ledger row naming some, which the next write transaction replaces or deletes.
@@ -1645,6 +1653,11 @@ class DiskTier:
         except _DAMAGE as exc:
             raise DamagedStore(self.path, exc, repairable=True) from exc
 
+    def _place(self, key: bytes) -> tuple[int, int] | None:
+        """Where ``key``'s record lies in the file, (offset, length), if known."""
+        place = self._where.get(key)
+        return None if place is None else _unpack_place(place)
+
     def _scan(self) -> ScanResult:
         result = ScanResult()
         with self._resize_lock.shared(), self._read_txn() as txn:
@@ -1663,7 +1676,7 @@ class DiskTier:
                         header, size, offset = index_entry.decode(head)
                         result.headers.append((_under(key, header), size))
                         if offset != OFFSET_UNKNOWN and offset + size <= used:
-                            self._where[header.key] = (offset, size)  # the index's key, not a copy
+                            self._where[header.key] = offset << _LENGTH_BITS | size  # the index's key, not a copy
                         continue
                     except CorruptRecord:
                         pass
@@ -2033,7 +2046,7 @@ class DiskTier:
             # and in a store made on another machine (it keeps the file's own).
             page = vm.PAGE
             records = sorted(((start + where[0]) // page * page, start + where[0] + where[1])
-                             for where in map(self._where.get, keys) if where is not None)
+                             for where in map(self._place, keys) if where is not None)
             # Records written together lie one after another in the file, a B-tree page or two
             # between them: the page cache is asked once a run of them, not once a record.
             runs: list[list[tuple[int, int]]] = []
@@ -2267,7 +2280,7 @@ class DiskTier:
                     if where is None:
                         self._where.pop(key, None)
                     else:
-                        self._where[key] = where
+                        self._where[key] = where[0] << _LENGTH_BITS | where[1]
                 if full:
                     # Back below the room (LMDB keeps the map at least as large as the pages
                     # in use), so that the next batch's block writes cannot take it.
@@ -2502,7 +2515,7 @@ class DiskTier:
             ctypes.memset(vm.address(head), 0, len(head))
         if key in batch.zeroed and key not in batch.moves:
             return  # zeroed by an attempt that did not commit; still this committed record
-        where = batch.moves[key] if key in batch.moves else self._where.get(key)
+        where = batch.moves[key] if key in batch.moves else self._place(key)
         if expected is None or where is None or not self._zero_in_file(where, expected):
             value = txn.get(key, db=self._blocks)
             if value is not None and len(value):
@@ -2531,7 +2544,7 @@ class DiskTier:
         head = txn.get(key, db=self._heads) if self._heads is not None else None
         where = batch.places.get(key)
         if where is None:
-            where = self._where.get(key)
+            where = self._place(key)
             try:
                 expected = index_entry.head_of(head) if head is not None and len(head) else None
             except CorruptRecord:
@@ -2600,7 +2613,8 @@ class DiskTier:
         if self.env.info()["last_txnid"] != self._unzeroed_txn:
             self._unzeroed = []  # a transaction committed since the scan read the row: it may reuse them
             return
-        live = sorted(self._where.values())  # records do not overlap: their ends are sorted too
+        # Records do not overlap: their ends are sorted too.
+        live = [_unpack_place(place) for place in sorted(self._where.values())]
         starts = [offset for offset, _ in live]
         for offset, length in self._unzeroed:
             i = bisect.bisect_left(starts, offset + length)  # the records that start before its end
