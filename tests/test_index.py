@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.index import NO_SESSIONS, BlockMeta, DiskState, Index, SessionInfo, Tier
+from tierkv.index import NO_SESSIONS, BlockMeta, DiskState, Index, SessionInfo, Tier, narrow_ids
 
 ROOT = b"R" * 16
 
@@ -19,8 +19,9 @@ def key(n: int) -> bytes:
 
 def meta(n: int, *, parent: bytes = ROOT, ids: list[int] | None = None, nbytes: int = 100,
          record_bytes: int = 150, tenant: str | None = None) -> BlockMeta:
+    # As the store keeps them (``narrow_ids``): buckets of ids past int32's range mix both widths.
     return BlockMeta(key=key(n), parent=parent, tenant=tenant,
-                     token_ids=np.array(ids if ids is not None else [n, n + 1], dtype=np.int64),
+                     token_ids=narrow_ids(np.array(ids if ids is not None else [n, n + 1], dtype=np.int64)),
                      nbytes=nbytes, record_bytes=record_bytes)
 
 
@@ -58,6 +59,17 @@ def test_block_meta_defaults() -> None:
     assert m.sessions == set()
     assert m.n_tokens == 3
     assert meta(2).sessions is m.sessions is NO_SESSIONS  # immutable: changed by replacing it (h110)
+
+
+def test_a_blocks_ids_are_kept_as_int32_where_every_one_fits_else_int64_always_a_copy() -> None:
+    # Memory (h110): a block's ids were most of its memory at larger block sizes.
+    for ids, width in (([0, 5, 2**31 - 1, -2**31], np.int32), ([1, 2**31], np.int64), ([-2**31 - 1], np.int64),
+                       ([2**63 - 1, 3], np.int64), ([], np.int32)):
+        given = np.array(ids, dtype=np.int64)
+        kept = narrow_ids(given)
+        assert kept.dtype == width and kept.tolist() == ids and not np.shares_memory(kept, given)
+    from tierkv.hashing import token_bytes
+    assert token_bytes(narrow_ids(np.array([7, -1]))) == token_bytes(np.array([7, -1], dtype=np.int64))
 
 
 def test_add_does_not_place() -> None:

@@ -1790,6 +1790,24 @@ def test_the_index_holds_each_key_and_tenant_once_live_and_after_a_reopen(tiny_m
         shared(store)
 
 
+def test_blocks_keep_their_ids_as_int32_live_and_after_a_reopen_and_restore_as_before(tiny_model, tmp_path):
+    # Memory (h110): half the bytes of a block's ids (most of its memory at block_size 256).
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    ids = random_ids(3 * B + 2, 50)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        _, out = turn(store, model, ids, session="s", new=3)
+        metas = list(store._index.blocks.values())
+        assert len(metas) == 4 and [m.token_ids.dtype for m in metas] == [np.int32] * 4
+        assert np.concatenate([m.token_ids for m in metas]).tolist() == out[0, :-1].tolist()
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        assert {m.token_ids.dtype for m in store._index.blocks.values()} == {np.dtype(np.int32)}
+        more = cat(out, random_ids(B, 51))
+        turn(store, model, more, session="s", expect=out.shape[1] - 1)
+        forgotten = store.forget(session="s")
+        assert forgotten >= 5 and store._index.blocks == {}
+
+
 def test_a_store_written_without_heads_reopens_whole_and_gains_them(tiny_model, tmp_path):
     # Stores written before heads existed: every block is found from its record, restores
     # exactly, and is given a head, so that the next reopen reads no record.

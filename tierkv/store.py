@@ -90,7 +90,7 @@ from .cache import IN_PLACE, TieredCache, describe_model, restore_slots, sequenc
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
-from .index import BlockMeta, DiskState, Index, Tier
+from .index import BlockMeta, DiskState, Index, Tier, narrow_ids
 from .index import common_prefix as _common_prefix
 from .interrupts import defer_interrupts, pending_check, raise_pending, raised_by_signal_handler
 from .owed import OwedOps
@@ -1560,7 +1560,7 @@ class TieredStore:
         header = RecordHeader(key=key, parent=parent, tenant=cache.tenant, fingerprint=cache.model_info.fingerprint,
                               dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
                               token_ids=ids.astype("<i8").tobytes(), seq=self._tick())
-        meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=ids.copy(),
+        meta = BlockMeta(key=key, parent=parent, tenant=cache.tenant, token_ids=narrow_ids(ids),
                          nbytes=tensor.numel() * tensor.element_size(), record_bytes=self._footprint(header))
         try:
             # Inside the try: another signal's handler raising part-way through the add left the
@@ -2584,7 +2584,7 @@ class TieredStore:
         for header, size in order:
             meta = BlockMeta(key=header.key, parent=own_key.get(header.parent, header.parent),
                              tenant=tenant_of.setdefault(header.tenant, header.tenant),
-                             token_ids=np.frombuffer(header.token_ids, dtype="<i8").astype(np.int64),
+                             token_ids=narrow_ids(np.frombuffer(header.token_ids, dtype="<i8")),
                              nbytes=header.payload_nbytes, record_bytes=self._disk.footprint_of(header, size))
             if meta.n_tokens == 0:
                 continue
@@ -2718,14 +2718,14 @@ class TieredStore:
         helper-36: the forgotten tail's ids and KV stayed, and a returning session restored them).
         Noted in ``dropped`` before each drop."""
         for tail in tails:
-            head = tail.token_ids.tobytes()
+            head = token_bytes(tail.token_ids)  # canonical: a block keeps int32 or int64 ids
             # Only those extending the tail, and shorter ones it or they extend, can matter here.
-            siblings = self._index.related(tail.parent, token_bytes(tail.token_ids))
+            siblings = self._index.related(tail.parent, head)
             # A session's tail that the block extends too may be what it continued (helper-41:
             # another conversation's turn, stored before this session existed): kept.
-            held = [m.token_ids.tobytes() for m in siblings if m.sessions]
+            held = [token_bytes(m.token_ids) for m in siblings if m.sessions]
             for meta in siblings:
-                ids = meta.token_ids.tobytes()
+                ids = token_bytes(meta.token_ids)
                 if not meta.sessions and meta.n_tokens > tail.n_tokens and ids.startswith(head) and \
                         not any([len(other) < len(ids) and ids.startswith(other) for other in held]):
                     dropped.append(meta.key)
