@@ -94,7 +94,7 @@ class BlockMeta:
     disk: DiskState = DiskState.NONE
     # The sessions referencing it, changed through ``Index`` only: none, the one ``SessionInfo.alone``
     # of the session referencing it alone (shared by that session's blocks), or a set of its own
-    # for several. A set each took 216 B a block (a fifth of the index at 10^5 blocks), and
+    # for several. A set each took 216 B a block (14% of the index's memory at 10^5 blocks), and
     # nearly every block is one session's.
     sessions: set[bytes] | frozenset[bytes] = NO_SESSIONS
     # Its disk state was PENDING or DURABLE once: only then were references to it ever queued, so
@@ -128,7 +128,7 @@ class Index:
         self.disk_peak = 0  # the most of ``bytes[Tier.DISK]`` at any moment
         # parent -> its continuations by first token; a parent of one continuation holds that
         # block's key alone (``meta.key`` itself, not a copy): nearly every block is its parent's
-        # only continuation, and a dict and a set for it took 400 B a block (a quarter of the
+        # only continuation, and a dict and a set for it took 400-500 B a block (a third of the
         # index's memory at 10^5 blocks).
         self._children: dict[bytes, bytes | dict[int, set[bytes]]] = {}
         # The buckets of ``_children`` that reached ``ORDERED_FROM`` keys, by (parent, first
@@ -182,8 +182,8 @@ class Index:
     def order(self) -> None:
         """Order the buckets that reached ``ORDERED_FROM`` keys whose adds left it (``add(...,
         ordered=False)``), one sort each."""
-        for parent, held in self._children.items():
-            for first, keys in self._by_first(held).items():
+        for parent, entry in self._children.items():
+            for first, keys in self._by_first(entry).items():
                 held = self._ordered.get((parent, first), [])
                 if len(keys) >= ORDERED_FROM and not keys <= set(held):
                     self._ordered[(parent, first)] = sorted({*keys, *held}, key=self._tokens_of)
@@ -245,13 +245,13 @@ class Index:
     def _first_of(self, key: bytes) -> int:
         return int(self.blocks[key].token_ids[0])
 
-    def _by_first(self, held: bytes | dict[int, set[bytes]] | None) -> dict[int, set[bytes]] | dict[int, tuple[bytes]]:
+    def _by_first(self, entry: bytes | dict[int, set[bytes]] | None) -> dict[int, set[bytes]]:
         """A parent's ``_children`` entry as continuations by first token (a lone key as one)."""
-        if held is None:
+        if entry is None:
             return {}
-        if isinstance(held, bytes):
-            return {self._first_of(held): (held,)}
-        return held
+        if isinstance(entry, bytes):
+            return {self._first_of(entry): {entry}}
+        return entry
 
     def _unorder(self, ordered: list[bytes], meta: BlockMeta) -> None:
         tokens = token_bytes(meta.token_ids)
@@ -407,7 +407,7 @@ class Index:
     def _without(meta: BlockMeta, sid: bytes) -> frozenset[bytes] | set[bytes] | None:
         """What ``meta.sessions`` becomes without ``sid``: ``NO_SESSIONS`` where none is left, the
         same object where it lacks ``sid``, or None: its own set, which shrinks in place (a
-        frozenset is one session's ``alone``: ``sid - {sid}`` made a copy)."""
+        frozenset is one session's ``alone``, which ``-=`` would copy)."""
         held = meta.sessions
         if sid not in held:
             return held
