@@ -674,7 +674,8 @@ def _in_step(idx: Index) -> None:
         assert set(idx.lru[tier]) == {m.key for m in here}, tier
         size = (lambda m: m.record_bytes) if tier is Tier.DISK else (lambda m: m.nbytes)
         assert idx.bytes[tier] == sum(size(m) for m in here), tier
-    assert all(k in idx.blocks for held in idx._children.values() for keys in idx._by_first(held).values() for k in keys)
+    assert all(k in idx.blocks for entry in idx._children.values() for keys in idx._by_first(entry).values()
+               for k in keys)
     assert all(k in idx.blocks and idx.blocks[k].tenant == t for t, keys in idx._tenants.items() for k in keys)
     from tierkv.hashing import token_bytes
     for (parent, first), ordered in idx._ordered.items():

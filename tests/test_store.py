@@ -2618,7 +2618,8 @@ def test_blocks_the_disk_budget_evicted_leave_no_kv_in_the_file(tmp_path, then):
         turn(store, model, random_ids(16, 100), session="s0", new=1)
         store.flush()
         with open(path / "data.mdb", "rb") as f:  # the last KV bytes of each record, before its checksum
-            kv = {k: os.pread(f.fileno(), 64, offset + length - 72) for k in store._disk._where for offset, length in [store._disk._place(k)]}
+            kv = {k: os.pread(f.fileno(), 64, offset + length - 72)
+                  for k in store._disk._where for offset, length in [store._disk._place(k)]}
         for i in range(1, 4):
             turn(store, model, random_ids(16, 100 + i), session=f"s{i}", new=1)
         if then == "flush":
