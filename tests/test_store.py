@@ -3067,6 +3067,43 @@ def test_forget_of_a_tenant_reads_its_own_blocks_not_every_tenant_s(tiny_model, 
         verify_open(store, model, cat(out, random_ids(1, 912)), session="s", tenant="small", expect=0)
 
 
+def test_forget_of_a_session_without_a_tenant_reads_its_own_sessions_not_every_one(tiny_model, tmp_path):
+    """forget(session=...) without a tenant read every session to find those of its name (0.27 ms
+    at 10,000 sessions): it now finds them by name, and those read back from disk, whose names are
+    never written, by their key under each tenant of such sessions."""
+    model = tiny_model("llama")
+    path = tmp_path / "kv"
+    others = {_session_id(f"t{i % 2}", f"o{i}") for i in range(6)}
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        for i in range(6):
+            turn(store, model, random_ids(B + 2, 950 + i), session=f"o{i}", tenant=f"t{i % 2}", new=1)
+        for j, tenant in enumerate((None, "acme", "t0")):
+            turn(store, model, random_ids(B + 2, 960 + j), session="u", tenant=tenant, new=1)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        # Read back without names; one named again by a turn, and one new under another tenant.
+        turn(store, model, random_ids(B + 2, 970), session="u", tenant="acme", new=1)
+        turn(store, model, random_ids(B + 2, 971), session="u", tenant="new", new=1)
+        us = {_session_id(t, "u") for t in (None, "acme", "t0", "new")}
+        assert set(store._index.sessions) == others | us
+        assert [store._index.sessions[_session_id(t, "u")].name for t in (None, "acme", "t0", "new")] == \
+            [None, "u", None, "u"]
+
+        class Unread(dict):
+            def values(self):
+                raise AssertionError("forget read every session")
+
+            items = values
+
+            def __iter__(self):
+                raise AssertionError("forget read every session")
+
+        store._index.sessions = Unread(store._index.sessions)
+        assert store.forget(session="u") > 0
+        store._index.sessions = dict(store._index.sessions)
+        assert set(store._index.sessions) == others
+        assert store.forget(session="o1") > 0 and set(store._index.sessions) == others - {_session_id("t1", "o1")}
+
+
 def test_a_commit_of_a_session_of_many_conversations_reads_few_of_its_blocks(tiny_model, tmp_path):
     """One session name for all a user's conversations: a commit read every block the session
     held, looking for the partial tails its chain supersedes (23 ms at 15,000); now it looks up

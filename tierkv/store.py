@@ -2050,7 +2050,7 @@ class TieredStore:
         self._owed.drop_refs(sid)  # a retry would write none of them
         if self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
-        del self._index.sessions[sid]
+        self._index.drop_session(sid)
         self._hollow.discard(sid)
 
     def _holders(self, keys: Iterable[bytes]) -> list[tuple[bytes, str | None, bytes]]:
@@ -2769,7 +2769,7 @@ class TieredStore:
             self._gathered_drops.append((sid, keys))
         elif self._writer is not None:
             self._submit(DropRefs(sid, keys, drop_session=True, holders=self._holders(keys)))
-        self._index.sessions.pop(sid, None)
+        self._index.drop_session(sid)
         del self._forgetting[sid]
         return len(dropped)
 
@@ -2888,16 +2888,7 @@ class TieredStore:
         else:
             # Names never reach the disk: a session read back at a reopen, and not committed
             # since, is known by its key alone, hashed once per tenant of such sessions.
-            keys: dict[str | None, bytes] = {}
-
-            def key_in(tenant: str | None) -> bytes:
-                key = keys.get(tenant)
-                if key is None:
-                    key = keys[tenant] = _session_id(tenant, name)
-                return key
-
-            sids = [sid for sid, info in sessions.items()
-                    if info.name == name or info.name is None and sid == key_in(info.tenant)]
+            sids = self._index.named(name, lambda tenant: _session_id(tenant, name))
         # Also of sessions no longer tracked (another session now holds all they had).
         self._keep_superseded((lambda sid, t: t == name) if kind == "tenant"
                               else (lambda sid, t: sid == name) if kind == "sid"
