@@ -235,3 +235,22 @@ def test_a_model_whose_masks_ignore_its_window_is_refused(monkeypatch: pytest.Mo
         monkeypatch.undo()
         store.open(make_model("mistral_window", seed=3), random_ids(20))
         assert store.stats()["misses"] == 20
+
+
+@pytest.mark.parametrize("window", [20, 6, None])
+def test_a_window_edited_after_open_is_refused_at_the_forward(tmp_path: Path, window: int | None) -> None:
+    """The masks read the live config's window, the cache's layers keep the one of open: a window
+    widened between open and generate had attention given the old window's keys, its tokens
+    differing from plain generate's (commit then refused them, too late). The edit between turns
+    is served, the fingerprint covering the window."""
+    model = make_model("mistral_window", seed=2)
+    ids = random_ids(30, seed=14)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="e")
+        model.config.sliding_window = window
+        with pytest.raises(ValueError, match=r"sliding windows changed since store.open \(from \[12, 12\] to "):
+            model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache = store.open(model, ids, session="e")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+        assert cache.commit(out) == out.shape[1] - 1

@@ -1978,6 +1978,21 @@ class TieredCache(Cache):
         if not weights:
             self._check_kernels()
         static = _static_cache.get(opened)
+        if adapters and not weights and (static is None or not static.config_current(opened)):
+            # The masks read the live config's window at every forward, while this cache's layers
+            # keep the one of store.open: a window widened since had attention given too few keys
+            # (wrong tokens, which commit then refused to keep), one narrowed KV of another model.
+            text = opened.config.get_text_config(decoder=True)
+            try:
+                windows = _windows(text, _layer_types(text))
+            except ValueError:
+                windows = None  # a window tierkv refuses (None in a layer declared sliding, under 2)
+            if windows != self.model_info.windows:
+                raise ValueError(f"the model's sliding windows changed since store.open (from "
+                                 f"{list(self.model_info.windows)} to {list(windows) if windows else 'one refused'}, per "
+                                 "layer): this TieredCache's layers keep the window they were opened with, and "
+                                 "its KV was computed under it. Edit config.sliding_window between turns, then open "
+                                 "the cache: cache = store.open(model, input_ids)")
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
         if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
             # generate() runs the forwards after its prefill with MoE experts on their decode kernel
