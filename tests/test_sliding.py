@@ -254,3 +254,32 @@ def test_a_window_edited_after_open_is_refused_at_the_forward(tmp_path: Path, wi
         out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
         assert cache.commit(out) == out.shape[1] - 1
+
+
+def test_keys_a_caller_kept_are_not_written_over_by_an_append_after_a_crop(tiny_model, tmp_path: Path) -> None:
+    """A crop (assisted decoding's) leaves the layer's keys a view of its room's head: the next
+    append wrote the new tokens over the cut ones in place, changing keys and values a caller
+    had read before the crop, which a DynamicCache's concatenation leaves be. Room is made again
+    then; with nothing kept, the room is written into as before."""
+    model = tiny_model("mistral_window")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache, nxt = _turn_two(model, tmp_path, store)
+        seq = nxt
+        with torch.no_grad():
+            model(nxt[:, cache.restored_tokens:], past_key_values=cache)
+            for feed in (random_ids(3, seed=60), random_ids(1, seed=61)):
+                model(feed, past_key_values=cache)
+                seq = torch.cat([seq, feed], dim=1)
+            room = cache.layers[0]._room[0].data_ptr()
+            for crop_and_feed in range(2):
+                kept = [(layer.keys, layer.keys.clone(), layer.values, layer.values.clone())
+                        for layer in cache.layers] if crop_and_feed else []
+                cache.crop(-2)
+                feed = random_ids(3, seed=62 + crop_and_feed)
+                seq = torch.cat([seq[:, :-2], feed], dim=1)
+                torch.testing.assert_close(model(feed, past_key_values=cache).logits,
+                                           model(seq, use_cache=False).logits[:, -3:], rtol=0, atol=1e-5)
+                if not crop_and_feed:
+                    assert cache.layers[0]._room[0].data_ptr() == room  # nothing kept: written in place
+            for keys, keys_then, values, values_then in kept:
+                assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
