@@ -545,6 +545,7 @@ def turn2_control(model, ids1, ids2, restored1: int, kept0: int, restored2: int,
 def modes_worker(types: list[str]) -> None:
     out_dir = RESULTS.parent / "modes"
     out_dir.mkdir(parents=True, exist_ok=True)
+    SCRATCH.mkdir(parents=True, exist_ok=True)  # a fresh SWEEP_RESULTS: every type crashed in mkdtemp
     signal.signal(signal.SIGALRM, alarm)
     for t in types:
         if (out_dir / f"{t}.json").exists():
