@@ -6,6 +6,8 @@ test_exactness.py (``conftest.SLIDING`` is among its architectures)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,25 @@ def test_room_kept_ahead_under_autograd_and_inference_mode_as_dynamic_cache(tiny
                 expected = model(feed, past_key_values=plain).logits
             torch.testing.assert_close(logits.detach(), expected, rtol=0, atol=1e-5)
         assert cache.get_seq_length() == plain.get_seq_length()
+
+
+def test_room_let_go_of_when_a_forward_concatenates(tiny_model, tmp_path: Path) -> None:
+    """A forward under autograd recording concatenates as a DynamicLayer does: the room, no longer
+    the keys' base, was held on (a quarter more than the conversation, per sliding layer) until a
+    later forward without autograd replaced it."""
+    model = tiny_model("mistral_window")
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache, nxt = _turn_two(model, tmp_path, store)
+        with torch.no_grad():
+            model(nxt[:, cache.restored_tokens:], past_key_values=cache)
+            model(random_ids(1, seed=70), past_key_values=cache)
+        rooms = [weakref.ref(layer._room[0]) for layer in cache.layers]
+        model(random_ids(1, seed=71), past_key_values=cache)
+        gc.collect()
+        assert [room() for room in rooms] == [None, None]
+        with torch.no_grad():
+            model(random_ids(1, seed=72), past_key_values=cache)
+        assert cache.layers[0]._room is not None  # made again without autograd
 
 
 def test_a_model_whose_masks_ignore_its_window_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1673,7 +1673,13 @@ class TieredSlidingLayer(TieredLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         before = self.get_seq_length()
         appended = self._append(key_states, value_states)
-        keys, values = appended if appended is not None else super().update(key_states, value_states, *args, **kwargs)
+        if appended is None:
+            # DynamicLayer's concatenation gives the keys a new base: the room would be held for
+            # nothing (a quarter more than the conversation) as long as forwards took this path,
+            # every one under autograd recording.
+            self._room = None
+            appended = super().update(key_states, value_states, *args, **kwargs)
+        keys, values = appended
         # DynamicSlidingWindowLayer's: the window's last sliding_window - 1 tokens, then the new.
         visible = min(before, self.sliding_window - 1) + key_states.shape[-2]
         if visible >= keys.shape[-2]:
