@@ -2012,7 +2012,9 @@ class TieredCache(Cache):
             text = opened.config.get_text_config(decoder=True)
             try:
                 windows = _windows(text, _layer_types(text))
-            except ValueError:
+            except ValueError as exc:
+                if raised_by_signal_handler(exc):
+                    raise  # a handler's, not a window refused
                 windows = None  # a window tierkv refuses (None in a layer declared sliding, under 2)
             if windows != self.model_info.windows:
                 raise ValueError(f"the model's sliding windows changed since store.open (from "
