@@ -1666,7 +1666,11 @@ class TieredSlidingLayer(TieredLayer):
         super().__init__()
         self.sliding_window = sliding_window
         self._room: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The end of the room's tokens handed out so far (see _append).
+        # The end of the room's tokens handed out so far: an append below it (after a crop:
+        # assisted decoding's, a forward's that raised) makes room again rather than writing over
+        # tokens a caller may hold (``cache.layers[i].keys`` read before the crop), which a
+        # DynamicLayer's concatenation would leave be. A copy of the conversation a crop, as a
+        # DynamicLayer's every step.
         self._handed = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -1708,7 +1712,7 @@ class TieredSlidingLayer(TieredLayer):
         room = self._room
         if room is None or not (_is_head_of(keys, room[0]) and _is_head_of(values, room[1])) \
                 or n + q > room[0].shape[-2] or (room[0].is_inference() and not torch.is_inference_mode_enabled()) \
-                or (n < self._handed and _held_elsewhere(room)):
+                or n < self._handed:
             # Past the room (or none): room for a quarter more, at least 256 tokens, copied once.
             size = n + q + max(256, (n + q) // 4)
             room = (keys.new_empty((*keys.shape[:2], size, keys.shape[3])),
@@ -1732,23 +1736,6 @@ class TieredSlidingLayer(TieredLayer):
     def reset(self) -> None:
         self._room = None
         super().reset()
-
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _held_elsewhere(room: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether a tensor other than the room and the layer's keys and values (views of it) views it. Asked
-    before an append writes over tokens handed out before (after a crop: assisted decoding's,
-    a forward's that raised): keys a caller kept (``cache.layers[i].keys`` read before the crop)
-    would change under it, where a ``DynamicLayer``'s concatenation leaves them be. Assisted
-    decoding holds none, and keeps the room. Without torch's count of a storage's users, any."""
-    if _storage_use_count is None:
-        return True
-    # One use for each tensor viewing the storage (the room, the layer's keys: a view of it here)
-    # and one for the wrapper untyped_storage() makes.
-    return _storage_use_count(room[0].untyped_storage()._cdata) > 3 \
-        or _storage_use_count(room[1].untyped_storage()._cdata) > 3
 
 
 def _is_head_of(tensor: torch.Tensor, room: torch.Tensor) -> bool:
