@@ -275,6 +275,14 @@ def test_a_window_edited_after_open_is_refused_at_the_forward(tmp_path: Path, wi
         out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
         assert cache.commit(out) == out.shape[1] - 1
+        # Edited after the generate, before its commit: nothing kept, and the refusal names the config
+        # (it named the weights, dtype or device alone).
+        cache = store.open(model, ids, session="e2")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.config.sliding_window = 9
+        with pytest.raises(ValueError, match=r"weights, config, dtype or device changed since store.open \(its "
+                                             "config: a field its KV depends on, such as sliding_window"):
+            cache.commit(out)
 
 
 def test_keys_a_caller_kept_are_not_written_over_by_an_append_after_a_crop(tiny_model, tmp_path: Path) -> None:

@@ -2045,7 +2045,8 @@ class TieredCache(Cache):
                                  "cache = store.open(model, input_ids)")
         # After the checks above, whose errors say which of the fingerprint's parts changed.
         if weights and describe_model(opened, as_opened=self.model_info).fingerprint != self.model_info.fingerprint:
-            raise ValueError(f"the {type(opened).__name__}'s weights, dtype or device changed since store.open: the "
+            raise ValueError(f"the {type(opened).__name__}'s weights, config, dtype or device changed since store.open "
+                             "(its config: a field its KV depends on, such as sliding_window or rope_theta): the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
                              "the next turn's cache after: cache = store.open(model, input_ids)")
