@@ -269,12 +269,19 @@ def test_a_window_edited_after_open_is_refused_at_the_forward(tmp_path: Path, wi
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, host_budget="1GiB") as store:
         cache = store.open(model, ids, session="e")
         model.config.sliding_window = window
-        with pytest.raises(ValueError, match=r"sliding windows changed since store.open \(from \[12, 12\] to "):
+        with pytest.raises(ValueError, match=r"MistralForCausalLM's config changed since store.open \(a field its "
+                                             "KV depends on, such as sliding_window"):
             model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
         cache = store.open(model, ids, session="e")
         out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
         assert cache.commit(out) == out.shape[1] - 1
+        # A cache opened before the edit, still refused after another open took the new config in.
+        stale = store.open(model, ids, session="e3")
+        model.config.sliding_window = 12 if window != 12 else 20
+        store.open(model, ids, session="e4")
+        with pytest.raises(ValueError, match="config changed since store.open"):
+            model.generate(ids, past_key_values=stale, max_new_tokens=4, do_sample=False)
         # Edited after the generate, before its commit: nothing kept, and the refusal names the config
         # (it named the weights, dtype or device alone).
         cache = store.open(model, ids, session="e2")

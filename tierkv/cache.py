@@ -155,6 +155,7 @@ class ModelInfo:
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
     windows: tuple[int | None, ...] = ()
+    config_digest: bytes = b""  # _Static's then: a forward finding another refuses (check_computed_as_opened)
 
 
 @dataclass(slots=True)
@@ -1306,7 +1307,8 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
         h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows, device=first.device, dtype=first.dtype,
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows,
+                     config_digest=static.config_digest, device=first.device, dtype=first.dtype,
                      kv_dtype=kv_dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
                      attention=attention, experts=experts, precision=precision, switches=switches, vocab=static.vocab,
@@ -1992,23 +1994,16 @@ class TieredCache(Cache):
         if not weights:
             self._check_kernels()
         static = _static_cache.get(opened)
-        if adapters and not weights and (static is None or not static.config_current(opened)):
-            # The masks read the live config's window at every forward, while this cache's layers
-            # keep the one of store.open: a window widened since had attention given too few keys
-            # (wrong tokens, which commit then refused to keep), one narrowed KV of another model.
-            text = opened.config.get_text_config(decoder=True)
-            try:
-                windows = _windows(text, _layer_types(text))
-            except ValueError as exc:
-                if raised_by_signal_handler(exc):
-                    raise  # a handler's, not a window refused
-                windows = None  # a window tierkv refuses (None in a layer declared sliding, under 2)
-            if windows != self.model_info.windows:
-                raise ValueError(f"the model's sliding windows changed since store.open (from "
-                                 f"{list(self.model_info.windows)} to {list(windows) if windows else 'one refused'}, per "
-                                 "layer): this TieredCache's layers keep the window they were opened with, and "
-                                 "its KV was computed under it. Edit config.sliding_window between turns, then open "
-                                 "the cache: cache = store.open(model, input_ids)")
+        if adapters and not weights and static is not None and \
+                (static.config_digest != self.model_info.config_digest or not static.config_current(opened)):
+            # Refused at the forward, not left to commit's whole fingerprint: a field edited on the
+            # live config since open (a sliding_window the masks read at every forward while the
+            # cache's layers keep the one of open; clip_qkv, X-MOD's language) has this forward
+            # compute other KV than the restored prefix's, and other tokens than plain generate's.
+            raise ValueError(f"the {type(opened).__name__}'s config changed since store.open (a field its KV depends "
+                             "on, such as sliding_window or clip_qkv, edited on the live config): this TieredCache "
+                             "holds KV computed under the old one, and its sliding layers keep the old window. "
+                             "Edit the config between turns, then open the cache: cache = store.open(model, input_ids)")
         experts = _experts_of(static.experts_configs) if static is not None else self.model_info.experts
         if decode and experts != self.model_info.experts and experts == _decode_kernels(self.model_info.experts):
             # generate() runs the forwards after its prefill with MoE experts on their decode kernel
@@ -2046,7 +2041,7 @@ class TieredCache(Cache):
         # After the checks above, whose errors say which of the fingerprint's parts changed.
         if weights and describe_model(opened, as_opened=self.model_info).fingerprint != self.model_info.fingerprint:
             raise ValueError(f"the {type(opened).__name__}'s weights, config, dtype or device changed since store.open "
-                             "(its config: a field its KV depends on, such as sliding_window or rope_theta): the "
+                             "(its config: a field its KV depends on, such as sliding_window or clip_qkv): the "
                              "KV this TieredCache holds was computed by another model than the one it would be "
                              "kept for, so nothing is kept. Commit a turn before changing the model, and open "
                              "the next turn's cache after: cache = store.open(model, input_ids)")
