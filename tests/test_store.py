@@ -821,16 +821,11 @@ def test_sdpa_switches_a_cpu_ignores_change_nothing(tmp_path):
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_onednn_switched_off_never_reuses_blocks(tmp_path):
     # bf16 matmuls on a CPU without oneDNN (torch.backends.mkldnn.flags(enabled=False)) round
-    # otherwise: keys 1e-2 apart.
+    # otherwise: keys 1e-2 apart on an AVX-512 Xeon. (On an AMD EPYC without AVX-512 both took the
+    # same kernel, keys equal: the switch is in the fingerprint whatever this CPU does with it, as
+    # the store cannot know which CPU computed a block's KV.)
     model = make_model("llama", seed=3).to(torch.bfloat16)
     ids = random_ids(40, 3)
-    with torch.no_grad():
-        kv = {}
-        for name in ("default", "off"):
-            kv[name] = DynamicCache()
-            with torch.backends.mkldnn.flags(enabled=name == "default"):
-                model(ids, past_key_values=kv[name])
-    assert not torch.equal(kv["default"].layers[1].keys, kv["off"].layers[1].keys)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
         _, out = turn(store, model, ids, new=2)
         nxt = cat(out, random_ids(3, 4))
