@@ -995,7 +995,7 @@ def test_a_restored_layer_whose_assembly_failed_keeps_its_blocks(monkeypatch: py
         cache, later = restored_cache(store, model)
         assemble = TieredLayer._assemble
 
-        def fail_once(layer: TieredLayer, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def fail_once(layer: TieredLayer, kv: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
             monkeypatch.setattr(TieredLayer, "_assemble", assemble)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 

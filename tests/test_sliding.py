@@ -97,14 +97,19 @@ def test_sliding_layers_answer_attention_as_transformers_own_do(tiny_model, tmp_
             torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
             assert cache.get_seq_length() == plain.get_seq_length()
         assert seen == seen_plain  # the same keys and values, window for window
-        # Each layer holds the whole conversation for commit; a sliding one's window is its tail.
+        # A full layer holds the whole conversation; a sliding one holds it from the first
+        # restored block its window reached, the window its tail.
         held = cache.get_seq_length()
+        cuts = []
         for layer, plain_layer in zip(cache.layers, plain.layers):
-            assert layer.keys.shape[-2] == held
+            cut = (r - plain_layer.sliding_window + 1) // BLOCK * BLOCK if plain_layer.is_sliding else 0
+            cuts.append(cut)
+            assert cut >= 0 and layer.keys.shape[-2] == held - cut
             n = plain_layer.keys.shape[-2]
             assert n == (min(held, plain_layer.sliding_window - 1) if plain_layer.is_sliding else held)
             torch.testing.assert_close(layer.keys[:, :, -n:], plain_layer.keys, rtol=0, atol=1e-5)
             torch.testing.assert_close(layer.values[:, :, -n:], plain_layer.values, rtol=0, atol=1e-5)
+        assert max(cuts) > 0  # the restore reached past a window, so it was cut
 
 
 def test_dynamic_cache_of_a_tiered_cache_keeps_the_windows(tiny_model, tmp_path: Path) -> None:
@@ -320,3 +325,97 @@ def test_keys_a_caller_kept_are_not_written_over_by_an_append_after_a_crop(tiny_
                 room = cache.layers[0]._room[0].data_ptr()
             for keys, keys_then, values, values_then in kept:
                 assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
+
+
+@pytest.mark.parametrize("tier", list(BUDGETS))
+def test_a_restore_past_the_window_holds_the_window_not_the_conversation(tiny_model, tmp_path: Path,
+                                                                         tier: str) -> None:
+    """A sliding layer held every restored token through the turn (a Gemma 3 there held about
+    five times a DynamicCache's KV): it holds the restored blocks its window reaches, and the
+    turn is exact, its commit and the next turn's restore too."""
+    model = tiny_model("gemma3_text")
+    ids = random_ids(29, seed=50)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS[tier]) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(5, seed=51)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        r = cache.restored_tokens
+        assert r == 32
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=6, do_sample=False))
+        held = got.shape[1] - 1
+        # 32 restored, window 12: the blocks at 16 and 24 reach the window's 11 tokens.
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [held - 16, held]
+        assert cache.held_from() == 16 and cache.get_seq_length() == held
+        # Iterated (DynamicCache(cache) copies it), a cut layer is as long as the conversation, with
+        # NaN where it holds nothing, not numbers that look like KV.
+        keys, values, window = next(iter(cache))
+        assert keys.shape[-2] == values.shape[-2] == held and int(window) == 12
+        assert keys[:, :, :16].isnan().all() and not keys[:, :, 16:].isnan().any()
+        copied = DynamicCache(cache)
+        assert copied.get_seq_length() == held
+        torch.testing.assert_close(copied.layers[0].keys, cache.layers[0].keys[:, :, -11:], rtol=0, atol=0)
+        assert cache.commit(got) == held
+        later = torch.cat([got, random_ids(3, seed=52)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == held
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen2_window"])  # the sliding layer first, and last
+def test_a_crop_below_a_cut_window_is_refused_leaving_every_layer_as_it_was(tiny_model, tmp_path: Path,
+                                                                          arch: str) -> None:
+    model = tiny_model(arch)
+    ids = random_ids(29, seed=53)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(5, seed=54)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        assert cache.crop_floor() == 16 + 11  # still pending: the floor the cut will have
+        with pytest.raises(ValueError, match="below 27 tokens"):
+            cache.crop(27 - 32 - 1)
+        assert cache.get_seq_length() == 32 and cache.layers[0]._pending is not None
+        with torch.no_grad():
+            model(nxt[:, 32:], past_key_values=cache)
+        with pytest.raises(ValueError, match="cache.reset"):
+            cache.crop(26 - 38)
+        assert [layer.get_seq_length() for layer in cache.layers] == [38, 38]
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [22 if s else 38 for s in cache.is_sliding]
+        cache.crop(27 - 38)  # to the floor: the window is still held
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :27], past_key_values=plain)
+            torch.testing.assert_close(model(nxt[:, 27:], past_key_values=cache).logits,
+                                       model(nxt[:, 27:], past_key_values=plain).logits, rtol=0, atol=1e-5)
+        cache.crop(-cache.get_seq_length())  # to nothing: as a fresh cache
+        assert cache.get_seq_length() == 0 and cache.crop_floor() == 0
+        torch.testing.assert_close(model(nxt, past_key_values=cache).logits, model(nxt).logits, rtol=0, atol=1e-5)
+
+
+def test_a_restored_block_gone_before_commit_ends_the_chain_before_it(tiny_model, tmp_path: Path) -> None:
+    """Evicted between the open and the commit (another session's turn in a server), a block
+    before the cut sliding layers' KV can no longer be stored again from the cache: the commit
+    keeps the blocks before it, and the next turn is exact."""
+    model = tiny_model("gemma3_text")
+    ids = random_ids(29, seed=55)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(5, seed=56)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.held_from() == 16
+        with store._lock:
+            store._drop(store._index.blocks[cache._restored_keys[1]])  # tokens 8-16
+        assert cache.commit(got) == 8
+        later = torch.cat([got, random_ids(3, seed=57)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 8
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))

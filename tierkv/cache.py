@@ -1462,15 +1462,15 @@ class _Restore:
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
         self.buffer = buffer
 
-    def layer_buffer(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s (2, H, length, D) part of the buffer, every restored block in place in
-        its first ``tokens`` (copying again a block copied before is harmless: a retry after an
+    def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
+        """Layer ``i``'s (2, H, length, D) part of the buffer, every restored block from block
+        ``first`` on in place (copying again a block copied before is harmless: a retry after an
         interrupted assembly)."""
         assert self.buffer is not None
         kv = self.buffer[i]
         at = 0
         for j, (job, n) in enumerate(self.blocks):
-            if job is not IN_PLACE:
+            if job is not IN_PLACE and j >= first:
                 kv[:, :, at:at + n].copy_(self._block_views(j)[i])
             at += n
         return kv
@@ -1483,10 +1483,11 @@ class _Restore:
             views = self._views[j] = (tensor if n == tensor.shape[3] else tensor[:, :, :, :n]).unbind(0)
         return views
 
-    def layer_parts(self, i: int) -> list[torch.Tensor]:
-        """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block."""
+    def layer_parts(self, i: int, first: int = 0, skip: int = 0) -> list[torch.Tensor]:
+        """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block from block
+        ``first`` on, the ``skip`` tokens of the blocks before it left out."""
         if self.buffer is not None:
-            return [self.layer_buffer(i)[:, :, :self.tokens]]
+            return [self.layer_buffer(i, first)[:, :, skip:self.tokens]]
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
@@ -1496,12 +1497,25 @@ class _Restore:
             if isinstance(job, _CudaCopyJob):
                 if stream is None:
                     stream = torch.cuda.current_stream(job.device)
+                # Waited for also where it is left out: its copy is in flight on the block's stream.
                 tensor = job.stream_wait_layer(i, seen, stream)
                 # A block's keys and values of one layer lie together: a whole block is one view.
                 parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
                 continue
             parts.append(self._block_views(j)[i])
-        return parts
+        return parts[first:]
+
+    def window_cut(self, window: int) -> tuple[int, int]:
+        """(blocks, tokens) at the restore's start that a layer attending over its last
+        ``window - 1`` tokens never reads again: whole blocks, so that every block a commit may
+        store anew (the one the restore ends in, and those after it) is held."""
+        first = skip = 0
+        left = self.tokens
+        for _, n in self.blocks:
+            if left - n < window - 1:
+                break
+            first, skip, left = first + 1, skip + n, left - n
+        return first, skip
 
 
 class TieredLayer(DynamicLayer):
@@ -1510,6 +1524,9 @@ class TieredLayer(DynamicLayer):
     def __init__(self) -> None:
         self._pending: _Restore | None = None
         self._layer_idx = 0
+        # Tokens at the conversation's start whose KV this layer does not hold (a sliding layer's
+        # restore, cut to its window): its keys and values start at that token.
+        self._offset = 0
         super().__init__()
 
     # Materialize on any access, so transformers code reading `.keys` directly sees the prefix.
@@ -1538,25 +1555,36 @@ class TieredLayer(DynamicLayer):
         self._pending = restore
         self.is_initialized = True
 
-    def _take_parts(self) -> list[torch.Tensor]:
+    def _cut(self, restore: _Restore) -> tuple[int, int]:
+        """(blocks, tokens) at the restore's start this layer leaves out: none; a sliding layer's
+        are those its window no longer reaches."""
+        return 0, 0
+
+    def crop_floor(self) -> int:
+        return 0
+
+    def _take_parts(self) -> tuple[list[torch.Tensor], int]:
         """Wait for the restored blocks; this layer's keys and values, stacked, as (2, H, n, D)
-        views of each block. The blocks stay pending until ``_assemble`` succeeds: a wait or a
-        concatenation that raises (out of memory, Ctrl-C) leaves the layer as it was."""
+        views of each block it holds, and the tokens before them it leaves out. The blocks stay
+        pending until ``_assemble`` succeeds: a wait or a concatenation that raises (out of
+        memory, Ctrl-C) leaves the layer as it was."""
         restore = self._pending
         assert restore is not None
-        parts = restore.layer_parts(self._layer_idx)
+        first, skip = self._cut(restore)
+        parts = restore.layer_parts(self._layer_idx, first, skip)
         self.device = parts[0].device
-        return parts
+        return parts, skip
 
-    def _assemble(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _assemble(self, kv: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Keys and values as the two halves of one (2, H, n, D) tensor: each is a contiguous
         # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them.
         keys, values = kv.chunk(2)  # native: Tensor.split is a Python wrapper, twice the cost here
-        self._keys, self._values, self._pending = keys, values, None
+        self._keys, self._values, self._pending, self._offset = keys, values, None, offset
         return keys, values
 
     def _materialize(self) -> None:
-        self._assemble(torch.cat(self._take_parts(), dim=-2))
+        parts, skip = self._take_parts()
+        self._assemble(torch.cat(parts, dim=-2), skip)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1575,12 +1603,13 @@ class TieredLayer(DynamicLayer):
                     and key_states.shape == value_states.shape == (1, buffer.shape[2], key_states.shape[2], buffer.shape[4]):
                 # The first forward after a restore read from disk, with the conversation's new
                 # tokens: written into the room left for them, no concatenation of the layer.
-                kv = restore.layer_buffer(self._layer_idx)
+                first, skip = self._cut(restore)
+                kv = restore.layer_buffer(self._layer_idx, first)
                 kv[0, :, restore.tokens:].copy_(key_states[0])
                 kv[1, :, restore.tokens:].copy_(value_states[0])
                 self.device = kv.device
-                return self._assemble(kv)
-            parts = self._take_parts()
+                return self._assemble(kv[:, :, skip:] if skip else kv, skip)
+            parts, skip = self._take_parts()
             if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
                 raise ValueError(f"the model computed keys in {key_states.dtype} and values in {value_states.dtype}, "
@@ -1590,8 +1619,8 @@ class TieredLayer(DynamicLayer):
             if key_states.shape[0] == 1:
                 # The first forward after a restore: one concatenation of the restored blocks and the
                 # new tokens, for keys and values together, rather than a copy of the prefix first.
-                return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2))
-            self._assemble(torch.cat(parts, dim=-2))
+                return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2), skip)
+            self._assemble(torch.cat(parts, dim=-2), skip)
         if key_states.shape[0] > 1 and self.is_initialized and self._rows() == 1:
             # A restored batch-1 prefix meeting beams or several return sequences.
             self.batch_repeat_interleave(key_states.shape[0])
@@ -1609,7 +1638,7 @@ class TieredLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         if self._pending is not None:
             return self._pending.tokens
-        return super().get_seq_length()
+        return self._offset + super().get_seq_length()
 
     def extent(self) -> tuple[int, int, int, int]:
         """(tokens, rows) of the keys, then of the values; zeros for none. Another signal's
@@ -1619,10 +1648,10 @@ class TieredLayer(DynamicLayer):
             return self._pending.tokens, self._pending.tokens, 1, 1
         if not self.is_initialized:
             return 0, 0, 0, 0
-        keys, values = self._keys, self._values
-        k = (keys.shape[-2], keys.shape[0]) if keys is not None and keys.dim() >= 2 and keys.numel() else (0, 0)
-        v = (values.shape[-2], values.shape[0]) if values is not None and values.dim() >= 2 and values.numel() \
-            else (0, 0)
+        keys, values, at = self._keys, self._values, self._offset
+        k = (at + keys.shape[-2], keys.shape[0]) if keys is not None and keys.dim() >= 2 and keys.numel() else (0, 0)
+        v = (at + values.shape[-2], values.shape[0]) if values is not None and values.dim() >= 2 \
+            and values.numel() else (0, 0)
         return k[0], v[0], k[1], v[1]
 
     def held_tokens(self) -> int:
@@ -1635,10 +1664,11 @@ class TieredLayer(DynamicLayer):
         # An update that raised on a fresh layer leaves transformers' empty 1-D placeholders.
         if self._keys.dim() < 2 or self._values.dim() < 2:
             return 0
-        return min(self._keys.shape[-2], self._values.shape[-2])
+        return self._offset + min(self._keys.shape[-2], self._values.shape[-2])
 
     def reset(self) -> None:
         self._pending = None
+        self._offset = 0
         # Dropped here, not left to DynamicLayer: before transformers 5.18 it zeroed the tensors
         # in place and kept their length, so a reset cache (and assisted decoding, which resets a
         # restored one) attended over zeros, or raised on a layer still waiting for its blocks.
@@ -1650,10 +1680,13 @@ class TieredLayer(DynamicLayer):
 class TieredSlidingLayer(TieredLayer):
     """A layer attending over a sliding window of ``sliding_window`` tokens (Mistral's, Gemma's
     local layers, GPT-OSS's...): to attention it answers as transformers' ``DynamicSlidingWindowLayer``
-    does (the same mask sizes, and the keys and values of the window and the new tokens), but it
-    holds the whole conversation, as a full-attention layer does: ``commit`` stores every token's
-    KV of every layer, so that a later turn can restore any prefix, whose window is its last
-    tokens.
+    does (the same mask sizes, and the keys and values of the window and the new tokens). It holds
+    the turn's tokens, and of a restored prefix the blocks its window reaches (``_offset``: the
+    tokens before them, left out): ``commit`` stores every token's KV of every layer, so that a
+    later turn can restore any prefix, whose window is its last tokens, and the blocks a commit
+    stores anew start with the one the restore ends in. Cut to whole blocks, a restore is held from
+    no later than its last block's start; a crop may not leave the layer less than a window past
+    its offset (``crop_floor``).
 
     Its keys and values grow in room kept ahead (``_room``), where a ``DynamicLayer`` concatenates
     its whole history at each step: a decode step then copies its new token alone, as the
@@ -1728,6 +1761,23 @@ class TieredSlidingLayer(TieredLayer):
         self._handed = max(self._handed, n + q)
         return self._keys, self._values
 
+    def _cut(self, restore: _Restore) -> tuple[int, int]:
+        return restore.window_cut(self.sliding_window)
+
+    def crop_floor(self) -> int:
+        """The shortest length a crop can leave: one whose window this layer still holds."""
+        offset = self._offset if self._pending is None else self._cut(self._pending)[1]
+        return offset + self.sliding_window - 1 if offset else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        length = self.get_seq_length() + tokens_to_remove
+        if tokens_to_remove < 0 and length <= 0:
+            self.reset()  # cut to nothing: as a fresh layer
+            return
+        if tokens_to_remove < 0 and length < self.crop_floor():
+            raise _crop_refusal(self.crop_floor(), length)
+        super().crop(tokens_to_remove)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         held = self.get_seq_length()
         return min(held, self.sliding_window - 1) + query_length, max(held - self.sliding_window + 1, 0)
@@ -1738,6 +1788,13 @@ class TieredSlidingLayer(TieredLayer):
     def reset(self) -> None:
         self._room = None
         super().reset()
+
+
+def _crop_refusal(floor: int, length: int) -> ValueError:
+    return ValueError(f"a crop of this TieredCache to {length} tokens: its sliding-window layers hold the "
+                      f"restored conversation from where their window reaches, and no crop below {floor} "
+                      "tokens (but one to nothing) leaves them a window; call cache.reset() and run the "
+                      "conversation again instead (or store.open() it anew)")
 
 
 def _is_head_of(tensor: torch.Tensor, room: torch.Tensor) -> bool:
@@ -1866,7 +1923,14 @@ class TieredCache(Cache):
         turn's KV to code of its own (its sliding layers then keep their window alone)."""
         for layer in self.layers:
             window = getattr(layer, "sliding_window", None)
-            yield layer.keys, layer.values, None if window is None else torch.tensor(window, dtype=torch.long)
+            keys, values = layer.keys, layer.values
+            if layer._offset and keys is not None and values is not None:
+                # A sliding layer cut to its window: its length is the conversation's, so that a
+                # DynamicCache made of it counts its tokens right (and keeps the window alone).
+                # NaN where it holds nothing, rather than numbers that look like KV.
+                keys, values = (torch.cat([t.new_full((*t.shape[:2], layer._offset, t.shape[3]), float("nan")), t],
+                                          dim=-2) for t in (keys, values))
+            yield keys, values, None if window is None else torch.tensor(window, dtype=torch.long)
 
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session!r}, tenant={self.tenant!r}, tokens={self.get_seq_length()}, "
@@ -2389,6 +2453,12 @@ class TieredCache(Cache):
     # What a forward the hook never saw writes after these is neither counted as checked nor
     # known by the ids fed before them there.
     def crop(self, *args: Any, **kwargs: Any) -> None:
+        tokens = args[0] if args else kwargs.get("tokens_to_remove")
+        if isinstance(tokens, int) and tokens < 0:
+            # Checked before any layer is cut: a refusal part-way left the layers apart.
+            length, floor = self.get_seq_length() + tokens, self.crop_floor()
+            if 0 < length < floor:
+                raise _crop_refusal(floor, length)
         super().crop(*args, **kwargs)
         self._extends = None  # a forward prepared before the crop ran already (assisted decoding's)
         length = self.get_seq_length()
@@ -2460,11 +2530,27 @@ class TieredCache(Cache):
             # whose commit keeps the KV up to them as before the drop, not a refusal saying to run
             # generate() (helper-90).
             self._dropped_from = max(done, self._dropped_from or 0)
-            self.crop(keep - done)  # transformers takes a count to drop
+            if keep < self.crop_floor():
+                # A sliding layer holds no window there: everything is computed again.
+                dropped = self._dropped_from
+                self.reset()
+                self._dropped_from = dropped
+            else:
+                self.crop(keep - done)  # transformers takes a count to drop
         if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
             self.batch_select_indices(first)
         self._rows_diverged = False
+
+    def crop_floor(self) -> int:
+        """The shortest length a crop can leave the cache (0 but where a sliding layer holds the
+        restored conversation from where its window reaches)."""
+        return max([layer.crop_floor() for layer in self.layers])
+
+    def held_from(self) -> int:
+        """The first token whose KV every layer holds (a sliding layer's restore is cut to its
+        window): ``block_tensor`` reads blocks from there on."""
+        return max([layer._offset for layer in self.layers])
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
@@ -2507,8 +2593,12 @@ class TieredCache(Cache):
         stored block must not keep alive outside every budget. Detached rather than stacked under
         ``torch.no_grad()``: another signal's handler raising as that block's exit began left
         autograd off in the caller's thread for good."""
+        if start < self.held_from():
+            raise ValueError(f"tokens {start} to {end}: this cache's sliding layers hold the conversation from "
+                             f"token {self.held_from()} on")
         return torch.stack([
-            torch.stack((layer.keys[0, :, start:end].detach(), layer.values[0, :, start:end].detach()))
+            torch.stack((layer.keys[0, :, start - layer._offset:end - layer._offset].detach(),
+                         layer.values[0, :, start - layer._offset:end - layer._offset].detach()))
             for layer in self.layers
         ]).contiguous()
 

@@ -1511,6 +1511,12 @@ class TieredStore:
                     meta = self._index.blocks.get(key)
                     if meta is None or not _same_ids(meta.token_ids, ids[start:end]) or \
                             (meta.resident is None and meta.disk is DiskState.NONE):
+                        if start < cache.held_from():
+                            # Evicted since the open (or another conversation's since): the
+                            # cache's sliding layers no longer hold the KV to store it again, and
+                            # the chain ends before it.
+                            logger.debug("tierkv: a block restored at open is gone; the commit keeps the blocks before it")
+                            break
                         if meta is not None:
                             # A 128-bit collision (the newer block wins), or an entry an exception
                             # left in no tier: stored again.
