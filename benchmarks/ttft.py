@@ -69,7 +69,9 @@ def run_shape(model: torch.nn.Module, tokens: int, repeats: int, block_size: int
     warm-up round dropped."""
     vocab = trace_model.vocab_of(model)
     ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
-    prefix = DynamicCache()
+    # Of the model's own layer types, as generate() makes it: a sliding layer keeps its window
+    # alone (a DynamicCache() of plain layers holds, and copies, every token in each).
+    prefix = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids[:, :-1], past_key_values=prefix)
 
