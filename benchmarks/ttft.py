@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -63,10 +64,22 @@ def first_token_seconds(model: torch.nn.Module, ids: torch.Tensor, make_cache) -
     return time.perf_counter() - start, made - start
 
 
+def kv_bytes(cache: Any) -> int:
+    """The bytes of the tensors a cache's layers hold (each storage once: a disk restore's layers
+    are views of one buffer; a sliding layer's room ahead is counted)."""
+    storages: dict[int, int] = {}
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values, *(getattr(layer, "_room", None) or ())):
+            if tensor is not None and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def run_shape(model: torch.nn.Module, tokens: int, repeats: int, block_size: int, device: torch.device
-              ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+              ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int]]:
     """Each policy's TTFT per round, in seconds, and the part of it its cache took to make, the
-    warm-up round dropped."""
+    warm-up round dropped; and the KV bytes its cache holds once the first token is out."""
     vocab = trace_model.vocab_of(model)
     ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     # Of the model's own layer types, as generate() makes it: a sliding layer keeps its window
@@ -131,10 +144,18 @@ def run_shape(model: torch.nn.Module, tokens: int, repeats: int, block_size: int
                 t, o = first_token_seconds(model, ids, make)
             times[name].append(t)
             opens[name].append(o)
+    held = {}
+    for name, make in policies.items():
+        if name == "recompute":
+            continue  # generate's own DynamicCache: the floor's
+        cache = copy.deepcopy(prefix) if make is None else make()
+        model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        held[name] = kv_bytes(cache)
+        del cache
     for store in stores.values():
         store.close()
     shutil.rmtree(tmp, ignore_errors=True)  # scratch: the stores' files
-    return {name: ts[1:] for name, ts in times.items()}, {name: ts[1:] for name, ts in opens.items()}
+    return {name: ts[1:] for name, ts in times.items()}, {name: ts[1:] for name, ts in opens.items()}, held
 
 
 def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
@@ -191,7 +212,7 @@ def main() -> None:
         models = {shape: build(shape, device, trace_model.DTYPES[args.dtype]) for shape in args.shapes}
     for shape, model in models.items():
         try:
-            times, opens = run_shape(model, args.tokens, args.repeats, args.block_size, device)
+            times, opens, held = run_shape(model, args.tokens, args.repeats, args.block_size, device)
         except ValueError as exc:  # store.open's refusal of a model tierkv cannot serve
             parser.error(f"tierkv cannot serve this model: {exc}")
         med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -202,12 +223,13 @@ def main() -> None:
             f"{args.dtype})")
         print(f"\n{name} on {device.type}, returning session of {args.tokens} tokens, median of {args.repeats}")
         print("| policy | TTFT / floor | paired per round | its quartiles | TTFT / recompute "
-              "| of which store.open / floor, paired |")
-        print("|---|---|---|---|---|---|")
+              "| of which store.open / floor, paired | KV held / floor's |")
+        print("|---|---|---|---|---|---|---|")
         for name, t in med.items():
             made = f"{paired({**times, name: opens[name]}, name, floor_name):.3f}" if name.startswith("tierkv") else "-"
+            kv = f"{held[name] / held[floor_name]:.2f}" if name in held else "-"
             print(f"| {name} | {t / floor:.2f} | {paired(times, name, floor_name):.2f} | "
-                  f"{spread(times, name, floor_name)} | {t / recompute:.3f} | {made} |")
+                  f"{spread(times, name, floor_name)} | {t / recompute:.3f} | {made} | {kv} |")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
                    "tierkv disk (after reboot: cold page cache)"):
         assert f"| {policy}" in out
     assert ("| policy | TTFT / floor | paired per round | its quartiles | TTFT / recompute "
-            "| of which store.open / floor, paired |") in out
+            "| of which store.open / floor, paired | KV held / floor's |") in out
     assert "| floor (ready DynamicCache) | 1.00 | 1.00 | 1.00-1.00 | " in out  # the floor over itself, paired too
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out.splitlines() if line.startswith("| tierkv")}
     assert len(rows) == 4
@@ -62,7 +62,9 @@ def test_ttft_benchmark_reports_every_policy(tmp_path: Path) -> None:
         low, high = map(float, cells[3].split("-"))
         assert low <= float(cells[2]) <= high, (name, cells)  # the median lies between the quartiles
         # store.open is a part of the turn: more than nothing, less than the whole of it
-        assert 0 < float(cells[5].rstrip(" |")) < float(cells[2]), (name, cells)
+        assert 0 < float(cells[5]) < float(cells[2]), (name, cells)
+        # A Llama's layers hold the conversation as the floor's do, keys and values in one tensor.
+        assert cells[6].rstrip(" |") == "1.00", (name, cells)
 
 
 def test_reads_benchmark_compares_disk_reads_side_by_side_with_one_thread(tmp_path: Path) -> None:
@@ -1011,6 +1013,22 @@ def test_ttft_benchmark_on_a_checkpoint_in_bf16(checkpoint: Path, tmp_path: Path
     assert f"qwen2 {checkpoint} 3 layers hidden 64, bfloat16" in out
     assert out.count("| floor (ready DynamicCache) | 1.00 |") == 1  # one model: no shapes besides it
     assert len([line for line in out.splitlines() if line.startswith("| tierkv")]) == 4
+
+
+def test_ttft_benchmark_reports_a_sliding_models_kv_held_as_the_floors(tmp_path: Path) -> None:
+    """A Gemma 3's sliding layer, restored, held the whole conversation through the turn (1.54x
+    the floor's KV here); it holds the blocks its window reaches. A disk restore lands in one
+    buffer of every layer, held until the first decode step."""
+    from conftest import make_model
+
+    path = tmp_path / "gemma3-tiny"
+    make_model("gemma3_text").save_pretrained(path)
+    out = run(tmp_path, "-m", "benchmarks.ttft", "--tokens", "40", "--repeats", "1", "--block-size", "4",
+              "--model", str(path))
+    held = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[6].rstrip(" |")
+            for line in out.splitlines() if line.startswith("| tierkv") or line.startswith("| floor")}
+    assert held["floor (ready DynamicCache)"] == held["tierkv device"] == held["tierkv host"] == "1.00", held
+    assert float(held["tierkv disk (after restart)"]) > 1.5, held
 
 
 @pytest.mark.parametrize("flags, message", [
