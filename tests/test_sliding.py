@@ -419,3 +419,31 @@ def test_a_restored_block_gone_before_commit_ends_the_chain_before_it(tiny_model
         assert cache.restored_tokens == 8
         assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("dropped", [0, 1])
+def test_a_commit_before_any_forward_of_a_restore_missing_a_block_keeps_the_blocks_before_it(
+        tiny_model, tmp_path: Path, dropped: int) -> None:
+    """A commit of the ids a cache was opened with, before any forward (its layers still pending),
+    whose restored block before the sliding layers' cut was evicted since the open: the cut was
+    only known once the layers were assembled, so the commit took every token as held, and the
+    block's KV was read at a negative index of the cut layer (block 1: none, and the stack of
+    layers raised; block 0: another block's KV stored under its key, served to a later turn).
+    The chain ends before the block, as after a forward, and a later turn sharing it is exact."""
+    model = tiny_model("gemma3_text")
+    ids = random_ids(33, seed=58)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 32 and cache.layers[0]._pending is not None
+        with store._lock:
+            store._drop(store._index.blocks[cache._restored_keys[dropped]])
+        assert cache.commit(ids) == dropped * BLOCK
+        assert cache.held_from() == 16
+        # A conversation sharing the first blocks only: its sliding layers read them.
+        other = torch.cat([ids[:, :17], random_ids(6, seed=59)], dim=1)
+        cache = store.open(model, other, session="t")
+        assert cache.restored_tokens == dropped * BLOCK
+        assert torch.equal(model.generate(other, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(other, max_new_tokens=4, do_sample=False))

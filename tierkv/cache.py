@@ -1563,6 +1563,11 @@ class TieredLayer(DynamicLayer):
     def crop_floor(self) -> int:
         return 0
 
+    def held_from(self) -> int:
+        """The first token whose KV this layer holds, or will once its pending restore is
+        assembled (the cut a sliding layer's assembly makes is known before it)."""
+        return self._offset if self._pending is None else self._cut(self._pending)[1]
+
     def _take_parts(self) -> tuple[list[torch.Tensor], int]:
         """Wait for the restored blocks; this layer's keys and values, stacked, as (2, H, n, D)
         views of each block it holds, and the tokens before them it leaves out. The blocks stay
@@ -1766,7 +1771,7 @@ class TieredSlidingLayer(TieredLayer):
 
     def crop_floor(self) -> int:
         """The shortest length a crop can leave: one whose window this layer still holds."""
-        offset = self._offset if self._pending is None else self._cut(self._pending)[1]
+        offset = self.held_from()
         return offset + self.sliding_window - 1 if offset else 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -2549,8 +2554,10 @@ class TieredCache(Cache):
 
     def held_from(self) -> int:
         """The first token whose KV every layer holds (a sliding layer's restore is cut to its
-        window): ``block_tensor`` reads blocks from there on."""
-        return max([layer._offset for layer in self.layers])
+        window): ``block_tensor`` reads blocks from there on. Layers still pending count with the
+        cut their assembly will make: a commit before any forward asked first, found 0, and then
+        read a block below the cut at a negative index of the layer assembled meanwhile."""
+        return max([layer.held_from() for layer in self.layers])
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
