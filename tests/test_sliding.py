@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -447,3 +448,34 @@ def test_a_commit_before_any_forward_of_a_restore_missing_a_block_keeps_the_bloc
         assert cache.restored_tokens == dropped * BLOCK
         assert torch.equal(model.generate(other, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(other, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("count", ["numpy", "tensor"])
+def test_a_crop_below_a_cut_window_given_as_numpy_or_a_tensor_is_refused_before_any_layer_is_cut(
+        tiny_model, tmp_path: Path, count: str) -> None:
+    """The cache's check before any layer is cut took Python ints alone: a count of numpy's
+    (arithmetic on a numpy array's length) or a 0-d integer tensor went on to the layers' own
+    checks, and Qwen2's full lower layer was cut before its sliding upper layer refused (the
+    layers then held 26 and 38 tokens). Refused before any layer is cut; a crop to the floor
+    given so is exact."""
+    model = tiny_model("qwen2_window")
+    ids = random_ids(29, seed=53)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(5, seed=54)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        with torch.no_grad():
+            model(nxt[:, 32:], past_key_values=cache)
+        assert cache.crop_floor() == 27
+        tokens = np.int64(26 - 38) if count == "numpy" else torch.tensor(26 - 38)
+        with pytest.raises(ValueError, match="below 27 tokens"):
+            cache.crop(tokens)
+        assert [layer.get_seq_length() for layer in cache.layers] == [38, 38]
+        cache.crop(np.int64(27 - 38) if count == "numpy" else torch.tensor(27 - 38))  # to the floor
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :27], past_key_values=plain)
+            torch.testing.assert_close(model(nxt[:, 27:], past_key_values=cache).logits,
+                                       model(nxt[:, 27:], past_key_values=plain).logits, rtol=0, atol=1e-5)

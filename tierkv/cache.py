@@ -2459,7 +2459,9 @@ class TieredCache(Cache):
     # known by the ids fed before them there.
     def crop(self, *args: Any, **kwargs: Any) -> None:
         tokens = args[0] if args else kwargs.get("tokens_to_remove")
-        if isinstance(tokens, int) and tokens < 0:
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 0 and not tokens.is_floating_point():
+            tokens = int(tokens)  # each layer's own check compares it as well, but one layer at a time
+        if isinstance(tokens, (int, np.integer)) and tokens < 0:
             # Checked before any layer is cut: a refusal part-way left the layers apart.
             length, floor = self.get_seq_length() + tokens, self.crop_floor()
             if 0 < length < floor:
