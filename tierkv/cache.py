@@ -2537,13 +2537,8 @@ class TieredCache(Cache):
             # whose commit keeps the KV up to them as before the drop, not a refusal saying to run
             # generate() (helper-90).
             self._dropped_from = max(done, self._dropped_from or 0)
-            if keep < self.crop_floor():
-                # A sliding layer holds no window there: everything is computed again.
-                dropped = self._dropped_from
-                self.reset()
-                self._dropped_from = dropped
-            else:
-                self.crop(keep - done)  # transformers takes a count to drop
+            # Never below a cut sliding layer's floor: what is kept is at least what was restored.
+            self.crop(keep - done)  # transformers takes a count to drop
         if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
             first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
             self.batch_select_indices(first)
