@@ -479,3 +479,29 @@ def test_a_crop_below_a_cut_window_given_as_numpy_or_a_tensor_is_refused_before_
             model(nxt[:, :27], past_key_values=plain)
             torch.testing.assert_close(model(nxt[:, 27:], past_key_values=cache).logits,
                                        model(nxt[:, 27:], past_key_values=plain).logits, rtol=0, atol=1e-5)
+
+
+def test_a_restored_block_left_in_no_tier_before_the_cut_is_dropped_by_the_commit(tiny_model) -> None:
+    """An index entry an exception left in no tier is dropped and stored again by a commit; one
+    before a cut layer's window ended the chain and stayed: the commit counted it and the blocks
+    after it (32 tokens kept, 0 restored by the next turn) and the entry was never let go."""
+    model = tiny_model("gemma3_text")
+    ids = random_ids(29, seed=55)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        nxt = torch.cat([out, random_ids(5, seed=56)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        key = cache._restored_keys[0]  # tokens 0-8, before the sliding layer's 16
+        with store._lock:
+            meta = store._index.blocks[key]
+            store._host.pop(key)
+            store._index.set_resident(meta, None)
+        assert cache.commit(got) == 0 and key not in store._index.blocks
+        later = torch.cat([got, random_ids(3, seed=57)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == 0
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))

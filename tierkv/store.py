@@ -1516,6 +1516,10 @@ class TieredStore:
                             # cache's sliding layers no longer hold the KV to store it again, and
                             # the chain ends before it.
                             logger.debug("tierkv: a block restored at open is gone; the commit keeps the blocks before it")
+                            if meta is not None and _same_ids(meta.token_ids, ids[start:end]):
+                                # Its entry rests in no tier (an exception's leftover): left in the
+                                # index, the chain's end counted it and the blocks after it kept.
+                                self._drop(meta)
                             break
                         if meta is not None:
                             # A 128-bit collision (the newer block wins), or an entry an exception
