@@ -505,3 +505,50 @@ def test_a_restored_block_left_in_no_tier_before_the_cut_is_dropped_by_the_commi
         assert cache.restored_tokens == 0
         assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("tier", list(BUDGETS))
+def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model, tmp_path: Path, tier: str) -> None:
+    """A model whose every layer slides (Mistral's window) needs of a restore its last blocks
+    alone: the store read from disk, or copied, every block of the conversation. The turn is
+    exact, and its restored tokens count as hits of the tier they rest in."""
+    model = tiny_model("mistral_window")
+    ids = random_ids(29, seed=60)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS[tier]) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+        store.flush()
+        nxt = torch.cat([out, random_ids(5, seed=61)], dim=1)
+        if tier == "disk":
+            store.close()
+            store = TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS[tier])
+        read = []
+        read_into = store._disk.read_into if store._disk is not None else None
+        if read_into is not None:
+            def recording(key: bytes, *args: Any, **kwargs: Any) -> Any:
+                read.append(key)
+                return read_into(key, *args, **kwargs)
+
+            store._disk.read_into = recording
+        moved = dict(store.stats()["moved_bytes"])
+        cache = store.open(model, nxt, session="s")
+        # 32 restored, window 12: blocks 0 and 1 (tokens 0-16) are reached by no layer.
+        assert cache.restored_tokens == 32 and cache.restored_from[tier] == 32
+        assert cache.held_from() == 16
+        kept = cache._restored_keys[2:]
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        block_bytes = store._index.blocks[kept[0]].nbytes
+        after = store.stats()["moved_bytes"]
+        if tier == "disk":
+            assert read == kept
+            assert after["disk_to_host"] - moved["disk_to_host"] == 2 * block_bytes
+        elif tier == "host":
+            assert after["host_to_device"] - moved["host_to_device"] == 2 * block_bytes
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(3, seed=62)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+        store.close()

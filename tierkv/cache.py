@@ -1414,6 +1414,32 @@ _InferenceMode: Any = getattr(torch._C, "_InferenceMode", torch.inference_mode)
 #: tensor of its own (``restore_slots``).
 IN_PLACE: Job[Any] = Job.completed(None)
 
+#: A restored block no layer reads, left where it rests (``unread_blocks``): every layer of the
+#: model slides, and its window no longer reaches the block.
+UNREAD: Job[Any] = Job.completed(None)
+
+
+def window_cut(sizes: list[int], window: int) -> tuple[int, int]:
+    """(blocks, tokens) at the start of a restore of blocks of ``sizes`` tokens that a layer
+    attending over its last ``window - 1`` tokens never reads again: whole blocks, so that every
+    block a commit may store anew (the one the restore ends in, and those after it) is held."""
+    first = skip = 0
+    left = sum(sizes)
+    for n in sizes:
+        if left - n < window - 1:
+            break
+        first, skip, left = first + 1, skip + n, left - n
+    return first, skip
+
+
+def unread_blocks(windows: tuple[int | None, ...] | None, sizes: list[int]) -> int:
+    """The leading blocks of a restore that no layer reads: those every layer's window no longer
+    reaches (a model whose layers all slide: Mistral's window), none where a layer attends to
+    every token."""
+    if not windows or None in windows:
+        return 0
+    return window_cut(sizes, max(windows))[0]
+
 
 def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any) -> np.ndarray:
     """Where a block read from disk lands in a restore's buffer: tokens ``[at, at + n)`` of a
@@ -1493,29 +1519,23 @@ class _Restore:
         seen: set[int] = set()
         stream = None  # looked up once: it costs more than the wait itself
         parts = []
-        for j, (job, n) in enumerate(self.blocks):
+        # The blocks left out are not waited for: no layer's compute reads them (a block's copy
+        # in flight keeps its tensors alive on its own stream).
+        for j in range(first, len(self.blocks)):
+            job, n = self.blocks[j]
             if isinstance(job, _CudaCopyJob):
                 if stream is None:
                     stream = torch.cuda.current_stream(job.device)
-                # Waited for also where it is left out: its copy is in flight on the block's stream.
                 tensor = job.stream_wait_layer(i, seen, stream)
                 # A block's keys and values of one layer lie together: a whole block is one view.
                 parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
                 continue
             parts.append(self._block_views(j)[i])
-        return parts[first:]
+        return parts
 
     def window_cut(self, window: int) -> tuple[int, int]:
-        """(blocks, tokens) at the restore's start that a layer attending over its last
-        ``window - 1`` tokens never reads again: whole blocks, so that every block a commit may
-        store anew (the one the restore ends in, and those after it) is held."""
-        first = skip = 0
-        left = self.tokens
-        for _, n in self.blocks:
-            if left - n < window - 1:
-                break
-            first, skip, left = first + 1, skip + n, left - n
-        return first, skip
+        """``window_cut`` of this restore's blocks."""
+        return window_cut([n for _, n in self.blocks], window)
 
 
 class TieredLayer(DynamicLayer):

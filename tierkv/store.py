@@ -86,7 +86,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .cache import IN_PLACE, TieredCache, describe_model, restore_slots, sequence_ids_of, token_ids_of
+from .cache import IN_PLACE, UNREAD, TieredCache, describe_model, restore_slots, sequence_ids_of, token_ids_of, \
+    unread_blocks
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
@@ -951,7 +952,12 @@ class TieredStore:
                     # computed with (``ModelInfo.position_limit``): nothing is restored.
                     plan = self._match(root, ids, info.masked_token) if limit is None or len(ids) <= limit else []
                     self._pin(pins, [meta.key for meta, _ in plan])
-                    found = [self._source(meta) for meta, _ in plan]
+                    # Blocks no layer's window reaches are neither read nor copied (a Mistral's
+                    # window of 4,096 over a 32k-token conversation: its last blocks alone).
+                    unread = unread_blocks(info.windows, [n for _, n in plan])
+                    found: list[tuple[Tier, Job[Any]] | None] = \
+                        [(meta.resident or Tier.DISK, UNREAD) for meta, _ in plan[:unread]]
+                    found += [self._source(meta) for meta, _ in plan[unread:]]
                     for i, where in enumerate(found):
                         if where is not None and where[1].lease is not None:
                             where[1].lease.hold_in(held, ("memory", i), where[1].lease)
@@ -1178,7 +1184,8 @@ class TieredStore:
             self._count_move("disk_to_host", read_bytes, seconds=read_seconds)
         # Every copy to the device starts at once, layer by layer across blocks, so that layer i
         # can be used as soon as its own copies landed.
-        moving = [i for i, (_, _, tier, src) in enumerate(sources) if tier is not Tier.DEVICE and src is not IN_PLACE]
+        moving = [i for i, (_, _, tier, src) in enumerate(sources)
+                  if tier is not Tier.DEVICE and src is not IN_PLACE and src is not UNREAD]
         copies = self._engine.to_device_many([sources[i][3] for i in moving])
         for i, copy in zip(moving, copies):
             lease = sources[i][3].lease
@@ -1192,10 +1199,11 @@ class TieredStore:
         restored_from = dict(_NO_TOKENS)
         used: list[BlockMeta] = []
         for meta, n, tier, src in sources:
-            job = src if tier is Tier.DEVICE or src is IN_PLACE else next(moved)
+            job = src if tier is Tier.DEVICE or src is IN_PLACE or src is UNREAD else next(moved)
             # Promote unless another thread moved or dropped the block since it was found.
             was = Tier.HOST if tier is Tier.HOST else None
-            if tier is not Tier.DEVICE and src is not IN_PLACE and self._index.blocks.get(meta.key) is meta and \
+            if tier is not Tier.DEVICE and src is not IN_PLACE and src is not UNREAD and \
+                    self._index.blocks.get(meta.key) is meta and \
                     meta.resident is was:
                 self._promote(meta, job, src)
             blocks.append((job, n))
