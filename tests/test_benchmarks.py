@@ -943,8 +943,8 @@ def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str]
      "sliding-window layers only, for now; give another --arch, such as llama"),
     # A recurrent family: before, an AttributeError from the KV probe, before the refusal.
     (["--arch", "mamba", "--hidden", "128"], "['linear_attention'] layers"),
-    (["--model", "{recurrent}"], "sliding-window layers only, for now; give --model a decoder-only full-attention "
-                                 "checkpoint"),
+    (["--model", "{recurrent}"], "sliding-window layers only, for now; give --model a decoder-only checkpoint of "
+                                 "full-attention or sliding-window layers"),
 ])
 def test_chat_trace_refuses_models_it_cannot_run_before_the_trace(
         flags: list[str], message: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

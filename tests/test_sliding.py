@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from conftest import SLIDING, VOCAB, make_model, random_ids
@@ -159,6 +159,32 @@ def test_chunked_attention_is_refused_naming_its_layers() -> None:
                                              "with full-attention and sliding-window layers only"):
             store.open(model, random_ids(20))
         assert store.stats()["misses"] == 0
+
+
+@pytest.mark.parametrize("family", ["t5", "mamba", "gemma3n_text"])
+def test_refusals_name_sliding_window_models_among_those_served(family: str) -> None:
+    """A refused model's remedy named "a decoder-only full-attention model" alone (an encoder-decoder,
+    a recurrent model, Gemma-3n's shared KV): a Gemma 3 or Mistral user read that tierkv did not
+    serve their sliding-window checkpoint, which it does. The refusal names both."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    config = {
+        "t5": lambda: AutoConfig.for_model("t5", vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                           d_kv=16),
+        "mamba": lambda: AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
+                                              state_size=4),
+        "gemma3n_text": lambda: AutoConfig.for_model(
+            "gemma3n_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
+            num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, **heads),
+    }[family]()
+    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
+    model = auto.from_config(config).eval()
+    with TieredStore(None, device="cpu", block_size=BLOCK) as store:
+        with pytest.raises(ValueError) as info:
+            store.open(model, random_ids(20))
+    message = str(info.value)
+    assert "sliding-window" in message and "Generate with it without a TieredCache" in message, message
+    assert message.endswith("or serve a decoder-only model of full-attention or sliding-window layers "
+                            "(Llama, Mistral, Gemma 3...) through tierkv"), message
 
 
 def _turn_two(model: torch.nn.Module, tmp_path: Path, store: TieredStore) -> tuple[Any, torch.Tensor]:

@@ -329,7 +329,8 @@ def run(args: argparse.Namespace) -> dict:
             # The library's way out (generate without a TieredCache) is no flag of this program's:
             # the way out here is another model.
             reason = str(exc).removesuffix(_WITHOUT_TIERKV)
-            instead = ("give --model a decoder-only full-attention checkpoint" if args.model is not None else
+            instead = ("give --model a decoder-only checkpoint of full-attention or sliding-window layers"
+                       if args.model is not None else
                        "give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
             raise trace_model.ModelFlagError(f"tierkv cannot serve this model: {reason}; {instead}") from None
     # After the refusal: the probe reads keys from every layer, which a recurrent layer lacks

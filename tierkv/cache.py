@@ -293,7 +293,8 @@ def _masked_token(model: Any) -> int | None:
 
 #: The way out, for a model tierkv refuses to serve: nothing of the store is needed to generate.
 _WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() with no cache=), or serve a "
-                   "decoder-only full-attention model through tierkv")
+                   "decoder-only model of full-attention or sliding-window layers (Llama, Mistral, Gemma 3...) "
+                   "through tierkv")
 
 
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
@@ -642,11 +643,12 @@ def _static_facts(model: Any) -> _Static:
         raise TypeError(_not_a_model(model))
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tierkv supports decoder-only "
-                         f"full-attention models (Llama, Qwen2, GPT-2, Mistral...){_WITHOUT_TIERKV}")
+                         f"models of full-attention or sliding-window layers{_WITHOUT_TIERKV}")
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     if callable(supports) and not supports():
         raise ValueError(f"{type(model).__name__} does not use a standard KV cache (recurrent or custom state); "
-                         f"tierkv supports decoder-only full-attention models{_WITHOUT_TIERKV}")
+                         "tierkv supports decoder-only models of full-attention or sliding-window layers"
+                         f"{_WITHOUT_TIERKV}")
     text_config = config.get_text_config(decoder=True)
     _refuse_unsupported(model, config, text_config)
     _refuse_hidden_weights(model)
@@ -673,7 +675,7 @@ def _static_facts(model: Any) -> _Static:
             raise ValueError(f"{type(model).__name__} shares KV between layers (num_kv_shared_layers={shared}: its "
                              "last layers read earlier layers' KV and hold none, 'dummy' layers in transformers' "
                              "caches); tierkv supports decoder-only models whose every layer holds its own "
-                             f"full-attention KV{_WITHOUT_TIERKV}")
+                             f"full-attention or sliding-window KV{_WITHOUT_TIERKV}")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention and sliding-window layers only, for now{hint}{_WITHOUT_TIERKV}")
     if "sliding_attention" in layer_types and not _builds_sliding_masks(model):
