@@ -3,9 +3,9 @@
 The only module that imports transformers. It adapts a model and a conversation to the store
 and holds no policy:
 
-* ``describe_model(model)`` checks that the model is a decoder-only, full-attention, text-only
-  model whose keys and values share one shape, and computes its fingerprint: architecture fields
-  of its config, dtype, the code that computes its KV (torch and transformers releases, device
+* ``describe_model(model)`` checks that the model is a decoder-only, text-only model of
+  full-attention or sliding-window layers whose keys and values share one shape, and computes its
+  fingerprint: architecture fields of its config, dtype, the code that computes its KV (torch and transformers releases, device
   kind, GPU model, a CPU's vector code: ``_kernels_tag``), a digest of every byte of its weights (``weights.py``)
   and of its RoPE frequencies' values (not under dynamic RoPE). The checks and the config digest
   are cached per model object (moving the model rebuilds them); the weight sample is read on

@@ -899,8 +899,9 @@ class TieredStore:
     def open(self, model: Any, input_ids: Any, session: str | None = None, tenant: str | None = None) -> TieredCache:
         """A cache for one conversation turn, holding the longest stored prefix of ``input_ids``.
 
-        ``model``: a decoder-only, full-attention transformers model on this store's device (it
-        gets tierkv's forward hook). ``input_ids``: the whole conversation so far, an integer
+        ``model``: a decoder-only transformers model of full-attention or sliding-window layers on
+        this store's device (it gets tierkv's forward hook). ``input_ids``: the whole conversation
+        so far, an integer
         tensor of shape ``(1, L)``. ``session``/``tenant``: names (str) or None; blocks are shared
         within a tenant, never across tenants, and ``forget`` finds a session's blocks by name.
 
