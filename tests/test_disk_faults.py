@@ -3300,13 +3300,15 @@ def test_a_write_queued_again_is_reaped_in_its_new_place_not_where_it_was_first(
     # the block back to be written again (_unwritten), before the write left _pending_writes: the
     # next flush queues it again (_retry_writes), last. The writes queued between its two are
     # reaped as they land, not held back until it lands too, and its first job is never reaped
-    # for it.
+    # for it (its block's entry is the second's), but still counted, once (h115: it went uncounted
+    # in stats()["disk_full"], the second write taking its place in _pending_writes). Refused by
+    # the filesystem: a refusal at the map's cap would evict as much again (tested with deletes).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
     writer = store._writer
     try:
         paper, jobs = _behind_a_paper_writer(store, model, 3, 1490)
         key, (first, header) = next(iter(store._pending_writes.items()))
-        paper.finish([first], DiskFull("map full"))
+        paper.finish([first], FilesystemFull("no room"))
         meta = store._index.blocks[key]
         store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
         store._unwritten[key] = header
@@ -3317,10 +3319,148 @@ def test_a_write_queued_again_is_reaped_in_its_new_place_not_where_it_was_first(
         _reap(store)
         assert list(store._pending_writes) == [key] and meta.disk is DiskState.PENDING and key in store._inflight
         assert {m.disk for m in store._index.blocks.values() if m is not meta} == {DiskState.DURABLE}
-        assert not store._deletes and store._disk_full == 0
+        assert not store._deletes and store._disk_full == 1
         paper.finish([again])
         _reap(store)
         assert not store._pending_writes and meta.disk is DiskState.DURABLE and not store._unwritten
+        assert store._disk_full == 1 and not store._write_order and not store._let_go_writes
+    finally:
+        store._writer = writer
+
+
+def test_a_write_queued_again_over_its_first_an_exception_cuts_short_is_counted_once(model, stores, tmp_path):
+    # The first job of a write queued again over it (a reap cut short once it had put the block
+    # back, as above) let go of by _queue_write: another signal's handler raising at each point
+    # of that queueing (_retry_writes) leaves the first job tracked, let go of, or both; the next
+    # flush's queueing and reaps count its refusal once, none lost, none twice (h115).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    writer = store._writer
+    try:
+        paper, _ = _behind_a_paper_writer(store, model, 2, 1540)
+        key, (first, header) = next(iter(store._pending_writes.items()))
+        meta = store._index.blocks[key]
+        paper.finish([job for _, job in paper.items if job is not first])
+        with store._lock:
+            store._reap_writes(keys=[k for k in store._pending_writes if k != key])  # by key, as a flush's
+        paper.finish([first], FilesystemFull("no room"))
+        assert list(store._pending_writes) == [key] and len(store._write_order) > 3
+        pending, inflight, order, queued = dict(store._pending_writes), dict(store._inflight), \
+            list(store._write_order), len(paper.items)
+
+        def reset() -> None:
+            store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
+            store._unwritten[key] = header
+            store._pending_writes.clear()
+            store._pending_writes.update(pending)
+            store._inflight.clear()
+            store._inflight.update(inflight)
+            store._let_go_writes.clear()
+            store._write_order.clear()
+            store._write_order.extend(order)
+            store._submitting.clear()
+            del paper.items[queued:]
+            store._disk_full = 0
+
+        def counted_once(sent) -> None:
+            with store._lock:
+                store._reap()  # an open's, before any flush
+                for _ in range(2):  # a second write cut unqueued is the next flush's to write again
+                    store._retry_writes()  # a flush's
+                    paper.finish([job for _, job in paper.items if not job.done()])
+                    store._reap()
+            assert store._disk_full == 1, sent
+            assert not store._pending_writes and not store._let_go_writes and not store._write_order, sent
+            assert meta.disk is DiskState.DURABLE and not store._unwritten, sent
+            reset()
+
+        reset()
+        assert raised_on_the_way_in(lambda: (store._retry_writes(), nullcontext())[1], counted_once) > 5
+    finally:
+        store._writer = writer
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["deleted", "stored-again"])
+@pytest.mark.parametrize("outcome", ["map-full", "filesystem-full", "io-error", "landed"])
+def test_a_write_let_go_by_a_delete_before_it_landed_is_still_counted_once(model, stores, tmp_path, outcome,
+                                                                           again):
+    # Before: a delete of a block whose write was still queued (its session forgotten, here; an
+    # eviction from disk or a superseded tail alike) took the write out of _pending_writes, and
+    # no reap asked it again: a write the map's cap or a full filesystem refused went uncounted
+    # in stats()["disk_full"], and one an I/O error failed in "disk_errors", the disk not marked
+    # failed (the store went on writing through to it, without the warning). So too where the
+    # block was stored again before the reap (its key's write queued again, which the reap
+    # then tracked alone).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    writer = store._writer
+    try:
+        paper, _ = _behind_a_paper_writer(store, model, 1, 1520)
+        first = [job for job, _ in store._pending_writes.values()]
+        assert len(first) >= 3
+        store.forget(session="s0")
+        assert not store._pending_writes
+        if again:
+            converse(store, model, random_ids(3 * B + 2, 1520), "s0")
+            assert len(store._pending_writes) == len(first)
+            assert not [job for job, _ in store._pending_writes.values() if job in first]
+        error = {"map-full": DiskFull("map full"), "filesystem-full": FilesystemFull("no room"),
+                 "io-error": OSError(errno.EIO, "Input/output error"), "landed": None}[outcome]
+        paper.finish(first, error)
+        paper.finish([job for _, job in paper.items if not job.done()])
+        stats = store.stats()
+        refused = len(first) if outcome.endswith("full") else 0
+        faulted = len(first) if outcome == "io-error" else 0
+        assert (stats["disk_full"], stats["disk_errors"], stats["disk_failed"]) == (refused, faulted, bool(faulted))
+        paper.finish([job for _, job in paper.items if not job.done()])  # the room a refusal made
+        stats = store.stats()  # reaped again: counted once
+        assert (stats["disk_full"], stats["disk_errors"]) == (refused, faulted)
+        assert not store._pending_writes and not store._write_order and not store._let_go_writes
+        if again and outcome in ("landed", "filesystem-full"):  # no room made at the map's cap
+            assert {m.disk for m in store._index.blocks.values()} == {DiskState.DURABLE}
+    finally:
+        store._writer = writer
+
+
+@pytest.mark.parametrize("step", ["let-go", "reap"])
+def test_a_write_let_go_by_a_delete_an_exception_cuts_short_is_counted_once(model, stores, tmp_path, step):
+    # The writes a delete lets go of (_let_go_of_records), and their reap (_reap_writes), cut by
+    # another signal's handler at each point: the delete done again (as _finish_deletes does)
+    # and the next reap count each refusal once, none lost, none twice (h115).
+    store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
+    writer = store._writer
+    try:
+        paper, _ = _behind_a_paper_writer(store, model, 1, 1530)
+        pending, inflight = dict(store._pending_writes), dict(store._inflight)
+        gone = [store._index.blocks[key] for key in pending]
+        order = list(store._write_order)
+        paper.finish([job for job, _ in pending.values()], DiskFull("map full"))
+
+        def reset() -> None:
+            for meta in gone:
+                store._index.set_disk(meta, DiskState.PENDING)
+            store._pending_writes.clear()
+            store._pending_writes.update(pending)
+            store._inflight.clear()
+            store._inflight.update(inflight)
+            store._let_go_writes.clear()
+            store._write_order.clear()
+            store._write_order.extend(order)
+            store._disk_full, store._disk_goal = 0, None
+            if step == "reap":
+                store._let_go_of_records(gone)
+
+        def counted_once(sent) -> None:
+            with store._lock:
+                store._let_go_of_records([m for m in gone if store._index.blocks.get(m.key) is m])
+                store._reap_writes()
+                store._reap_writes()
+            assert (store._disk_full, store._disk_goal) == (len(gone), None), sent
+            assert not store._pending_writes and not store._let_go_writes and not store._write_order, sent
+            assert {m.disk for m in gone} == {DiskState.NONE} and not store._unwritten, sent
+            reset()
+
+        reset()
+        cut = (lambda: store._let_go_of_records(gone)) if step == "let-go" else store._reap_writes
+        assert raised_on_the_way_in(lambda: (cut(), nullcontext())[1], counted_once) > len(gone)
     finally:
         store._writer = writer
 

@@ -44,7 +44,8 @@ Protocol of one conversation turn::
   its writer drains): a block's entry following its tiers (``_unsettled``), a delete on disk
   queued again (``_deleting``), a session left with no block of its own untracked (``_hollow``),
   the room a refused write asked for (``_disk_goal``), a write whose queueing was cut short
-  failed as not queued, a commit's cleanup (its chain touched and referenced: ``_ending``), a
+  failed as not queued, the outcome of a write let go of by a delete or queued again over it
+  counted (``_let_go_writes``), a commit's cleanup (its chain touched and referenced: ``_ending``), a
   forget's session dropped (``_forgetting``, with the blocks it dropped, whose continuations no
   session references go too; the session leaves the index last), then the forget itself done
   again whole (``_forgets_owed``: the sessions it had not reached, and a tenant's blocks of no
@@ -490,8 +491,15 @@ class TieredStore:
         # one FIFO thread, so a reap asks them in turn and stops at the first not done, its cost
         # the writes that landed since the last (it asked every queued write: 0.65 ms a reap, a
         # commit's, behind 1,000 of them). An entry whose key no longer tracks its job (let go of
-        # by a delete, or queued again) is passed over as it comes to the front.
+        # by a delete, or queued again) is passed over as it comes to the front, its outcome
+        # counted first if it was let go of (``_let_go_writes``).
         self._write_order: deque[tuple[bytes, Job[None]]] = deque()
+        # Writes let go of while queued (a delete of their block: a forget, an eviction from disk,
+        # a superseded tail), by job, with their header: their block's index entry is no longer
+        # theirs, but a refusal or an I/O error of theirs is still the disk's, counted (and acted
+        # on) as the walk of ``_write_order`` comes to them. Dropped untracked, such a failure went
+        # uncounted, and an I/O error left the disk trusted.
+        self._let_go_writes: dict[Job[None], RecordHeader] = {}
         # Tracked writes and deletes (their key; None: a delete) whose submit is under way or was
         # cut short: the only jobs that finish out of the queue's order (failed as not queued,
         # ``_done_or_not_queued``), reaped where they lie, not left behind a write not yet done.
@@ -822,6 +830,7 @@ class TieredStore:
             if meta.resident is None:
                 self._index.remove(key)
         self._write_order.clear()  # every write it names was let go of above
+        self._let_go_writes.clear()
         if abandoned or stuck:
             logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                            "will be recomputed after a restart", timeout, dropped)
@@ -1672,6 +1681,12 @@ class TieredStore:
         # block unknown to the index until a reopen (outside the disk's budget, kept by a forget)
         # and its host buffer held for good. Cut short unqueued, it fails as WriteNotQueued, not
         # taken for a disk fault, and a block kept is written again (_unwritten).
+        displaced = self._pending_writes.get(key)
+        if displaced is not None:
+            # Left tracked by a reap another signal's handler cut short once it had put the block
+            # back to be written again: its outcome is counted as the let-go writes' are (a cut
+            # here leaves it in both, which the reap of either counts once).
+            self._let_go_writes[displaced[0]] = displaced[1]
         # In _submitting first, then in the queue's order: a cut before either is tracked leaves
         # an entry that names no tracked job, passed over.
         self._submitting[write] = key
@@ -1957,7 +1972,11 @@ class TieredStore:
     def _let_go_of_records(self, gone: list[BlockMeta]) -> None:
         for meta in gone:
             self._index.set_disk(meta, DiskState.NONE)
-            self._pending_writes.pop(meta.key, None)
+            entry = self._pending_writes.get(meta.key)
+            if entry is not None:
+                # No call between the two: no signal's handler leaves it in both, or in neither.
+                self._let_go_writes[entry[0]] = entry[1]
+                del self._pending_writes[meta.key]
             self._pop_inflight(meta.key)
 
     def _finish_deletes(self) -> None:
@@ -2163,18 +2182,27 @@ class TieredStore:
                 if not self._done_or_not_queued(job):
                     break  # nor is any queued after it
                 self._reap_write(key, *entry)
+            elif job in self._let_go_writes:
+                if not self._done_or_not_queued(job):
+                    break
+                self._reap_write(key, job, self._let_go_writes[job], tracked=False)
             del order[0]  # after its work: an entry cut short is reaped, or passed over, again
 
-    def _reap_write(self, key: bytes, job: Job[None], header: RecordHeader) -> None:
+    def _reap_write(self, key: bytes, job: Job[None], header: RecordHeader, tracked: bool = True) -> None:
         """``_reap_writes``' work for the done write ``job`` of ``key``, which it takes out of
-        ``_pending_writes`` last."""
-        meta = self._index.blocks.get(key)
+        ``_pending_writes`` (or, not ``tracked``, ``_let_go_writes``: its outcome counted, the
+        index and the host copies, another write's now, left alone) last."""
+        meta = self._index.blocks.get(key) if tracked else None
         error = job.error()  # outside any try: a signal handler's exception is not the disk's
+        noted = job in self._let_go_writes  # Job's hash is object's: no call
         if error is None:
             if meta is not None and meta.disk is DiskState.PENDING:
                 self._index.set_disk(meta, DiskState.DURABLE)
-            self._pop_inflight(key)
-            del self._pending_writes[key]
+            if tracked:
+                self._pop_inflight(key)
+                del self._pending_writes[key]
+            if noted:
+                del self._let_go_writes[job]
             return
         # WriteAbandoned: close(timeout) gave up on it, not a fault of the disk.
         refused = isinstance(error, DiskFull)
@@ -2200,12 +2228,16 @@ class TieredStore:
         # the header: a block that left the index before a cut asked for it too.
         room = self._footprint(header) if refused and not isinstance(error, FilesystemFull) and \
             (meta is None or meta.disk is not DiskState.DURABLE) else 0
-        self._pop_inflight(key)
+        if tracked:
+            self._pop_inflight(key)
         disk_bytes = self._index.bytes[Tier.DISK] if room else 0  # Tier's hash is a call: before the span
         # No call from here to the write's leaving: no signal's handler runs in between.
         if room:
             self._disk_goal = disk_bytes - room
-        del self._pending_writes[key]
+        if tracked:
+            del self._pending_writes[key]
+        if noted:
+            del self._let_go_writes[job]
         self._disk_full += refused
         self._disk_errors += faulted
         if room:
