@@ -354,6 +354,17 @@ def test_keys_a_caller_kept_are_not_written_over_by_an_append_after_a_crop(tiny_
                 assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
 
 
+def _past_the_window(store: TieredStore, model: torch.nn.Module, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A second turn's cache, its restore (32 tokens, blocks of 8) reaching past the 12-token
+    window, its ids, and the first turn's sequences."""
+    ids = random_ids(29, seed=seed)
+    cache = store.open(model, ids, session="s")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    cache.commit(out)
+    nxt = torch.cat([out, random_ids(5, seed=seed + 1)], dim=1)
+    return store.open(model, nxt, session="s"), nxt, out
+
+
 @pytest.mark.parametrize("tier", list(BUDGETS))
 def test_a_restore_past_the_window_holds_the_window_not_the_conversation(tiny_model, tmp_path: Path,
                                                                          tier: str) -> None:
@@ -361,13 +372,8 @@ def test_a_restore_past_the_window_holds_the_window_not_the_conversation(tiny_mo
     five times a DynamicCache's KV): it holds the restored blocks its window reaches, and the
     turn is exact, its commit and the next turn's restore too."""
     model = tiny_model("gemma3_text")
-    ids = random_ids(29, seed=50)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS[tier]) as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(5, seed=51)], dim=1)
-        cache = store.open(model, nxt, session="s")
+        cache, nxt, _ = _past_the_window(store, model, seed=50)
         r = cache.restored_tokens
         assert r == 32
         got = model.generate(nxt, past_key_values=cache, max_new_tokens=6, do_sample=False)
@@ -396,13 +402,8 @@ def test_a_restore_past_the_window_holds_the_window_not_the_conversation(tiny_mo
 def test_a_crop_below_a_cut_window_is_refused_leaving_every_layer_as_it_was(tiny_model, tmp_path: Path,
                                                                           arch: str) -> None:
     model = tiny_model(arch)
-    ids = random_ids(29, seed=53)
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(5, seed=54)], dim=1)
-        cache = store.open(model, nxt, session="s")
+        cache, nxt, _ = _past_the_window(store, model, seed=53)
         assert cache.crop_floor() == 16 + 11  # still pending: the floor the cut will have
         with pytest.raises(ValueError, match="below 27 tokens"):
             cache.crop(27 - 32 - 1)
@@ -429,13 +430,8 @@ def test_a_restored_block_gone_before_commit_ends_the_chain_before_it(tiny_model
     before the cut sliding layers' KV can no longer be stored again from the cache: the commit
     keeps the blocks before it, and the next turn is exact."""
     model = tiny_model("gemma3_text")
-    ids = random_ids(29, seed=55)
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(5, seed=56)], dim=1)
-        cache = store.open(model, nxt, session="s")
+        cache, nxt, _ = _past_the_window(store, model, seed=55)
         got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert cache.held_from() == 16
         with store._lock:
@@ -485,13 +481,8 @@ def test_a_crop_below_a_cut_window_given_as_numpy_or_a_tensor_is_refused_before_
     layers then held 26 and 38 tokens). Refused before any layer is cut; a crop to the floor
     given so is exact."""
     model = tiny_model("qwen2_window")
-    ids = random_ids(29, seed=53)
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(5, seed=54)], dim=1)
-        cache = store.open(model, nxt, session="s")
+        cache, nxt, _ = _past_the_window(store, model, seed=53)
         with torch.no_grad():
             model(nxt[:, 32:], past_key_values=cache)
         assert cache.crop_floor() == 27
@@ -512,13 +503,8 @@ def test_a_restored_block_left_in_no_tier_before_the_cut_is_dropped_by_the_commi
     before a cut layer's window ended the chain and stayed: the commit counted it and the blocks
     after it (32 tokens kept, 0 restored by the next turn) and the entry was never let go."""
     model = tiny_model("gemma3_text")
-    ids = random_ids(29, seed=55)
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        cache.commit(out)
-        nxt = torch.cat([out, random_ids(5, seed=56)], dim=1)
-        cache = store.open(model, nxt, session="s")
+        cache, nxt, _ = _past_the_window(store, model, seed=55)
         got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
         key = cache._restored_keys[0]  # tokens 0-8, before the sliding layer's 16
         with store._lock:
