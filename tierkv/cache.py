@@ -1604,7 +1604,8 @@ class TieredLayer(DynamicLayer):
 
     def _assemble(self, kv: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Keys and values as the two halves of one (2, H, n, D) tensor: each is a contiguous
-        # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them.
+        # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them (but a cut layer's
+        # read from disk in place: a view of its buffer from the cut on, until its first decode step).
         keys, values = kv.chunk(2)  # native: Tensor.split is a Python wrapper, twice the cost here
         self._keys, self._values, self._pending, self._offset = keys, values, None, offset
         return keys, values
