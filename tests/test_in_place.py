@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids, reencoded
 from tierkv import TieredCache, TieredStore
-from tierkv.cache import IN_PLACE, restore_slots
+from tierkv.cache import IN_PLACE, UNREAD, restore_slots
 from tierkv.codec import CorruptRecord
 
 B = 8
@@ -91,7 +91,11 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         assert r == nxt.shape[1] - 4 and cache.restored_from["disk"] == r
         restore = restore_of(cache)
         assert restore.buffer is not None and restore.buffer.shape[3] == nxt.shape[1]
-        assert all(job is IN_PLACE for job, _ in restore.blocks)
+        jobs = [job for job, _ in restore.blocks]
+        # A model whose every layer slides reads the blocks its window reaches alone.
+        unread = len([job for job in jobs if job is UNREAD])
+        assert (unread > 0) == all(cache.is_sliding)
+        assert jobs[:unread] == [UNREAD] * unread and all(job is IN_PLACE for job in jobs[unread:])
         # The first forward: the layers are the buffer itself, its room filled with the new tokens.
         plain = DynamicCache(config=model.config)
         with torch.no_grad():
