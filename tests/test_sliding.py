@@ -564,3 +564,53 @@ def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model,
         assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(later, max_new_tokens=4, do_sample=False))
         store.close()
+
+
+@pytest.mark.parametrize("rest", ["disk", "host"])
+def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_reaches(
+        tiny_model, tmp_path: Path, rest: str) -> None:
+    """A model whose every layer slides leaves unread the blocks its window no longer reaches
+    (``UNREAD``). A later block that fails its read (damage, a forget meanwhile) cuts the restore
+    short, and the shorter restore's window reaches blocks left unread: the first forward waited
+    for a block no one read and raised. They are read (or copied from the host tier they rest
+    in) and the turn is exact, the damaged block counted and dropped."""
+    from conftest import damage_in_place, flipped
+    from tierkv.store import Tier
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=63)
+    budgets = BUDGETS[rest]
+    store = TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets)
+    cache = store.open(model, ids, session="s")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+    store.flush()
+    if rest == "disk":  # a restart: every block is read from disk
+        store.close()
+        store = TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets)
+    with store:
+        nxt = torch.cat([out, random_ids(5, seed=64)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens == 60
+        chain = cache._restored_keys
+        del cache
+        if rest == "host":
+            # Blocks 0-5 (those left unread) rest in the host tier, block 6 and the tail on disk alone.
+            with store._lock:
+                for key in chain[6:]:
+                    store._evict(Tier.HOST, store._index.blocks[key])
+            assert [store._index.blocks[k].resident is Tier.HOST for k in chain] == [True] * 6 + [False] * 2
+        disk = store._disk
+        damage_in_place(disk.env, disk._blocks, chain[6], lambda record: flipped(record, -20))
+        cache = store.open(model, nxt, session="s")
+        # 48 tokens: the window of 12 reaches blocks 4 and 5, unread by a restore of 60.
+        assert cache.restored_tokens == 48 and cache.restored_from[rest] == 48
+        assert store.stats()["corrupt"] == 1
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(3, seed=65)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == got.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))

@@ -443,6 +443,15 @@ class _GatheringDeletes:
             store._submit_gathered()
 
 
+def _first_miss(found: list[Any], reads: dict[int, Any]) -> int | None:
+    """The first planned block that was to be read from disk and was not (``_read_disk_blocks``),
+    or None."""
+    for i, where in enumerate(found):
+        if where is None and not isinstance(reads.get(i), Job):
+            return i
+    return None
+
+
 class TieredStore:
     """A hierarchical KV-cache store: device, host and (optionally) LMDB disk tiers.
 
@@ -974,6 +983,16 @@ class TieredStore:
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
+                while (miss := _first_miss(found, reads)) is not None and \
+                        unread_blocks(info.windows, [n for _, n in plan[:miss]]) < unread:
+                    # Cut short by a block that failed its read, the restore's window reaches
+                    # blocks left unread: they are read now, and the disk blocks before the miss
+                    # again (a rare path: damage, or a forget meanwhile).
+                    with self._lock:
+                        self._check_open()
+                        plan, found, unread = self._plan_again(plan, found, reads, miss, info.windows, held)
+                    reads, seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
+                    read_seconds += seconds
                 with self._lock:
                     self._check_open()
                     if reads:  # the disk's time only where this open read from it (the chat trace's GB/s)
@@ -1164,29 +1183,8 @@ class TieredStore:
             if where is None:
                 result = reads.get(i)
                 if result is None or isinstance(result, BaseException):
-                    if isinstance(result, CorruptRecord) and self._index.blocks.get(meta.key) is not meta:
-                        pass  # forgotten or evicted meanwhile: its delete zeroed it, a plain miss
-                    elif isinstance(result, Scrubbed):
-                        # A delete a crash cut short left the record zeroed under a surviving head.
-                        logger.debug("tierkv: finished a delete that a crash cut short (%s)", meta.key.hex())
-                        self._drop(meta)
-                    elif isinstance(result, CorruptRecord) or (
-                            isinstance(result, KeyError) and self._index.blocks.get(meta.key) is meta
-                            and meta.disk is DiskState.DURABLE):
-                        # A KeyError here: a record gone under its head (damage; evictions and
-                        # forgets take the block off disk in the index first). Left indexed, each
-                        # open read it again, and no commit stored it again.
-                        self._corrupt += 1
-                        # Once per store, then counted: a damaged disk must not flood the log.
-                        log = logger.warning if self._corrupt == 1 else logger.debug
-                        log("tierkv: dropped an unreadable block from disk (%s); it will be recomputed. "
-                            "stats()['corrupt'] counts further ones",
-                            "its record is missing" if isinstance(result, KeyError) else result)
-                        if self._index.blocks.get(meta.key) is meta:
-                            self._drop(meta)
-                    elif isinstance(result, (lmdb.Error, OSError)):
-                        self._disk_fault(result)
-                    break  # a KeyError: evicted or forgotten meanwhile, a plain miss
+                    self._missed(meta, result)
+                    break
                 where = (Tier.DISK, result)
                 read_bytes += meta.nbytes
             sources.append((meta, n, *where))
@@ -1250,6 +1248,57 @@ class TieredStore:
         # restored drops a key its commit's chain never holds (the commit extends that tail).
         cache._restored_keys = [meta.key for meta in used]
         return cache
+
+    def _plan_again(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
+                    reads: dict[int, Any], miss: int, windows: tuple[int | None, ...], held: dict[Any, Any]
+                    ) -> tuple[list[tuple[BlockMeta, int]], list[tuple[Tier, Job[Any]] | None], int]:
+        """The plan, sources and unread count of a restore that ends before the block at ``miss``,
+        whose read failed (accounted for here, as ``_finish_open`` would): the blocks its window
+        now reaches that were left unread are taken from the tier they rest in, and the disk
+        reads before the miss let go of, to be read again. Called with the lock held."""
+        self._missed(plan[miss][0], reads.get(miss))
+        for i, result in list(reads.items()):
+            lease = getattr(result, "lease", None)
+            if lease is not None:
+                lease.unhold_from(held, ("read", i))
+        plan = plan[:miss]
+        unread = unread_blocks(windows, [n for _, n in plan])
+        again: list[tuple[Tier, Job[Any]] | None] = []
+        for i, ((meta, _), where) in enumerate(zip(plan, found)):
+            if i >= unread and where is not None and where[1] is UNREAD:
+                where = self._source(meta)
+                if where is not None and where[1].lease is not None:
+                    where[1].lease.hold_in(held, ("memory", i), where[1].lease)
+            again.append(where)
+        return plan, again, unread
+
+    def _missed(self, meta: BlockMeta, result: BaseException | None) -> None:
+        """Account for a planned disk block whose read failed with ``result`` (None: not read, an
+        interrupt or a disk tier gone): a restore ends before it. A KeyError is a plain miss
+        (evicted or forgotten meanwhile); damage is counted and the block dropped; an I/O error
+        is the disk's fault."""
+        if isinstance(result, CorruptRecord) and self._index.blocks.get(meta.key) is not meta:
+            pass  # forgotten or evicted meanwhile: its delete zeroed it, a plain miss
+        elif isinstance(result, Scrubbed):
+            # A delete a crash cut short left the record zeroed under a surviving head.
+            logger.debug("tierkv: finished a delete that a crash cut short (%s)", meta.key.hex())
+            self._drop(meta)
+        elif isinstance(result, CorruptRecord) or (
+                isinstance(result, KeyError) and self._index.blocks.get(meta.key) is meta
+                and meta.disk is DiskState.DURABLE):
+            # A KeyError here: a record gone under its head (damage; evictions and
+            # forgets take the block off disk in the index first). Left indexed, each
+            # open read it again, and no commit stored it again.
+            self._corrupt += 1
+            # Once per store, then counted: a damaged disk must not flood the log.
+            log = logger.warning if self._corrupt == 1 else logger.debug
+            log("tierkv: dropped an unreadable block from disk (%s); it will be recomputed. "
+                "stats()['corrupt'] counts further ones",
+                "its record is missing" if isinstance(result, KeyError) else result)
+            if self._index.blocks.get(meta.key) is meta:
+                self._drop(meta)
+        elif isinstance(result, (lmdb.Error, OSError)):
+            self._disk_fault(result)
 
     def _diverged(self, sid: bytes, root: bytes, ids: np.ndarray,
                   plan: list[tuple[BlockMeta, int]]) -> tuple[int, int, int] | None:
