@@ -583,6 +583,40 @@ def test_decode_into_a_token_range_of_a_larger_buffer_copies_those_tokens_and_ve
             decode_into(bytes(broken), lambda h: np.zeros((12, 5, 16), dtype=np.uint8))
 
 
+def test_decode_into_pieces_copies_the_rows_each_takes_and_verifies_those_none_takes() -> None:
+    from tierkv.codec import SPREAD_CHECKSUM_RUN, decode_into
+
+    # A restore whose layers are cut to their windows: rows 0-3 (layer 0) and 8-11 (layer 2) land
+    # in arrays of their own, rows 4-7 (layer 1, whose window no longer reaches the block) in none.
+    # A payload of rows larger than a checksum run too, so that runs split inside each piece.
+    for shape in ((3, 2, 2, 8, 4), (3, 2, 2, 2, (SPREAD_CHECKSUM_RUN // 4) + 3)):
+        header, payload, record = make_record(shape=shape, dtype="float32")
+        rows, tokens, width = 12, shape[3], shape[4] * 4
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(rows, tokens, width)
+        for n in (tokens, 1):
+            a = np.full((4, n + 3, width), 7, dtype=np.uint8)
+            b = np.full((4, n + 3, width), 7, dtype=np.uint8)
+            assert decode_into(record, lambda h: [(0, a[:, 1:1 + n]), (8, b[:, 1:1 + n])]) == header
+            assert np.array_equal(a[:, 1:1 + n], src[0:4, :n]) and np.array_equal(b[:, 1:1 + n], src[8:12, :n])
+            assert (a[:, 0] == 7).all() and (a[:, 1 + n:] == 7).all() and (b[:, 1 + n:] == 7).all()
+        per_row = tokens * width
+        for row in (0, 5, 11):  # in a piece, between them, in the last
+            broken = bytearray(record)
+            broken[len(record) - 8 - (rows - row) * per_row + per_row - 1] ^= 0x01
+            with pytest.raises(CorruptRecord, match="checksum"):
+                decode_into(bytes(broken), lambda h: [(0, np.zeros((4, 1, width), np.uint8)),
+                                                      (8, np.zeros((4, 1, width), np.uint8))])
+        assert decode_into(record, lambda h: []) == header  # no layer takes it: verified alone
+    # Pieces out of order, overlapping, past the payload's rows, or of another width: refused.
+    _, _, record = make_record(shape=(3, 2, 2, 8, 4), dtype="float32")
+    for pieces in ([(8, np.zeros((4, 8, 16), np.uint8)), (0, np.zeros((4, 8, 16), np.uint8))],
+                   [(0, np.zeros((4, 8, 16), np.uint8)), (2, np.zeros((4, 8, 16), np.uint8))],
+                   [(10, np.zeros((4, 8, 16), np.uint8))], [(0, np.zeros((4, 8, 8), np.uint8))],
+                   [(0, np.zeros((4, 9, 16), np.uint8))], [(0, np.zeros((4, 8, 4), np.float32))]):
+        with pytest.raises(CorruptRecord, match="does not fill"):
+            decode_into(record, lambda h: pieces)
+
+
 @pytest.mark.parametrize("shape, dtype", [((12, 9, 16), np.uint8), ((12, 5, 8), np.uint8), ((6, 5, 16), np.uint8),
                                           ((12, 5), np.uint8), ((12, 8, 16), np.float32)])
 def test_decode_into_a_destination_the_record_does_not_fit_is_corrupt(shape: tuple[int, ...], dtype: type) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -76,10 +77,16 @@ def restore_of(cache: TieredCache):
     return restore
 
 
-def shares_buffer(cache: TieredCache, buffer: torch.Tensor) -> bool:
-    base = buffer.untyped_storage().data_ptr()
-    return all(layer._keys.untyped_storage().data_ptr() == base and
-               layer._values.untyped_storage().data_ptr() == base for layer in cache.layers)
+def shares_buffer(cache: TieredCache, buffer) -> bool:
+    """Every layer's keys and values are its part of the restore's buffer."""
+    return all(layer._keys.untyped_storage().data_ptr() == part.untyped_storage().data_ptr() and
+               layer._values.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+               for layer, part in zip(cache.layers, buffer.layers))
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the storages under ``tensors``, each once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -90,7 +97,16 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         r = cache.restored_tokens
         assert r == nxt.shape[1] - 4 and cache.restored_from["disk"] == r
         restore = restore_of(cache)
-        assert restore.buffer is not None and restore.buffer.shape[3] == nxt.shape[1]
+        buffer = restore.buffer
+        assert buffer is not None and buffer.length == nxt.shape[1]
+        # Each layer's part from the first token its window reaches: none of the buffer is a
+        # sliding layer's tokens before it (one buffer of every layer's whole length was).
+        itemsize = buffer.layers[0].element_size()
+        assert storage_bytes(buffer.layers) == sum(part.numel() for part in buffer.layers) * itemsize
+        heads, dim = buffer.layers[0].shape[1], buffer.layers[0].shape[3]
+        windows = [getattr(layer, "sliding_window", None) for layer in cache.layers]
+        assert [tuple(part.shape) for part in buffer.layers] == [
+            (2, heads, nxt.shape[1] - (max(0, r - w + 1) // B * B if w else 0), dim) for w in windows]
         jobs = [job for job, _ in restore.blocks]
         # A model whose every layer slides reads the blocks its window reaches alone.
         unread = len([job for job in jobs if job is UNREAD])
@@ -380,18 +396,48 @@ def test_restore_slots_are_views_of_the_buffer_and_refuse_a_block_of_another_sha
             self.shape, self.dtype = shape, dtype
 
     buffer: list = []
-    first = restore_slots(buffer, 10, 0, 4, Header((2, 2, 3, 4, 8)))
-    kv = buffer[0]
-    assert kv.shape == (2, 2, 3, 10, 8) and kv.dtype == torch.float32
-    later = restore_slots(buffer, 10, 4, 4, Header((2, 2, 3, 4, 8)))
+    (row, first), = restore_slots(buffer, 10, 0, 4, Header((2, 2, 3, 4, 8)))
+    made = buffer[0]
+    assert row == 0 and [tuple(part.shape) for part in made.layers] == [(2, 3, 10, 8)] * 2
+    assert made.dtype == torch.float32 and made.length == 10
+    (_, later), = restore_slots(buffer, 10, 4, 4, Header((2, 2, 3, 4, 8)))
     first[...] = 1
     later[...] = 2
-    assert (kv[:, :, :, :4].view(torch.uint8) == 1).all() and (kv[:, :, :, 4:8].view(torch.uint8) == 2).all()
-    assert buffer[0] is kv
+    for kv in made.layers:
+        assert (kv[:, :, :4].view(torch.uint8) == 1).all() and (kv[:, :, 4:8].view(torch.uint8) == 2).all()
+    assert buffer[0] is made
     for shape, dtype in [((2, 2, 2, 4, 8), "float32"), ((2, 2, 3, 4, 4), "float32"), ((3, 2, 3, 4, 8), "float32"),
                          ((2, 2, 3, 4, 8), "bfloat16")]:
         with pytest.raises(CorruptRecord, match="among blocks shaped"):
             restore_slots(buffer, 10, 8, 2, Header(shape, dtype))
+
+
+def test_restore_slots_lay_each_layer_out_from_its_windows_first_block() -> None:
+    """Layers 0 and 2 attend to every token, layers 1 and 3 hold from token 4 on (their window's
+    cut): each run of layers of one skip is one tensor, a block before a layer's skip lands in
+    the others alone, and the rows of a block are the payload's rows of the layers that take it."""
+    class Header:
+        shape, dtype = (4, 2, 3, 4, 8), "float32"
+
+    buffer: list = []
+    skips = [0, 4, 4, 0]
+    pieces = restore_slots(buffer, 10, 0, 4, Header(), skips)
+    made = buffer[0]
+    assert [tuple(part.shape) for part in made.layers] == [(2, 3, 10, 8), (2, 3, 6, 8), (2, 3, 6, 8), (2, 3, 10, 8)]
+    assert made.layers[1].untyped_storage().data_ptr() == made.layers[2].untyped_storage().data_ptr()
+    assert sum(part.untyped_storage().nbytes() for part in (made.layers[0], made.layers[1], made.layers[3])) == \
+        (10 + 6 + 6 + 10) * 2 * 3 * 8 * 4
+    assert [(row, part.shape) for row, part in pieces] == [(0, (6, 4, 32)), (18, (6, 4, 32))]
+    pieces = restore_slots(buffer, 10, 4, 4, Header(), skips)
+    assert [(row, part.shape) for row, part in pieces] == [(0, (6, 4, 32)), (6, (12, 4, 32)), (18, (6, 4, 32))]
+    for row, part in pieces:
+        part[...] = np.arange(row, row + part.shape[0], dtype=np.uint8)[:, None, None]
+    for i, kv in enumerate(made.layers):
+        at = 4 - skips[i]
+        assert (kv[:, :, at:at + 4].contiguous().view(torch.uint8).reshape(6, 4, 32)[..., 0]
+                == torch.arange(6 * i, 6 * i + 6, dtype=torch.uint8)[:, None]).all()
+    with pytest.raises(CorruptRecord, match="a block of 4 layers restored for a model of 3"):
+        restore_slots([], 10, 0, 4, Header(), [0, 4, 4])
 
 
 _GUARDS_LEFT: list = []  # a failing run's inference-mode guards, kept from switching the mode back on
@@ -426,7 +472,7 @@ def test_the_buffer_made_under_inference_mode_cut_short_leaves_the_mode_as_it_wa
         assert modes[-1] and not torch.is_inference_mode_enabled(), sent
 
     try:
-        assert raised_on_the_way_in(enter, as_it_was, within={"restore_slots", "__enter__", "__exit__"}) >= 3
+        assert raised_on_the_way_in(enter, as_it_was, within={"restore_slots", "__init__", "__enter__", "__exit__"}) >= 3
         assert not torch.is_inference_mode_enabled()  # every exception let go: no guard switches it on
     finally:
         while torch.is_inference_mode_enabled():

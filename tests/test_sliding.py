@@ -567,17 +567,20 @@ def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model,
 
 
 @pytest.mark.parametrize("rest", ["disk", "host"])
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma3_text"])
 def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_reaches(
-        tiny_model, tmp_path: Path, rest: str) -> None:
+        tiny_model, tmp_path: Path, rest: str, arch: str) -> None:
     """A model whose every layer slides leaves unread the blocks its window no longer reaches
     (``UNREAD``). A later block that fails its read (damage, a forget meanwhile) cuts the restore
     short, and the shorter restore's window reaches blocks left unread: the first forward waited
     for a block no one read and raised. They are read (or copied from the host tier they rest
-    in) and the turn is exact, the damaged block counted and dropped."""
+    in) and the turn is exact, the damaged block counted and dropped. So too where a full layer
+    reads every block: a restore read from disk in place lays each sliding layer's part of its
+    buffer out from its window's cut, which the shorter restore's window reaches before."""
     from conftest import damage_in_place, flipped
     from tierkv.store import Tier
 
-    model = tiny_model("mistral_window")
+    model = tiny_model(arch)
     ids = random_ids(57, seed=63)
     budgets = BUDGETS[rest]
     store = TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets)
@@ -614,3 +617,35 @@ def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_
         assert cache.restored_tokens == got.shape[1] - 1
         assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_layers_window(
+        tiny_model, tmp_path: Path) -> None:
+    """On CPU a restore read from disk lands in a buffer the layers' keys and values then are
+    (``cache.RestoreBuffer``). It was one tensor of every layer's whole length, held whole until
+    the first decode step: the sliding layers' tokens before their window were held for nothing
+    (a Gemma-3-like model's KV 3.7 times a DynamicCache's once the first token was out). Each
+    layer's part now starts at its window's cut: the storages hold what the layers hold."""
+    model = tiny_model("gemma3_text")
+    ids = random_ids(29, seed=66)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS["disk"]) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.commit(out)
+    nxt = torch.cat([out, random_ids(5, seed=67)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS["disk"]) as store:
+        cache = store.open(model, nxt, session="s")
+        r = cache.restored_tokens
+        assert r == 32 and cache.layers[0]._pending.buffer is not None
+        plain = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(nxt[:, :r], past_key_values=plain)
+            torch.testing.assert_close(model(nxt[:, r:], past_key_values=cache).logits,
+                                       model(nxt[:, r:], past_key_values=plain).logits, rtol=0, atol=1e-5)
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [nxt.shape[1] - 16, nxt.shape[1]]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        assert sum(storages.values()) == sum([t.numel() * t.element_size() for t in tensors])
+        got = model.generate(nxt, past_key_values=store.open(model, nxt, session="s"), max_new_tokens=4,
+                             do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))

@@ -50,8 +50,8 @@ and holds no policy:
   ``update`` concatenates the restored blocks and the new tokens in one copy, keys and values
   together (a block holds a layer's keys and values side by side): the layer's keys and values
   are the two contiguous halves of that one tensor. A restore that ``open`` read from disk into
-  one buffer of its own (on CPU, blocks no memory tier keeps: ``restore_slots``) is assembled in
-  that buffer instead: the first ``update`` that brings exactly the conversation's remaining
+  a buffer of its own (on CPU, blocks no memory tier keeps: ``restore_slots``; each layer's part
+  from its window's cut) is assembled in that buffer instead: the first ``update`` that brings exactly the conversation's remaining
   tokens in one row, with autograd off (``generate`` runs under ``no_grad``), writes them into
   the room left for them, and any other first access copies the prefix out as before.
   ``commit(sequences)`` hands the KV back to the store.
@@ -1443,33 +1443,74 @@ def unread_blocks(windows: tuple[int | None, ...] | None, sizes: list[int]) -> i
     return window_cut(sizes, max(windows))[0]
 
 
-def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any) -> np.ndarray:
-    """Where a block read from disk lands in a restore's buffer: tokens ``[at, at + n)`` of a
-    (layers, 2, kv_heads, length, head_dim) tensor (``buffer[0]``, made on the first call, from
-    the block's own shape and dtype), as the bytes ``codec.decode_into`` fills. ``length`` is the
-    whole conversation's, so the buffer has room for the tokens the first forward adds. The
-    first call also leaves in ``buffer`` the shape facts every later block must share and the
-    buffer's bytes as one numpy view, which later blocks slice: four torch calls a block cost
-    20 us each right after a forward."""
+def layer_skips(windows: tuple[int | None, ...] | None, sizes: list[int]) -> list[int] | None:
+    """Tokens at the start of a restore of blocks of ``sizes`` tokens each layer leaves out (a
+    sliding layer's ``window_cut``; 0 for a layer attending to every token), or None where no
+    layer slides."""
+    if not windows or windows.count(None) == len(windows):
+        return None
+    return [0 if w is None else window_cut(sizes, w)[1] for w in windows]
+
+
+class RestoreBuffer:
+    """A restore's blocks read from disk on CPU, laid out as its layers' keys and values will be:
+    ``layers[i]`` is layer ``i``'s (2, H, length - skips[i], D) tensor, from the first token its
+    window reaches (``skips[i]``, 0 for a full-attention layer) to the conversation's end, room for
+    the first forward's tokens included. Consecutive layers of the same skip share one tensor (a
+    run), which a block reaches in one copy: a sliding layer's part no window reaches is never
+    allocated (one buffer of every layer's whole length held a Gemma 3's disk restore at 3.7 times
+    its KV until the first decode step)."""
+
+    __slots__ = ("layers", "skips", "dtype", "length", "facts", "runs")
+
+    def __init__(self, header: Any, length: int, skips: list[int] | None) -> None:
+        layers, two, heads, _, dim = header.shape
+        skips = [0] * layers if skips is None else skips
+        if len(skips) != layers:
+            raise CorruptRecord(f"a block of {layers} layers restored for a model of {len(skips)}")
+        self.skips, self.length, self.dtype = skips, length, getattr(torch, header.dtype)
+        # The shape facts every later block must share.
+        self.facts = (header.dtype, layers, two, heads, dim)
+        self.layers: list[torch.Tensor] = []
+        # (first payload row, uint8 view (layers * 2 * H, tokens, D * itemsize), skip) a run.
+        self.runs: list[tuple[int, np.ndarray, int]] = []
+        first = 0
+        for i in range(1, layers + 1):
+            if i < layers and skips[i] == skips[first]:
+                continue
+            skip = skips[first]
+            # A normal tensor even when ``open`` runs under torch.inference_mode: the first forward
+            # writes into it, which torch refuses for an inference tensor outside that mode. Through
+            # torch's C guard, whose enter and exit are no Python calls: ``torch.inference_mode``'s
+            # are, and another signal's handler raising as its exit started (or as the guard's enter
+            # returned inside its enter) left the guard entered: the caller's inference_mode block
+            # ran on with the mode off, and once the exception was let go (the guard collected) the
+            # mode came back on in the caller's thread for good.
+            with _InferenceMode(False):
+                kv = torch.empty((i - first, two, heads, length - skip, dim), dtype=self.dtype)
+            self.layers.extend(kv.unbind(0))
+            # .view, never reshape: a copy would take the reads and leave the buffer unwritten.
+            self.runs.append((first * two * heads, kv.view(torch.uint8).view((i - first) * two * heads,
+                                                                             length - skip, -1).numpy(), skip))
+            first = i
+
+
+def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any,
+                  skips: list[int] | None = None) -> list[tuple[int, np.ndarray]]:
+    """Where a block read from disk lands in a restore's buffer: tokens ``[at, at + n)`` of each
+    layer that holds them, as the ``codec.Pieces`` ``codec.decode_into`` fills. The first call
+    makes the ``RestoreBuffer`` (``buffer[0]``) from the block's own shape and dtype, each layer
+    from its ``skips`` on (None: every layer whole). ``length`` is the whole conversation's, so
+    the buffer has room for the tokens the first forward adds. Later blocks slice the numpy
+    views made once: four torch calls a block cost 20 us each right after a forward."""
     layers, two, heads, _, dim = header.shape
     if not buffer:
-        # A normal tensor even when ``open`` runs under torch.inference_mode: the first forward
-        # writes into it, which torch refuses for an inference tensor outside that mode. Through
-        # torch's C guard, whose enter and exit are no Python calls: ``torch.inference_mode``'s
-        # are, and another signal's handler raising as its exit started (or as the guard's enter
-        # returned inside its enter) left the guard entered: the caller's inference_mode block
-        # ran on with the mode off, and once the exception was let go (the guard collected) the
-        # mode came back on in the caller's thread for good.
-        with _InferenceMode(False):
-            kv = torch.empty((layers, two, heads, length, dim), dtype=getattr(torch, header.dtype))
-        # .view, never reshape: a copy would take the reads and leave the buffer unwritten.
-        buffer[:] = kv, (header.dtype, layers, two, heads, dim), \
-            kv.view(torch.uint8).view(layers * two * heads, length, -1).numpy()
-    if buffer[1] != (header.dtype, layers, two, heads, dim):
-        kv = buffer[0]
+        buffer[:] = [RestoreBuffer(header, length, skips)]
+    made: RestoreBuffer = buffer[0]
+    if made.facts != (header.dtype, layers, two, heads, dim):
         raise CorruptRecord(f"a block shaped {tuple(header.shape)} in {header.dtype} among blocks shaped "
-                            f"{tuple(kv.shape[:3])} x {kv.shape[4]} in {kv.dtype}")
-    return buffer[2][:, at:at + n]
+                            f"{made.facts[1:4]} x {made.facts[4]} in {made.facts[0]}")
+    return [(row, view[:, at - skip:at - skip + n]) for row, view, skip in made.runs if at >= skip]
 
 
 class _Restore:
@@ -1479,29 +1520,40 @@ class _Restore:
     microseconds per layer right after the forward's own kernels.
 
     With a ``buffer`` (blocks read from disk on CPU, ``restore_slots``), layer ``i`` is assembled
-    in ``buffer[i]``: the blocks read into it are there already, the others are copied in, and
-    room past them is left for the first forward's tokens."""
+    in ``buffer.layers[i]``: the blocks read into it are there already, the others are copied in,
+    and room past them is left for the first forward's tokens. ``open`` lays it out for the restore
+    it hands over, so each layer's part starts no later than the first token its window reaches."""
 
     __slots__ = ("blocks", "tokens", "_views", "buffer")
 
-    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: RestoreBuffer | None = None) -> None:
         self.blocks = blocks
         self.tokens = sum(n for _, n in blocks)
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
         self.buffer = buffer
 
     def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
-        """Layer ``i``'s (2, H, length, D) part of the buffer, every restored block from block
-        ``first`` on in place (copying again a block copied before is harmless: a retry after an
-        interrupted assembly)."""
+        """Layer ``i``'s (2, H, length - skip, D) part of the buffer, from the token its window
+        reaches, every restored block from block ``first`` on in place (copying again a block
+        copied before is harmless: a retry after an interrupted assembly)."""
         assert self.buffer is not None
-        kv = self.buffer[i]
+        kv, base = self.buffer.layers[i], self.buffer.skips[i]
         at = 0
         for j, (job, n) in enumerate(self.blocks):
-            if job is not IN_PLACE and j >= first:
-                kv[:, :, at:at + n].copy_(self._block_views(j)[i])
+            if job is not IN_PLACE and j >= first and at >= base:
+                kv[:, :, at - base:at - base + n].copy_(self._block_views(j)[i])
             at += n
         return kv
+
+    def check_held(self, i: int, skip: int) -> int:
+        """The first token layer ``i``'s buffer holds, checked to be no later than ``skip``, the
+        first its window reaches."""
+        assert self.buffer is not None
+        base = self.buffer.skips[i]
+        if skip < base:
+            # open lays the buffer out for the restore it hands over (_plan_again): never met.
+            raise RuntimeError(f"layer {i} needs restored tokens from {skip} on, its buffer holds them from {base}")
+        return base
 
     def _block_views(self, j: int) -> tuple[torch.Tensor, ...]:
         views = self._views[j]
@@ -1515,7 +1567,8 @@ class _Restore:
         """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block from block
         ``first`` on, the ``skip`` tokens of the blocks before it left out."""
         if self.buffer is not None:
-            return [self.layer_buffer(i, first)[:, :, skip:self.tokens]]
+            base = self.check_held(i, skip)
+            return [self.layer_buffer(i, first)[:, :, skip - base:self.tokens - base]]
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
@@ -1619,7 +1672,7 @@ class TieredLayer(DynamicLayer):
         if self._pending is not None:
             restore = self._pending
             buffer = restore.buffer
-            # Not with autograd recording: every layer's keys and values are views of one buffer,
+            # Not with autograd recording: the layers' keys and values are views of shared buffers,
             # and each layer's write into it is an in-place change of their base that autograd
             # holds against the others (the next step's concatenation of a split's view raises).
             # Whether the keys need grad is not enough: a query that does (an adapter on q_proj
@@ -1627,16 +1680,20 @@ class TieredLayer(DynamicLayer):
             # from memory into the buffer then fails backward.
             if buffer is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == buffer.dtype \
                     and not torch.is_grad_enabled() \
-                    and restore.tokens + key_states.shape[-2] == buffer.shape[3] \
-                    and key_states.shape == value_states.shape == (1, buffer.shape[2], key_states.shape[2], buffer.shape[4]):
+                    and restore.tokens + key_states.shape[-2] == buffer.length \
+                    and key_states.shape == value_states.shape \
+                    == (1, buffer.layers[self._layer_idx].shape[1], key_states.shape[2], buffer.layers[self._layer_idx].shape[3]):
                 # The first forward after a restore read from disk, with the conversation's new
-                # tokens: written into the room left for them, no concatenation of the layer.
+                # tokens: written into the room left for them, no concatenation of the layer (cut
+                # to its window as open laid the buffer out: layer_parts checks they agree).
                 first, skip = self._cut(restore)
+                base = restore.check_held(self._layer_idx, skip)
                 kv = restore.layer_buffer(self._layer_idx, first)
-                kv[0, :, restore.tokens:].copy_(key_states[0])
-                kv[1, :, restore.tokens:].copy_(value_states[0])
+                end = restore.tokens - base
+                kv[0, :, end:].copy_(key_states[0])
+                kv[1, :, end:].copy_(value_states[0])
                 self.device = kv.device
-                return self._assemble(kv[:, :, skip:] if skip else kv, skip)
+                return self._assemble(kv[:, :, skip - base:] if skip != base else kv, skip)
             parts, skip = self._take_parts()
             if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
@@ -1895,7 +1952,7 @@ class TieredCache(Cache):
     def __init__(self, *, store: "TieredStore", info: ModelInfo, input_ids: np.ndarray, root: bytes,
                  session: str | None, tenant: str | None,
                  blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int],
-                 model: torch.nn.Module | None = None, buffer: torch.Tensor | None = None) -> None:
+                 model: torch.nn.Module | None = None, buffer: RestoreBuffer | None = None) -> None:
         windows = info.windows or (None,) * info.num_layers
         layers = [TieredLayer() if w is None else TieredSlidingLayer(w) for w in windows]
         super().__init__(layers=layers)

@@ -31,6 +31,9 @@ import msgpack
 import numpy as np
 import xxhash
 
+#: A destination of several arrays: (the payload's first row each takes, the array), in row order.
+Pieces = list[tuple[int, np.ndarray]]
+
 FORMAT_VERSION = 1
 MAGIC = b"TKVB"
 _PREFIX = struct.Struct("<4sI")
@@ -250,7 +253,7 @@ def _frame(view: memoryview) -> tuple[RecordHeader, int, int, int]:
     return header, end, stop, stored
 
 
-def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarray]) -> RecordHeader:
+def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarray | Pieces]) -> RecordHeader:
     """Copy a record's payload, or its first ``n`` tokens, into the array ``out(header)``
     returns, verifying the whole payload on the way.
 
@@ -266,6 +269,11 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarra
     over the buffer evict sooner: on that Xeon 1 MiB runs read 5.5-5.8 GB/s, 256 KiB ones
     6.3-6.9. Raises ``CorruptRecord`` like ``decode``, and for a record that does not fit the
     destination; then the destination holds garbage and must not be used.
+
+    ``out`` may instead return ``Pieces``: (first row, array) pairs, in row order and apart, each
+    array ``(rows, n, head_dim * itemsize)`` taking the payload's rows from its first on (a
+    restore's layers, each cut to its window: ``cache.restore_slots``). Rows no piece takes are
+    only checksummed.
     """
     view = memoryview(buf).cast("B")
     header, end, stop, stored = _frame(view)
@@ -274,6 +282,9 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarra
     dst = out(header)
     layers, two, heads, tokens, dim = header.shape
     rows, width = layers * two * heads, dim * ITEMSIZE[header.dtype]
+    if not isinstance(dst, np.ndarray):
+        _decode_pieces(view, header, end, stop, stored, dst, rows, tokens, width)
+        return header
     # A destination of another dtype would take the bytes as values (np.copyto casts them).
     if dst.dtype != np.uint8 or dst.ndim != 3 or dst.shape[0] != rows or dst.shape[1] > tokens or \
             dst.shape[2] != width:
@@ -297,6 +308,37 @@ def decode_into(buf: bytes | memoryview, out: Callable[[RecordHeader], np.ndarra
     if h.intdigest() != stored:
         raise CorruptRecord("checksum mismatch")
     return header
+
+
+def _decode_pieces(view: memoryview, header: RecordHeader, end: int, stop: int, stored: int, pieces: Pieces,
+                   rows: int, tokens: int, width: int) -> None:
+    """``decode_into`` into ``pieces``: each run of rows copied and then checksummed at the source,
+    the rows between pieces checksummed alone, all in the payload's order."""
+    at = 0
+    for first, part in pieces:
+        if not isinstance(part, np.ndarray) or part.dtype != np.uint8 or part.ndim != 3 or first < at or \
+                first + part.shape[0] > rows or part.shape[1] > tokens or part.shape[2] != width:
+            raise CorruptRecord(f"record shaped {tuple(header.shape)} in {header.dtype} does not fill a "
+                                f"destination of {getattr(part, 'shape', None)} from row {first}")
+        at = first + part.shape[0]
+    src = np.frombuffer(view[end:stop], dtype=np.uint8).reshape(rows, tokens, width)
+    h = xxhash.xxh3_64()
+    h.update(view[:end])
+    step = max(1, SPREAD_CHECKSUM_RUN // max(1, tokens * width))
+    at = 0
+    for first, part in [*pieces, (rows, None)]:
+        for row in range(at, first, step):  # rows no piece takes
+            h.update(src[row:min(row + step, first)])
+        if part is None:
+            break
+        n = part.shape[1]
+        for row in range(0, part.shape[0], step):
+            last = min(row + step, part.shape[0])
+            np.copyto(part[row:last], src[first + row:first + last, :n])
+            h.update(src[first + row:first + last])
+        at = first + part.shape[0]
+    if h.intdigest() != stored:
+        raise CorruptRecord("checksum mismatch")
 
 
 def decode(buf: bytes | memoryview) -> tuple[RecordHeader, memoryview]:

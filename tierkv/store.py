@@ -87,7 +87,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .cache import IN_PLACE, UNREAD, TieredCache, describe_model, restore_slots, sequence_ids_of, token_ids_of, \
+from .cache import IN_PLACE, UNREAD, TieredCache, describe_model, layer_skips, restore_slots, sequence_ids_of, token_ids_of, \
     unread_blocks
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
@@ -441,6 +441,15 @@ class _GatheringDeletes:
             store = self._store
             store._gathering = False
             store._submit_gathered()
+
+
+def _reaches_further(windows: tuple[int | None, ...], sizes: list[int], miss: int, unread: int, buffer: Any) -> bool:
+    """Whether a restore cut short before block ``miss`` needs tokens the reads of the whole one
+    left out: blocks no window reached (``unread``), or a layer's part of the buffer (``buffer``,
+    laid out from the whole restore's ``layer_skips``)."""
+    if unread_blocks(windows, sizes[:miss]) < unread:
+        return True
+    return buffer is not None and (layer_skips(windows, sizes[:miss]) or [0] * len(buffer.skips)) != buffer.skips
 
 
 def _first_miss(found: list[Any], reads: dict[int, Any]) -> int | None:
@@ -982,16 +991,16 @@ class TieredStore:
                             where[1].lease.hold_in(held, ("memory", i), where[1].lease)
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
-                reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
+                reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids))
                 while (miss := _first_miss(found, reads)) is not None and \
-                        unread_blocks(info.windows, [n for _, n in plan[:miss]]) < unread:
-                    # Cut short by a block that failed its read, the restore's window reaches
-                    # blocks left unread: they are read now, and the disk blocks before the miss
-                    # again (a rare path: damage, or a forget meanwhile).
+                        _reaches_further(info.windows, [n for _, n in plan], miss, unread, buffer):
+                    # Cut short by a block that failed its read, the restore's windows reach
+                    # tokens left unread or out of the buffer: they are read now, and the disk
+                    # blocks before the miss again (a rare path: damage, or a forget meanwhile).
                     with self._lock:
                         self._check_open()
                         plan, found, unread = self._plan_again(plan, found, reads, miss, info.windows, held)
-                    reads, seconds, buffer = self._read_disk_blocks(plan, found, info.fingerprint, held, len(ids))
+                    reads, seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids))
                     read_seconds += seconds
                 with self._lock:
                     self._check_open()
@@ -1046,7 +1055,7 @@ class TieredStore:
             raise
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          fingerprint: bytes, held: dict[Any, Any], length: int
+                          info: Any, held: dict[Any, Any], length: int
                           ) -> tuple[dict[int, Any], float, Any]:
         """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
         miss; stops at the first miss, since a restore is a prefix. With them, the restore's
@@ -1059,7 +1068,9 @@ class TieredStore:
             return reads, time.perf_counter() - start, None
         # Every record this open reads is asked of the disk at once, not page by page.
         self._disk.prefetch([plan[i][0].key for i in todo])
-        buffer: list[Any] = []  # made by the first block read into it (a tensor: restore_slots)
+        buffer: list[Any] = []  # made by the first block read into it (restore_slots)
+        fingerprint = info.fingerprint
+        skips = layer_skips(info.windows, [n for _, n in plan])  # where each layer's part of it starts
         at = list(itertools.accumulate((n for _, n in plan), initial=0))
         in_place = {i: self._in_place(plan[i][0]) for i in todo}
         # The other reads write into the buffer the first one makes: they wait for it. Mixed
@@ -1089,7 +1100,7 @@ class TieredStore:
                 return block_bytes(tensor)
 
             def slots(header: RecordHeader) -> np.ndarray:
-                slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header)
+                slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header, skips)
                 if ready is not None:
                     ready.set()  # the buffer exists: the other reads may go on beside this one
                 return slots
@@ -1155,14 +1166,14 @@ class TieredStore:
         return reads, time.perf_counter() - start, buffer[0] if buffer else None
 
     def _slots(self, buffer: list[Any], meta: BlockMeta, fingerprint: bytes, length: int, at: int, n: int,
-               header: RecordHeader) -> np.ndarray:
+               header: RecordHeader, skips: list[int] | None) -> list[tuple[int, np.ndarray]]:
         """``restore_slots`` for a header that agrees with the block's index entry: the first
         block read sizes the buffer from its header, whose checksum is known only after the copy,
         and a header damaged in agreement with the record's length (fewer tokens, more heads)
         asked for a buffer ``length`` times the record's size (100 GiB for a 1 MiB block in a
         100k-token conversation: an allocation error out of ``open``, not a miss)."""
         self._check_header(header, meta, fingerprint)
-        return restore_slots(buffer, length, at, n, header)
+        return restore_slots(buffer, length, at, n, header, skips)
 
     def _in_place(self, meta: BlockMeta) -> bool:
         """Whether a block read from disk goes straight into the restore's buffer: on a CPU device
