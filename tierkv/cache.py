@@ -51,9 +51,10 @@ and holds no policy:
   together (a block holds a layer's keys and values side by side): the layer's keys and values
   are the two contiguous halves of that one tensor. A restore that ``open`` read from disk into
   a buffer of its own (on CPU, blocks no memory tier keeps: ``restore_slots``; each layer's part
-  from its window's cut) is assembled in that buffer instead: the first ``update`` that brings exactly the conversation's remaining
-  tokens in one row, with autograd off (``generate`` runs under ``no_grad``), writes them into
-  the room left for them, and any other first access copies the prefix out as before.
+  from its window's cut) is assembled in that buffer instead: the first ``update`` that brings
+  exactly the conversation's remaining tokens in one row, with autograd off (``generate`` runs
+  under ``no_grad``), writes them into the room left for them, and any other first access copies
+  the prefix out as before.
   ``commit(sequences)`` hands the KV back to the store.
 
 Generation details handled here:

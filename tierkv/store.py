@@ -87,8 +87,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .cache import IN_PLACE, UNREAD, TieredCache, describe_model, layer_skips, restore_slots, sequence_ids_of, token_ids_of, \
-    unread_blocks
+from .cache import IN_PLACE, UNREAD, TieredCache, describe_model, layer_skips, restore_slots, sequence_ids_of, \
+    token_ids_of, unread_blocks
 from .codec import CorruptRecord, RecordHeader, record_size
 from .events import CommitEvent, EventLog, MoveEvent, OpenEvent, Subscription
 from .hashing import KEY_BYTES, block_key, chain_keys, check_name, key_of_bytes, root_key, token_bytes
@@ -1099,7 +1099,7 @@ class TieredStore:
                 made[:] = tensor, lease
                 return block_bytes(tensor)
 
-            def slots(header: RecordHeader) -> np.ndarray:
+            def slots(header: RecordHeader) -> list[tuple[int, np.ndarray]]:
                 slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header, skips)
                 if ready is not None:
                     ready.set()  # the buffer exists: the other reads may go on beside this one
