@@ -1679,11 +1679,11 @@ class TieredLayer(DynamicLayer):
             # Whether the keys need grad is not enough: a query that does (an adapter on q_proj
             # alone) has attention save the layer's views, and a later layer's copy of a block
             # from memory into the buffer then fails backward.
-            if buffer is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == buffer.dtype \
+            room = buffer.layers[self._layer_idx] if buffer is not None else None
+            if room is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == room.dtype \
                     and not torch.is_grad_enabled() \
                     and restore.tokens + key_states.shape[-2] == buffer.length \
-                    and key_states.shape == value_states.shape \
-                    == (1, buffer.layers[self._layer_idx].shape[1], key_states.shape[2], buffer.layers[self._layer_idx].shape[3]):
+                    and key_states.shape == value_states.shape == (1, room.shape[1], key_states.shape[2], room.shape[3]):
                 # The first forward after a restore read from disk, with the conversation's new
                 # tokens: written into the room left for them, no concatenation of the layer (cut
                 # to its window as open laid the buffer out: layer_parts checks they agree).
