@@ -2383,6 +2383,32 @@ def test_models_whose_values_have_another_head_dim_are_refused_at_open():
             store.open(dots, random_ids(6))
 
 
+def test_a_model_whose_config_sets_other_kv_shapes_per_layer_is_refused_at_open():
+    # Gemma 4's full-attention layers (head_dim 512 where its sliding ones have 256, set per layer:
+    # per_layer_config): store.open accepted it, and generate() was refused at layer 5's forward,
+    # after the prefill of the layers before it.
+    config = AutoConfig.for_model("gemma4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  sliding_window=12, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                                  per_layer_config={"05": {"head_dim": 32}})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with TieredStore(None, device="cpu", block_size=B) as store:
+        with pytest.raises(ValueError, match=r"sets keys and values of other shapes per layer \(per_layer_config\): 2 KV "
+                                             r"heads x head_dim 16 in layers 0-4, 2 x 32 in layer 5; .* use a plain "
+                                             r"DynamicCache"):
+            store.open(model, random_ids(6))
+        # One shape in every layer, set per layer: served.
+        same = copy.deepcopy(config)
+        same.per_layer_config = {"05": {"head_dim": 16}}
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(same).eval()
+        ids = random_ids(21)
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
 def test_a_model_without_a_kv_cache_is_refused(tiny_model):
     config = AutoConfig.for_model("openai-gpt", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     with TieredStore(None, device="cpu", block_size=B) as store:

@@ -298,6 +298,36 @@ _WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() w
                    "through tierkv")
 
 
+def _refuse_kv_shapes_per_layer(name: str, layer_configs: Any) -> None:
+    """Refuse a config that sets KV heads or head_dim per layer (``per_layer_config``) to other
+    values in some layers (Gemma 4's full-attention layers: head_dim 512 where its sliding ones have
+    256): accepted, it was refused at that layer's first forward, the layers before it prefilled."""
+    layers: dict[tuple[int, int], list[int]] = {}
+    for i, layer_config in enumerate(layer_configs):
+        shape = (getattr(layer_config, "num_key_value_heads", None), getattr(layer_config, "head_dim", None))
+        if isinstance(shape[0], int) and isinstance(shape[1], int):
+            layers.setdefault(shape, []).append(i)
+    if len(layers) < 2:
+        return
+    found = ", ".join([f"{heads} KV heads x head_dim {dim} in {_layer_ranges(idx)}" if n == 0 else
+                       f"{heads} x {dim} in {_layer_ranges(idx)}" for n, ((heads, dim), idx) in enumerate(layers.items())])
+    raise ValueError(f"{name} sets keys and values of other shapes per layer (per_layer_config): {found}; tierkv "
+                     "stores every layer's keys and values as one tensor, so it supports models whose layers all "
+                     "hold keys and values of one shape; use a plain DynamicCache for this model")
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """``layers 0-4, 6`` for [0, 1, 2, 3, 4, 6]; ``layer 5`` for [5]."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join([str(a) if a == b else f"{a}-{b}" for a, b in runs])
+    return f"layer {text}" if len(layers) == 1 else f"layers {text}"
+
+
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     """Models whose KV is not a function of their token ids alone, or not of one shape."""
     name = type(model).__name__
@@ -382,6 +412,8 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
             raise ValueError(f"{name} computes keys of head_dim {head_dim} and values of head_dim {v_dim} "
                              "(v_head_dim); tierkv stores keys and values of one shape, so it supports models whose "
                              "values have the keys' head_dim; use a plain DynamicCache for this model")
+    if getattr(text_config, "is_heterogeneous", False):
+        _refuse_kv_shapes_per_layer(name, text_config.per_layer_config)
     # A prefix's KV must not depend on the tokens after it. The attention modules that write the
     # cache (they have a layer_idx; a vision tower's do not) say so with is_causal, or, in BERT-like
     # models whose forward picks a bidirectional mask unless the config is a decoder's (RemBERT,
