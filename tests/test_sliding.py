@@ -472,13 +472,23 @@ def test_a_commit_before_any_forward_of_a_restore_missing_a_block_keeps_the_bloc
                            model.generate(other, max_new_tokens=4, do_sample=False))
 
 
-@pytest.mark.parametrize("count", ["numpy", "tensor"])
+# Counts a DynamicLayer's crop takes (its slicing indexes by them), each a kind of its own.
+_COUNTS = {
+    "numpy": np.int64,
+    "tensor": torch.tensor,
+    "numpy_0d": np.array,  # an array of no dimension, not a numpy scalar (h118)
+    "tensor_1d": lambda n: torch.tensor([n]),  # one element (h118)
+}
+
+
+@pytest.mark.parametrize("count", list(_COUNTS))
 def test_a_crop_below_a_cut_window_given_as_numpy_or_a_tensor_is_refused_before_any_layer_is_cut(
         tiny_model, tmp_path: Path, count: str) -> None:
     """The cache's check before any layer is cut took Python ints alone: a count of numpy's
     (arithmetic on a numpy array's length) or a 0-d integer tensor went on to the layers' own
     checks, and Qwen2's full lower layer was cut before its sliding upper layer refused (the
-    layers then held 26 and 38 tokens). Refused before any layer is cut; a crop to the floor
+    layers then held 26 and 38 tokens). So too, after that fix, a 0-d numpy array and a
+    one-element integer tensor (h118). Refused before any layer is cut; a crop to the floor
     given so is exact."""
     model = tiny_model("qwen2_window")
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
@@ -486,11 +496,10 @@ def test_a_crop_below_a_cut_window_given_as_numpy_or_a_tensor_is_refused_before_
         with torch.no_grad():
             model(nxt[:, 32:], past_key_values=cache)
         assert cache.crop_floor() == 27
-        tokens = np.int64(26 - 38) if count == "numpy" else torch.tensor(26 - 38)
-        with pytest.raises(ValueError, match="below 27 tokens"):
-            cache.crop(tokens)
+        with pytest.raises(ValueError, match="to 26 tokens: .* below 27 tokens"):
+            cache.crop(_COUNTS[count](26 - 38))
         assert [layer.get_seq_length() for layer in cache.layers] == [38, 38]
-        cache.crop(np.int64(27 - 38) if count == "numpy" else torch.tensor(27 - 38))  # to the floor
+        cache.crop(_COUNTS[count](27 - 38))  # to the floor
         plain = DynamicCache(config=model.config)
         with torch.no_grad():
             model(nxt[:, :27], past_key_values=plain)

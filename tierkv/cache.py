@@ -1908,6 +1908,21 @@ class TieredSlidingLayer(TieredLayer):
         super().reset()
 
 
+def _count(tokens: Any) -> int | None:
+    """A crop's count as an int, for the cache's check before any layer is cut; None for what is
+    no integer. Each layer's own check compares it as well, but one layer at a time, and a
+    ``DynamicLayer`` slices by any count Python can index with: numpy's integers, a 0-d numpy
+    array and an integer tensor of one element (of any shape) among them."""
+    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool):
+        return int(tokens)
+    if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.is_floating_point() \
+            and not tokens.is_complex() and tokens.dtype != torch.bool:
+        return int(tokens)
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 0 and np.issubdtype(tokens.dtype, np.integer):
+        return int(tokens)
+    return None
+
+
 def _crop_refusal(floor: int, length: int) -> ValueError:
     return ValueError(f"a crop of this TieredCache to {length} tokens: its sliding-window layers hold the "
                       f"restored conversation from where their window reaches, and no crop below {floor} "
@@ -2571,10 +2586,8 @@ class TieredCache(Cache):
     # What a forward the hook never saw writes after these is neither counted as checked nor
     # known by the ids fed before them there.
     def crop(self, *args: Any, **kwargs: Any) -> None:
-        tokens = args[0] if args else kwargs.get("tokens_to_remove")
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 0 and not tokens.is_floating_point():
-            tokens = int(tokens)  # each layer's own check compares it as well, but one layer at a time
-        if isinstance(tokens, (int, np.integer)) and tokens < 0:
+        tokens = _count(args[0] if args else kwargs.get("tokens_to_remove"))
+        if tokens is not None and tokens < 0:
             # Checked before any layer is cut: a refusal part-way left the layers apart.
             length, floor = self.get_seq_length() + tokens, self.crop_floor()
             if 0 < length < floor:
