@@ -658,3 +658,39 @@ def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_laye
         got = model.generate(nxt, past_key_values=store.open(model, nxt, session="s"), max_new_tokens=4,
                              do_sample=False)
         assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+
+
+def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_it_reads_again(
+        tiny_model, tmp_path: Path) -> None:
+    """A restore cut short by a failed read past blocks no window reached is planned again, and its
+    disk blocks before the miss read again: the pool buffers of their first reads go back to the
+    pool (``_plan_again``), none held for good by a record the second read writes over. CUDA's
+    semantics on CPU, through a poisoning pool, as tests/test_pool_store.py's."""
+    from conftest import damage_in_place, flipped
+    from test_pool_store import CopyingEngine
+    from tierkv.pool import HostPool
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=68)
+    budgets = BUDGETS["disk"]  # nothing rests in memory: every pool buffer is an open's alone
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+    nxt = torch.cat([out, random_ids(5, seed=69)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
+        engine = store._engine = CopyingEngine(store._host.alloc)
+        chain = store.open(model, nxt, session="s")._restored_keys
+        # The tail fails its read after block 6 was read into a pool buffer: 56 tokens, whose
+        # window reaches block 5, unread by a restore of 60, so block 6 is read again.
+        damage_in_place(store._disk.env, store._disk._blocks, chain[7], lambda record: flipped(record, -20))
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
+        assert store.stats()["corrupt"] == 1
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        engine.land()
+        store._host.reclaim()
+        pool = store.stats()["host_pool"]
+        assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
