@@ -348,9 +348,9 @@ def test_a_header_whose_token_count_disagrees_with_the_index_never_sizes_the_buf
         sized = []
         slots = store_module.restore_slots
 
-        def spy(buffer, length, at, n, header):
+        def spy(buffer, length, at, n, header, skips=None):
             sized.append(header.shape)
-            return slots(buffer, length, at, n, header)
+            return slots(buffer, length, at, n, header, skips)
 
         monkeypatch.setattr(store_module, "restore_slots", spy)
         cache = store.open(model, nxt)
