@@ -776,7 +776,9 @@ class TieredStore:
         Without a ``timeout`` every queued write is drained first (nothing is dropped). With one,
         writes still queued when it expires are dropped and logged: those blocks are simply not
         on disk after a restart and will be recomputed; deletes and session references are still
-        applied, so nothing forgotten comes back. ``timeout`` is seconds >= 0 or None (``ValueError``
+        applied, so nothing forgotten comes back. A write the disk refused or failed as close
+        drained it is counted as any reap counts it (``disk_full``, ``disk_errors``), not as
+        dropped. ``timeout`` is seconds >= 0 or None (``ValueError``
         for a negative one, which would drop every queued write at once). Closing twice is
         harmless, and a close cut short (an interrupt, a disk error) is finished by the next one.
         """
@@ -822,33 +824,19 @@ class TieredStore:
         """Drain (or, past ``timeout``, drop) the queued writes; how many block writes were dropped."""
         if self._writer is None:
             return 0
+        dropped = 0
+        if self._writer.closed:
+            # A close called again: the writes its writer settled are settled as close settles
+            # them, before the reap below takes them for a running store's (which made room on
+            # disk for a refused one, its deletes owed to a writer that is gone, and left an
+            # abandoned one's block PENDING).
+            dropped += self._close_writes(final=False)
         # Also after flush() retried them: a close cut short and called again skips flush(). Its
         # reap also finishes what another signal's handler cut short (a noted delete, a forget).
         self._retry_deletes()
         abandoned = self._writer.close(timeout, grace)
-        dropped = 0
         stuck = self._writer.alive()
-        for key in list(self._pending_writes):
-            meta = self._index.blocks.get(key)
-            job, _ = self._pending_writes.pop(key)
-            self._pop_inflight(key)  # its host buffer: a closed store a cache still refers to kept it
-            # Job.error, not wait() in a try: its except took a signal handler's exception there for
-            # the write's failure, and a landed block for one dropped. Not done: in the transaction
-            # that never ended, or behind it.
-            landed = job.done() and job.error() is None
-            if meta is None:
-                continue
-            if landed:
-                if meta.disk is DiskState.PENDING:
-                    self._index.set_disk(meta, DiskState.DURABLE)
-                continue
-            # Not on disk: stats() after the close must not count it there (a last metrics scrape).
-            dropped += 1
-            self._index.set_disk(meta, DiskState.NONE)
-            if meta.resident is None:
-                self._index.remove(key)
-        self._write_order.clear()  # every write it names was let go of above
-        self._let_go_writes.clear()
+        dropped += self._close_writes(final=True)
         if abandoned or stuck:
             logger.warning("tierkv: close(timeout=%s) dropped %d queued block writes; those blocks "
                            "will be recomputed after a restart", timeout, dropped)
@@ -879,6 +867,78 @@ class TieredStore:
                          "only a cache), or reopen the store and forget(tenant=...) them", refs, path)
         return dropped
 
+    def _close_writes(self, final: bool) -> int:
+        """``_stop_writer``'s reap of the block writes once its writer is closed: each done one
+        settled and its outcome counted as ``_reap_write`` counts it (a refusal in ``disk_full``,
+        an I/O error in ``disk_errors``, the disk marked failed; those let go of too), but with no
+        room made on disk and nothing written again; with ``final``, those not done (abandoned,
+        or behind a transaction that did not end) dropped too. Returns how many writes it dropped:
+        given up on, not failed by the disk.
+
+        Each write leaves ``_pending_writes`` (or ``_let_go_writes``) by the statement after its
+        counts', with no call between (where no signal's handler runs), its work before that
+        idempotent: a close cut short and called again counts each once. Before, the writes that
+        failed during the close's drain were counted as dropped, neither ``disk_full`` nor
+        ``disk_errors``, the disk never marked failed, and the let-go ones not at all."""
+        dropped = 0
+        for key in list(self._pending_writes):
+            job, _ = self._pending_writes[key]
+            # Job.error, not wait() in a try: its except took a signal handler's exception there for
+            # the write's failure, and a landed block for one dropped. Not done: in the transaction
+            # that never ended, or behind it.
+            done = job.done()
+            if not done and not final:
+                continue
+            error = job.error()
+            refused, faulted = self._write_failed(error)
+            landed = done and error is None
+            lost = not landed and not refused and not faulted
+            meta = self._index.blocks.get(key)
+            self._pop_inflight(key)  # its host buffer: a closed store a cache still refers to kept it
+            if meta is not None and landed:
+                if meta.disk is DiskState.PENDING:
+                    self._index.set_disk(meta, DiskState.DURABLE)
+            elif meta is not None:
+                # Not on disk: stats() after the close must not count it there (a last metrics scrape).
+                self._index.set_disk(meta, DiskState.NONE)
+                if meta.resident is None:
+                    self._index.remove(key)
+            noted = job in self._let_go_writes  # Job's hash is object's: no call
+            # No call from here to the write's leaving.
+            del self._pending_writes[key]
+            if noted:
+                del self._let_go_writes[job]
+            self._disk_full += refused
+            self._disk_errors += faulted
+            dropped += lost and meta is not None
+        for job in list(self._let_go_writes):
+            if not job.done():
+                continue  # none of the disk's doing: never counted, as a write given up on
+            refused, faulted = self._write_failed(job.error())
+            del self._let_go_writes[job]
+            self._disk_full += refused
+            self._disk_errors += faulted
+        if final:
+            self._let_go_writes.clear()
+            self._write_order.clear()  # every write it names was let go of above
+        return dropped
+
+    def _write_failed(self, error: BaseException | None) -> tuple[bool, bool]:
+        """(refused, faulted) for a done block write that failed with ``error`` (None: landed),
+        acted on (the first refusal by the filesystem logged; a fault marks the disk failed) but
+        not counted: the caller counts them as the write leaves its record."""
+        # WriteAbandoned: close(timeout) gave up on it; WriteNotQueued: its submit was cut short.
+        # Neither is the disk's doing.
+        refused = isinstance(error, DiskFull)
+        faulted = error is not None and not refused and not isinstance(error, (WriteAbandoned, WriteNotQueued))
+        if refused:
+            # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
+            # room for it: not a fault.
+            self._refused(str(error) if isinstance(error, FilesystemFull) else None, counted=False)
+        elif faulted:
+            self._disk_fault(error, counted=False)  # type: ignore[arg-type]
+        return refused, faulted
+
     def _release(self, grace: float | None = None) -> None:
         """Close the disk tier (unless its writer is still in a transaction, or a read outlasts
         ``grace``) and empty the memory tiers. Runs whatever happened before it, so that the
@@ -889,6 +949,11 @@ class TieredStore:
                              "transaction that does not end); its LMDB map stays open until close() is called "
                              "again or the process exits (LMDB transactions are atomic)", self._disk.path)
                 return
+            if self._writer is not None:
+                # Where this runs in the finally of a _stop_writer cut short (another signal's
+                # handler) once its writer ended: the writes it settled are counted here, or the
+                # store was released with them uncounted and their blocks PENDING.
+                self._close_writes(final=True)
             try:
                 # Not where an earlier close got as far as the disk tier's (which raised: a disk
                 # error as it let go of its files): its environment is closed, and this sync's
@@ -2264,19 +2329,12 @@ class TieredStore:
             if noted:
                 del self._let_go_writes[job]
             return
-        # WriteAbandoned: close(timeout) gave up on it, not a fault of the disk.
-        refused = isinstance(error, DiskFull)
-        faulted = not refused and not isinstance(error, (WriteAbandoned, WriteNotQueued))
+        # A refused block stays in memory if it rests there, and its write is tried again when
+        # it leaves memory and at each flush (so is one that was never queued); any fault
+        # degrades the store to memory-only.
+        refused, faulted = self._write_failed(error)
         if isinstance(error, WriteAbandoned):
             meta = None
-        elif refused:
-            # LMDB's free pages did not fit it under the map's cap, or the filesystem has no
-            # room for it: not a fault. The block stays in memory if it rests there, and its
-            # write is tried again when it leaves memory and at each flush (so is one that
-            # was never queued).
-            self._refused(str(error) if isinstance(error, FilesystemFull) else None, counted=False)
-        elif faulted:
-            self._disk_fault(error, counted=False)  # any write failure degrades to memory-only
         if meta is not None and meta.disk is not DiskState.DURABLE:
             self._index.set_disk(meta, DiskState.NONE)
             if meta.resident is None:
