@@ -3092,7 +3092,9 @@ class TieredStore:
         a block reads the whole record and checksums it, and moves the whole block to the device
         tier, while ``hits`` count the tokens used) and ``move_seconds`` per direction (wall
         time), ``write_cpu_wait_seconds`` (the part of the writes' time spent waiting for a CPU);
-        ``pending_writes``; ``commit_wait_seconds`` (time commits waited for a disk writer
+        ``pending_writes`` (block writes queued and not yet landed or failed, those of blocks
+        deleted since included: the writer still holds them); ``commit_wait_seconds`` (time
+        commits waited for a disk writer
         ``WRITE_BACKLOG_BYTES`` or ``WRITE_BACKLOG_OPS`` behind); ``host_pool`` (CUDA's pinned
         pool, or None); ``sessions`` (sessions tracked).
 
@@ -3139,7 +3141,11 @@ class TieredStore:
                 # The part of move_seconds["host_to_disk"] the writer spent runnable but waiting for
                 # a CPU (Linux; 0.0 elsewhere): it runs at a lower priority than the turns.
                 "write_cpu_wait_seconds": self._write_cpu_wait,
-                "pending_writes": len(self._pending_writes),
+                # The writer's backlog of block writes: also those whose block a delete let go of
+                # while they were queued (each once: one queued again over it is in both).
+                "pending_writes": len(self._pending_writes) + len(
+                    [job for job, header in self._let_go_writes.items()
+                     if self._pending_writes.get(header.key, (None,))[0] is not job]),
                 # Time commits waited for the disk writer to come back under WRITE_BACKLOG_BYTES of
                 # queued block writes and WRITE_BACKLOG_OPS queued writes (a block delete each):
                 # how far the disk falls behind the turns.
