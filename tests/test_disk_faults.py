@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from conftest import damage_table, raised_on_the_way_in, random_ids
-from test_pool_store import pooled_store
+from test_pool_store import CopyingEngine, pooled_store
 import tierkv
 import tierkv.tiers.disk
 from tierkv import TieredStore
@@ -4705,3 +4705,83 @@ def test_pending_writes_counts_the_writes_a_delete_let_go_of_until_they_land(mod
         assert not store._let_go_writes
     finally:
         store._writer = writer
+
+
+def _pool_in_use(store: TieredStore, pool) -> int:
+    """Bytes of the pool's buffers not back in its free space once every copy and write landed."""
+    pool.reclaim()
+    stats = pool.stats()
+    return stats["in_use"] + stats["retiring"]
+
+
+def test_a_let_go_an_exception_cuts_short_gives_its_writes_host_buffer_back(model, tmp_path):
+    # A forget (a delete of blocks whose writes are still queued) cut by another signal's handler
+    # as it let go of a write, before the write's host buffer (the pool's, on CUDA) was let go.
+    # Before, the next call's reap finished the forget first, whose block left the index, and the
+    # delete's redo (_finish_deletes) then let go of nothing of it: the buffer stayed held until
+    # the store closed, and for good once the same KV was stored again (its new write's buffer
+    # recorded in the old one's place, whose hold no one let go any more) (h117).
+    made: list[tuple[TieredStore, CopyingEngine, threading.Event]] = []
+    ids = random_ids(3 * B + 2, 1590)[0].tolist()
+
+    def fresh() -> None:
+        store, engine = pooled_store(tmp_path / f"kv{len(made)}", pool_blocks=32, device_budget="1MiB",
+                                     host_budget=0)
+        entered, release = _a_held_writer(store)
+        store._writer.submit(Touch({}))
+        assert entered.wait(60)
+        forward_turn(store, model, ids, "s0", None)
+        engine.land()
+        assert len(store._pending_writes) >= 3
+        made.append((store, engine, release))
+
+    def given_back(sent) -> None:
+        store, engine, release = made[-1]
+        pool = store._host.pool
+        store.stats()  # the next call's reap
+        release.set()
+        store.flush()
+        assert not store._index.blocks and not store._inflight, sent
+        assert _pool_in_use(store, pool) == 0, sent
+        forward_turn(store, model, ids, "s1", None)  # the same KV stored again
+        engine.land()
+        store.forget(session="s1")
+        store.flush()
+        store.close()
+        assert _pool_in_use(store, pool) == 0, sent
+        fresh()
+
+    fresh()
+    try:
+        assert raised_on_the_way_in(lambda: (made[-1][0].forget(session="s0"), nullcontext())[1], given_back,
+                                    within={"_let_go_of_records", "_pop_inflight"}) > 10
+    finally:
+        made[-1][2].set()
+        made[-1][0].close()
+
+
+def test_a_write_queued_again_over_its_first_gives_the_firsts_host_buffer_back(model, tmp_path):
+    # The state a reap cut short leaves once it put a refused block back to be written again,
+    # its first write still tracked and holding its host buffer (as in the test of its count
+    # above): the write queued again over it recorded its own buffer in the first's place, and
+    # the first's hold was never let go, its pool buffer lost for good (h117).
+    store, engine = pooled_store(tmp_path / "kv", pool_blocks=16, device_budget="1MiB", host_budget=0)
+    writer = store._writer
+    try:
+        paper, _ = _behind_a_paper_writer(store, model, 1, 1595)
+        engine.land()
+        key, (first, header) = next(iter(store._pending_writes.items()))
+        paper.finish([first], FilesystemFull("no room"))
+        meta = store._index.blocks[key]
+        store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
+        store._unwritten[key] = header
+        with store._lock:
+            store._retry_writes()  # a flush's
+        engine.land()
+        paper.finish([job for _, job in paper.items if not job.done()])
+        _reap(store)
+        assert not store._pending_writes and not store._inflight and meta.disk is DiskState.DURABLE
+        assert _pool_in_use(store, store._host.pool) == 0  # the device tier holds the blocks
+    finally:
+        store._writer = writer
+        store.close()

@@ -2022,6 +2022,10 @@ class TieredStore:
         # The entry and its buffer's hold together (Lease.hold_in): another signal's handler
         # raising between them left a hold that no pop let go, or an entry whose pop let go of
         # the host tier's hold.
+        # One recorded for the key already (a write queued again over one still tracked: a reap
+        # cut short once it put the block back) is let go of first: recorded over, its hold was
+        # never let go, its buffer lost to the pool for good.
+        self._pop_inflight(key)
         if job.lease is None:
             self._inflight[key] = job
         else:
@@ -2097,12 +2101,19 @@ class TieredStore:
     def _let_go_of_records(self, gone: list[BlockMeta]) -> None:
         for meta in gone:
             self._index.set_disk(meta, DiskState.NONE)
+            # The write's host copy first, while the write is still tracked: let go of after it,
+            # another signal's handler raising between them left it recorded for a write no
+            # longer tracked, where the next reap finished the forget first (the block out of
+            # the index, which _finish_deletes then passes over): the buffer held until close,
+            # and lost to the pool for good once the same KV was written again. Cut before it,
+            # the write is still tracked, and its reap lets go of it (a host copy held only while
+            # a tracked write records it: _set_inflight, _reap_write).
+            self._pop_inflight(meta.key)
             entry = self._pending_writes.get(meta.key)
             if entry is not None:
                 # No call between the two: no signal's handler leaves it in both, or in neither.
                 self._let_go_writes[entry[0]] = entry[1]
                 del self._pending_writes[meta.key]
-            self._pop_inflight(meta.key)
 
     def _finish_deletes(self) -> None:
         """Do again the deletes on disk that an exception cut short (``_delete_on_disk``)."""
