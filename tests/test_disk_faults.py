@@ -3231,16 +3231,22 @@ class _BehindPaperWriter:
             job.set_result(None) if error is None else job.set_error(error)
 
 
-def _behind_a_paper_writer(store: TieredStore, model, conversations: int, seed: int) -> tuple[_BehindPaperWriter,
-                                                                                              list[Job[None]]]:
+@contextlib.contextmanager
+def _paper_writer(store: TieredStore, model, conversations: int, seed: int
+                  ) -> Iterator[tuple[_BehindPaperWriter, list[Job[None]]]]:
     """The store's writer swapped for a ``_BehindPaperWriter``, ``conversations`` turns committed
-    through it; the tracked jobs (block writes, references) in the order they were queued."""
+    through it; yields it and the tracked jobs (block writes, references) in the order they were
+    queued, and puts the store's own writer back after."""
+    writer = store._writer
     paper = _BehindPaperWriter()
     store._writer = paper
-    for i in range(conversations):
-        converse(store, model, random_ids(3 * B + 2, seed + i), f"s{i}")
-    tracked = {id(job) for job, _ in store._pending_writes.values()} | {id(job) for _, job in store._deletes}
-    return paper, [job for _, job in paper.items if id(job) in tracked]
+    try:
+        for i in range(conversations):
+            converse(store, model, random_ids(3 * B + 2, seed + i), f"s{i}")
+        tracked = {id(job) for job, _ in store._pending_writes.values()} | {id(job) for _, job in store._deletes}
+        yield paper, [job for _, job in paper.items if id(job) in tracked]
+    finally:
+        store._writer = writer
 
 
 def _counting_asks(store: TieredStore) -> list[Job[None]]:
@@ -3262,9 +3268,7 @@ def test_a_reap_asks_only_the_disk_jobs_that_finished_since_the_last(model, stor
     # 1,000 queued writes, 5 to 20 ms at 5,000. The writer is one FIFO thread: a reap asks them in
     # the order they were queued, and stops at the first not done.
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, jobs = _behind_a_paper_writer(store, model, 6, 1480)
+    with _paper_writer(store, model, 6, 1480) as (paper, jobs):
         writes = {id(job): key for key, (job, _) in store._pending_writes.items()}
         assert len(writes) >= 12 and len(jobs) - len(writes) >= 6  # block writes and references
         asked = _counting_asks(store)
@@ -3291,8 +3295,6 @@ def test_a_reap_asks_only_the_disk_jobs_that_finished_since_the_last(model, stor
         asked.clear()
         _reap(store)
         assert asked == []
-    finally:
-        store._writer = writer
 
 
 def test_a_write_queued_again_is_reaped_in_its_new_place_not_where_it_was_first(model, stores, tmp_path):
@@ -3304,9 +3306,7 @@ def test_a_write_queued_again_is_reaped_in_its_new_place_not_where_it_was_first(
     # in stats()["disk_full"], the second write taking its place in _pending_writes). Refused by
     # the filesystem: a refusal at the map's cap would evict as much again (tested with deletes).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, jobs = _behind_a_paper_writer(store, model, 3, 1490)
+    with _paper_writer(store, model, 3, 1490) as (paper, jobs):
         key, (first, header) = next(iter(store._pending_writes.items()))
         paper.finish([first], FilesystemFull("no room"))
         meta = store._index.blocks[key]
@@ -3324,8 +3324,6 @@ def test_a_write_queued_again_is_reaped_in_its_new_place_not_where_it_was_first(
         _reap(store)
         assert not store._pending_writes and meta.disk is DiskState.DURABLE and not store._unwritten
         assert store._disk_full == 1 and not store._write_order and not store._let_go_writes
-    finally:
-        store._writer = writer
 
 
 def test_a_write_queued_again_over_its_first_an_exception_cuts_short_is_counted_once(model, stores, tmp_path):
@@ -3334,9 +3332,7 @@ def test_a_write_queued_again_over_its_first_an_exception_cuts_short_is_counted_
     # of that queueing (_retry_writes) leaves the first job tracked, let go of, or both; the next
     # flush's queueing and reaps count its refusal once, none lost, none twice (h115).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, _ = _behind_a_paper_writer(store, model, 2, 1540)
+    with _paper_writer(store, model, 2, 1540) as (paper, _):
         key, (first, header) = next(iter(store._pending_writes.items()))
         meta = store._index.blocks[key]
         paper.finish([job for _, job in paper.items if job is not first])
@@ -3375,8 +3371,6 @@ def test_a_write_queued_again_over_its_first_an_exception_cuts_short_is_counted_
 
         reset()
         assert raised_on_the_way_in(lambda: (store._retry_writes(), nullcontext())[1], counted_once) > 5
-    finally:
-        store._writer = writer
 
 
 @pytest.mark.parametrize("again", [False, True], ids=["deleted", "stored-again"])
@@ -3391,9 +3385,7 @@ def test_a_write_let_go_by_a_delete_before_it_landed_is_still_counted_once(model
     # block was stored again before the reap (its key's write queued again, which the reap
     # then tracked alone).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, _ = _behind_a_paper_writer(store, model, 1, 1520)
+    with _paper_writer(store, model, 1, 1520) as (paper, _):
         first = [job for job, _ in store._pending_writes.values()]
         assert len(first) >= 3
         store.forget(session="s0")
@@ -3416,8 +3408,6 @@ def test_a_write_let_go_by_a_delete_before_it_landed_is_still_counted_once(model
         assert not store._pending_writes and not store._write_order and not store._let_go_writes
         if again and outcome in ("landed", "filesystem-full"):  # no room made at the map's cap
             assert {m.disk for m in store._index.blocks.values()} == {DiskState.DURABLE}
-    finally:
-        store._writer = writer
 
 
 @pytest.mark.parametrize("step", ["let-go", "reap"])
@@ -3426,9 +3416,7 @@ def test_a_write_let_go_by_a_delete_an_exception_cuts_short_is_counted_once(mode
     # another signal's handler at each point: the delete done again (as _finish_deletes does)
     # and the next reap count each refusal once, none lost, none twice (h115).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, _ = _behind_a_paper_writer(store, model, 1, 1530)
+    with _paper_writer(store, model, 1, 1530) as (paper, _):
         pending, inflight = dict(store._pending_writes), dict(store._inflight)
         gone = [store._index.blocks[key] for key in pending]
         order = list(store._write_order)
@@ -3461,8 +3449,6 @@ def test_a_write_let_go_by_a_delete_an_exception_cuts_short_is_counted_once(mode
         reset()
         cut = (lambda: store._let_go_of_records(gone)) if step == "let-go" else store._reap_writes
         assert raised_on_the_way_in(lambda: (cut(), nullcontext())[1], counted_once) > len(gone)
-    finally:
-        store._writer = writer
 
 
 @pytest.mark.parametrize("kind", ["delete", "write"])
@@ -3481,55 +3467,53 @@ def test_a_submit_cut_short_behind_queued_jobs_is_reaped_by_the_next_reap(model,
     _reap(store)
     key, header = next(iter(store._unwritten.items()))
     meta = store._index.blocks[key]
-    writer = store._writer
-    try:
-        paper, jobs = _behind_a_paper_writer(store, model, 3, 1501)
-        assert len(jobs) >= 6 and not [job for job in jobs if job.done()]
-        block = store._device.get(key)
+    with _paper_writer(store, model, 3, 1501) as (paper, jobs):
+        try:
+            assert len(jobs) >= 6 and not [job for job in jobs if job.done()]
+            block = store._device.get(key)
 
-        def submit() -> None:
-            if kind == "delete":
-                store._submit(DeleteBlocks([b"\x07" * 16], [], False))
-            else:
-                store._write_again(meta, block, Tier.DEVICE)
-
-        def reaped(sent):
-            queued = [op for op, _ in paper.items[before[0]:]
-                      if isinstance(op, DeleteBlocks if kind == "delete" else PutBlock)]
-            _reap(store)
-            if kind == "delete":
-                tracked = [job for op, job in store._deletes if op.keys == [b"\x07" * 16] and job not in earlier]
-                earlier.extend(tracked)  # queued, left so: behind the backlog
-                owed = [op for op in store._owed if op.keys == [b"\x07" * 16]]
-                # Tracked only while queued; one cut short before it was tracked is the caller's to redo.
-                assert len(tracked) + len(owed) <= 1 and (tracked or not queued), sent
-                assert not tracked or paper.holds(tracked[0]), sent
-                unqueued[0] += len(owed)
-                store._owed.take()
-                store._owed.put_back([])
-            else:
-                entry = store._pending_writes.get(key)
-                if entry is None:
-                    assert not queued and meta.disk is DiskState.NONE and key in store._unwritten, sent
-                    assert key not in store._inflight, sent
-                    unqueued[0] += 1
+            def submit() -> None:
+                if kind == "delete":
+                    store._submit(DeleteBlocks([b"\x07" * 16], [], False))
                 else:
-                    assert queued and paper.holds(entry[0]) and meta.disk is DiskState.PENDING, sent
-                    store._pending_writes.pop(key)  # as if it had failed, for the next try
-                    store._pop_inflight(key)
-                    store._index.set_disk(meta, DiskState.NONE)
-                    store._unwritten[key] = header
-            before[0] = len(paper.items)
+                    store._write_again(meta, block, Tier.DEVICE)
 
-        before, unqueued, earlier = [len(paper.items)], [0], []
-        assert raised_on_the_way_in(lambda: (submit(), nullcontext())[1], reaped) > 5
-        assert unqueued[0] >= 2
-        assert [job for job in jobs if job.done()] == []  # all of it behind the backlog
-    finally:
-        paper.finish([job for _, job in paper.items if not job.done()])
-        with store._lock:
-            store._reap()
-        store._writer = writer
+            def reaped(sent):
+                queued = [op for op, _ in paper.items[before[0]:]
+                          if isinstance(op, DeleteBlocks if kind == "delete" else PutBlock)]
+                _reap(store)
+                if kind == "delete":
+                    tracked = [job for op, job in store._deletes if op.keys == [b"\x07" * 16] and job not in earlier]
+                    earlier.extend(tracked)  # queued, left so: behind the backlog
+                    owed = [op for op in store._owed if op.keys == [b"\x07" * 16]]
+                    # Tracked only while queued; one cut short before it was tracked is the caller's to redo.
+                    assert len(tracked) + len(owed) <= 1 and (tracked or not queued), sent
+                    assert not tracked or paper.holds(tracked[0]), sent
+                    unqueued[0] += len(owed)
+                    store._owed.take()
+                    store._owed.put_back([])
+                else:
+                    entry = store._pending_writes.get(key)
+                    if entry is None:
+                        assert not queued and meta.disk is DiskState.NONE and key in store._unwritten, sent
+                        assert key not in store._inflight, sent
+                        unqueued[0] += 1
+                    else:
+                        assert queued and paper.holds(entry[0]) and meta.disk is DiskState.PENDING, sent
+                        store._pending_writes.pop(key)  # as if it had failed, for the next try
+                        store._pop_inflight(key)
+                        store._index.set_disk(meta, DiskState.NONE)
+                        store._unwritten[key] = header
+                before[0] = len(paper.items)
+
+            before, unqueued, earlier = [len(paper.items)], [0], []
+            assert raised_on_the_way_in(lambda: (submit(), nullcontext())[1], reaped) > 5
+            assert unqueued[0] >= 2
+            assert [job for job in jobs if job.done()] == []  # all of it behind the backlog
+        finally:
+            paper.finish([job for _, job in paper.items if not job.done()])
+            with store._lock:
+                store._reap()
 
 
 def test_a_block_removal_an_exception_cuts_short_still_untracks_the_sessions_it_left_hollow(model, tmp_path):
@@ -4689,9 +4673,7 @@ def test_pending_writes_counts_the_writes_a_delete_let_go_of_until_they_land(mod
     # superseded tail): the writer still held them, but a forget of a session whose writes had
     # not landed showed an empty backlog (a wait for a spill to end stopped early) (h117).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
-    writer = store._writer
-    try:
-        paper, _ = _behind_a_paper_writer(store, model, 2, 1580)
+    with _paper_writer(store, model, 2, 1580) as (paper, _):
         queued = len(store._pending_writes)
         mine = len([m for m in store._index.blocks.values() if m.sessions == {_session_id(None, "s0")}])
         assert queued >= 6 and mine >= 3
@@ -4703,8 +4685,6 @@ def test_pending_writes_counts_the_writes_a_delete_let_go_of_until_they_land(mod
         paper.finish([job for _, job in paper.items if not job.done()])
         assert store.stats()["pending_writes"] == 0
         assert not store._let_go_writes
-    finally:
-        store._writer = writer
 
 
 def _pool_in_use(store: TieredStore, pool) -> int:
@@ -4766,22 +4746,20 @@ def test_a_write_queued_again_over_its_first_gives_the_firsts_host_buffer_back(m
     # above): the write queued again over it recorded its own buffer in the first's place, and
     # the first's hold was never let go, its pool buffer lost for good (h117).
     store, engine = pooled_store(tmp_path / "kv", pool_blocks=16, device_budget="1MiB", host_budget=0)
-    writer = store._writer
     try:
-        paper, _ = _behind_a_paper_writer(store, model, 1, 1595)
-        engine.land()
-        key, (first, header) = next(iter(store._pending_writes.items()))
-        paper.finish([first], FilesystemFull("no room"))
-        meta = store._index.blocks[key]
-        store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
-        store._unwritten[key] = header
-        with store._lock:
-            store._retry_writes()  # a flush's
-        engine.land()
-        paper.finish([job for _, job in paper.items if not job.done()])
-        _reap(store)
-        assert not store._pending_writes and not store._inflight and meta.disk is DiskState.DURABLE
-        assert _pool_in_use(store, store._host.pool) == 0  # the device tier holds the blocks
+        with _paper_writer(store, model, 1, 1595) as (paper, _):
+            engine.land()
+            key, (first, header) = next(iter(store._pending_writes.items()))
+            paper.finish([first], FilesystemFull("no room"))
+            meta = store._index.blocks[key]
+            store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
+            store._unwritten[key] = header
+            with store._lock:
+                store._retry_writes()  # a flush's
+            engine.land()
+            paper.finish([job for _, job in paper.items if not job.done()])
+            _reap(store)
+            assert not store._pending_writes and not store._inflight and meta.disk is DiskState.DURABLE
+            assert _pool_in_use(store, store._host.pool) == 0  # the device tier holds the blocks
     finally:
-        store._writer = writer
         store.close()
