@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import msgpack
@@ -3249,6 +3250,25 @@ def _paper_writer(store: TieredStore, model, conversations: int, seed: int
         store._writer = writer
 
 
+def _writes_of(store: TieredStore) -> tuple[dict[bytes, Any], dict[bytes, Any], list[Any]]:
+    """A copy of the store's block-write bookkeeping (tracked writes, their host copies, their
+    queue order), for ``_put_writes_back``."""
+    return dict(store._pending_writes), dict(store._inflight), list(store._write_order)
+
+
+def _put_writes_back(store: TieredStore, saved: tuple[dict[bytes, Any], dict[bytes, Any], list[Any]]) -> None:
+    """The store's block-write bookkeeping as ``_writes_of`` copied it, none let go of: a test
+    that cuts a reap at each point starts each try from it."""
+    pending, inflight, order = saved
+    store._pending_writes.clear()
+    store._pending_writes.update(pending)
+    store._inflight.clear()
+    store._inflight.update(inflight)
+    store._let_go_writes.clear()
+    store._write_order.clear()
+    store._write_order.extend(order)
+
+
 def _counting_asks(store: TieredStore) -> list[Job[None]]:
     """The jobs the store's reaps ask whether they are done, as they ask them."""
     asked: list[Job[None]] = []
@@ -3340,19 +3360,12 @@ def test_a_write_queued_again_over_its_first_an_exception_cuts_short_is_counted_
             store._reap_writes(keys=[k for k in store._pending_writes if k != key])  # by key, as a flush's
         paper.finish([first], FilesystemFull("no room"))
         assert list(store._pending_writes) == [key] and len(store._write_order) > 3
-        pending, inflight, order, queued = dict(store._pending_writes), dict(store._inflight), \
-            list(store._write_order), len(paper.items)
+        saved, queued = _writes_of(store), len(paper.items)
 
         def reset() -> None:
             store._index.set_disk(meta, DiskState.NONE)  # as the cut reap left it
             store._unwritten[key] = header
-            store._pending_writes.clear()
-            store._pending_writes.update(pending)
-            store._inflight.clear()
-            store._inflight.update(inflight)
-            store._let_go_writes.clear()
-            store._write_order.clear()
-            store._write_order.extend(order)
+            _put_writes_back(store, saved)
             store._submitting.clear()
             del paper.items[queued:]
             store._disk_full = 0
@@ -3417,21 +3430,15 @@ def test_a_write_let_go_by_a_delete_an_exception_cuts_short_is_counted_once(mode
     # and the next reap count each refusal once, none lost, none twice (h115).
     store = make_store(stores, tmp_path / "kv", device_budget="1MiB", host_budget=0)
     with _paper_writer(store, model, 1, 1530) as (paper, _):
-        pending, inflight = dict(store._pending_writes), dict(store._inflight)
+        saved = _writes_of(store)
+        pending = saved[0]
         gone = [store._index.blocks[key] for key in pending]
-        order = list(store._write_order)
         paper.finish([job for job, _ in pending.values()], DiskFull("map full"))
 
         def reset() -> None:
             for meta in gone:
                 store._index.set_disk(meta, DiskState.PENDING)
-            store._pending_writes.clear()
-            store._pending_writes.update(pending)
-            store._inflight.clear()
-            store._inflight.update(inflight)
-            store._let_go_writes.clear()
-            store._write_order.clear()
-            store._write_order.extend(order)
+            _put_writes_back(store, saved)
             store._disk_full, store._disk_goal = 0, None
             if step == "reap":
                 store._let_go_of_records(gone)
