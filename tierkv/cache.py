@@ -1482,7 +1482,8 @@ def layer_skips(windows: tuple[int | None, ...] | None, sizes: list[int]) -> lis
     layer slides."""
     if not windows or windows.count(None) == len(windows):
         return None
-    return [0 if w is None else window_cut(sizes, w)[1] for w in windows]
+    cuts = {w: window_cut(sizes, w)[1] for w in set(windows) if w is not None}  # a walk per window, not per layer
+    return [0 if w is None else cuts[w] for w in windows]
 
 
 class RestoreBuffer:
@@ -1557,13 +1558,14 @@ class _Restore:
     and room past them is left for the first forward's tokens. ``open`` lays it out for the restore
     it hands over, so each layer's part starts no later than the first token its window reaches."""
 
-    __slots__ = ("blocks", "tokens", "_views", "buffer")
+    __slots__ = ("blocks", "tokens", "_views", "buffer", "_cuts")
 
     def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: RestoreBuffer | None = None) -> None:
         self.blocks = blocks
         self.tokens = sum(n for _, n in blocks)
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
         self.buffer = buffer
+        self._cuts: dict[int, tuple[int, int]] = {}
 
     def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
         """Layer ``i``'s (2, H, length - skip, D) part of the buffer, from the token its window
@@ -1622,8 +1624,12 @@ class _Restore:
         return parts
 
     def window_cut(self, window: int) -> tuple[int, int]:
-        """``window_cut`` of this restore's blocks."""
-        return window_cut([n for _, n in self.blocks], window)
+        """``window_cut`` of this restore's blocks, once per window: every sliding layer asks it
+        at its assembly and at the commit (a walk of the blocks each)."""
+        cut = self._cuts.get(window)
+        if cut is None:
+            cut = self._cuts[window] = window_cut([n for _, n in self.blocks], window)
+        return cut
 
 
 class TieredLayer(DynamicLayer):

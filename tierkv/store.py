@@ -1135,9 +1135,10 @@ class TieredStore:
         self._disk.prefetch([plan[i][0].key for i in todo])
         buffer: list[Any] = []  # made by the first block read into it (restore_slots)
         fingerprint = info.fingerprint
-        skips = layer_skips(info.windows, [n for _, n in plan])  # where each layer's part of it starts
         at = list(itertools.accumulate((n for _, n in plan), initial=0))
         in_place = {i: self._in_place(plan[i][0]) for i in todo}
+        # Where each layer's part of the buffer starts; none where no block is read into one.
+        skips = layer_skips(info.windows, [n for _, n in plan]) if True in in_place.values() else None
         # The other reads write into the buffer the first one makes: they wait for it. Mixed
         # destinations (never met: only a tail is smaller than the others) are read one at a time.
         ready = Latch() if in_place[todo[0]] else None
