@@ -180,12 +180,22 @@ _SHAPES: dict[str, dict[str, object]] = {
                     num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
     "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4),
+    # KV of another shape per layer (Gemma 4 31B's): its full-attention layer holds one KV head of
+    # head_dim 32 (keys computed as values, attention_k_eq_v), its sliding one 2 of 16; per-layer
+    # input embeddings too.
+    "gemma4_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
 }
 ARCHITECTURES = list(_SHAPES)
 # The model type of a shape named otherwise.
 _MODEL_TYPE = {"mistral_window": "mistral", "qwen2_window": "qwen2"}
+# The shapes whose layers hold KV of other shapes (tierkv/layout.py): their disk restores on CPU
+# are read into blocks, not in place into one buffer of the layers' shape.
+PER_LAYER_SHAPES = ["gemma4_text"]
 # The shapes whose layers (some or all) attend over a sliding window.
-SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss"]
+SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "gemma4_text"]
 
 
 def make_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:

@@ -270,7 +270,7 @@ def run_mode(model: torch.nn.Module, arch: str, mode: str, ids: torch.Tensor, **
 # llama's from the device and host tiers too.
 # Sliding windows too: in every layer (from the host tier), beside full attention (from disk).
 MODE_CASES = [(arch, "disk") for arch in ("llama", "gpt2", "falcon")] + [("llama", "device"), ("llama", "host")]
-MODE_CASES += [("gemma3_text", "disk"), ("mistral_window", "host")]
+MODE_CASES += [("gemma3_text", "disk"), ("mistral_window", "host"), ("gemma4_text", "disk"), ("gemma4_text", "device")]
 
 
 @pytest.mark.parametrize("mode", list(MODES))

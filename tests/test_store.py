@@ -2383,30 +2383,68 @@ def test_models_whose_values_have_another_head_dim_are_refused_at_open():
             store.open(dots, random_ids(6))
 
 
-def test_a_model_whose_config_sets_other_kv_shapes_per_layer_is_refused_at_open():
-    # Gemma 4's full-attention layers (head_dim 512 where its sliding ones have 256, set per layer:
-    # per_layer_config): store.open accepted it, and generate() was refused at layer 5's forward,
-    # after the prefill of the layers before it.
+@pytest.mark.parametrize("shapes", [
+    dict(global_head_dim=32),  # Gemma 4's: a wider head_dim in the full-attention layers
+    dict(global_head_dim=16, num_global_key_value_heads=4, attention_k_eq_v=True),  # more KV heads there
+    dict(global_head_dim=48, num_global_key_value_heads=4, attention_k_eq_v=True),  # both, 2 x 3 slots
+    dict(global_head_dim=24, num_global_key_value_heads=1, attention_k_eq_v=True),  # slots narrower than both
+])
+def test_a_model_whose_config_sets_other_kv_shapes_per_layer_is_exact_through_every_tier(tmp_path, shapes):
+    # Gemma 4 sets its full-attention layers' head_dim (and KV heads) per layer (per_layer_config):
+    # refused before, at open (and before that at layer 5's first forward, after the prefill of the
+    # layers before it). Its blocks hold each layer in slots of the shapes' common divisors.
     config = AutoConfig.for_model("gemma4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                   sliding_window=12, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
-                                  per_layer_config={"05": {"head_dim": 32}})
+                                  layer_types=["sliding_attention", "full_attention"] * 2, **shapes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    with TieredStore(None, device="cpu", block_size=B) as store:
-        with pytest.raises(ValueError, match=r"sets keys and values of other shapes per layer \(per_layer_config\): 2 KV "
-                                             r"heads x head_dim 16 in layers 0-4, 2 x 32 in layer 5; .* use a plain "
-                                             r"DynamicCache"):
-            store.open(model, random_ids(6))
-        # One shape in every layer, set per layer: served.
-        same = copy.deepcopy(config)
-        same.per_layer_config = {"05": {"head_dim": 16}}
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(same).eval()
-        ids = random_ids(21)
-        cache = store.open(model, ids)
+    layout = describe_model(model).layout
+    assert layout is not None and len(layout.layers) == 4
+    budgets = {"device": dict(device_budget="1GiB"), "host": dict(device_budget=0, host_budget="1GiB"),
+               "disk": dict(device_budget=0, host_budget=0)}
+    for tier, budget in budgets.items():
+        ids = random_ids(21, seed=3)
+        with TieredStore(tmp_path / tier, device="cpu", block_size=B, **budget) as store:
+            for turn in range(3):
+                cache = store.open(model, ids, session="s")
+                assert cache.restored_from[tier] == (0 if turn == 0 else ids.shape[1] - 4)
+                out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+                assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False)), (tier, turn)
+                cache.commit(out)
+                for layer, plain in zip(cache.layers, model.generate(ids, max_new_tokens=3, do_sample=False,
+                                                                    return_dict_in_generate=True).past_key_values.layers):
+                    n = plain.keys.shape[-2]
+                    assert layer.keys.shape[1::2] == plain.keys.shape[1::2]
+                    torch.testing.assert_close(layer.keys[:, :, -n:], plain.keys, rtol=0, atol=1e-5)
+                    torch.testing.assert_close(layer.values[:, :, -n:], plain.values, rtol=0, atol=1e-5)
+                ids = torch.cat([out, random_ids(3, seed=10 + turn)], dim=1)
+    # After a restart, from disk.
+    with TieredStore(tmp_path / "disk", device="cpu", block_size=B, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_from["disk"] == ids.shape[1] - 4
         out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_a_model_computing_other_kv_shapes_than_its_config_sets_per_layer_is_refused(tmp_path):
+    config = AutoConfig.for_model("gemma4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  sliding_window=12, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                                  layer_types=["sliding_attention", "full_attention"], global_head_dim=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = random_ids(21)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=B) as store:
+        cache = store.open(model, ids)
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False))
+        # The config edited after the model was built: its modules still compute head_dim 32.
+        model.config.per_layer_config = {"01": {"head_dim": 64}}
+        cache = store.open(model, ids)
+        assert cache.restored_tokens == 0  # another config digest: another fingerprint
+        with pytest.raises(ValueError, match=r"keys of 2 KV heads x head_dim 32 and values of 2 x 32 in layer 1, "
+                                             r"where its config sets 2 x 64 \(per_layer_config\).*plain DynamicCache"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
 
 
 def test_a_model_without_a_kv_cache_is_refused(tiny_model):

@@ -12,15 +12,16 @@ import torch
 
 from conftest import ARCHITECTURES, make_model
 from tierkv.cache import describe_model
-from tierkv.weights import WeightSample, sample_index
+from tierkv.weights import WeightSample, persistent_buffers, sample_index
 
 
 def reference_bytes(model: torch.nn.Module) -> bytes:
     """What one ``take`` per parameter reads, as the elements' bits: grouped by element size, in
-    parameter order in each group (the format of ``WeightSample.read``)."""
+    parameter order in each group (the format of ``WeightSample.read``); the persistent buffers
+    (Gemma 4's ``layer_scalar``) after the parameters."""
     groups: dict[int, list[bytes]] = {}
     with torch.no_grad():
-        for p in model.parameters():
+        for p in (*model.parameters(), *persistent_buffers(model)):
             data = p.detach()
             if not (data.is_neg() or data.is_conj()):  # read as its values, not its bits
                 data = data.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(

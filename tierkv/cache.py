@@ -105,6 +105,7 @@ except ImportError:  # transformers before 5.x's per-layer config API
 
 from .codec import CorruptRecord
 from .interrupts import raised_by_signal_handler
+from .layout import KVLayout
 from .transfer import Job, _CudaCopyJob
 from .weights import BufferDigests, WeightSample, digest_weights, versions
 
@@ -156,6 +157,9 @@ class ModelInfo:
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
     windows: tuple[int | None, ...] = ()
+    # Where each layer's keys and values lie in a block, for layers of other KV shapes (layout.py);
+    # None where they are all of one shape, a slot a layer.
+    layout: KVLayout | None = None
     config_digest: bytes = b""  # _Static's then: a forward finding another refuses (check_computed_as_opened)
 
 
@@ -192,6 +196,7 @@ class _Static:
     prepare_classes: tuple[type, ...] = ()
     kv_dtype: torch.dtype | None = None  # see _kv_dtype
     windows: tuple[int | None, ...] = ()
+    layout: KVLayout | None = None  # see _kv_layout
 
     def config_current(self, model: Any) -> bool:
         """Whether the fields the config digest covers are as they were when it was taken (a
@@ -298,34 +303,19 @@ _WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() w
                    "through tierkv")
 
 
-def _refuse_kv_shapes_per_layer(name: str, layer_configs: Any) -> None:
-    """Refuse a config that sets KV heads or head_dim per layer (``per_layer_config``) to other
-    values in some layers (Gemma 4's full-attention layers: head_dim 512 where its sliding ones have
-    256): accepted, it was refused at that layer's first forward, the layers before it prefilled."""
-    layers: dict[tuple[int, int], list[int]] = {}
-    for i, layer_config in enumerate(layer_configs):
-        shape = (getattr(layer_config, "num_key_value_heads", None), getattr(layer_config, "head_dim", None))
-        if isinstance(shape[0], int) and isinstance(shape[1], int):
-            layers.setdefault(shape, []).append(i)
-    if len(layers) < 2:
-        return
-    found = ", ".join([f"{heads} KV heads x head_dim {dim} in {_layer_ranges(idx)}" if n == 0 else
-                       f"{heads} x {dim} in {_layer_ranges(idx)}" for n, ((heads, dim), idx) in enumerate(layers.items())])
-    raise ValueError(f"{name} sets keys and values of other shapes per layer (per_layer_config): {found}; tierkv "
-                     "stores every layer's keys and values as one tensor, so it supports models whose layers all "
-                     "hold keys and values of one shape; use a plain DynamicCache for this model")
-
-
-def _layer_ranges(layers: list[int]) -> str:
-    """``layers 0-4, 6`` for [0, 1, 2, 3, 4, 6]; ``layer 5`` for [5]."""
-    runs: list[list[int]] = []
-    for i in layers:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    text = ", ".join([str(a) if a == b else f"{a}-{b}" for a, b in runs])
-    return f"layer {text}" if len(layers) == 1 else f"layers {text}"
+def _kv_layout(text_config: Any, layers: int) -> KVLayout | None:
+    """How a block holds the layers' keys and values where the config sets KV heads or head_dim
+    per layer (``per_layer_config``: Gemma 4's full-attention layers, head_dim 512 where its
+    sliding ones have 256), or None where they are of one shape (or the config does not say: the
+    first forward's ``_check_kv_shape`` then refuses layers of other shapes)."""
+    if not getattr(text_config, "is_heterogeneous", False):
+        return None
+    shapes = [(getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None))
+              for c in text_config.per_layer_config]
+    if len(shapes) != layers or not all([isinstance(h, int) and isinstance(d, int) and h > 0 and d > 0
+                                         for h, d in shapes]):
+        return None
+    return KVLayout.of(shapes)
 
 
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
@@ -412,8 +402,6 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
             raise ValueError(f"{name} computes keys of head_dim {head_dim} and values of head_dim {v_dim} "
                              "(v_head_dim); tierkv stores keys and values of one shape, so it supports models whose "
                              "values have the keys' head_dim; use a plain DynamicCache for this model")
-    if getattr(text_config, "is_heterogeneous", False):
-        _refuse_kv_shapes_per_layer(name, text_config.per_layer_config)
     # A prefix's KV must not depend on the tokens after it. The attention modules that write the
     # cache (they have a layer_idx; a vision tower's do not) say so with is_causal, or, in BERT-like
     # models whose forward picks a bidirectional mask unless the config is a decoder's (RemBERT,
@@ -754,6 +742,7 @@ def _static_facts(model: Any) -> _Static:
     # Compared at every describe (_Static.config_current): a field edited on the live config
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample, windows=_windows(text_config, layer_types),
+                   layout=_kv_layout(text_config, len(layer_types)),
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
                    positions_from_pad=any([hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()]),
@@ -1342,7 +1331,7 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
         h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows,
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows, layout=static.layout,
                      config_digest=static.config_digest, device=first.device, dtype=first.dtype,
                      kv_dtype=kv_dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
@@ -1558,14 +1547,20 @@ class _Restore:
     and room past them is left for the first forward's tokens. ``open`` lays it out for the restore
     it hands over, so each layer's part starts no later than the first token its window reaches."""
 
-    __slots__ = ("blocks", "tokens", "_views", "buffer", "_cuts")
+    __slots__ = ("blocks", "tokens", "_views", "buffer", "_cuts", "layout")
 
-    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: RestoreBuffer | None = None) -> None:
+    def __init__(self, blocks: list[tuple[Job[torch.Tensor], int]], buffer: RestoreBuffer | None = None,
+                 layout: KVLayout | None = None) -> None:
         self.blocks = blocks
         self.tokens = sum(n for _, n in blocks)
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
         self.buffer = buffer
         self._cuts: dict[int, tuple[int, int]] = {}
+        # Layers of other KV shapes (layout.py): a layer's part of a block is several slots, and
+        # its parts are (2, h, H0, n, d, D0) views, joined by ``join``. Never with a buffer.
+        self.layout = layout
+        if layout is not None and buffer is not None:
+            raise ValueError("a restore read in place into a buffer holds layers of one KV shape")
 
     def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
         """Layer ``i``'s (2, H, length - skip, D) part of the buffer, from the token its window
@@ -1591,12 +1586,28 @@ class _Restore:
         return base
 
     def _block_views(self, j: int) -> tuple[torch.Tensor, ...]:
+        """Block ``j`` cut to the tokens restored of it: a view per layer where the layers are of
+        one KV shape; else the block itself, alone (``layout.part`` views it per layer)."""
         views = self._views[j]
         if views is None:
             job, n = self.blocks[j]
             tensor = job.wait()
-            views = self._views[j] = (tensor if n == tensor.shape[3] else tensor[:, :, :, :n]).unbind(0)
+            cut = tensor if n == tensor.shape[3] else tensor[:, :, :, :n]
+            views = self._views[j] = cut.unbind(0) if self.layout is None else (cut,)
         return views
+
+    def _layer_part(self, j: int, i: int) -> torch.Tensor:
+        """Layer ``i``'s keys and values in block ``j``: (2, H, n, D), or ``layout.part``'s view."""
+        views = self._block_views(j)
+        return views[i] if self.layout is None else self.layout.part(views[0], i)
+
+    def join(self, i: int, parts: list[torch.Tensor], new: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s parts and its ``new`` (2, H, q, D) keys and values, concatenated along the
+        tokens into one (2, H, N, D) tensor."""
+        layout = self.layout
+        if layout is None:
+            return torch.cat(parts if new is None else [*parts, new], dim=-2)
+        return layout.join(parts if new is None else [*parts, layout.split(new, i)], i)
 
     def layer_parts(self, i: int, first: int = 0, skip: int = 0) -> list[torch.Tensor]:
         """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block from block
@@ -1607,6 +1618,7 @@ class _Restore:
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
+        layout = self.layout
         stream = None  # looked up once: it costs more than the wait itself
         parts = []
         # The blocks left out are not waited for: no layer's compute reads them (a block's copy
@@ -1616,11 +1628,17 @@ class _Restore:
             if isinstance(job, _CudaCopyJob):
                 if stream is None:
                     stream = torch.cuda.current_stream(job.device)
-                tensor = job.stream_wait_layer(i, seen, stream)
-                # A block's keys and values of one layer lie together: a whole block is one view.
-                parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
+                if layout is None:
+                    tensor = job.stream_wait_layer(i, seen, stream)
+                    # A block's keys and values of one layer lie together: a whole block is one view.
+                    parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
+                    continue
+                # A layer of several slots waits for its last: a block's slots are copied in order.
+                slots = layout.layers[i]
+                tensor = job.stream_wait_layer(slots.first + slots.count - 1, seen, stream)
+                parts.append(layout.part(tensor if n == tensor.shape[3] else tensor[:, :, :, :n], i))
                 continue
-            parts.append(self._block_views(j)[i])
+            parts.append(self._layer_part(j, i))
         return parts
 
     def window_cut(self, window: int) -> tuple[int, int]:
@@ -1703,8 +1721,10 @@ class TieredLayer(DynamicLayer):
         return keys, values
 
     def _materialize(self) -> None:
+        restore = self._pending
         parts, skip = self._take_parts()
-        self._assemble(torch.cat(parts, dim=-2), skip)
+        assert restore is not None
+        self._assemble(restore.join(self._layer_idx, parts), skip)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1743,8 +1763,8 @@ class TieredLayer(DynamicLayer):
             if key_states.shape[0] == 1:
                 # The first forward after a restore: one concatenation of the restored blocks and the
                 # new tokens, for keys and values together, rather than a copy of the prefix first.
-                return self._assemble(torch.cat([*parts, torch.cat((key_states, value_states))], dim=-2), skip)
-            self._assemble(torch.cat(parts, dim=-2), skip)
+                return self._assemble(restore.join(self._layer_idx, parts, torch.cat((key_states, value_states))), skip)
+            self._assemble(restore.join(self._layer_idx, parts), skip)
         if key_states.shape[0] > 1 and self.is_initialized and self._rows() == 1:
             # A restored batch-1 prefix meeting beams or several return sequences.
             self.batch_repeat_interleave(key_states.shape[0])
@@ -2052,7 +2072,7 @@ class TieredCache(Cache):
         # The KV heads and head_dim of keys and values, from the first layer computed (_check_kv_shape).
         self._kv_shape: tuple[int, int, int, int] | None = None
         if blocks:
-            restore = _Restore(blocks, buffer)
+            restore = _Restore(blocks, buffer, info.layout)
             for i, layer in enumerate(layers):
                 layer.restore(i, restore)
 
@@ -2100,28 +2120,35 @@ class TieredCache(Cache):
                              "layers, the number this TieredCache was built with: tierkv cannot tell how many "
                              "layers hold KV in this model; report the architecture to tierkv's tracker and use a "
                              "plain DynamicCache meanwhile")
-        if not self.layers[layer_idx].is_initialized:
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or layer._pending is not None:
             self._check_kv_shape(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_kv_shape(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """A layer's first keys and values have the KV heads and head_dim of every other layer's,
-        keys as values: a block holds every layer's keys and values as one tensor. A model whose
-        layers differ there (KV heads per layer, as DeciLM's or OpenELM's remote code) or whose
-        values have another head_dim than its keys otherwise got through generate(), then failed
-        inside commit on torch.stack, with no word of what to do."""
+        """A layer's first keys and values have the KV heads and head_dim a block holds of it:
+        every other layer's, keys as values (or those its config sets for it: ``layout.py``). A
+        model whose layers differ there (KV heads per layer, as DeciLM's or OpenELM's remote code)
+        or whose values have another head_dim than its keys otherwise got through generate(), then
+        failed inside commit on torch.stack, with no word of what to do."""
         shape = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
-        expected = self._kv_shape
+        layout = self.model_info.layout
+        expected = self._kv_shape if layout is None else layout.shape(layer_idx) * 2
         if shape == expected or (expected is None and shape[:2] == shape[2:]):
-            self._kv_shape = shape
+            self._kv_shape = shape if layout is None else None
             return
         found = (f"keys of {shape[0]} KV heads x head_dim {shape[1]} and values of {shape[2]} x {shape[3]} in "
                  f"layer {layer_idx}")
+        if layout is not None:
+            raise ValueError(f"the model computes {found}, where its config sets {expected[0]} x {expected[1]} "
+                             "(per_layer_config): tierkv lays each layer's keys and values out in a block from the "
+                             "config, so it cannot store this model's; use a plain DynamicCache for this model")
         if expected is not None:
             found += f", and keys and values of {expected[0]} x {expected[1]} in an earlier layer"
         raise ValueError(f"the model computes {found}: tierkv stores every layer's keys and values as one "
                          "tensor, so it supports models whose layers all hold keys and values of one shape "
-                         "(the same KV heads and head_dim throughout); use a plain DynamicCache for this model")
+                         "(the same KV heads and head_dim throughout, or as the config sets them per layer); "
+                         "use a plain DynamicCache for this model")
 
     def commit(self, sequences: torch.Tensor) -> int:
         """Hand this cache's KV for ``sequences`` (the ids ``generate`` returned) to the store.
@@ -2723,7 +2750,8 @@ class TieredCache(Cache):
         return any([max(layer.extent()[2:]) > 1 for layer in self.layers])
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
-        """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim).
+        """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim)
+        (``(slots, 2, ...)`` for layers of other KV shapes: ``layout.py``).
         Without autograd history: KV from a forward run with grad enabled (``model()`` outside
         ``torch.no_grad()``) holds that forward's graph, every activation it saved, which a
         stored block must not keep alive outside every budget. Detached rather than stacked under
@@ -2732,11 +2760,21 @@ class TieredCache(Cache):
         if start < self.held_from():
             raise ValueError(f"tokens {start} to {end}: this cache's sliding layers hold the conversation from "
                              f"token {self.held_from()} on")
-        return torch.stack([
-            torch.stack((layer.keys[0, :, start - layer._offset:end - layer._offset].detach(),
-                         layer.values[0, :, start - layer._offset:end - layer._offset].detach()))
-            for layer in self.layers
-        ]).contiguous()
+        layout = self.model_info.layout
+        if layout is None:
+            return torch.stack([
+                torch.stack((layer.keys[0, :, start - layer._offset:end - layer._offset].detach(),
+                             layer.values[0, :, start - layer._offset:end - layer._offset].detach()))
+                for layer in self.layers
+            ]).contiguous()
+        keys = self.layers[0].keys
+        block = torch.empty((layout.slots, 2, layout.heads, end - start, layout.dim), dtype=keys.dtype,
+                            device=keys.device)
+        for i, layer in enumerate(self.layers):
+            at = layer._offset
+            layout.fill(block, i, layer.keys[0, :, start - at:end - at].detach(),
+                        layer.values[0, :, start - at:end - at].detach())
+        return block
 
 
 # The caches the wrappers of prepare_inputs_for_generation look into (_check_generate_ids).

@@ -1136,7 +1136,8 @@ class TieredStore:
         buffer: list[Any] = []  # made by the first block read into it (restore_slots)
         fingerprint = info.fingerprint
         at = list(itertools.accumulate((n for _, n in plan), initial=0))
-        in_place = {i: self._in_place(plan[i][0]) for i in todo}
+        # Not for layers of other KV shapes (``layout.py``): the buffer lays out layers of one.
+        in_place = {i: info.layout is None and self._in_place(plan[i][0]) for i in todo}
         # Where each layer's part of the buffer starts; none where no block is read into one.
         skips = layer_skips(info.windows, [n for _, n in plan]) if True in in_place.values() else None
         # The other reads write into the buffer the first one makes: they wait for it. Mixed

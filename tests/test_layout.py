@@ -1,0 +1,76 @@
+"""Blocks of layers holding KV of other shapes (tierkv/layout.py): each layer's keys and values go
+into its slots and come back as the contiguous tensor a DynamicCache holds, from whole blocks,
+blocks cut short and several blocks with the new tokens after them. Exactness of such models
+(Gemma 4) through every tier is in test_store.py and test_exactness.py (``conftest.PER_LAYER_SHAPES``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierkv.layout import KVLayout, LayerSlots
+
+
+def test_layers_of_one_shape_need_no_layout() -> None:
+    assert KVLayout.of([(2, 16)] * 5) is None
+    assert KVLayout.of([(8, 128)]) is None
+
+
+def test_slots_are_the_shapes_common_divisors_in_layer_order() -> None:
+    # Gemma 4 31B's: sliding layers of 16 KV heads x 256, full-attention ones of 4 x 512.
+    layout = KVLayout.of([(16, 256), (16, 256), (4, 512), (16, 256)])
+    assert layout is not None and (layout.heads, layout.dim) == (4, 256)
+    assert layout.layers == (LayerSlots(0, 4, 1), LayerSlots(4, 4, 1), LayerSlots(8, 1, 2), LayerSlots(10, 4, 1))
+    assert layout.slots == 14
+    assert [layout.shape(i) for i in range(4)] == [(16, 256), (16, 256), (4, 512), (16, 256)]
+    odd = KVLayout.of([(2, 16), (1, 24)])
+    assert odd is not None and (odd.heads, odd.dim, odd.slots) == (1, 8, 4 + 3)
+
+
+def _layers(shapes: list[tuple[int, int]], tokens: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, h, tokens, d, generator=g) for h, d in shapes]
+
+
+@pytest.mark.parametrize("shapes", [
+    [(2, 16), (1, 32)], [(2, 16), (4, 16), (2, 16)], [(2, 16), (1, 24), (3, 8)], [(4, 256), (2, 512), (4, 256)],
+])
+def test_a_block_gives_back_each_layers_keys_and_values(shapes: list[tuple[int, int]]) -> None:
+    layout = KVLayout.of(shapes)
+    assert layout is not None
+    layers = _layers(shapes, 24, seed=1)
+    # Three blocks of 8 tokens, each filled from a slice of the layers (a view with the layer's strides).
+    blocks = []
+    for start in range(0, 24, 8):
+        block = torch.full((layout.slots, 2, layout.heads, 8, layout.dim), float("nan"))
+        for i, kv in enumerate(layers):
+            layout.fill(block, i, kv[0, :, start:start + 8], kv[1, :, start:start + 8])
+        assert not block.isnan().any()  # every slot written
+        blocks.append(block)
+    new = _layers(shapes, 3, seed=2)
+    for i, kv in enumerate(layers):
+        whole = layout.join([layout.part(b, i) for b in blocks], i)
+        assert whole.is_contiguous() and torch.equal(whole, kv)
+        # The last block restored in part, then the first forward's tokens.
+        parts = [layout.part(blocks[0], i), layout.part(blocks[1], i), layout.part(blocks[2][:, :, :, :5], i)]
+        joined = layout.join([*parts, layout.split(new[i], i)], i)
+        assert joined.is_contiguous() and torch.equal(joined, torch.cat([kv[:, :, :21], new[i]], dim=2))
+
+
+def test_random_shapes_round_trip() -> None:
+    rng = random.Random(7)
+    for case in range(50):
+        shapes = [(rng.choice([1, 2, 3, 4, 6]), rng.choice([8, 16, 24, 32, 48])) for _ in range(rng.randint(2, 6))]
+        layout = KVLayout.of(shapes)
+        if layout is None:
+            assert len(set(shapes)) == 1
+            continue
+        tokens = rng.randint(1, 9)
+        layers = _layers(shapes, tokens, seed=case)
+        block = torch.empty((layout.slots, 2, layout.heads, tokens, layout.dim))
+        for i, kv in enumerate(layers):
+            layout.fill(block, i, kv[0], kv[1])
+        for i, kv in enumerate(layers):
+            assert torch.equal(layout.join([layout.part(block, i)], i), kv), (shapes, i)
