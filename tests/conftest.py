@@ -180,22 +180,31 @@ _SHAPES: dict[str, dict[str, object]] = {
                     num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
     "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4),
-    # KV of another shape per layer (Gemma 4 31B's): its full-attention layer holds one KV head of
-    # head_dim 32 (keys computed as values, attention_k_eq_v), its sliding one 2 of 16; per-layer
-    # input embeddings too.
-    "gemma4_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # KV of another shape per layer (Gemma 4 31B's): its full-attention layers hold one KV head of
+    # head_dim 32 (values computed as keys, attention_k_eq_v), its sliding ones 2 of 16; its last two
+    # layers read the KV of the last two before them (KV sharing, Gemma 4 E2B's); per-layer input
+    # embeddings too.
+    "gemma4_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                        attention_k_eq_v=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
-                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
+                        attention_k_eq_v=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"] * 2,
+                        num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
+    # KV sharing with KV of one shape (the last two layers read the KV of the two before them), AltUp
+    # and LAuReL blocks, per-layer input embeddings.
+    "gemma3n_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, sliding_window=12,
+                         layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                         laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
 }
 ARCHITECTURES = list(_SHAPES)
 # The model type of a shape named otherwise.
 _MODEL_TYPE = {"mistral_window": "mistral", "qwen2_window": "qwen2"}
-# The shapes whose layers hold KV of other shapes (tierkv/layout.py): their disk restores on CPU
-# are read into blocks, not in place into one buffer of the layers' shape.
-PER_LAYER_SHAPES = ["gemma4_text"]
+# The shapes whose layers hold KV of other shapes, or some none (KV sharing) (tierkv/layout.py):
+# their disk restores on CPU are read into blocks, not in place into one buffer of the layers' shape.
+PER_LAYER_SHAPES = ["gemma4_text", "gemma3n_text"]
 # The shapes whose layers (some or all) attend over a sliding window.
-SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "gemma4_text"]
+SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "gemma4_text",
+           "gemma3n_text"]
 
 
 def make_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:

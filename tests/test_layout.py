@@ -18,6 +18,17 @@ def test_layers_of_one_shape_need_no_layout() -> None:
     assert KVLayout.of([(8, 128)]) is None
 
 
+def test_layers_holding_no_kv_hold_no_slot() -> None:
+    # KV sharing (Gemma 3n's, Gemma 4 E2B's last layers): a layout even where the others are of one shape.
+    layout = KVLayout.of([(2, 16), (2, 16), None, None])
+    assert layout is not None and layout.slots == 2 and (layout.heads, layout.dim) == (2, 16)
+    assert [layout.holds(i) for i in range(4)] == [True, True, False, False]
+    block = torch.randn(layout.slots, 2, 2, 8, 16)
+    assert torch.equal(layout.join([layout.part(block, 1)], 1), block[1])
+    with pytest.raises(ValueError, match="no layer holds KV"):
+        KVLayout.of([None, None])
+
+
 def test_slots_are_the_shapes_common_divisors_in_layer_order() -> None:
     # Gemma 4 31B's: sliding layers of 16 KV heads x 256, full-attention ones of 4 x 512.
     layout = KVLayout.of([(16, 256), (16, 256), (4, 512), (16, 256)])
@@ -29,13 +40,15 @@ def test_slots_are_the_shapes_common_divisors_in_layer_order() -> None:
     assert odd is not None and (odd.heads, odd.dim, odd.slots) == (1, 8, 4 + 3)
 
 
-def _layers(shapes: list[tuple[int, int]], tokens: int, seed: int) -> list[torch.Tensor]:
+def _layers(shapes: list[tuple[int, int] | None], tokens: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, h, tokens, d, generator=g) for h, d in shapes]
+    return [torch.empty(0) if shape is None else torch.randn(2, shape[0], tokens, shape[1], generator=g)
+            for shape in shapes]
 
 
 @pytest.mark.parametrize("shapes", [
     [(2, 16), (1, 32)], [(2, 16), (4, 16), (2, 16)], [(2, 16), (1, 24), (3, 8)], [(4, 256), (2, 512), (4, 256)],
+    [(2, 16), (1, 32), None],
 ])
 def test_a_block_gives_back_each_layers_keys_and_values(shapes: list[tuple[int, int]]) -> None:
     layout = KVLayout.of(shapes)
@@ -46,11 +59,14 @@ def test_a_block_gives_back_each_layers_keys_and_values(shapes: list[tuple[int, 
     for start in range(0, 24, 8):
         block = torch.full((layout.slots, 2, layout.heads, 8, layout.dim), float("nan"))
         for i, kv in enumerate(layers):
-            layout.fill(block, i, kv[0, :, start:start + 8], kv[1, :, start:start + 8])
+            if layout.holds(i):
+                layout.fill(block, i, kv[0, :, start:start + 8], kv[1, :, start:start + 8])
         assert not block.isnan().any()  # every slot written
         blocks.append(block)
     new = _layers(shapes, 3, seed=2)
     for i, kv in enumerate(layers):
+        if not layout.holds(i):
+            continue
         whole = layout.join([layout.part(b, i) for b in blocks], i)
         assert whole.is_contiguous() and torch.equal(whole, kv)
         # The last block restored in part, then the first forward's tokens.
@@ -74,3 +90,38 @@ def test_random_shapes_round_trip() -> None:
             layout.fill(block, i, kv[0], kv[1])
         for i, kv in enumerate(layers):
             assert torch.equal(layout.join([layout.part(block, i)], i), kv), (shapes, i)
+
+
+def test_a_restore_copied_to_cuda_waits_for_each_layers_last_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layered CUDA copy (``transfer._LayeredCudaJob``) lands a block's slots in order; a layer of
+    several slots is ordered after its last. Faked here: the jobs hand back their block at once and
+    note which slot was waited for (the copies themselves run in benchmarks/gpu_check.py)."""
+    from tierkv.cache import _Restore
+    from tierkv.transfer import _LayeredCudaJob
+
+    waited: list[int] = []
+
+    class Landed(_LayeredCudaJob):
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self._tensor = tensor
+
+        def stream_wait_layer(self, layer: int, seen: set[int], stream: object = None) -> torch.Tensor:
+            waited.append(layer)
+            return self._tensor
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    shapes = [(2, 16), (1, 32), None, (2, 16)]
+    layout = KVLayout.of(shapes)
+    assert layout is not None and [s.first + s.count - 1 for s in layout.layers] == [1, 3, 3, 5]
+    layers = _layers(shapes, 13, seed=3)
+    blocks = [torch.empty((layout.slots, 2, layout.heads, 8, layout.dim)) for _ in range(2)]
+    for j, block in enumerate(blocks):
+        for i, kv in enumerate(layers):
+            if layout.holds(i):
+                layout.fill(block[:, :, :, :min(8, 13 - 8 * j)], i, kv[0, :, 8 * j:8 * j + 8], kv[1, :, 8 * j:8 * j + 8])
+    restore = _Restore([(Landed(blocks[0]), 8), (Landed(blocks[1]), 5)], None, layout)
+    for i in (3, 1, 0):
+        waited.clear()
+        joined = restore.join(i, restore.layer_parts(i))
+        assert torch.equal(joined, layers[i]) and joined.is_contiguous()
+        assert waited == [layout.layers[i].first + layout.layers[i].count - 1] * 2

@@ -90,8 +90,10 @@ def test_sliding_layers_answer_attention_as_transformers_own_do(tiny_model, tmp_
         feeds = [ids[:, r:], *[random_ids(1, seed=20 + k) for k in range(3)], random_ids(15, seed=30)]
         for feed in feeds:
             q = feed.shape[1]
-            sizes = [cache.get_mask_sizes(q, i) for i in range(len(cache.layers))]
-            assert sizes == [plain.get_mask_sizes(q, i) for i in range(len(plain.layers))]
+            assert cache.is_dummy == plain.is_dummy  # layers reading another's KV (KV sharing) alike
+            kv = [i for i, dummy in enumerate(plain.is_dummy) if not dummy]
+            sizes = [cache.get_mask_sizes(q, i) for i in kv]
+            assert sizes == [plain.get_mask_sizes(q, i) for i in kv]
             with torch.no_grad():
                 logits = model(feed, past_key_values=cache).logits
                 expected = model(feed, past_key_values=plain).logits
@@ -103,6 +105,9 @@ def test_sliding_layers_answer_attention_as_transformers_own_do(tiny_model, tmp_
         held = cache.get_seq_length()
         cuts = []
         for layer, plain_layer in zip(cache.layers, plain.layers):
+            if plain_layer.keys is None:
+                assert layer.keys is None  # a layer reading another's KV holds none, as the DummyLayer it is
+                continue
             cut = (r - plain_layer.sliding_window + 1) // BLOCK * BLOCK if plain_layer.is_sliding else 0
             cuts.append(cut)
             assert cut >= 0 and layer.keys.shape[-2] == held - cut
@@ -134,6 +139,31 @@ def test_dynamic_cache_of_a_tiered_cache_keeps_the_windows(tiny_model, tmp_path:
         assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
 
 
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma3n_text"])
+def test_dynamic_cache_of_a_tiered_cache_sharing_kv_keeps_the_layers_holding_none(tiny_model, tmp_path: Path,
+                                                                                   arch: str) -> None:
+    # Layers reading an earlier layer's KV (KV sharing) yield none, as a DynamicCache's own do: a
+    # DynamicCache made of the cache with the model's config has its DummyLayers where they were.
+    model = tiny_model(arch)
+    ids = random_ids(30, seed=8)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=0, host_budget=0) as store:
+        cache = store.open(model, ids, session="s")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False))
+        nxt = torch.cat([ids, random_ids(4, seed=9)], dim=1)
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens > 12 and cache.is_dummy == [False, False, True, True]
+        with torch.no_grad():
+            model(nxt[:, cache.restored_tokens:-1], past_key_values=cache)
+        assert [keys is None for keys, _, _ in cache] == cache.is_dummy
+        copy = DynamicCache(cache, config=model.config)
+        assert copy.is_dummy == cache.is_dummy and copy.get_seq_length() == nxt.shape[1] - 1
+        got = model.generate(nxt, past_key_values=copy, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        # KV fed for a layer that reads another's: refused, not taken into a block of no slot.
+        with pytest.raises(ValueError, match=r"KV for layer 2, which its config says reads an earlier layer's"):
+            cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 2)
+
+
 @pytest.mark.parametrize("window", [2, 5, 8, 9, 64])
 def test_windows_shorter_than_a_block_or_longer_than_the_conversation_are_exact(tmp_path: Path, window: int) -> None:
     model = make_model("mistral_window", sliding_window=window)
@@ -161,10 +191,10 @@ def test_chunked_attention_is_refused_naming_its_layers() -> None:
         assert store.stats()["misses"] == 0
 
 
-@pytest.mark.parametrize("family", ["t5", "mamba", "gemma3n_text"])
+@pytest.mark.parametrize("family", ["t5", "mamba", "nemotron_h"])
 def test_refusals_name_sliding_window_models_among_those_served(family: str) -> None:
     """A refused model's remedy named "a decoder-only full-attention model" alone (an encoder-decoder,
-    a recurrent model, Gemma-3n's shared KV): a Gemma 3 or Mistral user read that tierkv did not
+    a recurrent model, layers without attention): a Gemma 3 or Mistral user read that tierkv did not
     serve their sliding-window checkpoint, which it does. The refusal names both."""
     heads = dict(num_attention_heads=4, num_key_value_heads=2)
     config = {
@@ -172,9 +202,9 @@ def test_refusals_name_sliding_window_models_among_those_served(family: str) -> 
                                            d_kv=16),
         "mamba": lambda: AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
                                               state_size=4),
-        "gemma3n_text": lambda: AutoConfig.for_model(
-            "gemma3n_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-            num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, **heads),
+        "nemotron_h": lambda: AutoConfig.for_model(
+            "nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+            layer_types=["full_attention", "mlp"], **heads),
     }[family]()
     auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
     model = auto.from_config(config).eval()

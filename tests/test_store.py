@@ -2298,10 +2298,6 @@ def test_models_whose_kv_a_cache_cannot_give_back_are_refused_at_open(tiny_model
         r"cross-attention layers \(\[1\]\)": MllamaTextConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, cross_attention_layers=[1],
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **heads),
-        r"shares KV between layers \(num_kv_shared_layers=2": AutoConfig.for_model(
-            "gemma3n_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, layer_types=["full_attention"] * 4,
-            num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, **heads),
         # Layers without attention, 'dummy' in transformers' caches as KV-sharing layers are:
         # refused as sharing KV (num_kv_shared_layers=None), which Nemotron-H does not (helper-51).
         r"has \['mlp'\] layers.*no attention and hold no KV": AutoConfig.for_model(
@@ -2425,6 +2421,19 @@ def test_a_model_whose_config_sets_other_kv_shapes_per_layer_is_exact_through_ev
         assert cache.restored_from["disk"] == ids.shape[1] - 4
         out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_kv_sharing_whose_layers_shapes_the_config_does_not_say_is_refused():
+    from types import SimpleNamespace
+
+    from tierkv.cache import _kv_layout
+    config = SimpleNamespace(num_kv_shared_layers=1)
+    with pytest.raises(ValueError, match=r"shares KV between layers \(num_kv_shared_layers=1\).*KV heads and head_dim"):
+        _kv_layout(config, ["full_attention", "dummy"])
+    config = SimpleNamespace(num_kv_shared_layers=1, num_attention_heads=4, hidden_size=64)
+    layout = _kv_layout(config, ["full_attention", "full_attention", "dummy"])
+    assert layout is not None and layout.slots == 2 and (layout.heads, layout.dim) == (4, 16)
+    assert [layout.holds(i) for i in range(3)] == [True, True, False]
 
 
 def test_a_model_computing_other_kv_shapes_than_its_config_sets_per_layer_is_refused(tmp_path):

@@ -96,7 +96,7 @@ import numpy as np
 import torch
 import xxhash
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, DummyLayer, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 try:
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -303,17 +303,35 @@ _WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() w
                    "through tierkv")
 
 
-def _kv_layout(text_config: Any, layers: int) -> KVLayout | None:
+def _kv_layout(text_config: Any, layer_types: list[str]) -> KVLayout | None:
     """How a block holds the layers' keys and values where the config sets KV heads or head_dim
     per layer (``per_layer_config``: Gemma 4's full-attention layers, head_dim 512 where its
-    sliding ones have 256), or None where they are of one shape (or the config does not say: the
-    first forward's ``_check_kv_shape`` then refuses layers of other shapes)."""
-    if not getattr(text_config, "is_heterogeneous", False):
+    sliding ones have 256) or some layers hold none (KV sharing: ``"dummy"`` layers), or None
+    where every layer holds KV of one shape (or the config does not say: the first forward's
+    ``_check_kv_shape`` then refuses layers of other shapes)."""
+    dummies = "dummy" in layer_types
+    if getattr(text_config, "is_heterogeneous", False):
+        configs = list(text_config.per_layer_config)
+    elif dummies:
+        configs = [text_config] * len(layer_types)
+    else:
         return None
-    shapes = [(getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None))
-              for c in text_config.per_layer_config]
-    if len(shapes) != layers or not all([isinstance(h, int) and isinstance(d, int) and h > 0 and d > 0
-                                         for h, d in shapes]):
+    shapes: list[tuple[int, int] | None] = []
+    for kind, config in zip(layer_types, configs):
+        heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        dim = getattr(config, "head_dim", None)
+        if dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
+            dim = config.hidden_size // config.num_attention_heads
+        shapes.append(None if kind == "dummy" else (heads, dim))
+    known = len(configs) == len(layer_types) and all([
+        shape is None or (isinstance(shape[0], int) and isinstance(shape[1], int) and shape[0] > 0 and shape[1] > 0)
+        for shape in shapes])
+    if not known:
+        if dummies:
+            raise ValueError(f"{type(text_config).__name__} shares KV between layers (num_kv_shared_layers="
+                             f"{getattr(text_config, 'num_kv_shared_layers', None)}), and tierkv cannot read the KV "
+                             "heads and head_dim of the layers that hold it from the config (num_key_value_heads, "
+                             f"head_dim){_WITHOUT_TIERKV}")
         return None
     return KVLayout.of(shapes)
 
@@ -685,18 +703,14 @@ def _static_facts(model: Any) -> _Static:
         layer_types = [d if t == "dummy" and d in ("mlp", "moe") else t for t, d in zip(layer_types, declared)]
     # Sliding-window layers are served (TieredSlidingLayer); chunked attention (Llama 4's), whose
     # mask restarts at each chunk, is not.
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    # Layers reading an earlier layer's KV ("dummy": Gemma 3n's and Gemma 4's KV sharing) hold none:
+    # they take no slot of a block (layout.py), and the layers before them are served.
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention", "dummy")})
     if other:
         hint = ""
         if {"mlp", "moe"} & set(other):
             hint += (" ('mlp' and 'moe' layers have no attention and hold no KV, so the cache's layers are not "
                      "the model's; tierkv supports models whose every layer holds its own KV)")
-        if "dummy" in other:
-            shared = getattr(text_config, "num_kv_shared_layers", None)
-            raise ValueError(f"{type(model).__name__} shares KV between layers (num_kv_shared_layers={shared}: its "
-                             "last layers read earlier layers' KV and hold none, 'dummy' layers in transformers' "
-                             "caches); tierkv supports decoder-only models whose every layer holds its own "
-                             f"full-attention or sliding-window KV{_WITHOUT_TIERKV}")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention and sliding-window layers only, for now{hint}{_WITHOUT_TIERKV}")
     if "sliding_attention" in layer_types and not _builds_sliding_masks(model):
@@ -742,7 +756,7 @@ def _static_facts(model: Any) -> _Static:
     # Compared at every describe (_Static.config_current): a field edited on the live config
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample, windows=_windows(text_config, layer_types),
-                   layout=_kv_layout(text_config, len(layer_types)),
+                   layout=_kv_layout(text_config, layer_types),
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
                    positions_from_pad=any([hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()]),
@@ -2028,8 +2042,13 @@ class TieredCache(Cache):
                  blocks: list[tuple[Job[torch.Tensor], int]], restored_from: dict[str, int],
                  model: torch.nn.Module | None = None, buffer: RestoreBuffer | None = None) -> None:
         windows = info.windows or (None,) * info.num_layers
-        layers = [TieredLayer() if w is None else TieredSlidingLayer(w) for w in windows]
+        layout = info.layout
+        layers: list[Any] = [DummyLayer() if layout is not None and not layout.holds(i) else
+                             TieredLayer() if w is None else TieredSlidingLayer(w) for i, w in enumerate(windows)]
         super().__init__(layers=layers)
+        # The layers holding KV: those reading an earlier layer's (KV sharing) are transformers' own
+        # DummyLayer, which holds none, as in its own caches.
+        self._kv: list[TieredLayer] = [layer for layer in layers if isinstance(layer, TieredLayer)]
         self._store = store
         self.model_info = info
         # Weak: a cache kept after its turn must not keep a model alive. Other model objects a
@@ -2074,13 +2093,17 @@ class TieredCache(Cache):
         if blocks:
             restore = _Restore(blocks, buffer, info.layout)
             for i, layer in enumerate(layers):
-                layer.restore(i, restore)
+                if isinstance(layer, TieredLayer):
+                    layer.restore(i, restore)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Each layer's keys and values, and its sliding window (a tensor) or None, as
         ``DynamicCache`` yields them: ``DynamicCache(cache)`` copies them out, e.g. to hand a
         turn's KV to code of its own (its sliding layers then keep their window alone)."""
         for layer in self.layers:
+            if not isinstance(layer, TieredLayer):
+                yield None, None, None  # a layer reading another's KV: DynamicCache(cache, config=...) keeps it so
+                continue
             window = getattr(layer, "sliding_window", None)
             keys, values = layer.keys, layer.values
             if layer._offset and keys is not None and values is not None:
@@ -2121,6 +2144,10 @@ class TieredCache(Cache):
                              "layers hold KV in this model; report the architecture to tierkv's tracker and use a "
                              "plain DynamicCache meanwhile")
         layer = self.layers[layer_idx]
+        if not isinstance(layer, TieredLayer):
+            raise ValueError(f"the model fed KV for layer {layer_idx}, which its config says reads an earlier layer's "
+                             "(num_kv_shared_layers) and holds none: tierkv cannot tell which layers hold KV in this "
+                             "model; report the architecture to tierkv's tracker and use a plain DynamicCache meanwhile")
         if not layer.is_initialized or layer._pending is not None:
             self._check_kv_shape(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -2375,16 +2402,16 @@ class TieredCache(Cache):
         # The first and last layers' keys and values: a forward, crop, reset or change of rows
         # goes through the layers in order, keys before values, so one cut short part-way (out
         # of memory, Ctrl-C, another signal's handler) leaves them apart there.
-        first, last = self.layers[0].extent(), self.layers[-1].extent()
+        first, last = self._kv[0].extent(), self._kv[-1].extent()
         if {first[1], *last[:2]} != {done}:
             behind = [t for t in (*last[:2], first[1]) if t != done][0]
             # A forward that raised part-way left the first layers a token or more ahead of the
             # last; a crop cut short left a layer's values ahead of its keys (helper-90: the next
             # forward got past this check and raised inside attention, a shape error). A forward
             # now would put the new tokens' KV at other positions in each.
-            ahead = sum(layer.held_tokens() == done for layer in self.layers)
+            ahead = sum(layer.held_tokens() == done for layer in self._kv)
             raise ValueError(f"this TieredCache's last forward did not finish (or a crop or reset of it): it "
-                             f"stopped after {ahead} of its {len(self.layers)} layers (an exception such as out of "
+                             f"stopped after {ahead} of its {len(self._kv)} layers (an exception such as out of "
                              f"memory or Ctrl-C), which now hold {done} and {behind} tokens, and a forward would "
                              "compute wrong KV. Commit it (commit keeps the tokens every layer holds) and open a new "
                              "cache with store.open, or call cache.reset() to empty this one and compute the "
@@ -2609,7 +2636,7 @@ class TieredCache(Cache):
         # TieredCache never holds); 5.24 passes nothing and its base takes nothing.
         if self.get_seq_length() > 0:
             self._store._discard_restore(self)
-            for layer in self.layers:
+            for layer in self._kv:
                 layer.reset()
             self.restored_tokens = self._restored_held = 0
             self.restored_from = {k: 0 for k in self.restored_from}
@@ -2631,7 +2658,7 @@ class TieredCache(Cache):
         if not length:
             # Empty (1, H, 0, D) layers would meet beams unexpanded (transformers repeats only
             # layers that hold tokens): reset, they take any batch, as a fresh cache's do.
-            for layer in self.layers:
+            for layer in self._kv:
                 layer.reset()
         self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
         if self._masked_from is not None and self._masked_from >= length:
@@ -2699,21 +2726,21 @@ class TieredCache(Cache):
             # Never below a cut sliding layer's floor: what is kept is at least what was restored.
             self.crop(keep - done)  # transformers takes a count to drop
         if self._several_rows():  # (a crop to nothing resets the layers: any batch meets them)
-            first = torch.zeros(1, dtype=torch.long, device=self.layers[0].keys.device)
+            first = torch.zeros(1, dtype=torch.long, device=self._kv[0].keys.device)
             self.batch_select_indices(first)
         self._rows_diverged = False
 
     def crop_floor(self) -> int:
         """The shortest length a crop can leave the cache (0 but where a sliding layer holds the
         restored conversation from where its window reaches)."""
-        return max([layer.crop_floor() for layer in self.layers])
+        return max([layer.crop_floor() for layer in self._kv])
 
     def held_from(self) -> int:
         """The first token whose KV every layer holds (a sliding layer's restore is cut to its
         window): ``block_tensor`` reads blocks from there on. Layers still pending count with the
         cut their assembly will make: a commit before any forward asked first, found 0, and then
         read a block below the cut at a negative index of the layer assembled meanwhile."""
-        return max([layer.held_from() for layer in self.layers])
+        return max([layer.held_from() for layer in self._kv])
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
@@ -2726,28 +2753,28 @@ class TieredCache(Cache):
     def held_tokens(self) -> int:
         """Tokens whose KV every layer holds: ``get_seq_length()`` (layer 0's) unless a forward
         raised part-way through the layers."""
-        return min(layer.held_tokens() for layer in self.layers)
+        return min(layer.held_tokens() for layer in self._kv)
 
     def most_tokens(self) -> int:
         """The most tokens any layer's keys or values hold: more than ``held_tokens`` where a
         forward, crop or reset stopped part-way through the layers."""
-        return max(max(layer.extent()[:2]) for layer in self.layers)
+        return max(max(layer.extent()[:2]) for layer in self._kv)
 
     def kv_dtypes(self) -> set[torch.dtype]:
         """The dtypes of the keys and values every layer computed (a layer still waiting for its
         restore holds the store's, in the model's dtype)."""
-        return {t.dtype for layer in self.layers for t in (layer._keys, layer._values)
+        return {t.dtype for layer in self._kv for t in (layer._keys, layer._values)
                 if t is not None and t.numel()}
 
     def batch_rows(self) -> int:
-        return max(1, self.layers[0]._rows())
+        return max(1, self._kv[0]._rows())
 
     def _several_rows(self) -> bool:
         """Whether a layer holds several rows, without assembling a pending restore (one row).
         Every layer's keys and values: a ``batch_select_indices`` cut short part-way left the
         first layers at one row and the others at several (helper-90: generate() then went on
         with one row, and torch's concatenation raised in the first layer still holding two)."""
-        return any([max(layer.extent()[2:]) > 1 for layer in self.layers])
+        return any([max(layer.extent()[2:]) > 1 for layer in self._kv])
 
     def block_tensor(self, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``[start, end)`` of batch row 0, shape (layers, 2, kv_heads, tokens, head_dim)
@@ -2767,10 +2794,12 @@ class TieredCache(Cache):
                              layer.values[0, :, start - layer._offset:end - layer._offset].detach()))
                 for layer in self.layers
             ]).contiguous()
-        keys = self.layers[0].keys
+        keys = self._kv[0].keys
         block = torch.empty((layout.slots, 2, layout.heads, end - start, layout.dim), dtype=keys.dtype,
                             device=keys.device)
         for i, layer in enumerate(self.layers):
+            if not isinstance(layer, TieredLayer):
+                continue  # reads another layer's KV
             at = layer._offset
             layout.fill(block, i, layer.keys[0, :, start - at:end - at].detach(),
                         layer.values[0, :, start - at:end - at].detach())

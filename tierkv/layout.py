@@ -7,7 +7,9 @@ is a layer (``KVLayout.of`` returns None, and nothing here runs). Otherwise a sl
 ``(H0, D0)``, the greatest common divisor of the layers' KV heads and of their head dims, and a
 layer of ``H = h * H0`` heads and ``D = d * D0`` holds ``h * d`` consecutive slots: slot
 ``first + g * d + p`` holds heads ``[g * H0, (g + 1) * H0)`` and dims ``[p * D0, (p + 1) * D0)``.
-Keys and values keep their own halves of every slot, as in a layer of one slot.
+Keys and values keep their own halves of every slot, as in a layer of one slot. A layer that holds
+no KV (one reading an earlier layer's: Gemma 3n's and Gemma 4's KV sharing, a "dummy" layer in
+transformers' caches) holds no slot.
 
 Protocol: ``part(block, i)`` is layer ``i``'s part of a block (or of its first ``n`` tokens),
 a view of shape ``(2, h, H0, T, d, D0)``; ``join(parts, i)`` concatenates such parts (and the
@@ -27,7 +29,8 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class LayerSlots:
-    """Layer ``i``'s slots in a block: ``heads * parts`` of them from ``first`` on."""
+    """Layer ``i``'s slots in a block: ``heads * parts`` of them from ``first`` on (none for a
+    layer that holds no KV)."""
 
     first: int
     heads: int
@@ -48,18 +51,27 @@ class KVLayout:
     slots: int
 
     @classmethod
-    def of(cls, shapes: list[tuple[int, int]]) -> KVLayout | None:
-        """The layout of layers whose keys and values are ``(heads, head_dim)`` each, or None where
-        they are all of one shape (one slot a layer: a block as tierkv always laid it out)."""
-        if len(set(shapes)) < 2:
+    def of(cls, shapes: list[tuple[int, int] | None]) -> KVLayout | None:
+        """The layout of layers whose keys and values are ``(heads, head_dim)`` each (None: a layer
+        holding no KV), or None where they all hold KV of one shape (one slot a layer: a block as
+        tierkv always laid it out)."""
+        held = [shape for shape in shapes if shape is not None]
+        if not held:
+            raise ValueError("no layer holds KV")
+        if len(set(held)) < 2 and len(held) == len(shapes):
             return None
-        heads = math.gcd(*[h for h, _ in shapes])
-        dim = math.gcd(*[d for _, d in shapes])
+        heads = math.gcd(*[h for h, _ in held])
+        dim = math.gcd(*[d for _, d in held])
         layers, first = [], 0
-        for h, d in shapes:
-            layers.append(LayerSlots(first, h // heads, d // dim))
+        for shape in shapes:
+            layers.append(LayerSlots(first, 0, 0) if shape is None else LayerSlots(first, shape[0] // heads,
+                                                                                  shape[1] // dim))
             first += layers[-1].count
         return cls(heads, dim, tuple(layers), first)
+
+    def holds(self, i: int) -> bool:
+        """Whether layer ``i`` holds KV."""
+        return self.layers[i].count > 0
 
     def shape(self, i: int) -> tuple[int, int]:
         """Layer ``i``'s (KV heads, head_dim)."""
