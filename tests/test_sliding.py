@@ -724,3 +724,42 @@ def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_
         store._host.reclaim()
         pool = store.stats()["host_pool"]
         assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+
+
+def test_a_restore_planned_again_tells_diverged_at_from_the_conversation_the_ids_follow(
+        tiny_model, tmp_path: Path) -> None:
+    """``diverged_at`` is where the ids differ from the session's latest conversation, None where
+    the restore follows another stored one past there (an older branch the user went back to).
+    A restore cut short by a failed read and planned again (``_plan_again``) told it from the
+    shorter plan: a turn back on the older branch, whose block past the difference failed its
+    read, was reported diverged (and counted) where the same store without the damage, or a
+    model whose restore is not planned again, reports nothing."""
+    from conftest import damage_in_place, flipped
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=73)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS["disk"]) as store:
+        cache = store.open(model, ids, session="s")
+        older = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(older) == 60  # 7 blocks of 8 and a tail of 4
+        # The user edits a message at token 52: the latest conversation differs from the older
+        # one inside block 6.
+        edit = torch.cat([older[:, :52], random_ids(9, seed=74)], dim=1)
+        cache = store.open(model, edit, session="s")
+        assert cache.diverged_at == 52
+        cache.commit(model.generate(edit, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        store.flush()
+        turns = store.stats()["diverged_turns"]
+        back = torch.cat([older, random_ids(5, seed=75)], dim=1)  # and goes back to the older one
+        cache = store.open(model, back, session="s")
+        assert cache.restored_tokens == 60 and cache.diverged_at is None
+        chain = cache._restored_keys
+        del cache
+        # Block 6 (tokens 48-55) fails its read: 48 tokens, whose window reaches blocks 4 and 5,
+        # unread by a restore of 60.
+        damage_in_place(store._disk.env, store._disk._blocks, chain[6], lambda record: flipped(record, -20))
+        cache = store.open(model, back, session="s")
+        assert cache.restored_tokens == 48 and store.stats()["corrupt"] == 1
+        assert cache.diverged_at is None and store.stats()["diverged_turns"] == turns
+        got = model.generate(back, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(back, max_new_tokens=4, do_sample=False))

@@ -1056,6 +1056,7 @@ class TieredStore:
                             where[1].lease.hold_in(held, ("memory", i), where[1].lease)
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
+                matched = plan
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids))
                 while (miss := _first_miss(found, reads)) is not None and \
                         _reaches_further(info.windows, [n for _, n in plan], miss, unread, buffer):
@@ -1072,7 +1073,7 @@ class TieredStore:
                     if reads:  # the disk's time only where this open read from it (the chat trace's GB/s)
                         self._read_seconds += read_seconds
                     cache = self._finish_open(info, ids, root, session, tenant, plan, found, reads, read_seconds,
-                                               model, buffer)
+                                               model, buffer, matched)
                     cache._forgets_seen = forgets_seen
                     # No point between the swap and the hand-over where a signal's handler runs:
                     # the finally hands over exactly what this did not.
@@ -1253,8 +1254,12 @@ class TieredStore:
 
     def _finish_open(self, info: Any, ids: np.ndarray, root: bytes, session: str | None, tenant: str | None,
                      plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                     reads: dict[int, Any], read_seconds: float, model: Any = None, buffer: Any = None
-                     ) -> TieredCache:
+                     reads: dict[int, Any], read_seconds: float, model: Any = None, buffer: Any = None,
+                     matched: list[tuple[BlockMeta, int]] | None = None) -> TieredCache:
+        """The cache of a restore of ``plan`` from ``found`` and ``reads``, ending at the first block
+        whose read failed. ``matched``: the plan as ``_match`` made it (``plan`` where None), which
+        ``diverged_at`` is told from: the conversation the ids follow, not how much of it the disk
+        gave back. Called with the lock held."""
         sources: list[tuple[BlockMeta, int, Tier, Job[Any]]] = []
         read_bytes = 0
         for i, ((meta, n), where) in enumerate(zip(plan, found)):
@@ -1301,7 +1306,11 @@ class TieredStore:
             self._hits[tier_name] += n
         self._misses += len(ids) - restored
         sid = _session_id(tenant, session) if session is not None else None
-        diverged = self._diverged(sid, root, ids, plan) if sid is not None else None
+        # From the plan as matched, as a restore cut short by a failed read without planning again
+        # is: a re-plan's shorter one (``_plan_again``) reported an all-sliding model's turn back on
+        # an older branch as a difference from the latest where the read failed before it.
+        matched = plan if matched is None else matched
+        diverged = self._diverged(sid, root, ids, matched) if sid is not None else None
         cache = TieredCache(store=self, info=info, input_ids=ids, root=root, session=session, tenant=tenant,
                             blocks=blocks, restored_from=restored_from, model=model, buffer=buffer)
         cache._sid = sid  # its commit's too: a hash, cold right after a forward
