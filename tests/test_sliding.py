@@ -763,3 +763,76 @@ def test_a_restore_planned_again_tells_diverged_at_from_the_conversation_the_ids
         assert cache.diverged_at is None and store.stats()["diverged_turns"] == turns
         got = model.generate(back, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, model.generate(back, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("damaged", [(7,), (5, 7)])
+@pytest.mark.parametrize("into", ["pool", "host"])
+def test_a_restore_planned_again_reads_no_record_twice(tiny_model, tmp_path: Path, into: str,
+                                                       damaged: tuple[int, ...]) -> None:
+    """A restore cut short by a failed read past blocks no window reached is planned again
+    (``_plan_again``): the disk blocks its first pass read into tensors of their own (CUDA's pool
+    buffers, through a poisoning pool and a copying engine as tests/test_pool_store.py's; a CPU
+    store's host tensors, promoted to its host tier) were read again, a second read of each
+    record (and a second pool buffer) for the same bytes. They are kept: each record is read
+    once, every pool buffer goes back once, and the turn and the next are exact; so too where a
+    block the second pass reads fails in turn, and the kept read past it is let go of."""
+    from conftest import damage_in_place, flipped
+    from test_pool_store import CopyingEngine
+    from tierkv.pool import HostPool
+    from tierkv.store import Tier
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=76)
+    budgets = BUDGETS["disk"] if into == "pool" else BUDGETS["host"]
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+        chain = store.open(model, out, session="s")._restored_keys
+    nxt = torch.cat([out, random_ids(5, seed=77)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
+        if into == "pool":
+            store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
+            engine = store._engine = CopyingEngine(store._host.alloc)
+        # The tail fails its read after block 6 was read: 56 tokens, whose window reaches
+        # block 5, unread by a restore of 60. Where block 5 fails too: 40 tokens, blocks 3 and 4.
+        for block in damaged:
+            damage_in_place(store._disk.env, store._disk._blocks, chain[block], lambda record: flipped(record, -20))
+        read_into, reads, in_use = store._disk.read_into, [], []
+
+        def recording(key: bytes, *args: Any, **kwargs: Any) -> Any:
+            reads.append(chain.index(key))
+            if store._host.pool is not None:
+                in_use.append(store._host.pool.stats()["in_use"])
+            return read_into(key, *args, **kwargs)
+
+        store._disk.read_into = recording
+        moved = store.stats()["moved_bytes"]["disk_to_host"]
+        cache = store.open(model, nxt, session="s")
+        restored, read = (56, [5, 6]) if damaged == (7,) else (40, [3, 4])
+        assert cache.restored_tokens == restored and cache.restored_from["disk"] == restored
+        assert sorted(reads) == sorted(read + list(damaged) + [6] * (damaged != (7,)))
+        assert store.stats()["corrupt"] == len(damaged)
+        block_bytes = store._index.blocks[chain[0]].nbytes
+        assert store.stats()["moved_bytes"]["disk_to_host"] - moved == 2 * block_bytes
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        if into == "pool":
+            # The kept read of block 6 held as block 5's read starts, and let go of once that failed,
+            # before the third pass's reads (side by side: either may start first).
+            held_at = dict(zip(reads, in_use))
+            assert held_at[5] > 0
+            if damaged == (5, 7):
+                assert min(held_at[3], held_at[4]) == 0, in_use
+            engine.land()
+            store._host.reclaim()
+            pool = store.stats()["host_pool"]
+            assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+        else:
+            assert [store._index.blocks[key].resident for key in chain[read[0]:read[1] + 1]] == [Tier.HOST] * 2
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(3, seed=78)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == got.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))

@@ -1062,11 +1062,12 @@ class TieredStore:
                         _reaches_further(info.windows, [n for _, n in plan], miss, unread, buffer):
                     # Cut short by a block that failed its read, the restore's windows reach
                     # tokens left unread or out of the buffer: they are read now, and the disk
-                    # blocks before the miss again (a rare path: damage, or a forget meanwhile).
+                    # blocks before the miss read into the buffer again (a rare path: damage, or a
+                    # forget meanwhile).
                     with self._lock:
                         self._check_open()
-                        plan, found, unread = self._plan_again(plan, found, reads, miss, info.windows, held)
-                    reads, seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids))
+                        plan, found, unread, kept = self._plan_again(plan, found, reads, miss, info.windows, held)
+                    reads, seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids), kept)
                     read_seconds += seconds
                 with self._lock:
                     self._check_open()
@@ -1121,15 +1122,18 @@ class TieredStore:
             raise
 
     def _read_disk_blocks(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
-                          info: Any, held: dict[Any, Any], length: int
+                          info: Any, held: dict[Any, Any], length: int, kept: dict[int, Any] | None = None
                           ) -> tuple[dict[int, Any], float, Any]:
         """Plan index -> verified host tensor (or ``IN_PLACE``), or the exception that made it a
         miss; stops at the first miss, since a restore is a prefix. With them, the restore's
         buffer (see ``_in_place``), or None. Several records are read side by side
-        (``readers.ReadPool``)."""
-        reads: dict[int, Any] = {}
+        (``readers.ReadPool``). ``kept``: reads an earlier pass made into tensors of their own
+        (``_plan_again``), taken as they are, their pool buffers held as this pass's; let go of
+        with the rest past a miss."""
+        reads: dict[int, Any] = dict(kept) if kept else {}
         start = time.perf_counter()
-        todo = [i for i, where in enumerate(found) if where is None]
+        wanted = [i for i, where in enumerate(found) if where is None]
+        todo = [i for i in wanted if i not in reads]
         if self._disk is None or not todo:
             return reads, time.perf_counter() - start, None
         # Every record this open reads is asked of the disk at once, not page by page.
@@ -1215,16 +1219,19 @@ class TieredStore:
                 if unread:
                     reads[unread[0]] = exc
         # Only the reads before the first miss are of use (others may have run beside it).
-        for n, i in enumerate(todo):
+        for n, i in enumerate(wanted):
             if not isinstance(reads.get(i), Job):
-                for later in todo[n + 1:]:
+                for later in wanted[n + 1:]:
                     reads.pop(later, None)
                 # Their buffers, and the miss's own (a record that failed its checksum), go back to
                 # the pool now: on CUDA pinned ones, up to one a helper, else held to the open's end.
                 # Nothing else uses them yet (no copy from them was issued).
-                for j in todo[n:]:
-                    if j in leases:
-                        leases[j].unhold_from(held, ("read", j))  # the open's end: not again
+                for j in wanted[n:]:
+                    lease = leases.get(j)
+                    if lease is None and kept:
+                        lease = getattr(kept.get(j), "lease", None)  # an earlier pass's read
+                    if lease is not None:
+                        lease.unhold_from(held, ("read", j))  # the open's end: not again
                 if isinstance(reads.get(i), (lmdb.Error, OSError)) and self._closed:
                     raise ValueError("this TieredStore was closed during open(); create a new "
                                      "TieredStore(path, ...) to use it again") from reads[i]
@@ -1338,13 +1345,21 @@ class TieredStore:
 
     def _plan_again(self, plan: list[tuple[BlockMeta, int]], found: list[tuple[Tier, Job[Any]] | None],
                     reads: dict[int, Any], miss: int, windows: tuple[int | None, ...], held: dict[Any, Any]
-                    ) -> tuple[list[tuple[BlockMeta, int]], list[tuple[Tier, Job[Any]] | None], int]:
+                    ) -> tuple[list[tuple[BlockMeta, int]], list[tuple[Tier, Job[Any]] | None], int, dict[int, Any]]:
         """The plan, sources and unread count of a restore that ends before the block at ``miss``,
         whose read failed (accounted for here, as ``_finish_open`` would): the blocks its window
-        now reaches that were left unread are taken from the tier they rest in, and the disk
-        reads before the miss let go of, to be read again. Called with the lock held."""
+        now reaches that were left unread are taken from the tier they rest in. With them, the
+        disk reads before the miss into tensors of their own, kept for the next pass
+        (``_read_disk_blocks``'s ``kept``), their pool buffers still held; those read into the
+        restore's buffer, laid out for the whole restore, are read again. Called with the lock held."""
         self._missed(plan[miss][0], reads.get(miss))
+        kept: dict[int, Any] = {}
         for i, result in list(reads.items()):
+            if i < miss and isinstance(result, Job) and result is not IN_PLACE:
+                # Read again, a block cost a second read of its record, and on CUDA a second
+                # pinned buffer while the first went back to the pool.
+                kept[i] = result
+                continue
             lease = getattr(result, "lease", None)
             if lease is not None:
                 lease.unhold_from(held, ("read", i))
@@ -1357,7 +1372,7 @@ class TieredStore:
                 if where is not None and where[1].lease is not None:
                     where[1].lease.hold_in(held, ("memory", i), where[1].lease)
             again.append(where)
-        return plan, again, unread
+        return plan, again, unread, kept
 
     def _missed(self, meta: BlockMeta, result: BaseException | None) -> None:
         """Account for a planned disk block whose read failed with ``result`` (None: not read, an
