@@ -836,3 +836,87 @@ def test_a_restore_planned_again_reads_no_record_twice(tiny_model, tmp_path: Pat
         assert cache.restored_tokens == got.shape[1] - 1
         assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("handler", ["raises", "returns"])
+@pytest.mark.parametrize("into", ["buffer", "pool"])
+def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivered_before_the_next_pass(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str, handler: str) -> None:
+    """A Ctrl-C during an open's disk reads stops them (``defer_interrupts``): the block after is a
+    miss. Where the shorter restore's window reaches blocks left unread, the open planned again,
+    and each later pass, reading nothing, planned again down to a restore of nothing before the
+    ``KeyboardInterrupt`` came (a program whose SIGINT handler returns was handed that empty
+    restore). The interrupt is delivered before the next pass: raised at once, every pin and pool
+    buffer let go; or, where the program's handler returns, called once and the restore read on
+    (of the blocks before the interrupted read). Either way the turns are exact. The reads are one
+    thread's, so that the tail's starts after the Ctrl-C."""
+    import signal
+
+    import tierkv.store
+    from test_pool_store import CopyingEngine
+    from tierkv.pool import HostPool
+
+    monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 1 << 62)
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=79)
+    budgets = BUDGETS["disk"]
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+        chain = store.open(model, out, session="s")._restored_keys
+    nxt = torch.cat([out, random_ids(5, seed=80)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
+        if into == "pool":
+            store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
+            engine = store._engine = CopyingEngine(store._host.alloc)
+        read_into, reads = store._disk.read_into, []
+
+        def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
+            reads.append(chain.index(key))
+            if len(reads) == 1:
+                signal.raise_signal(signal.SIGINT)
+            return read_into(key, *args, **kwargs)
+
+        plan_again, passes = store._plan_again, []
+
+        def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
+            passes.append(miss)
+            return plan_again(plan, found, got, miss, *args)
+
+        store._disk.read_into, store._plan_again = interrupted, counting
+        calls: list[int] = []
+        previous = signal.getsignal(signal.SIGINT)
+        if handler == "returns":
+            signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        try:
+            if handler == "raises":
+                with pytest.raises(KeyboardInterrupt):
+                    store.open(model, nxt, session="s")
+            else:
+                cache = store.open(model, nxt, session="s")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        # Blocks 0-5 left unread; block 6 read as the Ctrl-C came, the tail not: 56 tokens, whose
+        # window reaches block 5.
+        assert passes == [7]
+        if handler == "raises":
+            assert reads == [6]
+        else:
+            assert calls == [signal.SIGINT] and sorted(reads) == [5, 6] + [6] * (into == "buffer")
+            assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
+            got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+            del cache
+        assert not store._pinned and store.stats()["corrupt"] == 0
+        if into == "pool":
+            engine.land()
+            store._host.reclaim()
+            pool = store.stats()["host_pool"]
+            assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+        store._disk.read_into = read_into
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens == 60
+        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(nxt, max_new_tokens=4, do_sample=False))

@@ -1067,6 +1067,12 @@ class TieredStore:
                     with self._lock:
                         self._check_open()
                         plan, found, unread, kept = self._plan_again(plan, found, reads, miss, info.windows, held)
+                    # A Ctrl-C that cut the reads short is delivered now, with nothing to undo (the
+                    # pins and holds go in the finally): each pass after it read nothing, so the loop
+                    # planned again block by block down to a restore of nothing (4 passes for 60
+                    # tokens), which a program whose handler returns was handed. Once delivered,
+                    # the next pass reads.
+                    raise_pending()
                     reads, seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids), kept)
                     read_seconds += seconds
                 with self._lock:
