@@ -692,9 +692,10 @@ def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_laye
 
 def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_it_reads_again(
         tiny_model, tmp_path: Path) -> None:
-    """A restore cut short by a failed read past blocks no window reached is planned again, and its
-    disk blocks before the miss read again: the pool buffers of their first reads go back to the
-    pool (``_plan_again``), none held for good by a record the second read writes over. CUDA's
+    """A restore cut short by a failed read past blocks no window reached is planned again
+    (``_plan_again``): every pool buffer its passes took goes back to the pool, none held for
+    good (the disk blocks before the miss were read again, each first read's buffer let go of
+    there; they are kept now: test_a_restore_planned_again_reads_no_record_twice). CUDA's
     semantics on CPU, through a poisoning pool, as tests/test_pool_store.py's."""
     from conftest import damage_in_place, flipped
     from test_pool_store import CopyingEngine
@@ -713,7 +714,7 @@ def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_
         engine = store._engine = CopyingEngine(store._host.alloc)
         chain = store.open(model, nxt, session="s")._restored_keys
         # The tail fails its read after block 6 was read into a pool buffer: 56 tokens, whose
-        # window reaches block 5, unread by a restore of 60, so block 6 is read again.
+        # window reaches block 5, unread by a restore of 60, so block 5 is read on a second pass.
         damage_in_place(store._disk.env, store._disk._blocks, chain[7], lambda record: flipped(record, -20))
         cache = store.open(model, nxt, session="s")
         assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
