@@ -199,9 +199,6 @@ _SHAPES: dict[str, dict[str, object]] = {
 ARCHITECTURES = list(_SHAPES)
 # The model type of a shape named otherwise.
 _MODEL_TYPE = {"mistral_window": "mistral", "qwen2_window": "qwen2"}
-# The shapes whose layers hold KV of other shapes, or some none (KV sharing) (tierkv/layout.py):
-# their disk restores on CPU are read into blocks, not in place into one buffer of the layers' shape.
-PER_LAYER_SHAPES = ["gemma4_text", "gemma3n_text"]
 # The shapes whose layers (some or all) attend over a sliding window.
 SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "gemma4_text",
            "gemma3n_text"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import ARCHITECTURES, PER_LAYER_SHAPES, damage_in_place, flipped, random_ids, reencoded
+from conftest import ARCHITECTURES, damage_in_place, flipped, random_ids, reencoded
 from tierkv import TieredCache, TieredStore
-from tierkv.cache import IN_PLACE, UNREAD, restore_slots
+from tierkv.cache import IN_PLACE, UNREAD, describe_model, restore_slots
 from tierkv.codec import CorruptRecord
 
 B = 8
@@ -62,7 +62,10 @@ def host_tail(model, tmp_path, seed: int) -> Iterator[tuple[TieredStore, torch.T
     memory. Yields the store and the next turn's ids."""
     ids = random_ids(2 * B + 1, seed)  # + 4 generated
     config = model.config
-    tail_bytes = 4 * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    layout = describe_model(model).layout  # Gemma 4's layers hold KV of other shapes (layout.py)
+    per_token = layout.slots * 2 * layout.heads * layout.dim * 4 if layout else \
+        config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    tail_bytes = 4 * per_token
     with disk_only(tmp_path / "kv", host_budget=tail_bytes) as store:
         cache = store.open(model, ids)
         out = generate(model, ids, cache)
@@ -73,7 +76,7 @@ def host_tail(model, tmp_path, seed: int) -> Iterator[tuple[TieredStore, torch.T
 
 def restore_of(cache: TieredCache):
     restore = cache.layers[0]._pending
-    assert restore is not None and all(layer._pending is restore for layer in cache.layers)
+    assert restore is not None and all(layer._pending is restore for layer in cache._kv)
     return restore
 
 
@@ -81,7 +84,7 @@ def shares_buffer(cache: TieredCache, buffer) -> bool:
     """Every layer's keys and values are its part of the restore's buffer."""
     return all(layer._keys.untyped_storage().data_ptr() == part.untyped_storage().data_ptr() and
                layer._values.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
-               for layer, part in zip(cache.layers, buffer.layers))
+               for layer, part in zip(cache.layers, buffer.layers) if part is not None)
 
 
 def storage_bytes(tensors) -> int:
@@ -89,7 +92,7 @@ def storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch not in PER_LAYER_SHAPES])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_into_it(tiny_model, tmp_path, arch):
     model = tiny_model(arch)
     with returning(model, tmp_path, 10, 3) as (store, nxt):
@@ -101,12 +104,17 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         assert buffer is not None and buffer.length == nxt.shape[1]
         # Each layer's part from the first token its window reaches: none of the buffer is a
         # sliding layer's tokens before it (one buffer of every layer's whole length was).
-        itemsize = buffer.layers[0].element_size()
-        assert storage_bytes(buffer.layers) == sum(part.numel() for part in buffer.layers) * itemsize
-        heads, dim = buffer.layers[0].shape[1], buffer.layers[0].shape[3]
+        parts = [part for part in buffer.layers if part is not None]  # None: a layer reading another's KV
+        itemsize = parts[0].element_size()
+        assert storage_bytes(parts) == sum(part.numel() for part in parts) * itemsize
+        # Each layer's own KV heads and head_dim (Gemma 4's differ per layer: layout.py).
+        layout = cache.model_info.layout
+        shapes = [layout.shape(i) if layout.holds(i) else None for i in range(len(cache.layers))] if layout else \
+            [(parts[0].shape[1], parts[0].shape[3])] * len(cache.layers)
         windows = [getattr(layer, "sliding_window", None) for layer in cache.layers]
-        assert [tuple(part.shape) for part in buffer.layers] == [
-            (2, heads, nxt.shape[1] - (max(0, r - w + 1) // B * B if w else 0), dim) for w in windows]
+        assert [None if part is None else tuple(part.shape) for part in buffer.layers] == [
+            None if shape is None else (2, shape[0], nxt.shape[1] - (max(0, r - w + 1) // B * B if w else 0), shape[1])
+            for w, shape in zip(windows, shapes)]
         jobs = [job for job, _ in restore.blocks]
         # A model whose every layer slides reads the blocks its window reaches alone.
         unread = len([job for job in jobs if job is UNREAD])
@@ -122,6 +130,9 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
         for layer, plain_layer in zip(cache.layers, plain.layers):
             keys, values = plain_layer.keys, plain_layer.values
+            if keys is None:
+                assert layer.keys is None  # reads another layer's KV (KV sharing)
+                continue
             # A sliding layer holds the restored blocks its window reaches and the new tokens (commit
             # stores them), DynamicCache's its window alone.
             n = keys.shape[-2]
@@ -135,8 +146,9 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
 
 
-def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the_buffer(tiny_model, tmp_path):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma4_text"])
+def test_a_restore_mixing_memory_and_disk_blocks_copies_those_in_memory_into_the_buffer(tiny_model, tmp_path, arch):
+    model = tiny_model(arch)
     with host_tail(model, tmp_path, 20) as (store, nxt):
         assert store.stats()["host"]["blocks"] == 1  # the tail fits the host tier, full blocks do not
         cache = store.open(model, nxt)

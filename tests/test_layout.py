@@ -1,7 +1,8 @@
 """Blocks of layers holding KV of other shapes (tierkv/layout.py): each layer's keys and values go
 into its slots and come back as the contiguous tensor a DynamicCache holds, from whole blocks,
 blocks cut short and several blocks with the new tokens after them. Exactness of such models
-(Gemma 4) through every tier is in test_store.py and test_exactness.py (``conftest.PER_LAYER_SHAPES``)."""
+(Gemma 4, Gemma 3n's KV sharing) through every tier is in test_store.py, and in test_exactness.py,
+test_sliding.py and test_in_place.py (``conftest``'s ``gemma4_text`` and ``gemma3n_text``)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,40 @@ def test_a_restore_copied_to_cuda_waits_for_each_layers_last_slot(monkeypatch: p
         joined = restore.join(i, restore.layer_parts(i))
         assert torch.equal(joined, layers[i]) and joined.is_contiguous()
         assert waited == [layout.layers[i].first + layout.layers[i].count - 1] * 2
+
+
+def test_a_disk_restore_lays_each_layer_out_in_its_own_shape() -> None:
+    """``restore_slots`` with a layout: a tensor per layer of its own KV heads and head_dim (none
+    for a layer holding no KV), from its window's cut, and each slot's keys and values one piece
+    of the payload's rows, in their order; a block of another layout refused."""
+    from tierkv.cache import restore_slots
+    from tierkv.codec import CorruptRecord
+
+    layout = KVLayout.of([(2, 8), (1, 16), None])
+    assert layout is not None and layout.slots == 4 and (layout.heads, layout.dim) == (1, 8)
+
+    class Header:
+        shape, dtype = (4, 2, 1, 4, 8), "float32"
+
+    buffer: list = []
+    pieces = restore_slots(buffer, 10, 4, 4, Header(), [0, 4, 0], layout)
+    made = buffer[0]
+    assert made.layers[2] is None
+    assert [tuple(part.shape) for part in made.layers[:2]] == [(2, 2, 10, 8), (2, 1, 6, 16)]
+    assert [row for row, _ in pieces] == list(range(8)) and all(part.shape == (1, 4, 32) for _, part in pieces)
+    for row, part in pieces:
+        part[...] = row
+    # The payload's rows: slot s's keys at 2s, its values at 2s + 1; layer 0's heads are slots 0 and
+    # 1, layer 1's two halves of head_dim slots 2 and 3.
+    k0, v0 = made.layers[0][:, :, 4:8].contiguous().view(torch.uint8)[..., 0]
+    assert (k0 == torch.tensor([0, 2])[:, None]).all() and (v0 == torch.tensor([1, 3])[:, None]).all()
+    k1 = made.layers[1][0, 0, 0:4].contiguous().view(torch.uint8).reshape(4, 2, 32)[..., 0]
+    v1 = made.layers[1][1, 0, 0:4].contiguous().view(torch.uint8).reshape(4, 2, 32)[..., 0]
+    assert (k1 == torch.tensor([4, 6])).all() and (v1 == torch.tensor([5, 7])).all()
+    # A block before layer 1's cut lands in layer 0's slots alone.
+    assert [row for row, _ in restore_slots(buffer, 10, 0, 4, Header(), [0, 4, 0], layout)] == [0, 1, 2, 3]
+    with pytest.raises(CorruptRecord, match="restored for a model whose blocks hold 4 slots of 1 KV heads x head_dim 8"):
+        class Other:
+            shape, dtype = (4, 2, 2, 4, 4), "float32"
+
+        restore_slots([], 10, 0, 4, Other(), [0, 4, 0], layout)

@@ -15,7 +15,7 @@ import torch
 
 import tierkv.locks
 import tierkv.store as store_module
-from conftest import ARCHITECTURES, PER_LAYER_SHAPES, damage_in_place, flipped, raised_on_the_way_in, random_ids
+from conftest import ARCHITECTURES, damage_in_place, flipped, raised_on_the_way_in, random_ids
 from tierkv import TieredStore
 from tierkv.cache import IN_PLACE, UNREAD
 from tierkv.locks import SharedLock
@@ -1053,9 +1053,7 @@ def test_a_restore_read_by_several_threads_is_exact(tiny_model, tmp_path, arch, 
         # A model whose every layer slides reads the blocks its window reaches alone.
         unread = len([job for job in jobs if job is UNREAD])
         assert (unread > 0) == all(cache.is_sliding)
-        # Read in place, into the restore's buffer; into blocks for layers of other KV shapes.
-        in_place = arch not in PER_LAYER_SHAPES
-        assert jobs[:unread] == [UNREAD] * unread and all((job is IN_PLACE) == in_place for job in jobs[unread:])
+        assert jobs[:unread] == [UNREAD] * unread and all(job is IN_PLACE for job in jobs[unread:])
         assert torch.equal(generate(model, nxt, cache), generate(model, nxt))
     assert len(seen) == 11 - unread and any(name.startswith("tierkv-disk-read") for name in seen.values())
 

@@ -1496,21 +1496,30 @@ class RestoreBuffer:
     the first forward's tokens included. Consecutive layers of the same skip share one tensor (a
     run), which a block reaches in one copy: a sliding layer's part no window reaches is never
     allocated (one buffer of every layer's whole length held a Gemma 3's disk restore at 3.7 times
-    its KV until the first decode step)."""
+    its KV until the first decode step). With a ``layout`` (layers of other KV shapes,
+    ``layout.py``), each layer has a tensor of its own shape (None for a layer holding no KV), and
+    a block reaches it in one copy per slot, keys and values apart."""
 
     __slots__ = ("layers", "skips", "dtype", "length", "facts", "runs")
 
-    def __init__(self, header: Any, length: int, skips: list[int] | None) -> None:
-        layers, two, heads, _, dim = header.shape
+    def __init__(self, header: Any, length: int, skips: list[int] | None, layout: KVLayout | None = None) -> None:
+        slots, two, heads, _, dim = header.shape
+        layers = slots if layout is None else len(layout.layers)
         skips = [0] * layers if skips is None else skips
         if len(skips) != layers:
             raise CorruptRecord(f"a block of {layers} layers restored for a model of {len(skips)}")
+        if layout is not None and (slots, heads, dim) != (layout.slots, layout.heads, layout.dim):
+            raise CorruptRecord(f"a block shaped {tuple(header.shape)} restored for a model whose blocks hold "
+                                f"{layout.slots} slots of {layout.heads} KV heads x head_dim {layout.dim}")
         self.skips, self.length, self.dtype = skips, length, getattr(torch, header.dtype)
         # The shape facts every later block must share.
-        self.facts = (header.dtype, layers, two, heads, dim)
+        self.facts = (header.dtype, slots, two, heads, dim)
         self.layers: list[torch.Tensor] = []
-        # (first payload row, uint8 view (layers * 2 * H, tokens, D * itemsize), skip) a run.
+        # (first payload row, uint8 view (rows, tokens, D * itemsize), skip): a run's, or a slot's keys or values.
         self.runs: list[tuple[int, np.ndarray, int]] = []
+        if layout is not None:
+            self._lay_out(layout, two)
+            return
         first = 0
         for i in range(1, layers + 1):
             if i < layers and skips[i] == skips[first]:
@@ -1531,23 +1540,50 @@ class RestoreBuffer:
                                                                              length - skip, -1).numpy(), skip))
             first = i
 
+    def _lay_out(self, layout: KVLayout, two: int) -> None:
+        """A tensor per layer, and a run per slot's keys and per slot's values: the payload's rows
+        of slot ``s`` are its keys' heads, then its values'."""
+        for i, (slots, skip) in enumerate(zip(layout.layers, self.skips)):
+            if not slots.count:
+                self.layers.append(None)  # type: ignore[arg-type]  # holds no KV: never asked for
+                continue
+            heads, dim = layout.shape(i)
+            with _InferenceMode(False):  # as in __init__
+                kv = torch.empty((two, heads, self.length - skip, dim), dtype=self.dtype)
+            self.layers.append(kv)
+            # (2, h, H0, tokens, d, D0 * itemsize), a view.
+            rows = kv.view(torch.uint8).view(two, slots.heads, layout.heads, self.length - skip, slots.parts, -1).numpy()
+            for g in range(slots.heads):
+                for p in range(slots.parts):
+                    slot = slots.first + g * slots.parts + p
+                    for half in range(two):
+                        self.runs.append(((slot * two + half) * layout.heads, rows[half, g, :, :, p], skip))
+
 
 def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any,
-                  skips: list[int] | None = None) -> list[tuple[int, np.ndarray]]:
+                  skips: list[int] | None = None, layout: KVLayout | None = None) -> list[tuple[int, np.ndarray]]:
     """Where a block read from disk lands in a restore's buffer: tokens ``[at, at + n)`` of each
     layer that holds them, as the ``codec.Pieces`` ``codec.decode_into`` fills. The first call
     makes the ``RestoreBuffer`` (``buffer[0]``) from the block's own shape and dtype, each layer
-    from its ``skips`` on (None: every layer whole). ``length`` is the whole conversation's, so
-    the buffer has room for the tokens the first forward adds. Later blocks slice the numpy
-    views made once: four torch calls a block cost 20 us each right after a forward."""
+    from its ``skips`` on (None: every layer whole), in the model's ``layout`` (``layout.py``).
+    ``length`` is the whole conversation's, so the buffer has room for the tokens the first
+    forward adds. Later blocks slice the numpy views made once: four torch calls a block cost 20
+    us each right after a forward."""
     layers, two, heads, _, dim = header.shape
     if not buffer:
-        buffer[:] = [RestoreBuffer(header, length, skips)]
+        buffer[:] = [RestoreBuffer(header, length, skips, layout)]
     made: RestoreBuffer = buffer[0]
     if made.facts != (header.dtype, layers, two, heads, dim):
         raise CorruptRecord(f"a block shaped {tuple(header.shape)} in {header.dtype} among blocks shaped "
                             f"{made.facts[1:4]} x {made.facts[4]} in {made.facts[0]}")
-    return [(row, view[:, at - skip:at - skip + n]) for row, view, skip in made.runs if at >= skip]
+    pieces = [(row, view[:, at - skip:at - skip + n]) for row, view, skip in made.runs if at >= skip]
+    if layout is not None:
+        pieces.sort(key=_first_row)  # in payload order, as decode_into takes them
+    return pieces
+
+
+def _first_row(piece: tuple[int, np.ndarray]) -> int:
+    return piece[0]
 
 
 class _Restore:
@@ -1571,10 +1607,8 @@ class _Restore:
         self.buffer = buffer
         self._cuts: dict[int, tuple[int, int]] = {}
         # Layers of other KV shapes (layout.py): a layer's part of a block is several slots, and
-        # its parts are (2, h, H0, n, d, D0) views, joined by ``join``. Never with a buffer.
+        # its parts are (2, h, H0, n, d, D0) views, joined by ``join``.
         self.layout = layout
-        if layout is not None and buffer is not None:
-            raise ValueError("a restore read in place into a buffer holds layers of one KV shape")
 
     def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
         """Layer ``i``'s (2, H, length - skip, D) part of the buffer, from the token its window
@@ -1582,10 +1616,14 @@ class _Restore:
         copied before is harmless: a retry after an interrupted assembly)."""
         assert self.buffer is not None
         kv, base = self.buffer.layers[i], self.buffer.skips[i]
+        layout = self.layout
         at = 0
         for j, (job, n) in enumerate(self.blocks):
             if job is not IN_PLACE and j >= first and at >= base:
-                kv[:, :, at - base:at - base + n].copy_(self._block_views(j)[i])
+                into = kv[:, :, at - base:at - base + n]
+                if layout is not None:
+                    into = layout.split(into, i, view=True)
+                into.copy_(self._layer_part(j, i))
             at += n
         return kv
 
@@ -1628,7 +1666,8 @@ class _Restore:
         ``first`` on, the ``skip`` tokens of the blocks before it left out."""
         if self.buffer is not None:
             base = self.check_held(i, skip)
-            return [self.layer_buffer(i, first)[:, :, skip - base:self.tokens - base]]
+            held = self.layer_buffer(i, first)[:, :, skip - base:self.tokens - base]
+            return [held if self.layout is None else self.layout.split(held, i, view=True)]
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()

@@ -84,13 +84,15 @@ class KVLayout:
         slots = block[layer.first:layer.first + layer.count]
         return slots.view(layer.heads, layer.parts, *slots.shape[1:]).permute(2, 0, 3, 4, 1, 5)
 
-    def split(self, kv: torch.Tensor, i: int) -> torch.Tensor:
+    def split(self, kv: torch.Tensor, i: int, view: bool = False) -> torch.Tensor:
         """A layer's ``(2, H, T, D)`` (or ``(H, T, D)``) keys and values as ``(2, h, H0, T, d, D0)``
-        (or without the leading 2): a view of a contiguous layer."""
+        (or without the leading 2): a view of a layer's tokens (of any slice of them). A copy
+        where the strides allow no view, unless ``view`` (a destination: an error rather than
+        writes into a copy)."""
         layer = self.layers[i]
         *lead, _, tokens, _ = kv.shape
-        # A copy only where the keys' strides allow no view (a source of fill's copy, then).
-        return kv.reshape(*lead, layer.heads, self.heads, tokens, layer.parts, self.dim)
+        shape = (*lead, layer.heads, self.heads, tokens, layer.parts, self.dim)
+        return kv.view(shape) if view else kv.reshape(shape)
 
     def join(self, parts: list[torch.Tensor], i: int) -> torch.Tensor:
         """Layer ``i``'s parts (``part`` or ``split`` views), concatenated along the tokens into one

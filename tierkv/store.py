@@ -1147,8 +1147,7 @@ class TieredStore:
         buffer: list[Any] = []  # made by the first block read into it (restore_slots)
         fingerprint = info.fingerprint
         at = list(itertools.accumulate((n for _, n in plan), initial=0))
-        # Not for layers of other KV shapes (``layout.py``): the buffer lays out layers of one.
-        in_place = {i: info.layout is None and self._in_place(plan[i][0]) for i in todo}
+        in_place = {i: self._in_place(plan[i][0]) for i in todo}
         # Where each layer's part of the buffer starts; none where no block is read into one.
         skips = layer_skips(info.windows, [n for _, n in plan]) if True in in_place.values() else None
         # The other reads write into the buffer the first one makes: they wait for it. Mixed
@@ -1178,7 +1177,7 @@ class TieredStore:
                 return block_bytes(tensor)
 
             def slots(header: RecordHeader) -> list[tuple[int, np.ndarray]]:
-                slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header, skips)
+                slots = self._slots(buffer, meta, fingerprint, length, at[i], n, header, skips, info.layout)
                 if ready is not None:
                     ready.set()  # the buffer exists: the other reads may go on beside this one
                 return slots
@@ -1247,14 +1246,14 @@ class TieredStore:
         return reads, time.perf_counter() - start, buffer[0] if buffer else None
 
     def _slots(self, buffer: list[Any], meta: BlockMeta, fingerprint: bytes, length: int, at: int, n: int,
-               header: RecordHeader, skips: list[int] | None) -> list[tuple[int, np.ndarray]]:
+               header: RecordHeader, skips: list[int] | None, layout: Any = None) -> list[tuple[int, np.ndarray]]:
         """``restore_slots`` for a header that agrees with the block's index entry: the first
         block read sizes the buffer from its header, whose checksum is known only after the copy,
         and a header damaged in agreement with the record's length (fewer tokens, more heads)
         asked for a buffer ``length`` times the record's size (100 GiB for a 1 MiB block in a
         100k-token conversation: an allocation error out of ``open``, not a miss)."""
         self._check_header(header, meta, fingerprint)
-        return restore_slots(buffer, length, at, n, header, skips)
+        return restore_slots(buffer, length, at, n, header, skips, layout)
 
     def _in_place(self, meta: BlockMeta) -> bool:
         """Whether a block read from disk goes straight into the restore's buffer: on a CPU device
