@@ -1663,7 +1663,8 @@ class _Restore:
 
     def layer_parts(self, i: int, first: int = 0, skip: int = 0) -> list[torch.Tensor]:
         """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block from block
-        ``first`` on, the ``skip`` tokens of the blocks before it left out."""
+        ``first`` on (with a layout, ``layout.part``'s views), the ``skip`` tokens of the blocks
+        before it left out; ``join`` concatenates them."""
         if self.buffer is not None:
             base = self.check_held(i, skip)
             held = self.layer_buffer(i, first)[:, :, skip - base:self.tokens - base]
