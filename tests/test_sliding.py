@@ -921,3 +921,30 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
         assert cache.restored_tokens == 60
         assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False),
                            model.generate(nxt, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("dropped", [2, 3])
+def test_a_commit_before_any_forward_stores_again_a_block_past_the_cut_of_layers_of_other_kv_shapes(
+        tiny_model, tmp_path: Path, dropped: int) -> None:
+    """A commit before any forward, whose restored block past the sliding layers' cut was evicted
+    since the open, stores that block again from the cache's KV. Where the layers hold KV of other
+    shapes (Gemma 4: ``layout.py``), ``block_tensor`` read a layer's offset before the layer's
+    keys, whose first read assembles the pending restore and sets that offset: a sliding layer
+    other than the first was sliced at offset 0, its 12 tokens held from token 16 read at 16 to
+    24, none, and the commit raised a shape error (h121)."""
+    model = tiny_model("gemma4_text", num_kv_shared_layers=0)  # sliding layers 0 and 2, both holding KV
+    ids = random_ids(33, seed=58)
+    with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+        cache = store.open(model, ids, session="s")
+        assert cache.restored_tokens == 32 and cache.layers[2]._pending is not None
+        with store._lock:
+            store._drop(store._index.blocks[cache._restored_keys[dropped]])
+        assert cache.commit(ids) == 32
+        assert cache.held_from() == 16
+        later = torch.cat([ids, random_ids(5, seed=59)], dim=1)
+        cache = store.open(model, later, session="t")
+        assert cache.restored_tokens == 33  # the first turn's, its last block stored again by the commit
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))

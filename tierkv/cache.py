@@ -2840,9 +2840,11 @@ class TieredCache(Cache):
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, TieredLayer):
                 continue  # reads another layer's KV
+            # The keys first: their first read assembles a pending restore, which sets the offset
+            # (read before, it was 0 for a sliding layer still pending, and the slice missed).
+            keys, values = layer.keys, layer.values
             at = layer._offset
-            layout.fill(block, i, layer.keys[0, :, start - at:end - at].detach(),
-                        layer.values[0, :, start - at:end - at].detach())
+            layout.fill(block, i, keys[0, :, start - at:end - at].detach(), values[0, :, start - at:end - at].detach())
         return block
 
 
