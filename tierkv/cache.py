@@ -1620,10 +1620,11 @@ class _Restore:
         at = 0
         for j, (job, n) in enumerate(self.blocks):
             if job is not IN_PLACE and j >= first and at >= base:
-                into = kv[:, :, at - base:at - base + n]
-                if layout is not None:
-                    into = layout.split(into, i, view=True)
-                into.copy_(self._layer_part(j, i))
+                into, views = kv[:, :, at - base:at - base + n], self._block_views(j)
+                if layout is None:
+                    into.copy_(views[i])
+                else:
+                    layout.split(into, i, view=True).copy_(layout.part(views[0], i))
             at += n
         return kv
 
@@ -1647,11 +1648,6 @@ class _Restore:
             cut = tensor if n == tensor.shape[3] else tensor[:, :, :, :n]
             views = self._views[j] = cut.unbind(0) if self.layout is None else (cut,)
         return views
-
-    def _layer_part(self, j: int, i: int) -> torch.Tensor:
-        """Layer ``i``'s keys and values in block ``j``: (2, H, n, D), or ``layout.part``'s view."""
-        views = self._block_views(j)
-        return views[i] if self.layout is None else self.layout.part(views[0], i)
 
     def join(self, i: int, parts: list[torch.Tensor], new: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s parts and its ``new`` (2, H, q, D) keys and values, concatenated along the
@@ -1692,7 +1688,11 @@ class _Restore:
                 tensor = job.stream_wait_layer(slots.first + slots.count - 1, seen, stream)
                 parts.append(layout.part(tensor if n == tensor.shape[3] else tensor[:, :, :, :n], i))
                 continue
-            parts.append(self._layer_part(j, i))
+            # Inline, not a method of its own: a call per block per layer made a restore of 256 blocks
+            # of 32 layers take its parts a third slower (1.5 ms, from 1.15; h121), for models of
+            # one KV shape too.
+            views = self._block_views(j)
+            parts.append(views[i] if layout is None else layout.part(views[0], i))
         return parts
 
     def window_cut(self, window: int) -> tuple[int, int]:
