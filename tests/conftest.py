@@ -180,7 +180,7 @@ _SHAPES: dict[str, dict[str, object]] = {
                     num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
     "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4),
-    # KV of another shape per layer (Gemma 4 31B's): its full-attention layers hold one KV head of
+    # KV of another shape per layer (as Gemma 4's larger checkpoints): its full-attention layers hold one KV head of
     # head_dim 32 (values computed as keys, attention_k_eq_v), its sliding ones 2 of 16; its last two
     # layers read the KV of the last two before them (KV sharing, Gemma 4 E2B's); per-layer input
     # embeddings too.

@@ -31,7 +31,7 @@ def test_layers_holding_no_kv_hold_no_slot() -> None:
 
 
 def test_slots_are_the_shapes_common_divisors_in_layer_order() -> None:
-    # Gemma 4 31B's: sliding layers of 16 KV heads x 256, full-attention ones of 4 x 512.
+    # Gemma-4-like: sliding layers of 16 KV heads x 256, full-attention ones of 4 x 512 (keys as values).
     layout = KVLayout.of([(16, 256), (16, 256), (4, 512), (16, 256)])
     assert layout is not None and (layout.heads, layout.dim) == (4, 256)
     assert layout.layers == (LayerSlots(0, 4, 1), LayerSlots(4, 4, 1), LayerSlots(8, 1, 2), LayerSlots(10, 4, 1))
