@@ -690,6 +690,30 @@ def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_laye
         assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
 
 
+def _sixty_tokens_stored(model: torch.nn.Module, path: Path, seed: int, budgets: dict[str, Any]
+                         ) -> tuple[torch.Tensor, list[bytes]]:
+    """An all-sliding model's turn committed at ``path`` as 60 tokens (7 blocks of 8 and a tail of
+    4), and its blocks' keys in order."""
+    ids = random_ids(57, seed=seed)
+    with TieredStore(path, device="cpu", block_size=BLOCK, **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 60
+        chain = store.open(model, out, session="s")._restored_keys
+    return out, chain
+
+
+def _reading_into_a_pool(store: TieredStore) -> Any:
+    """CUDA's semantics on CPU: disk reads into a poisoning pool's buffers, copied to the device by
+    an engine that lands its copies when told (tests/test_pool_store.py's). Returns the engine."""
+    from test_pool_store import CopyingEngine
+    from tierkv.pool import HostPool
+
+    store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
+    engine = store._engine = CopyingEngine(store._host.alloc)
+    return engine
+
+
 def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_it_reads_again(
         tiny_model, tmp_path: Path) -> None:
     """A restore cut short by a failed read past blocks no window reached is planned again
@@ -698,21 +722,13 @@ def test_a_restore_cut_short_past_the_unread_blocks_lets_go_of_the_pool_buffers_
     there; they are kept now: test_a_restore_planned_again_reads_no_record_twice). CUDA's
     semantics on CPU, through a poisoning pool, as tests/test_pool_store.py's."""
     from conftest import damage_in_place, flipped
-    from test_pool_store import CopyingEngine
-    from tierkv.pool import HostPool
 
     model = tiny_model("mistral_window")
-    ids = random_ids(57, seed=68)
     budgets = BUDGETS["disk"]  # nothing rests in memory: every pool buffer is an open's alone
-    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+    out, chain = _sixty_tokens_stored(model, tmp_path / "kv", 68, budgets)
     nxt = torch.cat([out, random_ids(5, seed=69)], dim=1)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
-        store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
-        engine = store._engine = CopyingEngine(store._host.alloc)
-        chain = store.open(model, nxt, session="s")._restored_keys
+        engine = _reading_into_a_pool(store)
         # The tail fails its read after block 6 was read into a pool buffer: 56 tokens, whose
         # window reaches block 5, unread by a restore of 60, so block 5 is read on a second pass.
         damage_in_place(store._disk.env, store._disk._blocks, chain[7], lambda record: flipped(record, -20))
@@ -778,23 +794,15 @@ def test_a_restore_planned_again_reads_no_record_twice(tiny_model, tmp_path: Pat
     once, every pool buffer goes back once, and the turn and the next are exact; so too where a
     block the second pass reads fails in turn, and the kept read past it is let go of."""
     from conftest import damage_in_place, flipped
-    from test_pool_store import CopyingEngine
-    from tierkv.pool import HostPool
     from tierkv.store import Tier
 
     model = tiny_model("mistral_window")
-    ids = random_ids(57, seed=76)
     budgets = BUDGETS["disk"] if into == "pool" else BUDGETS["host"]
-    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
-        chain = store.open(model, out, session="s")._restored_keys
+    out, chain = _sixty_tokens_stored(model, tmp_path / "kv", 76, budgets)
     nxt = torch.cat([out, random_ids(5, seed=77)], dim=1)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
         if into == "pool":
-            store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
-            engine = store._engine = CopyingEngine(store._host.alloc)
+            engine = _reading_into_a_pool(store)
         # The tail fails its read after block 6 was read: 56 tokens, whose window reaches
         # block 5, unread by a restore of 60. Where block 5 fails too: 40 tokens, blocks 3 and 4.
         for block in damaged:
@@ -854,24 +862,16 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
     import signal
 
     import tierkv.store
-    from test_pool_store import CopyingEngine
-    from tierkv.pool import HostPool
 
     monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 1 << 62)
 
     model = tiny_model("mistral_window")
-    ids = random_ids(57, seed=79)
     budgets = BUDGETS["disk"]
-    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
-        cache = store.open(model, ids, session="s")
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
-        chain = store.open(model, out, session="s")._restored_keys
+    out, chain = _sixty_tokens_stored(model, tmp_path / "kv", 79, budgets)
     nxt = torch.cat([out, random_ids(5, seed=80)], dim=1)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
         if into == "pool":
-            store._host.pool = HostPool(1 << 20, pinned=False, poison=True, arena_bytes=1 << 20)
-            engine = store._engine = CopyingEngine(store._host.alloc)
+            engine = _reading_into_a_pool(store)
         read_into, reads = store._disk.read_into, []
 
         def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
