@@ -567,7 +567,10 @@ def test_disk_write_gb_per_s_leaves_out_the_writers_waits_for_a_cpu() -> None:
 def test_a_store_counts_its_writers_waits_for_a_cpu(tiny_model, tmp_path: Path) -> None:
     """Beside processes that keep every CPU busy, the writer (at a lower priority) waits for one."""
     model = tiny_model()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    # Each spins until its parent is gone: a pytest killed in here (a CI run stopped) left them
+    # spinning for good, every CPU taken from the next run.
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
         with TieredStore(tmp_path / "kv", device="cpu", block_size=4) as store:
             for seed in range(6):
