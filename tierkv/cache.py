@@ -1541,8 +1541,9 @@ class RestoreBuffer:
             first = i
 
     def _lay_out(self, layout: KVLayout, two: int) -> None:
-        """A tensor per layer, and a run per slot's keys and per slot's values: the payload's rows
-        of slot ``s`` are its keys' heads, then its values'."""
+        """A tensor per layer, and a run per slot's keys and per slot's values, made in the
+        payload's row order (layers in order hold consecutive slots): the payload's rows of slot
+        ``s`` are its keys' heads, then its values'."""
         for i, (slots, skip) in enumerate(zip(layout.layers, self.skips)):
             if not slots.count:
                 self.layers.append(None)  # type: ignore[arg-type]  # holds no KV: never asked for
@@ -1576,14 +1577,8 @@ def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any,
     if made.facts != (header.dtype, layers, two, heads, dim):
         raise CorruptRecord(f"a block shaped {tuple(header.shape)} in {header.dtype} among blocks shaped "
                             f"{made.facts[1:4]} x {made.facts[4]} in {made.facts[0]}")
-    pieces = [(row, view[:, at - skip:at - skip + n]) for row, view, skip in made.runs if at >= skip]
-    if layout is not None:
-        pieces.sort(key=_first_row)  # in payload order, as decode_into takes them
-    return pieces
-
-
-def _first_row(piece: tuple[int, np.ndarray]) -> int:
-    return piece[0]
+    # In the payload's row order, as decode_into takes them: the runs are made in that order.
+    return [(row, view[:, at - skip:at - skip + n]) for row, view, skip in made.runs if at >= skip]
 
 
 class _Restore:
@@ -1988,6 +1983,24 @@ class TieredSlidingLayer(TieredLayer):
         super().reset()
 
 
+class _SharedLayer(DummyLayer):
+    """A layer reading an earlier layer's KV (KV sharing: ``num_kv_shared_layers``), as transformers'
+    caches hold it: it holds none, and KV fed for it is refused with what to do (transformers' own
+    says only that a dummy layer cannot be updated)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self._layer_idx = layer_idx
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if key_states is None and value_states is None:
+            return super().update(key_states, value_states, *args, **kwargs)  # a DynamicCache rebuilt from it
+        raise ValueError(f"the model fed KV for layer {self._layer_idx}, which its config says reads an earlier "
+                         "layer's (num_kv_shared_layers) and holds none: tierkv cannot tell which layers hold KV in "
+                         "this model; report the architecture to tierkv's tracker and use a plain DynamicCache "
+                         "meanwhile")
+
+
 def _count(tokens: Any) -> int | None:
     """A crop's count as an int, for the cache's check before any layer is cut; None for what is
     no integer. Each layer's own check compares it as well, but one layer at a time, and a
@@ -2083,10 +2096,10 @@ class TieredCache(Cache):
                  model: torch.nn.Module | None = None, buffer: RestoreBuffer | None = None) -> None:
         windows = info.windows or (None,) * info.num_layers
         layout = info.layout
-        layers: list[Any] = [DummyLayer() if layout is not None and not layout.holds(i) else
+        layers: list[Any] = [_SharedLayer(i) if layout is not None and not layout.holds(i) else
                              TieredLayer() if w is None else TieredSlidingLayer(w) for i, w in enumerate(windows)]
         super().__init__(layers=layers)
-        # The layers holding KV: those reading an earlier layer's (KV sharing) are transformers' own
+        # The layers holding KV: those reading an earlier layer's (KV sharing) are transformers'
         # DummyLayer, which holds none, as in its own caches.
         self._kv: list[TieredLayer] = [layer for layer in layers if isinstance(layer, TieredLayer)]
         self._store = store
@@ -2183,12 +2196,8 @@ class TieredCache(Cache):
                              "layers, the number this TieredCache was built with: tierkv cannot tell how many "
                              "layers hold KV in this model; report the architecture to tierkv's tracker and use a "
                              "plain DynamicCache meanwhile")
-        layer = self.layers[layer_idx]
-        if not isinstance(layer, TieredLayer):
-            raise ValueError(f"the model fed KV for layer {layer_idx}, which its config says reads an earlier layer's "
-                             "(num_kv_shared_layers) and holds none: tierkv cannot tell which layers hold KV in this "
-                             "model; report the architecture to tierkv's tracker and use a plain DynamicCache meanwhile")
-        if not layer.is_initialized or layer._pending is not None:
+        # A layer reading another's KV (_SharedLayer) is initialized: its own update refuses KV.
+        if not self.layers[layer_idx].is_initialized:
             self._check_kv_shape(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
