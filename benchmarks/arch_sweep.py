@@ -134,14 +134,20 @@ def build(model_type: str):
     from transformers import AutoConfig, AutoModelForCausalLM
     defaults = AutoConfig.for_model(model_type)
     fields = {k: v for k, v in SIZES.items() if k != "attention_chunk_size" and _has(defaults, k)}
-    if _has(defaults, "kv_lora_rank"):  # latent attention: every head its own KV, derived dims again
-        fields.update(num_key_value_heads=4, qk_head_dim=32)
+    latent = {}
+    if _has(defaults, "kv_lora_rank"):
+        # Latent attention: every head its own KV, derived dims again; the cache's keys (the latent,
+        # 32 wide) and values (the rotary keys, 8) of other widths, as in real checkpoints (512 and
+        # 64), and the rotary embedding as wide as the rotary keys (head_dim).
+        latent = dict(num_key_value_heads=4, qk_head_dim=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                      qk_nope_head_dim=24, v_head_dim=24, head_dim=8)
+        fields.update({k: v for k, v in latent.items() if k in ("num_key_value_heads", "qk_head_dim") or _has(defaults, k)})
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception:
         config = AutoConfig.for_model(model_type)
     fill(config, defaults)
-    for key in ("num_key_value_heads", "qk_head_dim"):
+    for key in latent:
         if key in fields and _has(config, key):
             try:
                 setattr(config, key, fields[key])

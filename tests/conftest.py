@@ -195,6 +195,12 @@ _SHAPES: dict[str, dict[str, object]] = {
                          layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                          laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
                          hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
+    # Multi-head latent attention: the cache holds a compressed latent (kv_lora_rank 32) as its keys
+    # and rotary keys (qk_rope_head_dim 8) as its values, one head each; MoE layers after the first.
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1),
 }
 ARCHITECTURES = list(_SHAPES)
 # The model type of a shape named otherwise.

@@ -81,10 +81,12 @@ def restore_of(cache: TieredCache):
 
 
 def shares_buffer(cache: TieredCache, buffer) -> bool:
-    """Every layer's keys and values are its part of the restore's buffer."""
-    return all(layer._keys.untyped_storage().data_ptr() == part.untyped_storage().data_ptr() and
-               layer._values.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
-               for layer, part in zip(cache.layers, buffer.layers) if part is not None)
+    """Every layer's keys and values are its part of the restore's buffer (with a layout, its keys'
+    part and its values')."""
+    return all(layer._keys.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr() and
+               layer._values.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+               for layer, (keys, values) in zip(cache.layers, [part if isinstance(part, tuple) else (part, part)
+                                                               for part in buffer.layers]) if keys is not None)
 
 
 def storage_bytes(tensors) -> int:
@@ -104,17 +106,22 @@ def test_a_restore_from_disk_lands_in_one_buffer_and_the_first_forward_writes_in
         assert buffer is not None and buffer.length == nxt.shape[1]
         # Each layer's part from the first token its window reaches: none of the buffer is a
         # sliding layer's tokens before it (one buffer of every layer's whole length was).
-        parts = [part for part in buffer.layers if part is not None]  # None: a layer reading another's KV
+        # None: a layer reading another's KV; a pair, keys and values, with a layout (layout.py).
+        layout = cache.model_info.layout
+        parts = [t for part in buffer.layers if part is not None for t in (part if layout else (part,))]
         itemsize = parts[0].element_size()
         assert storage_bytes(parts) == sum(part.numel() for part in parts) * itemsize
-        # Each layer's own KV heads and head_dim (Gemma 4's differ per layer: layout.py).
-        layout = cache.model_info.layout
-        shapes = [layout.shape(i) if layout.holds(i) else None for i in range(len(cache.layers))] if layout else \
-            [(parts[0].shape[1], parts[0].shape[3])] * len(cache.layers)
+        # Each layer's own KV heads and head_dim (Gemma 4's differ per layer, DeepSeek-V3's keys and
+        # values: layout.py).
         windows = [getattr(layer, "sliding_window", None) for layer in cache.layers]
-        assert [None if part is None else tuple(part.shape) for part in buffer.layers] == [
-            None if shape is None else (2, shape[0], nxt.shape[1] - (max(0, r - w + 1) // B * B if w else 0), shape[1])
-            for w, shape in zip(windows, shapes)]
+        lengths = [nxt.shape[1] - (max(0, r - w + 1) // B * B if w else 0) for w in windows]
+        if layout:
+            assert [None if part is None else tuple(tuple(t.shape) for t in part) for part in buffer.layers] == [
+                ((1, layout.shape(i)[0], n, layout.shape(i)[1]), (1, layout.shape(i)[2], n, layout.shape(i)[3]))
+                if layout.holds(i) else None for i, n in enumerate(lengths)]
+        else:
+            assert [tuple(part.shape) for part in buffer.layers] == [
+                (2, parts[0].shape[1], n, parts[0].shape[3]) for n in lengths]
         jobs = [job for job, _ in restore.blocks]
         # A model whose every layer slides reads the blocks its window reaches alone.
         unread = len([job for job in jobs if job is UNREAD])

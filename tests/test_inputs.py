@@ -433,16 +433,50 @@ def _latent_model(model_type: str, **widths: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_multi_head_latent_attention_is_refused() -> None:
-    model = _latent_model("deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)
-    with TieredStore(None, block_size=8) as store, pytest.raises(ValueError, match="latent attention"):
-        store.open(model, random_ids(12, 1))
-    # Heads whose keys and values have one head_dim (GLM-4.7-Flash's 256 and 256) still cache the
-    # latent and the rotary keys: the message names those, not "keys of head_dim 16, values of 16".
-    model = _latent_model("glm4_moe_lite", kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+@pytest.mark.parametrize("model_type, widths", [
+    # Latent of 16 as keys, rotary keys of 8 as values (layout.py lays them apart in a block).
+    ("deepseek_v3", dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)),
+    # Heads whose keys and values have one head_dim still cache the latent (24) and the rotary keys (8).
+    ("glm4_moe_lite", dict(kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # Latent and rotary keys of one width: a slot a layer, as any model of one KV shape.
+    ("deepseek_v2", dict(kv_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
+])
+def test_multi_head_latent_attention_is_served(tmp_path, model_type: str, widths: dict[str, int]) -> None:
+    """Refused at open before (its cache holds keys and values of other widths)."""
+    model = _latent_model(model_type, head_dim=widths["qk_rope_head_dim"], **widths)
+    ids = random_ids(19, 1)
+    with TieredStore(tmp_path / "kv", block_size=8, device_budget=0, host_budget=0) as store:
+        out = one_turn(store, model, ids)
+    with TieredStore(tmp_path / "kv", block_size=8) as store:
+        ids = torch.cat([out, random_ids(5, 2)], dim=1)
+        cache = store.open(model, ids)
+        assert cache.restored_from["disk"] == out.shape[1] - 1
+        got = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False))
+        layer = cache.layers[1]
+        assert (layer.keys.shape[-1], layer.values.shape[-1]) == (widths["kv_lora_rank"], widths["qk_rope_head_dim"])
+
+
+def test_latent_attention_of_widths_the_config_does_not_say_is_refused() -> None:
+    model = _latent_model("deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                          head_dim=8)
+    model.config.qk_rope_head_dim = 0  # a strict config takes no None
     with TieredStore(None, block_size=8) as store, pytest.raises(
-            ValueError, match=r"latent attention: its cache holds a compressed latent of width 24 \(kv_lora_rank\) "
-                              r"as its keys and rotary keys of width 8 \(qk_rope_head_dim\)"):
+            ValueError, match=r"latent attention, whose cache holds a compressed latent of width kv_lora_rank \(16\) "
+                              r"as its keys and rotary keys of width qk_rope_head_dim \(0\).*positive integers"):
+        store.open(model, random_ids(12, 1))
+
+
+def test_deepseek_sparse_attention_is_refused_naming_its_indexer() -> None:
+    config = AutoConfig.for_model("deepseek_v32", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=16, v_head_dim=8, head_dim=8)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with TieredStore(None, block_size=8) as store, pytest.raises(
+            ValueError, match=r"\['indexed_attention'\] layers.*indexer's keys in the cache"):
         store.open(model, random_ids(12, 1))
 
 

@@ -306,26 +306,32 @@ _WITHOUT_TIERKV = (". Generate with it without a TieredCache (model.generate() w
 def _kv_layout(text_config: Any, layer_types: list[str]) -> KVLayout | None:
     """How a block holds the layers' keys and values where the config sets KV heads or head_dim
     per layer (``per_layer_config``: Gemma 4's full-attention layers, head_dim 512 where its
-    sliding ones have 256) or some layers hold none (KV sharing: ``"dummy"`` layers), or None
-    where every layer holds KV of one shape (or the config does not say: the first forward's
-    ``_check_kv_shape`` then refuses layers of other shapes)."""
+    sliding ones have 256), some layers hold none (KV sharing: ``"dummy"`` layers) or keys and
+    values differ (multi-head latent attention), or None where every layer holds keys and values
+    of one shape (or the config does not say: the first forward's ``_check_kv_shape`` then
+    refuses layers of other shapes)."""
     dummies = "dummy" in layer_types
     if getattr(text_config, "is_heterogeneous", False):
         configs = list(text_config.per_layer_config)
-    elif dummies:
+    elif dummies or getattr(text_config, "kv_lora_rank", None):
         configs = [text_config] * len(layer_types)
     else:
         return None
-    shapes: list[tuple[int, int] | None] = []
+    shapes: list[tuple[Any, ...] | None] = []
     for kind, config in zip(layer_types, configs):
+        rank = getattr(config, "kv_lora_rank", None)
+        if rank:
+            # transformers' latent attention caches, one head each, the compressed latent as keys
+            # and the rotary keys as values (DeepseekV3Attention.forward and its kin).
+            shapes.append((1, rank, 1, getattr(config, "qk_rope_head_dim", None)))
+            continue
         heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         dim = getattr(config, "head_dim", None)
         if dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
             dim = config.hidden_size // config.num_attention_heads
         shapes.append(None if kind == "dummy" else (heads, dim))
     known = len(configs) == len(layer_types) and all([
-        shape is None or (isinstance(shape[0], int) and isinstance(shape[1], int) and shape[0] > 0 and shape[1] > 0)
-        for shape in shapes])
+        shape is None or all([isinstance(n, int) and n > 0 for n in shape]) for shape in shapes])
     if not known:
         if dummies:
             raise ValueError(f"{type(text_config).__name__} shares KV between layers (num_kv_shared_layers="
@@ -402,13 +408,14 @@ def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
         rank = getattr(layer_config, "kv_lora_rank", None)
         if rank:
             # What the cache holds is the latent and the rotary keys (transformers' MLA caches them
-            # compressed), whatever the heads' dims: with qk_head_dim == v_head_dim (GLM-4.7-Flash's
-            # 256 and 256) the message said "keys of head_dim 256, values of 256" were not of one shape.
+            # compressed), whatever the heads' dims: a block lays them out apart (layout.py).
             rope = getattr(layer_config, "qk_rope_head_dim", None)
-            raise ValueError(f"{name} uses multi-head latent attention: its cache holds a compressed latent of "
-                             f"width {rank} (kv_lora_rank) as its keys and rotary keys of width {rope} "
-                             "(qk_rope_head_dim) as its values; tierkv stores keys and values of one shape, so it "
-                             f"does not support it yet{_WITHOUT_TIERKV}")
+            if not (isinstance(rank, int) and isinstance(rope, int) and rank > 0 and rope > 0):
+                raise ValueError(f"{name} uses multi-head latent attention, whose cache holds a compressed latent "
+                                 f"of width kv_lora_rank ({rank!r}) as its keys and rotary keys of width "
+                                 f"qk_rope_head_dim ({rope!r}) as its values; tierkv needs both to be positive "
+                                 f"integers in the config to lay them out{_WITHOUT_TIERKV}")
+            continue
         if v_dim and qk_dim and v_dim != qk_dim:
             raise ValueError(f"{name} uses multi-head latent attention (keys of head_dim {qk_dim}, values of "
                              f"{v_dim}); tierkv stores keys and values of one shape, so it does not support it yet"
@@ -711,6 +718,9 @@ def _static_facts(model: Any) -> _Static:
         if {"mlp", "moe"} & set(other):
             hint += (" ('mlp' and 'moe' layers have no attention and hold no KV, so the cache's layers are not "
                      "the model's; tierkv supports models whose every layer holds its own KV)")
+        if "indexed_attention" in other:
+            hint += (" ('indexed_attention' layers, DeepSeek Sparse Attention's, keep their indexer's keys in the "
+                     "cache beside the KV, which tierkv does not store)")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention and sliding-window layers only, for now{hint}{_WITHOUT_TIERKV}")
     if "sliding_attention" in layer_types and not _builds_sliding_masks(model):
@@ -1497,8 +1507,8 @@ class RestoreBuffer:
     run), which a block reaches in one copy: a sliding layer's part no window reaches is never
     allocated (one buffer of every layer's whole length held a Gemma 3's disk restore at 3.7 times
     its KV until the first decode step). With a ``layout`` (layers of other KV shapes,
-    ``layout.py``), each layer has a tensor of its own shape (None for a layer holding no KV), and
-    a block reaches it in one copy per slot, keys and values apart."""
+    ``layout.py``), each layer has keys ``(1, H, length - skip, D)`` and values of their own shapes
+    (a pair; None for a layer holding no KV), and a block reaches them in one copy per unit."""
 
     __slots__ = ("layers", "skips", "dtype", "length", "facts", "runs")
 
@@ -1541,24 +1551,29 @@ class RestoreBuffer:
             first = i
 
     def _lay_out(self, layout: KVLayout, two: int) -> None:
-        """A tensor per layer, and a run per slot's keys and per slot's values, made in the
-        payload's row order (layers in order hold consecutive slots): the payload's rows of slot
-        ``s`` are its keys' heads, then its values'."""
-        for i, (slots, skip) in enumerate(zip(layout.layers, self.skips)):
-            if not slots.count:
+        """Keys and values per layer, and a run per unit, made in the payload's row order (layers
+        in order hold consecutive units, a layer's keys and values interleaved or one after the
+        other): the payload's rows of unit ``u`` are ``[u * H0, (u + 1) * H0)``."""
+        for i, (layer, skip) in enumerate(zip(layout.layers, self.skips)):
+            if layer is None:
                 self.layers.append(None)  # type: ignore[arg-type]  # holds no KV: never asked for
                 continue
-            heads, dim = layout.shape(i)
+            kh, kd, vh, vd = layout.shape(i)
             with _InferenceMode(False):  # as in __init__
-                kv = torch.empty((two, heads, self.length - skip, dim), dtype=self.dtype)
-            self.layers.append(kv)
-            # (2, h, H0, tokens, d, D0 * itemsize), a view.
-            rows = kv.view(torch.uint8).view(two, slots.heads, layout.heads, self.length - skip, slots.parts, -1).numpy()
-            for g in range(slots.heads):
-                for p in range(slots.parts):
-                    slot = slots.first + g * slots.parts + p
-                    for half in range(two):
-                        self.runs.append(((slot * two + half) * layout.heads, rows[half, g, :, :, p], skip))
+                kv = (torch.empty((1, kh, self.length - skip, kd), dtype=self.dtype),
+                      torch.empty((1, vh, self.length - skip, vd), dtype=self.dtype))
+            self.layers.append(kv)  # type: ignore[arg-type]
+            # Each (h, H0, tokens, d, D0 * itemsize), a view, and the units' rows in its order.
+            pieces = []
+            for units, tensor in zip((layer.keys, layer.values), kv):
+                rows = tensor.view(torch.uint8).view(units.heads, layout.heads, self.length - skip, units.parts,
+                                                     -1).numpy()
+                pieces.append([((units.first + units.step * (g * units.parts + p)) * layout.heads, rows[g, :, :, p])
+                               for g in range(units.heads) for p in range(units.parts)])
+            keys, values = pieces
+            ordered = [piece for pair in zip(keys, values) for piece in pair] if layer.keys.step == 2 \
+                else keys + values
+            self.runs.extend([(row, view, skip) for row, view in ordered])
 
 
 def restore_slots(buffer: list[Any], length: int, at: int, n: int, header: Any,
@@ -1601,27 +1616,45 @@ class _Restore:
         self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(blocks)
         self.buffer = buffer
         self._cuts: dict[int, tuple[int, int]] = {}
-        # Layers of other KV shapes (layout.py): a layer's part of a block is several slots, and
-        # its parts are (2, h, H0, n, d, D0) views, joined by ``join``.
+        # Layers of other KV shapes (layout.py): a layer's part of a block is several units, and
+        # its parts are pairs of (h, H0, n, d, D0) views, keys and values, joined by ``join``.
         self.layout = layout
 
-    def layer_buffer(self, i: int, first: int = 0) -> torch.Tensor:
-        """Layer ``i``'s (2, H, length - skip, D) part of the buffer, from the token its window
-        reaches, every restored block from block ``first`` on in place (copying again a block
-        copied before is harmless: a retry after an interrupted assembly)."""
+    def layer_buffer(self, i: int, first: int = 0) -> Any:
+        """Layer ``i``'s (2, H, length - skip, D) part of the buffer (with a layout, its keys and
+        values, a pair), from the token its window reaches, every restored block from block
+        ``first`` on in place (copying again a block copied before is harmless: a retry after an
+        interrupted assembly)."""
         assert self.buffer is not None
         kv, base = self.buffer.layers[i], self.buffer.skips[i]
         layout = self.layout
         at = 0
         for j, (job, n) in enumerate(self.blocks):
             if job is not IN_PLACE and j >= first and at >= base:
-                into, views = kv[:, :, at - base:at - base + n], self._block_views(j)
+                views = self._block_views(j)
                 if layout is None:
-                    into.copy_(views[i])
+                    kv[:, :, at - base:at - base + n].copy_(views[i])
                 else:
-                    layout.split(into, i, view=True).copy_(layout.part(views[0], i))
+                    keys, values = layout.part(views[0], i)
+                    layout.split(kv[0][0, :, at - base:at - base + n], i, False, view=True).copy_(keys)
+                    layout.split(kv[1][0, :, at - base:at - base + n], i, True, view=True).copy_(values)
             at += n
         return kv
+
+    def fits(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether a forward's new keys and values of one row fill the room layer ``i``'s buffer
+        leaves past the restored tokens, in its dtype."""
+        assert self.buffer is not None
+        room, q = self.buffer.layers[i], key_states.shape[-2]
+        if self.tokens + q != self.buffer.length or key_states.shape[0] != 1:
+            return False
+        if self.layout is None:
+            return key_states.dtype == value_states.dtype == room.dtype \
+                and key_states.shape == value_states.shape == (1, room.shape[1], q, room.shape[3])
+        keys, values = room
+        return key_states.dtype == value_states.dtype == keys.dtype \
+            and key_states.shape == (1, keys.shape[1], q, keys.shape[3]) \
+            and value_states.shape == (1, values.shape[1], q, values.shape[3])
 
     def check_held(self, i: int, skip: int) -> int:
         """The first token layer ``i``'s buffer holds, checked to be no later than ``skip``, the
@@ -1644,13 +1677,16 @@ class _Restore:
             views = self._views[j] = cut.unbind(0) if self.layout is None else (cut,)
         return views
 
-    def join(self, i: int, parts: list[torch.Tensor], new: torch.Tensor | None = None) -> torch.Tensor:
+    def join(self, i: int, parts: list[Any], new: Any = None) -> Any:
         """Layer ``i``'s parts and its ``new`` (2, H, q, D) keys and values, concatenated along the
-        tokens into one (2, H, N, D) tensor."""
+        tokens into one (2, H, N, D) tensor; with a layout, ``new`` is a pair of (1, H, q, D) keys
+        and values, and so is what it returns (``layout.join``)."""
         layout = self.layout
         if layout is None:
             return torch.cat(parts if new is None else [*parts, new], dim=-2)
-        return layout.join(parts if new is None else [*parts, layout.split(new, i)], i)
+        if new is not None:
+            parts = [*parts, (layout.split(new[0][0], i, False), layout.split(new[1][0], i, True))]
+        return layout.join(parts, i)
 
     def layer_parts(self, i: int, first: int = 0, skip: int = 0) -> list[torch.Tensor]:
         """Layer ``i``'s keys and values, stacked, as (2, H, n, D) views of each block from block
@@ -1658,8 +1694,11 @@ class _Restore:
         before it left out; ``join`` concatenates them."""
         if self.buffer is not None:
             base = self.check_held(i, skip)
-            held = self.layer_buffer(i, first)[:, :, skip - base:self.tokens - base]
-            return [held if self.layout is None else self.layout.split(held, i, view=True)]
+            kv = self.layer_buffer(i, first)
+            if self.layout is None:
+                return [kv[:, :, skip - base:self.tokens - base]]
+            return [(self.layout.split(kv[0][0, :, skip - base:self.tokens - base], i, False, view=True),
+                     self.layout.split(kv[1][0, :, skip - base:self.tokens - base], i, True, view=True))]
         # A layered CUDA copy orders this layer's compute after its own copies on the GPU, with no
         # host sync; any other job is waited for.
         seen: set[int] = set()
@@ -1679,8 +1718,7 @@ class _Restore:
                     parts.append(tensor[i] if n == tensor.shape[3] else tensor[i, :, :, :n])
                     continue
                 # A layer of several slots waits for its last: a block's slots are copied in order.
-                slots = layout.layers[i]
-                tensor = job.stream_wait_layer(slots.first + slots.count - 1, seen, stream)
+                tensor = job.stream_wait_layer(layout.layers[i].last_slot, seen, stream)
                 parts.append(layout.part(tensor if n == tensor.shape[3] else tensor[:, :, :, :n], i))
                 continue
             # Inline, not a method of its own: a call per block per layer made a restore of 256 blocks
@@ -1758,14 +1796,16 @@ class TieredLayer(DynamicLayer):
         assert restore is not None
         first, skip = self._cut(restore)
         parts = restore.layer_parts(self._layer_idx, first, skip)
-        self.device = parts[0].device
+        self.device = (parts[0] if restore.layout is None else parts[0][0]).device
         return parts, skip
 
-    def _assemble(self, kv: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Keys and values as the two halves of one (2, H, n, D) tensor: each is a contiguous
-        # (1, H, n, D) tensor, as DynamicLayer's own concatenations make them (but a cut layer's
-        # read from disk in place: a view of its buffer from the cut on, until its first decode step).
-        keys, values = kv.chunk(2)  # native: Tensor.split is a Python wrapper, twice the cost here
+    def _assemble(self, kv: Any, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Keys and values as the two halves of one (2, H, n, D) tensor (with a layout, a pair of
+        # tensors): each is a contiguous (1, H, n, D) tensor, as DynamicLayer's own concatenations
+        # make them (but a cut layer's read from disk in place: a view of its buffer from the cut
+        # on, until its first decode step).
+        # chunk, native: Tensor.split is a Python wrapper, twice the cost here.
+        keys, values = kv if type(kv) is tuple else kv.chunk(2)
         self._keys, self._values, self._pending, self._offset = keys, values, None, offset
         return keys, values
 
@@ -1786,11 +1826,8 @@ class TieredLayer(DynamicLayer):
             # Whether the keys need grad is not enough: a query that does (an adapter on q_proj
             # alone) has attention save the layer's views, and a later layer's copy of a block
             # from memory into the buffer then fails backward.
-            room = buffer.layers[self._layer_idx] if buffer is not None else None
-            if room is not None and key_states.shape[0] == 1 and key_states.dtype == value_states.dtype == room.dtype \
-                    and not torch.is_grad_enabled() \
-                    and restore.tokens + key_states.shape[-2] == buffer.length \
-                    and key_states.shape == value_states.shape == (1, room.shape[1], key_states.shape[2], room.shape[3]):
+            if buffer is not None and buffer.layers[self._layer_idx] is not None and not torch.is_grad_enabled() \
+                    and restore.fits(self._layer_idx, key_states, value_states):
                 # The first forward after a restore read from disk, with the conversation's new
                 # tokens: written into the room left for them, no concatenation of the layer (cut
                 # to its window as open laid the buffer out: layer_parts checks they agree).
@@ -1798,21 +1835,29 @@ class TieredLayer(DynamicLayer):
                 base = restore.check_held(self._layer_idx, skip)
                 kv = restore.layer_buffer(self._layer_idx, first)
                 end = restore.tokens - base
+                if restore.layout is not None:
+                    keys, values = kv
+                    keys[0, :, end:].copy_(key_states[0])
+                    values[0, :, end:].copy_(value_states[0])
+                    self.device = keys.device
+                    return self._assemble((keys[:, :, skip - base:], values[:, :, skip - base:]), skip)
                 kv[0, :, end:].copy_(key_states[0])
                 kv[1, :, end:].copy_(value_states[0])
                 self.device = kv.device
                 return self._assemble(kv[:, :, skip - base:] if skip != base else kv, skip)
             parts, skip = self._take_parts()
-            if key_states.dtype != parts[0].dtype or value_states.dtype != parts[0].dtype:
+            dtype = (parts[0] if restore.layout is None else parts[0][0]).dtype
+            if key_states.dtype != dtype or value_states.dtype != dtype:
                 # torch.cat would promote them to one dtype, and the output differ from recomputation.
                 raise ValueError(f"the model computed keys in {key_states.dtype} and values in {value_states.dtype}, "
-                                 f"but this TieredCache restored them in {parts[0].dtype}, its weights' dtype at "
+                                 f"but this TieredCache restored them in {dtype}, its weights' dtype at "
                                  "store.open: a model cast since (model.to(dtype)) needs a new store.open; otherwise "
                                  "tierkv needs a model that computes its KV in the dtype of its weights")
             if key_states.shape[0] == 1:
                 # The first forward after a restore: one concatenation of the restored blocks and the
                 # new tokens, for keys and values together, rather than a copy of the prefix first.
-                return self._assemble(restore.join(self._layer_idx, parts, torch.cat((key_states, value_states))), skip)
+                new = torch.cat((key_states, value_states)) if restore.layout is None else (key_states, value_states)
+                return self._assemble(restore.join(self._layer_idx, parts, new), skip)
             self._assemble(restore.join(self._layer_idx, parts), skip)
         if key_states.shape[0] > 1 and self.is_initialized and self._rows() == 1:
             # A restored batch-1 prefix meeting beams or several return sequences.
@@ -2209,16 +2254,17 @@ class TieredCache(Cache):
         failed inside commit on torch.stack, with no word of what to do."""
         shape = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
         layout = self.model_info.layout
-        expected = self._kv_shape if layout is None else layout.shape(layer_idx) * 2
+        expected = self._kv_shape if layout is None else layout.shape(layer_idx)
         if shape == expected or (expected is None and shape[:2] == shape[2:]):
             self._kv_shape = shape if layout is None else None
             return
         found = (f"keys of {shape[0]} KV heads x head_dim {shape[1]} and values of {shape[2]} x {shape[3]} in "
                  f"layer {layer_idx}")
         if layout is not None:
-            raise ValueError(f"the model computes {found}, where its config sets {expected[0]} x {expected[1]} "
-                             "(per_layer_config): tierkv lays each layer's keys and values out in a block from the "
-                             "config, so it cannot store this model's; use a plain DynamicCache for this model")
+            raise ValueError(f"the model computes {found}, where its config sets keys of {expected[0]} x {expected[1]} "
+                             f"and values of {expected[2]} x {expected[3]} (per_layer_config, kv_lora_rank...): tierkv "
+                             "lays each layer's keys and values out in a block from the config, so it cannot store "
+                             "this model's; use a plain DynamicCache for this model")
         if expected is not None:
             found += f", and keys and values of {expected[0]} x {expected[1]} in an earlier layer"
         raise ValueError(f"the model computes {found}: tierkv stores every layer's keys and values as one "
@@ -2844,8 +2890,7 @@ class TieredCache(Cache):
                 for layer in self.layers
             ]).contiguous()
         keys = self._kv[0].keys
-        block = torch.empty((layout.slots, 2, layout.heads, end - start, layout.dim), dtype=keys.dtype,
-                            device=keys.device)
+        block = layout.empty(end - start, keys.dtype, keys.device)
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, TieredLayer):
                 continue  # reads another layer's KV

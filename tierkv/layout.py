@@ -1,22 +1,29 @@
 """Where each layer's keys and values lie in a block, for models whose layers hold KV of other
-shapes (Gemma 4: head_dim 512 in its full-attention layers, 256 in its sliding ones).
+shapes: per layer (Gemma 4: head_dim 512 in its full-attention layers, 256 in its sliding ones),
+or keys and values of other shapes (multi-head latent attention: DeepSeek-V2/V3, Kimi K2, GLM-4.7-
+Flash..., whose cache holds a compressed latent of ``kv_lora_rank`` as its keys and rotary keys
+of ``qk_rope_head_dim`` as its values, one head each).
 
 A block is one tensor ``(slots, 2, heads, tokens, dim)`` whatever the model: the codec, the tiers
 and the moves never look inside it. Where every layer's keys and values are ``(H, T, D)``, a slot
-is a layer (``KVLayout.of`` returns None, and nothing here runs). Otherwise a slot is
-``(H0, D0)``, the greatest common divisor of the layers' KV heads and of their head dims, and a
-layer of ``H = h * H0`` heads and ``D = d * D0`` holds ``h * d`` consecutive slots: slot
-``first + g * d + p`` holds heads ``[g * H0, (g + 1) * H0)`` and dims ``[p * D0, (p + 1) * D0)``.
-Keys and values keep their own halves of every slot, as in a layer of one slot. A layer that holds
-no KV (one reading an earlier layer's: Gemma 3n's and Gemma 4's KV sharing, a "dummy" layer in
-transformers' caches) holds no slot.
+is a layer (``KVLayout.of`` returns None, and nothing here runs). Otherwise a block is a row of
+``2 * slots`` units (a slot's two halves) of ``(H0, T, D0)``, the greatest common divisors of the
+layers' KV heads and of their head dims, keys' and values' alike. Keys of ``H = h * H0`` heads and
+``D = d * D0`` dims take ``h * d`` units (``Units``): unit ``first + step * (g * d + p)`` holds
+heads ``[g * H0, (g + 1) * H0)`` and dims ``[p * D0, (p + 1) * D0)``; so do values. Layers hold
+consecutive units in layer order. A layer whose keys and values are of one shape interleaves them
+(``step`` 2: each slot its keys' half and its values', as a layer of one slot); otherwise its keys'
+units come first, then its values' (``step`` 1), and an odd count of units in all leaves the last
+slot's values half unused (zeroed: ``empty``). A layer that holds no KV (one reading an earlier
+layer's: Gemma 3n's and Gemma 4's KV sharing, a "dummy" layer in transformers' caches) holds no
+unit.
 
-Protocol: ``part(block, i)`` is layer ``i``'s part of a block (or of its first ``n`` tokens),
-a view of shape ``(2, h, H0, T, d, D0)``; ``join(parts, i)`` concatenates such parts (and the
-layer's new keys and values, viewed so by ``split``) along the tokens into the layer's contiguous
-``(2, H, N, D)``, the keys and values a ``DynamicCache`` would hold; ``fill(block, i, keys,
-values)`` writes a layer's ``(H, T, D)`` keys and values into a new block. Pure: views and
-copies of tensors, no I/O.
+Protocol: ``part(block, i)`` is layer ``i``'s part of a block (or of its first ``n`` tokens), a
+pair of views ``(h, H0, T, d, D0)``, keys then values; ``join(parts, i)`` concatenates such pairs
+(and the layer's new keys and values, viewed so by ``split``) along the tokens into the layer's
+contiguous ``(1, H, N, D)`` keys and values, those a ``DynamicCache`` would hold; ``fill(block, i,
+keys, values)`` writes a layer's ``(H, T, D)`` keys and values into a block made by ``empty``.
+Pure: views and copies of tensors, no I/O.
 """
 
 from __future__ import annotations
@@ -26,13 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
+#: A layer's keys' and values' (KV heads, head_dim), or one pair for both.
+Shape = tuple[int, int] | tuple[int, int, int, int]
+
 
 @dataclass(frozen=True, slots=True)
-class LayerSlots:
-    """Layer ``i``'s slots in a block: ``heads * parts`` of them from ``first`` on (none for a
-    layer that holds no KV)."""
+class Units:
+    """A layer's keys' (or values') units of a block: ``heads * parts`` of them, ``step`` apart from
+    ``first`` on."""
 
     first: int
+    step: int
     heads: int
     parts: int
 
@@ -40,69 +51,118 @@ class LayerSlots:
     def count(self) -> int:
         return self.heads * self.parts
 
+    @property
+    def last(self) -> int:
+        return self.first + self.step * (self.count - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerUnits:
+    """Layer ``i``'s keys' and values' units."""
+
+    keys: Units
+    values: Units
+
+    @property
+    def last_slot(self) -> int:
+        """The slot holding the layer's last unit: a block's slots are copied in order."""
+        return max(self.keys.last, self.values.last) // 2
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The slot shape ``(heads, dim)`` and each layer's slots, ``slots`` in all."""
+    """The unit shape ``(heads, dim)``, each layer's units (None: a layer holding no KV), and the
+    ``units`` the layers hold in all."""
 
     heads: int
     dim: int
-    layers: tuple[LayerSlots, ...]
-    slots: int
+    layers: tuple[LayerUnits | None, ...]
+    units: int
+
+    @property
+    def slots(self) -> int:
+        """A block's slots: two units each."""
+        return (self.units + 1) // 2
 
     @classmethod
-    def of(cls, shapes: list[tuple[int, int] | None]) -> KVLayout | None:
-        """The layout of layers whose keys and values are ``(heads, head_dim)`` each (None: a layer
-        holding no KV), or None where they all hold KV of one shape (one slot a layer: a block as
-        tierkv always laid it out)."""
-        held = [shape for shape in shapes if shape is not None]
+    def of(cls, shapes: list[Shape | None]) -> KVLayout | None:
+        """The layout of layers whose keys and values are ``(heads, head_dim)`` each, or ``(key heads,
+        key head_dim, value heads, value head_dim)`` (None: a layer holding no KV), or None where
+        they all hold keys and values of one shape (one slot a layer: a block as tierkv always laid
+        it out)."""
+        full = [None if shape is None else (*shape, *shape) if len(shape) == 2 else tuple(shape) for shape in shapes]
+        held = [shape for shape in full if shape is not None]
         if not held:
             raise ValueError("no layer holds KV")
-        if len(set(held)) < 2 and len(held) == len(shapes):
+        if len(set(held)) < 2 and len(held) == len(full) and held[0][:2] == held[0][2:]:
             return None
-        heads = math.gcd(*[h for h, _ in held])
-        dim = math.gcd(*[d for _, d in held])
-        layers, first = [], 0
-        for shape in shapes:
-            layers.append(LayerSlots(first, 0, 0) if shape is None else LayerSlots(first, shape[0] // heads,
-                                                                                  shape[1] // dim))
-            first += layers[-1].count
-        return cls(heads, dim, tuple(layers), first)
+        heads = math.gcd(*[shape[0] for shape in held], *[shape[2] for shape in held])
+        dim = math.gcd(*[shape[1] for shape in held], *[shape[3] for shape in held])
+        layers: list[LayerUnits | None] = []
+        unit = 0
+        for shape in full:
+            if shape is None:
+                layers.append(None)
+                continue
+            kh, kd, vh, vd = shape[0] // heads, shape[1] // dim, shape[2] // heads, shape[3] // dim
+            if (kh, kd) == (vh, vd):
+                layers.append(LayerUnits(Units(unit, 2, kh, kd), Units(unit + 1, 2, vh, vd)))
+                unit += 2 * kh * kd
+            else:
+                layers.append(LayerUnits(Units(unit, 1, kh, kd), Units(unit + kh * kd, 1, vh, vd)))
+                unit += kh * kd + vh * vd
+        return cls(heads, dim, tuple(layers), unit)
 
     def holds(self, i: int) -> bool:
         """Whether layer ``i`` holds KV."""
-        return self.layers[i].count > 0
+        return self.layers[i] is not None
 
-    def shape(self, i: int) -> tuple[int, int]:
-        """Layer ``i``'s (KV heads, head_dim)."""
+    def shape(self, i: int) -> tuple[int, int, int, int]:
+        """Layer ``i``'s keys' (KV heads, head_dim), then its values'."""
         layer = self.layers[i]
-        return layer.heads * self.heads, layer.parts * self.dim
+        assert layer is not None, f"layer {i} holds no KV"
+        keys, values = layer.keys, layer.values
+        return keys.heads * self.heads, keys.parts * self.dim, values.heads * self.heads, values.parts * self.dim
 
-    def part(self, block: torch.Tensor, i: int) -> torch.Tensor:
-        """Layer ``i``'s part of ``block`` ``(slots, 2, H0, T, D0)``, a view ``(2, h, H0, T, d, D0)``."""
-        layer = self.layers[i]
-        slots = block[layer.first:layer.first + layer.count]
-        return slots.view(layer.heads, layer.parts, *slots.shape[1:]).permute(2, 0, 3, 4, 1, 5)
+    def empty(self, tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A block for ``tokens`` tokens, to ``fill``; the unit no layer holds (an odd count of
+        units) zeroed, so that no stored record carries stale memory."""
+        block = torch.empty((self.slots, 2, self.heads, tokens, self.dim), dtype=dtype, device=device)
+        if self.units % 2:
+            block[-1, 1].zero_()
+        return block
 
-    def split(self, kv: torch.Tensor, i: int, view: bool = False) -> torch.Tensor:
-        """A layer's ``(2, H, T, D)`` (or ``(H, T, D)``) keys and values as ``(2, h, H0, T, d, D0)``
-        (or without the leading 2): a view of a layer's tokens (of any slice of them). A copy
-        where the strides allow no view, unless ``view`` (a destination: an error rather than
-        writes into a copy)."""
+    def _units(self, block: torch.Tensor, units: Units) -> torch.Tensor:
+        run = block.view(-1, *block.shape[2:])[units.first:units.last + 1:units.step]
+        return run.view(units.heads, units.parts, *run.shape[1:]).permute(0, 2, 3, 1, 4)
+
+    def part(self, block: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values in ``block`` ``(slots, 2, H0, T, D0)``, views ``(h, H0, T, d, D0)``."""
         layer = self.layers[i]
+        assert layer is not None, f"layer {i} holds no KV"
+        return self._units(block, layer.keys), self._units(block, layer.values)
+
+    def split(self, kv: torch.Tensor, i: int, values: bool, view: bool = False) -> torch.Tensor:
+        """A layer's ``(..., H, T, D)`` keys (or ``values``) as ``(..., h, H0, T, d, D0)``: a view of
+        a layer's tokens (of any slice of them). A copy where the strides allow no view, unless
+        ``view`` (a destination: an error rather than writes into a copy)."""
+        layer = self.layers[i]
+        assert layer is not None, f"layer {i} holds no KV"
+        units = layer.values if values else layer.keys
         *lead, _, tokens, _ = kv.shape
-        shape = (*lead, layer.heads, self.heads, tokens, layer.parts, self.dim)
+        shape = (*lead, units.heads, self.heads, tokens, units.parts, self.dim)
         return kv.view(shape) if view else kv.reshape(shape)
 
-    def join(self, parts: list[torch.Tensor], i: int) -> torch.Tensor:
-        """Layer ``i``'s parts (``part`` or ``split`` views), concatenated along the tokens into one
-        contiguous ``(2, H, N, D)`` tensor."""
-        joined = torch.cat(parts, dim=3)
-        heads, dim = self.shape(i)
-        return joined.view(joined.shape[0], heads, joined.shape[3], dim)
+    def join(self, parts: list[tuple[torch.Tensor, torch.Tensor]], i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s parts (``part`` or ``split`` views), concatenated along the tokens into
+        contiguous ``(1, H, N, D)`` keys and values."""
+        kh, kd, vh, vd = self.shape(i)
+        keys = torch.cat([part[0] for part in parts], dim=2)
+        values = torch.cat([part[1] for part in parts], dim=2)
+        return keys.view(1, kh, keys.shape[2], kd), values.view(1, vh, values.shape[2], vd)
 
     def fill(self, block: torch.Tensor, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write layer ``i``'s keys and values ``(H, T, D)`` into its slots of ``block``."""
-        part = self.part(block, i)
-        part[0].copy_(self.split(keys, i))
-        part[1].copy_(self.split(values, i))
+        """Write layer ``i``'s keys and values ``(H, T, D)`` into its units of ``block``."""
+        into_keys, into_values = self.part(block, i)
+        into_keys.copy_(self.split(keys, i, False))
+        into_values.copy_(self.split(values, i, True))
