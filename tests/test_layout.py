@@ -218,8 +218,8 @@ def test_a_disk_restore_lays_each_layer_out_in_its_own_shape() -> None:
 
 def test_a_disk_restore_of_keys_and_values_of_other_shapes_lays_them_out_apart() -> None:
     """Latent attention's keys and values (one head; widths 32 and 8): the layer's keys' units
-    come first in the payload's rows, then its values', and the last slot's values half, no
-    layer's, is left to the checksum (no piece)."""
+    come first in the payload's rows, then its values', each one piece (a head's units, a row
+    each), and the last slot's values half, no layer's, is left to the checksum (no piece)."""
     from tierkv.cache import restore_slots
 
     layout = KVLayout.of([(1, 32, 1, 8)] * 3)
@@ -230,9 +230,11 @@ def test_a_disk_restore_of_keys_and_values_of_other_shapes_lays_them_out_apart()
 
     buffer: list = []
     pieces = restore_slots(buffer, 6, 0, 4, Header(), None, layout)
-    assert [row for row, _ in pieces] == list(range(15))
+    assert [(row, part.shape) for row, part in pieces] == [(5 * i + 4 * j, (4 - 3 * j, 4, 32)) for i in range(3)
+                                                          for j in (0, 1)]
     for row, part in pieces:
-        part[...] = row
+        for r in range(part.shape[0]):
+            part[r] = row + r
     for i in range(3):
         keys, values = buffer[0].layers[i]
         assert (keys.shape, values.shape) == ((1, 1, 6, 32), (1, 1, 6, 8))

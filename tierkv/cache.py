@@ -1568,6 +1568,13 @@ class RestoreBuffer:
             for units, tensor in zip((layer.keys, layer.values), kv):
                 rows = tensor.view(torch.uint8).view(units.heads, layout.heads, self.length - skip, units.parts,
                                                      -1).numpy()
+                if units.step == 1 and layout.heads == 1:
+                    # A head's units lie together, a row each (latent attention's keys: 8 units
+                    # of a 512-wide latent): one piece of them, (d, tokens, D0 * itemsize), and
+                    # a ninth of the pieces a DeepSeek-V3 block's 61 layers made (549).
+                    pieces.append([((units.first + g * units.parts), rows[g, 0].transpose(1, 0, 2))
+                                   for g in range(units.heads)])
+                    continue
                 pieces.append([((units.first + units.step * (g * units.parts + p)) * layout.heads, rows[g, :, :, p])
                                for g in range(units.heads) for p in range(units.parts)])
             keys, values = pieces
