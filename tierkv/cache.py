@@ -320,6 +320,9 @@ def _kv_layout(text_config: Any, layer_types: list[str]) -> KVLayout | None:
     shapes: list[tuple[Any, ...] | None] = []
     for kind, config in zip(layer_types, configs):
         rank = getattr(config, "kv_lora_rank", None)
+        if kind == "dummy":
+            shapes.append(None)
+            continue
         if rank:
             # transformers' latent attention caches, one head each, the compressed latent as keys
             # and the rotary keys as values (DeepseekV3Attention.forward and its kin).
@@ -329,7 +332,7 @@ def _kv_layout(text_config: Any, layer_types: list[str]) -> KVLayout | None:
         dim = getattr(config, "head_dim", None)
         if dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
             dim = config.hidden_size // config.num_attention_heads
-        shapes.append(None if kind == "dummy" else (heads, dim))
+        shapes.append((heads, dim))
     known = len(configs) == len(layer_types) and all([
         shape is None or all([isinstance(n, int) and n > 0 for n in shape]) for shape in shapes])
     if not known:
