@@ -605,6 +605,58 @@ def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model,
         store.close()
 
 
+@pytest.mark.parametrize("disk", [True, False])
+@pytest.mark.parametrize("lost", [0, 1])
+def test_an_unread_block_no_longer_in_the_tier_its_entry_names_is_settled_before_it_is_counted(
+        tiny_model, tmp_path: Path, disk: bool, lost: int) -> None:
+    """A block no window reaches (``UNREAD``) was credited to the tier its index entry named,
+    unasked: an entry another signal's handler left naming the host tier after the block left it
+    (``_promote`` takes it out of the host tier before the index's update) counted its tokens as
+    host hits where the disk held it, the index's host bytes apart from the tier's for good; with
+    no disk tier, a block resting nowhere was counted as restored and kept by the commit in the
+    chain, every later turn restoring it again. It is settled (``_settle``) as a block read is:
+    counted as the disk's, or, gone, the restore ends before it, the window then reaching the
+    blocks before it (read from the tier they rest in)."""
+    from tierkv.store import Tier
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(29, seed=81)
+    with TieredStore(tmp_path / "kv" if disk else None, device="cpu", block_size=BLOCK,
+                     **BUDGETS["host"]) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 32
+        store.flush()
+        nxt = torch.cat([out, random_ids(5, seed=82)], dim=1)
+        chain = store.open(model, nxt, session="s")._restored_keys
+        key = chain[lost]  # blocks 0 and 1 (tokens 0-16) are reached by no window of a restore of 32
+        with store._lock:
+            meta = store._index.blocks[key]
+            assert meta.resident is Tier.HOST
+            store._host.pop(key)  # as a handler raising after _promote's pop leaves it
+        hits = dict(store.stats()["hits"])
+        cache = store.open(model, nxt, session="s")
+        if disk:
+            assert cache.restored_tokens == 32
+            assert cache.restored_from == {"device": 0, "host": 24, "disk": 8}
+            assert meta.resident is None and store._index.blocks[key] is meta
+            assert store._index.bytes[Tier.HOST] == store.stats()["host"]["bytes"]
+        else:
+            # Block 0 gone: nothing; block 1 gone: block 0, which the window of 8 tokens reaches.
+            assert cache.restored_tokens == 8 * lost and cache.restored_from["host"] == 8 * lost
+            assert key not in store._index.blocks
+        after = store.stats()["hits"]
+        assert {tier: after[tier] - hits[tier] for tier in hits} == cache.restored_from
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(3, seed=83)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == got.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
 @pytest.mark.parametrize("rest", ["disk", "host"])
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3_text"])
 def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_reaches(

@@ -1045,9 +1045,17 @@ class TieredStore:
                     # computed with (``ModelInfo.position_limit``): nothing is restored.
                     plan = self._match(root, ids, info.masked_token) if limit is None or len(ids) <= limit else []
                     self._pin(pins, [meta.key for meta, _ in plan])
+                    matched = plan
                     # Blocks no layer's window reaches are neither read nor copied (a Mistral's
                     # window of 4,096 over a 32k-token conversation: its last blocks alone).
                     unread = unread_blocks(info.windows, [n for _, n in plan])
+                    gone = [i for i in range(unread) if not self._rests_as_named(plan[i][0])]
+                    if gone:
+                        # A restore is a prefix: it ends before a block that rests nowhere (whose
+                        # KV the cut layers could not store again), and the shorter restore's
+                        # window may reach blocks before it, which are then read.
+                        plan = plan[:gone[0]]
+                        unread = unread_blocks(info.windows, [n for _, n in plan])
                     found: list[tuple[Tier, Job[Any]] | None] = \
                         [(meta.resident or Tier.DISK, UNREAD) for meta, _ in plan[:unread]]
                     found += [self._source(meta) for meta, _ in plan[unread:]]
@@ -1056,7 +1064,6 @@ class TieredStore:
                             where[1].lease.hold_in(held, ("memory", i), where[1].lease)
                 # Disk blocks are read and verified outside the store lock, so other sessions' turns
                 # go on meanwhile; the planned blocks are pinned against eviction.
-                matched = plan
                 reads, read_seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids))
                 while (miss := _first_miss(found, reads)) is not None and \
                         _reaches_further(info.windows, [n for _, n in plan], miss, unread, buffer):
@@ -1481,6 +1488,18 @@ class TieredStore:
             if n - (pos - limit) > 0:
                 plan.append((meta, n - (pos - limit)))
         return plan
+
+    def _rests_as_named(self, meta: BlockMeta) -> bool:
+        """Whether a planned block left unread (``UNREAD``: its tier is credited, never asked)
+        still rests somewhere, its index entry first made to follow the tiers (``_settle``) where
+        it names a memory tier that no longer holds it. Another signal's handler raising between a
+        tier's pop and the index's update (``_promote``) leaves such an entry: credited as it
+        stood, its tokens counted as that tier's hits where the disk held the block, or, with no
+        disk tier, as restored from nowhere, and its commit kept a chain through it."""
+        if meta.resident is None or meta.key in (self._device if meta.resident is Tier.DEVICE else self._host):
+            return True
+        logger.debug("tierkv: block %s was not in the %s tier the index named", meta.key.hex(), meta.resident.value)
+        return self._settle(meta)
 
     def _source(self, meta: BlockMeta) -> tuple[Tier, Job[Any]] | None:
         """Where a planned block is read from in memory, and its tensor there (a job); None when
