@@ -3664,6 +3664,41 @@ def test_a_memory_eviction_an_exception_cuts_short_leaves_no_block_pinned(model,
                                 unpinned, within={"_make_room", "_unpin_orphans"}) > 6
     assert [("call", "_unpin_orphans")] in cuts
 
+def test_a_restores_promotion_an_exception_cuts_short_keeps_the_block(model, stores):
+    # Before: _promote took a block out of the host tier before its try; another signal's
+    # handler raising between the pop and the index's update left the block in no tier, its
+    # entry naming the host tier (the index's host bytes apart from the tier's), and, with no
+    # disk tier, lost with every block after it: the next restore held nothing, 31 tokens
+    # computed again.
+    ids = random_ids(29, 1497)
+    out: list[torch.Tensor] = []
+
+    def setup() -> tuple[TieredStore, bytes]:
+        store = make_store(stores, None, device_budget="1MiB", host_budget="1MiB")
+        out[:] = [converse(store, model, ids, "a")]
+        key = next(iter(store._index.blocks))  # block 0: every later block's restore goes through it
+        with store._lock:
+            store._evict(Tier.DEVICE, store._index.blocks[key])  # an open promotes it back
+        assert store._index.blocks[key].resident is Tier.HOST
+        return store, key
+
+    current = [setup()]
+    nxt = torch.cat([out[0], random_ids(3, 1498)], dim=1)
+
+    def kept(sent: object) -> None:
+        store, key = current[0]
+        store._reap()  # the next call's
+        meta = store._index.blocks.get(key)
+        assert meta is not None and meta.resident is not None, sent
+        _tiers_in_step(store, sent)
+        cache = store.open(model, nxt, session="a")
+        assert cache.restored_tokens == out[0].shape[1] - 1, sent
+        assert torch.equal(generate(model, nxt, cache), generate(model, nxt)), sent
+        current[0] = setup()
+
+    assert raised_on_the_way_in(lambda: (current[0][0].open(model, nxt, session="a"), nullcontext())[1], kept,
+                                within={"_promote"}) >= 4
+
 
 def test_a_commits_cleanup_an_exception_cuts_short_leaves_nothing_pinned_and_the_next_turn_exact(model, stores,
                                                                                                  tmp_path):

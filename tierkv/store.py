@@ -1541,11 +1541,14 @@ class TieredStore:
             # the host tier paid for it block by block), and the open's touch makes it the most
             # recently used there. Budgets never change, so it still fits.
             return
-        if meta.resident is Tier.HOST:
-            # Out of the host tier first, so that making room on the device cannot evict it.
-            self._host.pop(meta.key)
-            self._index.set_resident(meta, None)
         try:
+            if meta.resident is Tier.HOST:
+                # Out of the host tier first, so that making room on the device cannot evict it.
+                # Inside the try: another signal's handler raising between the pop and the index's
+                # update left the block in no tier with its entry naming the host tier (with no
+                # disk tier, lost: the next open's read of it settled it out of the index).
+                self._host.pop(meta.key)
+                self._index.set_resident(meta, None)
             if meta.nbytes <= self._device.budget and self._make_room(Tier.DEVICE, meta.nbytes):
                 self._device.put(meta.key, device_job, meta.nbytes)
                 self._index.set_resident(meta, Tier.DEVICE)
