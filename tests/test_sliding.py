@@ -605,18 +605,20 @@ def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model,
         store.close()
 
 
-@pytest.mark.parametrize("disk", [True, False])
+# An entry naming no tier with the disk holding the block is a block at rest on disk alone.
+@pytest.mark.parametrize(("entry", "disk"), [("host", True), ("host", False), ("none", False)])
 @pytest.mark.parametrize("lost", [0, 1])
 def test_an_unread_block_no_longer_in_the_tier_its_entry_names_is_settled_before_it_is_counted(
-        tiny_model, tmp_path: Path, disk: bool, lost: int) -> None:
+        tiny_model, tmp_path: Path, disk: bool, lost: int, entry: str) -> None:
     """A block no window reaches (``UNREAD``) was credited to the tier its index entry named,
     unasked: an entry another signal's handler left naming the host tier after the block left it
-    (``_promote`` takes it out of the host tier before the index's update) counted its tokens as
+    (``_promote`` took it out of the host tier before the index's update) counted its tokens as
     host hits where the disk held it, the index's host bytes apart from the tier's for good; with
-    no disk tier, a block resting nowhere was counted as restored and kept by the commit in the
-    chain, every later turn restoring it again. It is settled (``_settle``) as a block read is:
-    counted as the disk's, or, gone, the restore ends before it, the window then reaching the
-    blocks before it (read from the tier they rest in)."""
+    no disk tier, a block resting nowhere was counted as restored (an entry naming no tier: as
+    the disk's, in a store without one) and kept by the commit in the chain, every later turn
+    restoring it again. It is settled (``_settle``) as a block read is: counted as the disk's,
+    or, gone, the restore ends before it, the window then reaching the blocks before it (read
+    from the tier they rest in)."""
     from tierkv.store import Tier
 
     model = tiny_model("mistral_window")
@@ -633,7 +635,9 @@ def test_an_unread_block_no_longer_in_the_tier_its_entry_names_is_settled_before
         with store._lock:
             meta = store._index.blocks[key]
             assert meta.resident is Tier.HOST
-            store._host.pop(key)  # as a handler raising after _promote's pop leaves it
+            store._host.pop(key)  # as a handler raising after _promote's pop left it
+            if entry == "none":  # as one raising before _settle's removal of a block in no tier
+                store._index.set_resident(meta, None)
         hits = dict(store.stats()["hits"])
         cache = store.open(model, nxt, session="s")
         if disk:

@@ -1492,13 +1492,17 @@ class TieredStore:
     def _rests_as_named(self, meta: BlockMeta) -> bool:
         """Whether a planned block left unread (``UNREAD``: its tier is credited, never asked)
         still rests somewhere, its index entry first made to follow the tiers (``_settle``) where
-        it names a memory tier that no longer holds it. Another signal's handler raising between a
-        tier's pop and the index's update (``_promote``) leaves such an entry: credited as it
-        stood, its tokens counted as that tier's hits where the disk held the block, or, with no
-        disk tier, as restored from nowhere, and its commit kept a chain through it."""
-        if meta.resident is None or meta.key in (self._device if meta.resident is Tier.DEVICE else self._host):
+        it names a memory tier that no longer holds it, or no tier and no disk record. Another
+        signal's handler raising between a tier's pop and the index's update leaves such an
+        entry: credited as it stood, its tokens counted as that tier's hits where the disk held
+        the block (or as the disk's in a store without one), and, resting nowhere, as restored,
+        its commit keeping a chain through it."""
+        if meta.resident is None:
+            if meta.disk is not DiskState.NONE:
+                return True
+        elif meta.key in (self._device if meta.resident is Tier.DEVICE else self._host):
             return True
-        logger.debug("tierkv: block %s was not in the %s tier the index named", meta.key.hex(), meta.resident.value)
+        logger.debug("tierkv: block %s rests in no tier its index entry names", meta.key.hex())
         return self._settle(meta)
 
     def _source(self, meta: BlockMeta) -> tuple[Tier, Job[Any]] | None:
