@@ -661,6 +661,40 @@ def test_an_unread_block_no_longer_in_the_tier_its_entry_names_is_settled_before
                            model.generate(later, max_new_tokens=4, do_sample=False))
 
 
+def test_an_unread_block_whose_record_is_damaged_is_counted_once_a_window_reaches_it(
+        tiny_model, tmp_path: Path) -> None:
+    """A block no window reaches is never read (``UNREAD``), so damage to its record stays
+    unseen: its tokens count as restored (their KV is needed by no layer, the turn exact) and
+    the commit keeps the chain through it. A turn whose window reaches it (a shorter
+    conversation of the same prefix) reads it: counted corrupt once, dropped, recomputed, and
+    its commit stores the block again, so the longer conversation restores whole again. Checking
+    every record at open would read the blocks the window spares."""
+    from conftest import damage_in_place, flipped
+
+    model = tiny_model("mistral_window")
+    out, chain = _sixty_tokens_stored(model, tmp_path / "kv", 84, BUDGETS["disk"])
+    nxt = torch.cat([out, random_ids(5, seed=85)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS["disk"]) as store:
+        damage_in_place(store._disk.env, store._disk._blocks, chain[0], lambda record: flipped(record, -20))
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_from["disk"] == 60 and store.stats()["corrupt"] == 0
+        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(3, seed=86)], dim=1)
+        assert store.open(model, later, session="s").restored_tokens == got.shape[1] - 1
+        short = out[:, :14]  # 13 restored: the window reaches block 0
+        cache = store.open(model, short, session="t")
+        assert cache.restored_tokens == 0 and store.stats()["corrupt"] == 1 and chain[0] not in store._index.blocks
+        got_short = model.generate(short, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got_short, model.generate(short, max_new_tokens=4, do_sample=False))
+        assert cache.commit(got_short) == got_short.shape[1] - 1
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == got.shape[1] - 1 and store.stats()["corrupt"] == 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
 @pytest.mark.parametrize("rest", ["disk", "host"])
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3_text"])
 def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_reaches(
