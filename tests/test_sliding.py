@@ -1013,6 +1013,87 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
                            model.generate(nxt, max_new_tokens=4, do_sample=False))
 
 
+@pytest.mark.parametrize("handler", ["raises", "returns"])
+def test_a_ctrl_c_during_a_restores_reads_needing_no_new_plan_ends_the_restore_at_the_interrupted_read(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handler: str) -> None:
+    """A Ctrl-C during an all-sliding model's disk reads whose shorter restore's window reaches
+    no block left unread (a tail of one token past it) is not planned again: the restore ends
+    at the interrupted read, as a full-attention model's does. The interrupted block is a plain
+    miss, kept (neither corrupt nor dropped), every pin and pool buffer let go of; where the
+    program's handler returns, the figures are those of the shorter restore and the turn is
+    exact. While it reads, the open cannot tell a program that wants out from one whose handler
+    returns, and it stops at once for the first (the second computes the rest again)."""
+    import signal
+
+    import tierkv.store
+
+    monkeypatch.setattr(tierkv.store, "PARALLEL_READ_BYTES", 1 << 62)  # the tail's read starts after the Ctrl-C
+    model = tiny_model("mistral_window")
+    budgets = BUDGETS["disk"]
+    ids = random_ids(54, seed=87)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 57  # 7 blocks of 8 and a tail of 1
+        chain = store.open(model, out, session="s")._restored_keys
+    nxt = torch.cat([out, random_ids(5, seed=88)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
+        engine = _reading_into_a_pool(store)
+        read_into, reads = store._disk.read_into, []
+
+        def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
+            reads.append(chain.index(key))
+            if len(reads) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return read_into(key, *args, **kwargs)
+
+        plan_again, passes = store._plan_again, []
+
+        def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
+            passes.append(miss)
+            return plan_again(plan, found, got, miss, *args)
+
+        store._disk.read_into, store._plan_again = interrupted, counting
+        before = store.stats()
+        calls: list[int] = []
+        previous = signal.getsignal(signal.SIGINT)
+        if handler == "returns":
+            signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        try:
+            if handler == "raises":
+                with pytest.raises(KeyboardInterrupt):
+                    store.open(model, nxt, session="s")
+            else:
+                cache = store.open(model, nxt, session="s")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        # A restore of 57 reads blocks 5 and 6 and the tail (its window from token 45); block 6
+        # was read as the Ctrl-C came, the tail not: 56 tokens, whose window from 44 reaches
+        # block 5 alone.
+        assert reads == [5, 6] and passes == []
+        after = store.stats()
+        if handler == "returns":
+            assert calls == [signal.SIGINT]
+            assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
+            assert {tier: after["hits"][tier] - before["hits"][tier] for tier in before["hits"]} == \
+                cache.restored_from
+            assert after["misses"] - before["misses"] == nxt.shape[1] - 56
+            got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
+            del cache
+        assert after["corrupt"] == 0 and [key in store._index.blocks for key in chain] == [True] * 8
+        assert not store._pinned
+        engine.land()
+        store._host.reclaim()
+        pool = store.stats()["host_pool"]
+        assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+        store._disk.read_into = read_into
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens == 57
+        assert torch.equal(model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(nxt, max_new_tokens=4, do_sample=False))
+
+
 @pytest.mark.parametrize("dropped", [2, 3])
 def test_a_commit_before_any_forward_stores_again_a_block_past_the_cut_of_layers_of_other_kv_shapes(
         tiny_model, tmp_path: Path, dropped: int) -> None:
