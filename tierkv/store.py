@@ -1002,10 +1002,13 @@ class TieredStore:
         never more than ``L - 1`` tokens (``generate`` needs one to compute logits from), nothing
         from the model's masked pad id on, and nothing past a dynamic RoPE's base length. Disk
         blocks are read and verified before this returns; a bad one ends the restore there (counted
-        in ``stats()['corrupt']``). The cache's ``restored_tokens`` and ``restored_from`` (tokens per
-        tier) say what came back; its ``diverged_at``, where the ids first differ from the
-        conversation the session committed last (None where they agree, where the restore reaches
-        past that point along another stored conversation, or where the store cannot tell).
+        in ``stats()['corrupt']``). Blocks no layer's window reaches (a model whose every layer
+        slides) are neither read nor verified: their tokens count as restored from the tier they
+        rest in, and damage to them is found by a turn whose window reaches them. The cache's
+        ``restored_tokens`` and ``restored_from`` (tokens per tier) say what came back; its
+        ``diverged_at``, where the ids first differ from the conversation the session committed
+        last (None where they agree, where the restore reaches past that point along another
+        stored conversation, or where the store cannot tell).
         Pass it to ``model.generate(input_ids, cache=cache)``, then call ``cache.commit(output)``.
 
         Raises ``TypeError``/``ValueError`` (saying what to pass instead) for ids that are not one
