@@ -172,9 +172,11 @@ def test_gpu_check_fails_where_a_row_says_mismatch_or_wrong() -> None:
 
 def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
     out = run(tmp_path, "benchmarks/gpu_check.py", "--cpu")
-    # 3 models x 2 dtypes x 3 tiers, and the host-pool churn case.
-    assert out.count("| exact |") == 19 and "MISMATCH" not in out
+    # 5 models (Llama, GPT-2, Mistral's window, DeepSeek-V3's latent attention, Gemma 4's KV of other
+    # shapes per layer) x 2 dtypes x 3 tiers, and the host-pool churn case.
+    assert out.count("| exact |") == 31 and "MISMATCH" not in out
     assert out.count("| mistral sliding window 8 ") == 6
+    assert out.count("| deepseek_v3 latent attention ") == out.count("| gemma4_text KV of other shapes per layer") == 6
     assert "| 4 sessions x 4 turns" in out
     assert "| disk records read side by side | ok: " in out and "helpers read on ['cpu']" in out
     assert "| a forked child drops the store | ok: the child exited 0; the parent's turn after the fork exact" in out
