@@ -1574,7 +1574,7 @@ class RestoreBuffer:
                 if units.step == 1 and layout.heads == 1:
                     # A head's units lie together, a row each (latent attention's keys: 8 units
                     # of a 512-wide latent): one piece of them, (d, tokens, D0 * itemsize), and
-                    # a ninth of the pieces a DeepSeek-V3 block's 61 layers made (549).
+                    # two ninths of the pieces a DeepSeek-V3 block's 61 layers made (122 of 549).
                     pieces.append([((units.first + g * units.parts), rows[g, 0].transpose(1, 0, 2))
                                    for g in range(units.heads)])
                     continue
