@@ -271,6 +271,10 @@ def run_mode(model: torch.nn.Module, arch: str, mode: str, ids: torch.Tensor, **
 # Sliding windows too: in every layer (from the host tier), beside full attention (from disk).
 MODE_CASES = [(arch, "disk") for arch in ("llama", "gpt2", "falcon")] + [("llama", "device"), ("llama", "host")]
 MODE_CASES += [("gemma3_text", "disk"), ("mistral_window", "host"), ("gemma4_text", "disk"), ("gemma4_text", "device")]
+# Latent attention's keys and values of other widths (a pair per layer, not one tensor): beams and
+# several sequences repeating a restored row, prompt lookup and an assistant cropping it, read in
+# place from disk (the first forward of several rows joins the buffer instead) and from the host tier.
+MODE_CASES += [("deepseek_v3", "disk"), ("deepseek_v3", "host")]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
