@@ -268,3 +268,43 @@ def test_a_restore_of_layers_of_one_shape_makes_no_call_per_block_but_its_views(
         sys.setprofile(None)
     assert calls == ["layer_parts"] + ["_block_views"] * 5
     assert torch.equal(torch.cat(parts, dim=-2), torch.cat([t.wait()[1, :, :, :n] for t, n in blocks], dim=-2))
+
+
+def test_a_layers_part_of_a_block_is_one_dispatch_for_its_keys_and_one_for_its_values() -> None:
+    """``part`` runs per block per layer in every restore of a layout. Its keys and values were
+    each a view of the units' row, a stepped slice, a view and a permute: eight dispatches a
+    layer, which made a Gemma-4-like restore's parts 17-26 us a block and layer where they had
+    been 7 before keys and values lay apart (h122). Dispatches counted, not timed; the views equal
+    a reference made by indexing the units one by one, from a whole block and one cut short."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    shapes: list[tuple[int, ...] | None] = [(4, 16), (2, 32), None, (1, 32, 1, 8), (4, 16)]
+    layout = KVLayout.of(shapes)
+    assert layout is not None
+    block = torch.arange(layout.slots * 2 * layout.heads * 6 * layout.dim, dtype=torch.float32).view(
+        layout.slots, 2, layout.heads, 6, layout.dim)
+    for cut in (block, block[:, :, :, :4]):
+        units = cut.reshape(-1, *cut.shape[2:])  # unit u: cut[u // 2, u % 2]
+        for i, layer in enumerate(layout.layers):
+            if layer is None:
+                continue
+            with Count() as count:
+                keys, values = layout.part(cut, i)
+            assert len(count.ops) == 2, count.ops
+            for got, run in ((keys, layer.keys), (values, layer.values)):
+                want = torch.stack([torch.stack([units[run.first + run.step * (g * run.parts + p)]
+                                                 for p in range(run.parts)], dim=2) for g in range(run.heads)])
+                assert torch.equal(got, want)
+    # A block whose slots' halves do not lie one after another is refused, not misread.
+    apart = torch.zeros(2, layout.slots, layout.heads, 6, layout.dim).transpose(0, 1)
+    with pytest.raises(ValueError, match="halves do not lie one after another"):
+        layout.part(apart, 0)

@@ -133,8 +133,16 @@ class KVLayout:
         return block
 
     def _units(self, block: torch.Tensor, units: Units) -> torch.Tensor:
-        run = block.view(-1, *block.shape[2:])[units.first:units.last + 1:units.step]
-        return run.view(units.heads, units.parts, *run.shape[1:]).permute(0, 2, 3, 1, 4)
+        # One as_strided, not a view, a stepped slice, a view and a permute: a restore takes each
+        # layer's part of each block, and those eight dispatches a layer made a Gemma-4-like
+        # restore's parts 17-26 us a block and layer, 7 before keys and values lay apart (h122).
+        # Units lie ``stride(1)`` apart in a block ``empty`` made, or one cut to its first tokens.
+        slot, half, head, token, dim = block.stride()
+        if slot != 2 * half and block.shape[0] > 1:
+            raise ValueError(f"a block of strides {block.stride()}: its slots' halves do not lie one after another")
+        return block.as_strided((units.heads, self.heads, block.shape[3], units.parts, self.dim),
+                                (units.step * units.parts * half, head, token, units.step * half, dim),
+                                block.storage_offset() + units.first * half)
 
     def part(self, block: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values in ``block`` ``(slots, 2, H0, T, D0)``, views ``(h, H0, T, d, D0)``."""
