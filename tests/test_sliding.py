@@ -7,6 +7,7 @@ test_exactness.py (``conftest.SLIDING`` is among its architectures)."""
 from __future__ import annotations
 
 import gc
+import signal
 import weakref
 from pathlib import Path
 from typing import Any
@@ -605,6 +606,19 @@ def test_blocks_no_layers_window_reaches_are_neither_read_nor_copied(tiny_model,
         store.close()
 
 
+def _exact_and_kept_whole(store: TieredStore, model: Any, ids: torch.Tensor, cache: Any, seed: int) -> None:
+    """The turn ``cache`` was opened for (``ids``) equals plain generate, its commit keeps all but
+    the last token, and the next turn (3 ids more, from ``seed``) restores them all, exact."""
+    got = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False))
+    assert cache.commit(got) == got.shape[1] - 1
+    later = torch.cat([got, random_ids(3, seed=seed)], dim=1)
+    cache = store.open(model, later, session="s")
+    assert cache.restored_tokens == got.shape[1] - 1
+    assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                       model.generate(later, max_new_tokens=4, do_sample=False))
+
+
 # An entry naming no tier with the disk holding the block is a block at rest on disk alone.
 @pytest.mark.parametrize(("entry", "disk"), [("host", True), ("host", False), ("none", False)])
 @pytest.mark.parametrize("lost", [0, 1])
@@ -651,14 +665,7 @@ def test_an_unread_block_no_longer_in_the_tier_its_entry_names_is_settled_before
             assert key not in store._index.blocks
         after = store.stats()["hits"]
         assert {tier: after[tier] - hits[tier] for tier in hits} == cache.restored_from
-        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
-        assert cache.commit(got) == got.shape[1] - 1
-        later = torch.cat([got, random_ids(3, seed=83)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert cache.restored_tokens == got.shape[1] - 1
-        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                           model.generate(later, max_new_tokens=4, do_sample=False))
+        _exact_and_kept_whole(store, model, nxt, cache, seed=83)
 
 
 def test_an_unread_block_whose_record_is_damaged_is_counted_once_a_window_reaches_it(
@@ -738,14 +745,7 @@ def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_
         # 48 tokens: the window of 12 reaches blocks 4 and 5, unread by a restore of 60.
         assert cache.restored_tokens == 48 and cache.restored_from[rest] == 48
         assert store.stats()["corrupt"] == 1
-        got = model.generate(nxt, past_key_values=cache, max_new_tokens=4, do_sample=False)
-        assert torch.equal(got, model.generate(nxt, max_new_tokens=4, do_sample=False))
-        assert cache.commit(got) == got.shape[1] - 1
-        later = torch.cat([got, random_ids(3, seed=65)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert cache.restored_tokens == got.shape[1] - 1
-        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                           model.generate(later, max_new_tokens=4, do_sample=False))
+        _exact_and_kept_whole(store, model, nxt, cache, seed=65)
 
 
 def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_layers_window(
@@ -937,6 +937,53 @@ def test_a_restore_planned_again_reads_no_record_twice(tiny_model, tmp_path: Pat
                            model.generate(later, max_new_tokens=4, do_sample=False))
 
 
+def _pool_let_go(store: TieredStore, engine: Any) -> None:
+    """Once ``engine``'s copies land, no buffer of the store's host pool is in use or retiring."""
+    engine.land()
+    store._host.reclaim()
+    pool = store.stats()["host_pool"]
+    assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+
+
+def _interrupting_reads(store: TieredStore, chain: list[bytes], at: int) -> tuple[list[int], list[int]]:
+    """Make ``store``'s disk reads note each block's place in ``chain`` and raise SIGINT as the
+    ``at``-th starts, and its re-plans note the block each missed: (reads, passes)."""
+    read_into, reads = store._disk.read_into, []
+
+    def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
+        reads.append(chain.index(key))
+        if len(reads) == at:
+            signal.raise_signal(signal.SIGINT)
+        return read_into(key, *args, **kwargs)
+
+    plan_again, passes = store._plan_again, []
+
+    def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
+        passes.append(miss)
+        return plan_again(plan, found, got, miss, *args)
+
+    store._disk.read_into, store._plan_again = interrupted, counting
+    return reads, passes
+
+
+def _open_under_ctrl_c(store: TieredStore, model: Any, ids: torch.Tensor, handler: str) -> tuple[Any, list[int]]:
+    """``store.open`` with a SIGINT handler that ``"raises"`` (Python's: the open raises
+    KeyboardInterrupt, and no cache comes back) or ``"returns"``: (the cache or None, the signals
+    the handler was called for)."""
+    calls: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if handler == "returns":
+        signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        if handler == "raises":
+            with pytest.raises(KeyboardInterrupt):
+                store.open(model, ids, session="s")
+            return None, calls
+        return store.open(model, ids, session="s"), calls
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("handler", ["raises", "returns"])
 @pytest.mark.parametrize("into", ["buffer", "pool"])
 def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivered_before_the_next_pass(
@@ -949,7 +996,6 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
     buffer let go; or, where the program's handler returns, called once and the restore read on
     (of the blocks before the interrupted read). Either way the turns are exact. The reads are one
     thread's, so that the tail's starts after the Ctrl-C."""
-    import signal
 
     import tierkv.store
 
@@ -962,33 +1008,9 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
         if into == "pool":
             engine = _reading_into_a_pool(store)
-        read_into, reads = store._disk.read_into, []
-
-        def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
-            reads.append(chain.index(key))
-            if len(reads) == 1:
-                signal.raise_signal(signal.SIGINT)
-            return read_into(key, *args, **kwargs)
-
-        plan_again, passes = store._plan_again, []
-
-        def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
-            passes.append(miss)
-            return plan_again(plan, found, got, miss, *args)
-
-        store._disk.read_into, store._plan_again = interrupted, counting
-        calls: list[int] = []
-        previous = signal.getsignal(signal.SIGINT)
-        if handler == "returns":
-            signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
-        try:
-            if handler == "raises":
-                with pytest.raises(KeyboardInterrupt):
-                    store.open(model, nxt, session="s")
-            else:
-                cache = store.open(model, nxt, session="s")
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        read_into = store._disk.read_into
+        reads, passes = _interrupting_reads(store, chain, 1)
+        cache, calls = _open_under_ctrl_c(store, model, nxt, handler)
         # Blocks 0-5 left unread; block 6 read as the Ctrl-C came, the tail not: 56 tokens, whose
         # window reaches block 5.
         assert passes == [7]
@@ -1002,10 +1024,7 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
             del cache
         assert not store._pinned and store.stats()["corrupt"] == 0
         if into == "pool":
-            engine.land()
-            store._host.reclaim()
-            pool = store.stats()["host_pool"]
-            assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+            _pool_let_go(store, engine)
         store._disk.read_into = read_into
         cache = store.open(model, nxt, session="s")
         assert cache.restored_tokens == 60
@@ -1023,7 +1042,6 @@ def test_a_ctrl_c_during_a_restores_reads_needing_no_new_plan_ends_the_restore_a
     program's handler returns, the figures are those of the shorter restore and the turn is
     exact. While it reads, the open cannot tell a program that wants out from one whose handler
     returns, and it stops at once for the first (the second computes the rest again)."""
-    import signal
 
     import tierkv.store
 
@@ -1039,34 +1057,10 @@ def test_a_ctrl_c_during_a_restores_reads_needing_no_new_plan_ends_the_restore_a
     nxt = torch.cat([out, random_ids(5, seed=88)], dim=1)
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:
         engine = _reading_into_a_pool(store)
-        read_into, reads = store._disk.read_into, []
-
-        def interrupted(key: bytes, *args: Any, **kwargs: Any) -> Any:
-            reads.append(chain.index(key))
-            if len(reads) == 2:
-                signal.raise_signal(signal.SIGINT)
-            return read_into(key, *args, **kwargs)
-
-        plan_again, passes = store._plan_again, []
-
-        def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
-            passes.append(miss)
-            return plan_again(plan, found, got, miss, *args)
-
-        store._disk.read_into, store._plan_again = interrupted, counting
+        read_into = store._disk.read_into
+        reads, passes = _interrupting_reads(store, chain, 2)
         before = store.stats()
-        calls: list[int] = []
-        previous = signal.getsignal(signal.SIGINT)
-        if handler == "returns":
-            signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
-        try:
-            if handler == "raises":
-                with pytest.raises(KeyboardInterrupt):
-                    store.open(model, nxt, session="s")
-            else:
-                cache = store.open(model, nxt, session="s")
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        cache, calls = _open_under_ctrl_c(store, model, nxt, handler)
         # A restore of 57 reads blocks 5 and 6 and the tail (its window from token 45); block 6
         # was read as the Ctrl-C came, the tail not: 56 tokens, whose window from 44 reaches
         # block 5 alone.
@@ -1083,10 +1077,7 @@ def test_a_ctrl_c_during_a_restores_reads_needing_no_new_plan_ends_the_restore_a
             del cache
         assert after["corrupt"] == 0 and [key in store._index.blocks for key in chain] == [True] * 8
         assert not store._pinned
-        engine.land()
-        store._host.reclaim()
-        pool = store.stats()["host_pool"]
-        assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
+        _pool_let_go(store, engine)
         store._disk.read_into = read_into
         cache = store.open(model, nxt, session="s")
         assert cache.restored_tokens == 57
