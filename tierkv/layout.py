@@ -12,9 +12,10 @@ layers' KV heads and of their head dims, keys' and values' alike. Keys of ``H = 
 ``D = d * D0`` dims take ``h * d`` units (``Units``): unit ``first + step * (g * d + p)`` holds
 heads ``[g * H0, (g + 1) * H0)`` and dims ``[p * D0, (p + 1) * D0)``; so do values. Layers hold
 consecutive units in layer order. A layer whose keys and values are of one shape interleaves them
-(``step`` 2: each slot its keys' half and its values', as a layer of one slot); otherwise its keys'
-units come first, then its values' (``step`` 1), and an odd count of units in all leaves the last
-slot's values half unused (zeroed: ``empty``). A layer that holds no KV (one reading an earlier
+(``step`` 2: a keys' unit, then a values' one, so that a slot holds its keys' half and its values',
+as a layer of one slot does, where the units before it are even); otherwise its keys' units come
+first, then its values' (``step`` 1), and an odd count of units in all leaves the last slot's values
+half unused (zeroed: ``empty``). A layer that holds no KV (one reading an earlier
 layer's: Gemma 3n's and Gemma 4's KV sharing, a "dummy" layer in transformers' caches) holds no
 unit.
 
