@@ -857,6 +857,32 @@ TOY_TRACE_ANY_MODEL = [flag for i, flag in enumerate(TOY_TRACE)
                        if flag not in ("--layers", "--hidden") and TOY_TRACE[i - 1] not in ("--layers", "--hidden")]
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2_moe", "glm4_moe_lite"])
+def test_a_random_moe_model_of_the_trace_has_few_experts(arch: str) -> None:
+    """``--arch`` of a MoE family built its default experts (DeepSeek-V3's 256 of 2,048 wide):
+    840M parameters at 4 layers of 512, most of them experts no token reaches, where a Llama of
+    those flags has 14M. At most 8 experts as wide as the dense MLP, 2 a token; the attention
+    (and so the KV a turn stores) as the family makes it."""
+    from tierkv.trace_model import _random_model
+
+    with torch.device("meta"):
+        model = _random_model(arch, 4, 512, 2048, 0, torch.float32)
+        llama = _random_model("llama", 4, 512, 2048, 0, torch.float32)
+    config = model.config
+    experts = [getattr(config, key) for key in ("n_routed_experts", "num_experts", "num_local_experts")
+               if isinstance(getattr(config, key, None), int)]
+    assert experts and set(experts) == {8} and config.num_experts_per_tok == 2
+    assert sum(p.numel() for p in model.parameters()) < 8 * sum(p.numel() for p in llama.parameters())
+    if arch == "deepseek_v3":
+        assert (config.kv_lora_rank, config.qk_rope_head_dim) == (512, 64)
+    from tierkv.trace_model import _shrink_experts
+
+    dense = AutoConfig.for_model("llama")
+    before = dense.to_dict()
+    _shrink_experts(dense, 512)
+    assert dense.to_dict() == before
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 written by save_pretrained: a user's own model, as --model loads it."""
@@ -876,7 +902,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["--arch", "gpt_neox", "--hidden", "128"], "gpt_neox", 2 * 1 * 2 * 64 * 4),
     (["--dtype", "bfloat16"], "llama", 2 * 1 * 1 * 64 * 2),
     ("checkpoint", "qwen2", 2 * 3 * 2 * 16 * 4),
-], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint"])
+    # Latent attention: a layer caches its latent (512) and rotary keys (64), whatever its heads;
+    # the fourth layer is MoE (first_k_dense_replace 3), of 8 experts.
+    (["--arch", "deepseek_v3", "--layers", "4"], "deepseek_v3", 4 * (512 + 64) * 4),
+], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint", "deepseek-v3"])
 def test_chat_trace_runs_other_models_exactly_with_their_own_kv_sizes(
         model_flags: list[str] | str, family: str, kv_per_token: int, checkpoint: Path, tmp_path: Path) -> None:
     """A serving engineer replays the trace on the model they serve (``--model``, a directory

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -136,6 +137,7 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
         config.head_dim = 64
     if getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None:
         config.sliding_window = None
+    _shrink_experts(config, hidden)
     torch.manual_seed(seed)
     try:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -143,6 +145,30 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
         reason = str(exc).strip().splitlines()[0]
         raise ModelFlagError(f"--arch {arch!r} has no causal language model to build ({reason[:200]}); give a "
                              "decoder-only family such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi") from None
+
+
+def _shrink_experts(config: Any, hidden: int) -> None:
+    """A MoE family's default experts are a real checkpoint's (DeepSeek-V3's 256 of 2,048 wide,
+    Qwen2-MoE's 60): at ``--hidden 512`` and 4 layers they made 840M and 560M parameters, nearly
+    all in experts, where a Llama of the same flags has 20M. At most 8 experts (2 a token), as
+    wide as the dense MLP, in one routing group; the attention and its KV are left as the family
+    makes them."""
+    counts = [key for key in ("n_routed_experts", "num_experts", "num_local_experts")
+              if isinstance(getattr(config, key, None), int) and not isinstance(getattr(config, key), bool)]
+    if not counts:
+        return
+    for key in counts:
+        setattr(config, key, min(getattr(config, key), 8))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > hidden * 2:
+            setattr(config, key, hidden * 2)
+    top = getattr(config, "num_experts_per_tok", None)
+    if isinstance(top, int) and top > 2:
+        config.num_experts_per_tok = 2
+    for key in ("n_group", "topk_group"):
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, 1)
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
