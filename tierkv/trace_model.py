@@ -137,6 +137,10 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
         config.head_dim = 64
     if getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None:
         config.sliding_window = None
+    if getattr(config, "kv_lora_rank", None):
+        # Latent attention expands the latent to every query head's keys and values (DeepSeek's
+        # num_key_value_heads is its heads'): fewer made its attention's shapes disagree.
+        config.num_key_value_heads = config.num_attention_heads
     _shrink_experts(config, hidden)
     torch.manual_seed(seed)
     try:
