@@ -84,8 +84,10 @@ def check_exactness(device: torch.device) -> list[str]:
     per_layer = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                      attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                      num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512)
-    for model_type, shape in (("llama", {}), ("gpt2", {}), ("mistral", dict(sliding_window=8)),
-                              ("deepseek_v3", latent), ("gemma4_text", per_layer)):
+    for model_type, shape, label in (("llama", {}, "llama"), ("gpt2", {}, "gpt2"),
+                                     ("mistral", dict(sliding_window=8), "mistral sliding window 8"),
+                                     ("deepseek_v3", latent, "deepseek_v3 latent attention"),
+                                     ("gemma4_text", per_layer, "gemma4_text KV of other shapes per layer, shared")):
         if _release(transformers.__version__) < (5, 24) and model_type in ("deepseek_v3", "gemma4_text"):
             # Earlier releases cached latent attention's heads' keys and values, not the latent (the
             # first forward refuses), and knew no Gemma 4: the check carries a transformers wheel.
@@ -124,10 +126,7 @@ def check_exactness(device: torch.device) -> list[str]:
                 store.close()
                 shutil.rmtree(path, ignore_errors=True)
                 pool_note = f" (pool fallbacks {pool['fallbacks']})" if pool else ""
-                name = "deepseek_v3 latent attention" if shape is latent else \
-                    "gemma4_text KV of other shapes per layer, shared" if shape is per_layer else \
-                    model_type + "".join(f" {k.replace('_', ' ')} {v}" for k, v in shape.items())
-                lines.append(f"| {name} {str(dtype).removeprefix('torch.')} | {tier} | "
+                lines.append(f"| {label} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{'exact' if ok else 'MISMATCH'}{pool_note} | {restored} | {after} |")
     return lines
 

@@ -1653,10 +1653,10 @@ class _Restore:
 
     def fits(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether a forward's new keys and values of one row fill the room layer ``i``'s buffer
-        leaves past the restored tokens, in its dtype."""
+        leaves past the restored tokens, in its dtype (a layer holding no KV has none)."""
         assert self.buffer is not None
         room, q = self.buffer.layers[i], key_states.shape[-2]
-        if self.tokens + q != self.buffer.length or key_states.shape[0] != 1:
+        if room is None or self.tokens + q != self.buffer.length or key_states.shape[0] != 1:
             return False
         if self.layout is None:
             return key_states.dtype == value_states.dtype == room.dtype \
@@ -1836,8 +1836,8 @@ class TieredLayer(DynamicLayer):
             # Whether the keys need grad is not enough: a query that does (an adapter on q_proj
             # alone) has attention save the layer's views, and a later layer's copy of a block
             # from memory into the buffer then fails backward.
-            if buffer is not None and buffer.layers[self._layer_idx] is not None and not torch.is_grad_enabled() \
-                    and restore.fits(self._layer_idx, key_states, value_states):
+            if buffer is not None and not torch.is_grad_enabled() and restore.fits(self._layer_idx, key_states,
+                                                                                 value_states):
                 # The first forward after a restore read from disk, with the conversation's new
                 # tokens: written into the room left for them, no concatenation of the layer (cut
                 # to its window as open laid the buffer out: layer_parts checks they agree).

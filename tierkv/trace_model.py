@@ -154,7 +154,7 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
 def _shrink_experts(config: Any, hidden: int) -> None:
     """A MoE family's default experts are a real checkpoint's (DeepSeek-V3's 256 of 2,048 wide,
     Qwen2-MoE's 60): at ``--hidden 512`` and 4 layers they made 840M and 560M parameters, nearly
-    all in experts, where a Llama of the same flags has 20M. At most 8 experts (2 a token), as
+    all in experts, where a Llama of the same flags has 14M. At most 8 experts (2 a token), as
     wide as the dense MLP, in one routing group; the attention and its KV are left as the family
     makes them."""
     counts = [key for key in ("n_routed_experts", "num_experts", "num_local_experts")
