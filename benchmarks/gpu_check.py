@@ -10,7 +10,8 @@
 4. Devices: CPU-computed blocks are not restored on CUDA; a store made without ``device=``; the
    caller's current stream and device kept across the engine's copies; a restore's disk records
    read by helper threads on the store's device; a child forked from a process whose store
-   holds CUDA blocks drops them and exits cleanly.
+   holds CUDA blocks drops them and exits cleanly; a reply past a sliding window held in pinned
+   host memory past the window, exact after a restart.
 5. The model checks every open pays on CUDA (``benchmarks.micro.checks``: the weight sample is
    read there with one ``take`` per parameter), against a one-token forward.
 
@@ -129,6 +130,44 @@ def check_exactness(device: torch.device) -> list[str]:
                 lines.append(f"| {label} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{'exact' if ok else 'MISMATCH'}{pool_note} | {restored} | {after} |")
     return lines
+
+
+def check_long_reply(device: torch.device) -> list[str]:
+    """A reply of 60 tokens on a model sliding over 8: its sliding layers' tokens past the window
+    and two margins go to pinned host memory as it goes (``tierkv/staged.py``: copies on the
+    current stream, read back after their events), the device holds a window and two margins,
+    and the commit stores every token from there: the next turn, restored from disk after a
+    restart, and one parting inside the reply, are exact."""
+    from tierkv.cache import TieredSlidingLayer  # noqa: PLC0415
+
+    model = tiny("mistral", torch.float32, device, sliding_window=8)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 512, (1, 20), generator=gen).to(device)
+    path = tempfile.mkdtemp(prefix="tierkv-gpu-")
+    budgets = dict(device=device, block_size=8, device_budget=0, host_budget=0)
+    store = TieredStore(path, **budgets)
+    cache = store.open(model, ids, session="s")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=60, do_sample=False)
+    ok = torch.equal(out, model.generate(ids, max_new_tokens=60, do_sample=False))
+    sliding = [layer for layer in cache.layers if isinstance(layer, TieredSlidingLayer)]
+    held = max([layer.keys.shape[-2] for layer in sliding])
+    pinned = all([layer._staged and layer._staged._chunks[0][2].is_pinned() == (device.type == "cuda")
+                  for layer in sliding])
+    cache.commit(out)
+    store.close()
+    store = TieredStore(path, **budgets)  # a restart
+    for later in (torch.cat([out, torch.randint(3, 512, (1, 4), generator=gen).to(device)], dim=1),
+                  torch.cat([out[:, :45], torch.randint(3, 512, (1, 3), generator=gen).to(device)], dim=1)):
+        cache = store.open(model, later, session="s")
+        ok &= cache.restored_tokens >= 45
+        ok &= torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                          model.generate(later, max_new_tokens=4, do_sample=False))
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)
+    verdict = "ok" if ok and pinned and held <= 8 - 1 + 2 * 8 + 1 else "WRONG"
+    return [f"| a reply of 60 tokens past a window of 8 | {verdict}: exact {ok}, the device holds {held} tokens "
+            f"of {out.shape[1] - 1} per sliding layer, the rest in "
+            f"{('pinned ' if device.type == 'cuda' else '') if pinned else 'NOT PINNED '}host memory |"]
 
 
 def check_device_kind(device: torch.device) -> list[str]:
@@ -473,10 +512,10 @@ def main() -> None:
         print(line)
         failed += failure(line)
     print("\nDevices: the fingerprint's device kind, a store's default device, the caller's stream, its read "
-          "helpers' device, a forked child:\n")
+          "helpers' device, a forked child, a reply past a sliding window:\n")
     print("| case | result |\n|---|---|")
     for line in check_device_kind(device) + check_default_device(device) + check_streams_put_back(device) + \
-            check_reads_side_by_side(device) + check_forked_child(device):
+            check_reads_side_by_side(device) + check_forked_child(device) + check_long_reply(device):
         print(line)
         failed += failure(line)
     print("\nHost pool under churn (buffers reused while copies may still run):\n")

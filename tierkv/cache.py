@@ -106,6 +106,7 @@ except ImportError:  # transformers before 5.x's per-layer config API
 from .codec import CorruptRecord
 from .interrupts import raised_by_signal_handler
 from .layout import KVLayout
+from .staged import StagedTokens
 from .transfer import Job, _CudaCopyJob
 from .weights import BufferDigests, WeightSample, digest_weights, versions
 
@@ -1877,6 +1878,14 @@ class TieredLayer(DynamicLayer):
         # they made every decode step of a 64 MiB cache 5-8% slower (benchmarks.decode).
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row 0's keys and values of tokens ``[start, end)``, (H, n, D) each: ``block_tensor``'s."""
+        # The keys first: their first read assembles a pending restore, which sets the offset
+        # (read before, it was 0 for a sliding layer still pending, and the slice missed).
+        keys, values = self.keys, self.values
+        at = self._offset
+        return keys[0, :, start - at:end - at], values[0, :, start - at:end - at]  # type: ignore[index]
+
     def _rows(self) -> int:
         if self._pending is not None:
             return 1  # a restore is one conversation; reading .keys would assemble it a copy early
@@ -1934,7 +1943,13 @@ class TieredSlidingLayer(TieredLayer):
     later turn can restore any prefix, whose window is its last tokens, and the blocks a commit
     stores anew start with the one the restore ends in. Cut to whole blocks, a restore is held from
     no later than its last block's start; a crop may not leave the layer less than a window past
-    its offset (``crop_floor``).
+    where it holds tokens from (``crop_floor``).
+
+    Tokens that fall ``margin`` (the store's block size) past its window and margin are handed
+    off the device (``_staged``, ``staged.py``) while it holds one row, ``margin`` of them at a
+    time: a reply longer than the window is held there for ``commit`` (``span``), not on the
+    device, and the layer holds at most its window and two margins past the new tokens. A crop
+    below what it holds takes them back first.
 
     Its keys and values grow in room kept ahead (``_room``), where a ``DynamicLayer`` concatenates
     its whole history at each step: a decode step then copies its new token alone, as the
@@ -1945,9 +1960,12 @@ class TieredSlidingLayer(TieredLayer):
 
     is_sliding = True
 
-    def __init__(self, sliding_window: int) -> None:
+    def __init__(self, sliding_window: int, margin: int = 256) -> None:
         super().__init__()
         self.sliding_window = sliding_window
+        self.margin = max(1, margin)
+        # Tokens [_staged.start, _offset) of row 0, off the device (see the class's docstring).
+        self._staged = StagedTokens()
         self._room: tuple[torch.Tensor, torch.Tensor] | None = None
         # The end of the room's tokens handed out so far: an append below it (after a crop:
         # assisted decoding's, a forward's that raised) makes room again rather than writing over
@@ -1993,11 +2011,28 @@ class TieredSlidingLayer(TieredLayer):
                     or new.shape[2] != q or new.dtype != held.dtype or new.device != held.device:
                 return None
         room = self._room
-        if room is None or not (_is_head_of(keys, room[0]) and _is_head_of(values, room[1])) \
+        keep = self.sliding_window - 1 + self.margin
+        if n > keep + self.margin and keys.shape[0] == 1:
+            # Past the window and two margins: the oldest tokens go off the device, the rest to a
+            # room for a margin more, so that the next cut comes before the room is full.
+            cut = n - keep
+            self._staged.add(self._offset, keys[:, :, :cut], values[:, :, :cut])
+            size = keep + q + self.margin
+            room = (keys.new_empty((*keys.shape[:2], size, keys.shape[3])),
+                    values.new_empty((*values.shape[:2], size, values.shape[3])))
+            room[0][:, :, :keep].copy_(keys[:, :, cut:])
+            room[1][:, :, :keep].copy_(values[:, :, cut:])
+            self._keys, self._values, self._offset, self._room, self._handed = \
+                room[0][:, :, :keep], room[1][:, :, :keep], self._offset + cut, room, 0
+            n = keep
+        elif room is None or not (_is_head_of(keys, room[0]) and _is_head_of(values, room[1])) \
                 or n + q > room[0].shape[-2] or (room[0].is_inference() and not torch.is_inference_mode_enabled()) \
                 or n < self._handed:
-            # Past the room (or none): room for a quarter more, at least 256 tokens, copied once.
+            # Past the room (or none): room for a quarter more, at least 256 tokens, copied once;
+            # for one row, no more than the next cut leaves room for.
             size = n + q + max(256, (n + q) // 4)
+            if keys.shape[0] == 1:
+                size = min(size, keep + self.margin + q)
             room = (keys.new_empty((*keys.shape[:2], size, keys.shape[3])),
                     values.new_empty((*values.shape[:2], size, values.shape[3])))
             room[0][:, :, :n].copy_(keys)
@@ -2012,8 +2047,14 @@ class TieredSlidingLayer(TieredLayer):
     def _cut(self, restore: _Restore) -> tuple[int, int]:
         return restore.window_cut(self.sliding_window)
 
+    def held_from(self) -> int:
+        if self._pending is None and self._staged:
+            return self._staged.start
+        return super().held_from()
+
     def crop_floor(self) -> int:
-        """The shortest length a crop can leave: one whose window this layer still holds."""
+        """The shortest length a crop can leave: one whose window this layer still holds (on the
+        device, or handed off it: ``_unstage``)."""
         offset = self.held_from()
         return offset + self.sliding_window - 1 if offset else 0
 
@@ -2024,7 +2065,44 @@ class TieredSlidingLayer(TieredLayer):
             return
         if tokens_to_remove < 0 and length < self.crop_floor():
             raise _crop_refusal(self.crop_floor(), length)
+        if tokens_to_remove < 0 and self._staged and length < self._offset + self.sliding_window - 1:
+            self._unstage()
         super().crop(tokens_to_remove)
+
+    def _unstage(self) -> None:
+        """The tokens handed off the device taken back in front of the ones it holds (a crop into
+        them: assisted decoding's, a generate() dropping KV it cannot vouch for)."""
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        staged_keys, staged_values = self._staged.span(self._staged.start, self._offset, keys.device)
+        rows = keys.shape[0]
+        if rows != 1:
+            # Beams expanded from the one row they were handed off from.
+            staged_keys = staged_keys.expand(rows, -1, -1, -1)
+            staged_values = staged_values.expand(rows, -1, -1, -1)
+        joined = torch.cat((staged_keys, keys), dim=-2), torch.cat((staged_values, values), dim=-2)
+        self._keys, self._values, self._offset, self._room = joined[0], joined[1], self._staged.start, None
+        self._staged.clear()
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending is not None or start >= self._offset or not self._staged:
+            return super().span(start, end)
+        keys, values = self._staged.span(start, min(end, self._offset), self._keys.device)  # type: ignore[union-attr]
+        if end <= self._offset:
+            return keys[0], values[0]
+        live = super().span(self._offset, end)
+        return torch.cat((keys[0], live[0]), dim=-2), torch.cat((values[0], live[1]), dim=-2)
+
+    def with_staged(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """The keys and values from the first token held, off the device or on it (on it), and
+        that token (``TieredCache.__iter__``)."""
+        keys, values = self.keys, self.values
+        if not self._staged or keys is None or values is None or keys.dim() != 4:
+            return keys, values, self._offset
+        staged_keys, staged_values = self._staged.span(self._staged.start, self._offset, keys.device)
+        rows = keys.shape[0]
+        return (torch.cat((staged_keys.expand(rows, -1, -1, -1), keys), dim=-2),
+                torch.cat((staged_values.expand(rows, -1, -1, -1), values), dim=-2), self._staged.start)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         held = self.get_seq_length()
@@ -2035,6 +2113,7 @@ class TieredSlidingLayer(TieredLayer):
 
     def reset(self) -> None:
         self._room = None
+        self._staged.clear()
         super().reset()
 
 
@@ -2152,7 +2231,7 @@ class TieredCache(Cache):
         windows = info.windows or (None,) * info.num_layers
         layout = info.layout
         layers: list[Any] = [_SharedLayer(i) if layout is not None and not layout.holds(i) else
-                             TieredLayer() if w is None else TieredSlidingLayer(w) for i, w in enumerate(windows)]
+                             TieredLayer() if w is None else TieredSlidingLayer(w, store.block_size) for i, w in enumerate(windows)]
         super().__init__(layers=layers)
         # The layers holding KV: those reading an earlier layer's (KV sharing) are transformers'
         # DummyLayer, which holds none, as in its own caches.
@@ -2213,12 +2292,13 @@ class TieredCache(Cache):
                 yield None, None, None  # a layer reading another's KV: DynamicCache(cache, config=...) keeps it so
                 continue
             window = getattr(layer, "sliding_window", None)
-            keys, values = layer.keys, layer.values
-            if layer._offset and keys is not None and values is not None:
+            keys, values, offset = layer.with_staged() if isinstance(layer, TieredSlidingLayer) else \
+                (layer.keys, layer.values, layer._offset)
+            if offset and keys is not None and values is not None:
                 # A sliding layer cut to its window: its length is the conversation's, so that a
                 # DynamicCache made of it counts its tokens right (and keeps the window alone).
                 # NaN where it holds nothing, rather than numbers that look like KV.
-                keys, values = (torch.cat([t.new_full((*t.shape[:2], layer._offset, t.shape[3]), float("nan")), t],
+                keys, values = (torch.cat([t.new_full((*t.shape[:2], offset, t.shape[3]), float("nan")), t],
                                           dim=-2) for t in (keys, values))
             yield keys, values, None if window is None else torch.tensor(window, dtype=torch.long)
 
@@ -2894,21 +2974,15 @@ class TieredCache(Cache):
                              f"token {self.held_from()} on")
         layout = self.model_info.layout
         if layout is None:
-            return torch.stack([
-                torch.stack((layer.keys[0, :, start - layer._offset:end - layer._offset].detach(),
-                             layer.values[0, :, start - layer._offset:end - layer._offset].detach()))
-                for layer in self.layers
-            ]).contiguous()
+            return torch.stack([torch.stack([t.detach() for t in layer.span(start, end)]) for layer in self.layers]
+                               ).contiguous()
         keys = self._kv[0].keys
         block = layout.empty(end - start, keys.dtype, keys.device)
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, TieredLayer):
                 continue  # reads another layer's KV
-            # The keys first: their first read assembles a pending restore, which sets the offset
-            # (read before, it was 0 for a sliding layer still pending, and the slice missed).
-            keys, values = layer.keys, layer.values
-            at = layer._offset
-            layout.fill(block, i, keys[0, :, start - at:end - at].detach(), values[0, :, start - at:end - at].detach())
+            keys, values = layer.span(start, end)
+            layout.fill(block, i, keys.detach(), values.detach())
         return block
 
 

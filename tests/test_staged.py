@@ -1,0 +1,205 @@
+"""A reply longer than a sliding layer's window: the tokens past the window and two margins leave
+the device as the reply goes (``tierkv/staged.py``), ``commit`` stores them from there, and a crop
+into them takes them back. Exactness against plain generate throughout, through a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import SLIDING, random_ids
+from tierkv import TieredStore
+from tierkv.cache import TieredSlidingLayer
+from tierkv.staged import StagedTokens
+
+BLOCK = 8
+WINDOW = 12  # conftest's sliding shapes'
+# What a sliding layer holds on the device at most in a decode step: its window, two margins (the
+# store's block size) and the new token.
+MOST_HELD = WINDOW - 1 + 2 * BLOCK + 1
+REPLY = 60
+
+
+def _most_held(cache: Any) -> list[int]:
+    """The most tokens each sliding layer's keys (and the room they are views of) span after any
+    update of the cache from now on: a list that grows as the forwards run."""
+    most = [0]
+    update = cache.update
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        out = update(*args, **kwargs)
+        for layer in cache.layers:
+            if isinstance(layer, TieredSlidingLayer) and layer._keys is not None and layer._keys.dim() == 4:
+                room = layer._room[0].shape[-2] if layer._room is not None else 0
+                most[0] = max(most[0], layer._keys.shape[-2], room)
+        return out
+
+    cache.update = watched
+    return most
+
+
+def _sliding(cache: Any) -> list[TieredSlidingLayer]:
+    return [layer for layer in cache.layers if isinstance(layer, TieredSlidingLayer)]
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_a_reply_past_the_window_leaves_the_device_and_every_later_turn_is_exact(tiny_model, tmp_path: Path,
+                                                                                 arch: str) -> None:
+    model = tiny_model(arch)
+    ids = random_ids(20, seed=3)
+    budgets = dict(device="cpu", block_size=BLOCK, device_budget=0, host_budget=0)
+    with TieredStore(tmp_path / "kv", **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        most = _most_held(cache)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=REPLY, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=REPLY, do_sample=False))
+        # The first forward holds its 20 prompt tokens; every decode step after, a window and two
+        # margins at most (the reply whole before: 79 tokens).
+        assert 0 < most[0] <= max(MOST_HELD, ids.shape[1])
+        for layer in _sliding(cache):
+            assert layer._staged and layer._staged.start == 0 and layer._staged.end == layer._offset
+            assert layer._offset + layer._keys.shape[-2] == out.shape[1] - 1
+        assert cache.commit(out) == out.shape[1] - 1
+    with TieredStore(tmp_path / "kv", **budgets) as store:  # a restart: every block read from disk
+        later = torch.cat([out, random_ids(4, seed=4)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+        # A conversation parting from the reply inside the tokens that left the device: the blocks
+        # before the part are restored, their sliding layers' KV as the reply computed it.
+        edited = torch.cat([out[:, :45], random_ids(3, seed=5)], dim=1)
+        cache = store.open(model, edited)
+        assert cache.restored_tokens >= 45  # a block restored in part too (an edit may repeat the next id)
+        assert torch.equal(model.generate(edited, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(edited, max_new_tokens=4, do_sample=False))
+
+
+def test_a_crop_into_the_tokens_off_the_device_takes_them_back_and_goes_on_exact(tiny_model, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("mistral_window")
+    ids = random_ids(16, seed=6)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        layer = _sliding(cache)[0]
+        assert layer._staged and 25 < layer._offset + WINDOW - 1  # no window on the device at 25 tokens
+        taken: list[int] = []
+        unstage = TieredSlidingLayer._unstage
+        monkeypatch.setattr(TieredSlidingLayer, "_unstage", lambda self: (taken.append(1), unstage(self))[1])
+        cache.crop(-30)  # to 25 tokens: below what the device holds, above the first token held off it
+        assert taken and not layer._staged and layer._offset == 0 and cache.get_seq_length() == 25
+        # Room again for the tokens that follow, then off the device again as they pass the margins.
+        again = torch.cat([out[:, :25], random_ids(3, seed=7)], dim=1)
+        got = model.generate(again, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        assert torch.equal(got, model.generate(again, max_new_tokens=40, do_sample=False))
+        assert layer._staged
+        assert cache.commit(got) == got.shape[1] - 1
+        later = torch.cat([got, random_ids(2, seed=8)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == got.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+def test_prompt_lookup_with_candidates_past_a_margin_is_exact_while_tokens_leave_the_device(
+        tiny_model, tmp_path: Path) -> None:
+    """Assisted decoding crops the candidates the model rejects, here more than a margin of them:
+    never below what the device held before they were fed (a window and a margin), so with no
+    tokens taken back."""
+    model = tiny_model("mistral_window")
+    # A prompt repeating itself: the lookup proposes its continuations, which the model rejects.
+    ids = random_ids(30, seed=9).repeat(1, 3)
+    options = dict(max_new_tokens=REPLY, do_sample=False, prompt_lookup_num_tokens=3 * BLOCK)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, **options)
+        assert torch.equal(out, model.generate(ids, **options))
+        assert _sliding(cache)[0]._staged
+        assert cache.commit(out) == out.shape[1] - 1
+        later = torch.cat([out, random_ids(2, seed=10)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+def test_beams_after_tokens_left_the_device_then_a_crop_into_them_in_every_row_are_exact(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("gemma3_text")
+    taken: list[int] = []
+    unstage = TieredSlidingLayer._unstage
+    monkeypatch.setattr(TieredSlidingLayer, "_unstage",
+                        lambda self: (taken.append(self._keys.shape[0]), unstage(self))[1])
+    ids = random_ids(16, seed=11)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        assert _sliding(cache)[0]._staged
+        # Another generate on the same cache, in beams: its rows all follow the one row held off
+        # the device.
+        more = torch.cat([out, random_ids(3, seed=12)], dim=1)
+        beams = dict(max_new_tokens=6, do_sample=False, num_beams=3)
+        got = model.generate(more, past_key_values=cache, **beams)
+        assert torch.equal(got, model.generate(more, **beams))
+        # A third, greedy: the beams' rows past the opened conversation are dropped (a crop to its
+        # 16 tokens, in three rows, into the tokens off the device), then computed again.
+        last = torch.cat([got, random_ids(2, seed=13)], dim=1)
+        again = model.generate(last, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(again, model.generate(last, max_new_tokens=4, do_sample=False))
+        assert 3 in taken
+        assert cache.commit(again) == again.shape[1] - 1
+        later = torch.cat([again, random_ids(2, seed=14)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == again.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                           model.generate(later, max_new_tokens=4, do_sample=False))
+
+
+def test_a_dynamic_cache_made_of_it_holds_the_tokens_off_the_device_not_nan(tiny_model, tmp_path: Path) -> None:
+    model = tiny_model("gemma3_text")
+    ids = random_ids(16, seed=15)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        plain = DynamicCache()  # every layer whole: the sliding layers' KV of every token
+        with torch.no_grad():
+            model(out[:, :-1], past_key_values=plain)
+        for (keys, values, window), layer, whole in zip(cache, cache.layers, plain.layers):
+            assert keys.shape[-2] == out.shape[1] - 1
+            assert (window is not None) == isinstance(layer, TieredSlidingLayer)
+            torch.testing.assert_close(keys, whole.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(values, whole.values, rtol=0, atol=1e-5)
+        assert _sliding(cache)[0]._staged  # reading them left them where they were
+
+
+def test_staged_tokens_keep_order_replace_an_add_made_again_and_refuse_gaps() -> None:
+    staged = StagedTokens()
+    assert not staged and staged.nbytes() == 0
+    keys = torch.arange(2 * 10 * 3, dtype=torch.float32).view(1, 2, 10, 3)
+    values = -keys
+    staged.add(4, keys[:, :, :3], values[:, :, :3])
+    staged.add(7, keys[:, :, 3:7], values[:, :, 3:7])
+    assert (staged.start, staged.end) == (4, 11) and staged.nbytes() == 2 * 7 * 2 * 3 * 4
+    k, v = staged.span(5, 9, torch.device("cpu"))
+    assert torch.equal(k, keys[:, :, 1:5]) and torch.equal(v, values[:, :, 1:5])
+    # Copies of their own: the room they came from is free to be written over.
+    keys.add_(100)
+    assert torch.equal(staged.span(4, 5, torch.device("cpu"))[0], keys[:, :, :1] - 100)
+    keys.sub_(100)
+    # An add made again from an earlier token (its caller cut short before it moved its offset).
+    staged.add(6, keys[:, :, 2:8], values[:, :, 2:8])
+    assert (staged.start, staged.end) == (4, 12)
+    k, v = staged.span(4, 12, torch.device("cpu"))
+    assert torch.equal(k, keys[:, :, :8]) and torch.equal(v, values[:, :, :8])
+    with pytest.raises(ValueError, match="staged after tokens 4 to 12"):
+        staged.add(13, keys[:, :, :1], values[:, :, :1])
+    with pytest.raises(ValueError, match="asked of tokens 4 to 12"):
+        staged.span(3, 6, torch.device("cpu"))
+    k, v = staged.take(torch.device("cpu"))
+    assert torch.equal(k, keys[:, :, :8]) and not staged and (staged.start, staged.end) == (0, 0)
+    staged.add(20, keys[:, :, :2], values[:, :, :2])  # empty again: any token starts it
+    assert (staged.start, staged.end) == (20, 22)
