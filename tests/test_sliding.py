@@ -966,6 +966,12 @@ def _interrupting_reads(store: TieredStore, chain: list[bytes], at: int) -> tupl
     return reads, passes
 
 
+def _counted_no_turn(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """``stats()`` ``after`` an open that raised counts no hit and no miss more than ``before``:
+    no cache came back, and a program that opens the turn again counts it then."""
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+
+
 def _open_under_ctrl_c(store: TieredStore, model: Any, ids: torch.Tensor, handler: str) -> tuple[Any, list[int]]:
     """``store.open`` with a SIGINT handler that ``"raises"`` (Python's: the open raises
     KeyboardInterrupt, and no cache comes back) or ``"returns"``: (the cache or None, the signals
@@ -1010,12 +1016,14 @@ def test_a_ctrl_c_during_a_restores_reads_that_must_be_planned_again_is_delivere
             engine = _reading_into_a_pool(store)
         read_into = store._disk.read_into
         reads, passes = _interrupting_reads(store, chain, 1)
+        before = store.stats()
         cache, calls = _open_under_ctrl_c(store, model, nxt, handler)
         # Blocks 0-5 left unread; block 6 read as the Ctrl-C came, the tail not: 56 tokens, whose
         # window reaches block 5.
         assert passes == [7]
         if handler == "raises":
             assert reads == [6]
+            _counted_no_turn(before, store.stats())
         else:
             assert calls == [signal.SIGINT] and sorted(reads) == [5, 6] + [6] * (into == "buffer")
             assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
@@ -1066,7 +1074,9 @@ def test_a_ctrl_c_during_a_restores_reads_needing_no_new_plan_ends_the_restore_a
         # block 5 alone.
         assert reads == [5, 6] and passes == []
         after = store.stats()
-        if handler == "returns":
+        if handler == "raises":
+            _counted_no_turn(before, after)
+        else:
             assert calls == [signal.SIGINT]
             assert cache.restored_tokens == 56 and cache.restored_from["disk"] == 56
             assert {tier: after["hits"][tier] - before["hits"][tier] for tier in before["hits"]} == \

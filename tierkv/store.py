@@ -1085,6 +1085,11 @@ class TieredStore:
                     raise_pending()
                     reads, seconds, buffer = self._read_disk_blocks(plan, found, info, held, len(ids), kept)
                     read_seconds += seconds
+                # A Ctrl-C that cut the reads short with no re-plan is delivered here too, before
+                # anything is counted: held to the section's end, an open that raised counted its
+                # restore's hits and misses (its promotions done) where the re-planned one counted
+                # none, and a program opening the turn again counted it twice.
+                raise_pending()
                 with self._lock:
                     self._check_open()
                     if reads:  # the disk's time only where this open read from it (the chat trace's GB/s)
