@@ -945,6 +945,58 @@ def _pool_let_go(store: TieredStore, engine: Any) -> None:
     assert (pool["in_use"], pool["retiring"]) == (0, 0), pool
 
 
+@pytest.mark.parametrize("host", ["room", "none"])
+def test_a_promotion_an_exception_cuts_short_rests_a_block_read_from_disk_in_the_host_tier_only_within_its_budget(
+        tiny_model, tmp_path: Path, host: str) -> None:
+    """``_promote``'s cleanup puts a block in no tier in the host tier: for a block just read from
+    disk, one that was never there. An exception as the device tier makes room for it (out of
+    memory for a victim's host copy) rests it there only where the host tier's budget has room,
+    as the promotion would have had the device no room (the put refuses past the budget), else
+    on disk alone: the tiers in step with the index, no pin kept, each pool buffer held exactly
+    by the host tier's blocks, no hit counted for the open that raised, and the next turn exact,
+    the block then a host hit. CUDA's semantics on CPU, through a poisoning pool."""
+    from tierkv.store import Tier
+
+    model = tiny_model("mistral_window")
+    out, chain = _sixty_tokens_stored(model, tmp_path / "kv", 89, BUDGETS["disk"])
+    nxt = torch.cat([out, random_ids(5, seed=90)], dim=1)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **BUDGETS["disk"]) as store:
+        block_bytes = store._index.blocks[chain[0]].nbytes
+    budgets = dict(device_budget=block_bytes, host_budget=3 * block_bytes if host == "room" else block_bytes // 2)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, **budgets) as store:  # all on disk
+        engine = _reading_into_a_pool(store)
+        make_room = store._make_room
+
+        def short_of_memory(tier: Any, nbytes: int) -> bool:
+            if tier is Tier.DEVICE:
+                raise MemoryError("a victim's host copy")
+            return make_room(tier, nbytes)
+
+        store._make_room = short_of_memory
+        before = store.stats()
+        with pytest.raises(MemoryError):
+            store.open(model, nxt, session="s")  # reads block 6 and the tail: the first promotion raises
+        store._make_room = make_room
+        _counted_no_turn(before, store.stats())
+        meta = store._index.blocks[chain[6]]
+        assert meta.resident is (Tier.HOST if host == "room" else None)
+        assert list(store._host._blocks) == ([chain[6]] if host == "room" else [])
+        assert store._host.used <= store._host.budget and not store._pinned
+        for tier, space in ((Tier.DEVICE, store._device), (Tier.HOST, store._host)):
+            assert space.used == store._index.bytes[tier] and set(space._blocks) == set(store._index.lru[tier])
+        engine.land()
+        store._host.reclaim()
+        from tierkv.pool import GRANULE
+
+        pool, held = store.stats()["host_pool"], store._host._held
+        assert set(held) == set(store._host._blocks) and [lease.holders for lease in held.values()] == [1] * len(held)
+        assert (pool["in_use"], pool["retiring"]) == (sum([lease.granules for lease in held.values()]) * GRANULE, 0)
+        cache = store.open(model, nxt, session="s")
+        assert cache.restored_tokens == 60
+        assert cache.restored_from == {"device": 0, "host": 8 * (host == "room"), "disk": 60 - 8 * (host == "room")}
+        _exact_and_kept_whole(store, model, nxt, cache, seed=91)
+
+
 def _interrupting_reads(store: TieredStore, chain: list[bytes], at: int) -> tuple[list[int], list[int]]:
     """Make ``store``'s disk reads note each block's place in ``chain`` and raise SIGINT as the
     ``at``-th starts, and its re-plans note the block each missed: (reads, passes)."""

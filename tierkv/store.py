@@ -1573,7 +1573,9 @@ class TieredStore:
         except BaseException:
             # Making room raised (out of memory for a victim's host copy), or an interrupt came
             # between a put and the index's update. A block in no tier goes back to the host tier
-            # it was just taken from, if it fits.
+            # it was just taken from, if it fits; one just read from disk (or served by its write)
+            # rests there as a promotion finding the device full would rest it (put refuses past
+            # the budget: it then rests on disk alone).
             if self._index.blocks.get(meta.key) is meta and meta.key not in self._device and meta.key not in self._host:
                 self._host.put(meta.key, host_job, meta.nbytes)
             self._settle(meta)
