@@ -467,6 +467,52 @@ def test_latent_attention_of_widths_the_config_does_not_say_is_refused() -> None
         store.open(model, random_ids(12, 1))
 
 
+def test_latent_attention_computing_other_widths_than_its_config_sets_is_refused_naming_them() -> None:
+    """A latent-attention model whose config says other widths than its modules compute (edited
+    after it was built) is refused at the forward naming the fields that set its layout: the
+    message named "per_layer_config, kv_lora_rank..." whatever the model."""
+    model = _latent_model("deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                          head_dim=8)
+    model.config.kv_lora_rank = 24
+    ids = random_ids(12, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids)
+        with pytest.raises(ValueError) as caught:
+            model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    message = str(caught.value)
+    assert "keys of 1 KV heads x head_dim 16 and values of 1 x 8 in layer 0, where its config sets keys of 1 x 24 " \
+           "and values of 1 x 8 (kv_lora_rank=24, qk_rope_head_dim=8)" in message, message
+    assert "per_layer_config" not in message and "plain DynamicCache" in message
+
+
+def test_the_fields_named_for_a_layers_kv_shape_are_those_that_set_it() -> None:
+    """``_kv_shape_fields``: a Gemma 4's sliding layer by its global fields, its full-attention
+    layer's head_dim by ``per_layer_config``; a config without head_dim by hidden_size over the
+    attention heads."""
+    from types import SimpleNamespace
+
+    from tierkv.cache import _kv_shape_fields
+
+    config = AutoConfig.for_model("gemma4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  layer_types=["sliding_attention", "full_attention"], global_head_dim=32)
+    assert _kv_shape_fields(config, 0) == "num_key_value_heads=2, head_dim=16"
+    assert _kv_shape_fields(config, 1) == "num_key_value_heads=2, per_layer_config[1].head_dim=32"
+    plain = SimpleNamespace(num_attention_heads=4, hidden_size=64)
+    assert _kv_shape_fields(plain, 0) == "num_attention_heads=4, hidden_size=64 / num_attention_heads=4"
+
+    class Ambiguous(SimpleNamespace):  # no record of each layer's own: a field told from the global one
+        @property
+        def head_dim(self) -> int:
+            raise RuntimeError("'head_dim' is a per-layer attribute")
+
+    layers = [SimpleNamespace(num_key_value_heads=2, head_dim=16), SimpleNamespace(num_key_value_heads=1, head_dim=32)]
+    for config in (SimpleNamespace(is_heterogeneous=True, num_key_value_heads=2, head_dim=16, per_layer_config=layers),
+                   Ambiguous(is_heterogeneous=True, num_key_value_heads=2, per_layer_config=layers)):
+        assert _kv_shape_fields(config, 1) == "per_layer_config[1].num_key_value_heads=1, per_layer_config[1].head_dim=32"
+    assert _kv_shape_fields(config, 0) == "num_key_value_heads=2, per_layer_config[0].head_dim=16"
+
+
 def test_deepseek_sparse_attention_is_refused_naming_its_indexer() -> None:
     config = AutoConfig.for_model("deepseek_v32", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -2457,7 +2457,9 @@ def test_a_model_computing_other_kv_shapes_than_its_config_sets_per_layer_is_ref
         cache = store.open(model, ids)
         assert cache.restored_tokens == 0  # another config digest: another fingerprint
         with pytest.raises(ValueError, match=r"keys of 2 KV heads x head_dim 32 and values of 2 x 32 in layer 1, "
-                                             r"where its config sets keys of 2 x 64 and values of 2 x 64 \(per_layer_config.*plain DynamicCache"):
+                                             r"where its config sets keys of 2 x 64 and values of 2 x 64 "
+                                             r"\(num_key_value_heads=2, per_layer_config\[1\]\.head_dim=64\): "
+                                             r".*plain DynamicCache"):
             model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
 
 

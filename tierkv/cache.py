@@ -346,6 +346,41 @@ def _kv_layout(text_config: Any, layer_types: list[str]) -> KVLayout | None:
     return KVLayout.of(shapes)
 
 
+def _kv_shape_fields(text_config: Any, layer_idx: int) -> str:
+    """The config fields that set layer ``layer_idx``'s keys' and values' shape in its layout, as
+    ``_kv_layout`` reads them, with their values: ``kv_lora_rank`` and ``qk_rope_head_dim`` for
+    latent attention; else its KV heads and head_dim. A field a heterogeneous config sets per
+    layer (Gemma 4's full-attention head_dim) is named as ``per_layer_config[i].field``. For a
+    refusal's message: it names what to look at in this model's config."""
+    heterogeneous = getattr(text_config, "is_heterogeneous", False)
+    config = text_config.per_layer_config[layer_idx] if heterogeneous else text_config
+    if getattr(config, "kv_lora_rank", None):
+        names = ["kv_lora_rank", "qk_rope_head_dim"]
+    else:
+        names = ["num_key_value_heads" if getattr(config, "num_key_value_heads", None) else "num_attention_heads",
+                 "head_dim" if getattr(config, "head_dim", None) is not None else "hidden_size"]
+    # The layers' own settings, where transformers keeps them (5.25: a global head_dim, Gemma 4's
+    # sliding layers', reads as ambiguous however many layers set their own).
+    overrides = getattr(getattr(text_config, "_heterogeneity_spec", None), "per_layer_overrides", None)
+    fields = []
+    for name in names:
+        value = getattr(config, name, None)
+        per_layer = False
+        if heterogeneous and isinstance(overrides, Mapping):
+            per_layer = name in overrides.get(layer_idx, {})
+        elif heterogeneous:
+            try:
+                per_layer = getattr(text_config, name, None) != value
+            except RuntimeError as exc:  # transformers' AmbiguousGlobalPerLayerAttributeError
+                if raised_by_signal_handler(exc):
+                    raise
+                per_layer = True
+        fields.append(f"{f'per_layer_config[{layer_idx}].' if per_layer else ''}{name}={value!r}")
+    if names[1] == "hidden_size":
+        fields[1] += f" / num_attention_heads={getattr(config, 'num_attention_heads', None)!r}"
+    return ", ".join(fields)
+
+
 def _refuse_unsupported(model: Any, config: Any, text_config: Any) -> None:
     """Models whose KV is not a function of their token ids alone, or not of one shape."""
     name = type(model).__name__
@@ -2351,8 +2386,14 @@ class TieredCache(Cache):
         found = (f"keys of {shape[0]} KV heads x head_dim {shape[1]} and values of {shape[2]} x {shape[3]} in "
                  f"layer {layer_idx}")
         if layout is not None:
+            model = self._model() if self._model is not None else None
+            config = getattr(model, "config", None)
+            # Named from the model this cache runs (the config as the forward finds it), where
+            # "per_layer_config, kv_lora_rank..." named fields of other models than this one.
+            fields = _kv_shape_fields(config.get_text_config(decoder=True), layer_idx) if config is not None \
+                else "per_layer_config, kv_lora_rank or qk_rope_head_dim"
             raise ValueError(f"the model computes {found}, where its config sets keys of {expected[0]} x {expected[1]} "
-                             f"and values of {expected[2]} x {expected[3]} (per_layer_config, kv_lora_rank...): tierkv "
+                             f"and values of {expected[2]} x {expected[3]} ({fields}): tierkv "
                              "lays each layer's keys and values out in a block from the config, so it cannot store "
                              "this model's; use a plain DynamicCache for this model")
         if expected is not None:
