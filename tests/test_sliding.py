@@ -748,6 +748,69 @@ def test_a_restore_cut_short_past_the_unread_blocks_reads_those_its_window_then_
         _exact_and_kept_whole(store, model, nxt, cache, seed=65)
 
 
+def test_blocks_left_unread_by_both_passes_of_a_restore_planned_again_are_counted_where_they_rest(
+        tiny_model, tmp_path: Path) -> None:
+    """A restore planned again (``_plan_again``) takes anew only the blocks its shorter window
+    now reaches; those no window reaches in either pass keep the tier the first plan settled
+    (``_rests_as_named``) and credited. Nothing between the passes moves them: every planned
+    block is pinned, so the promotions of the blocks the passes read (to a device tier full of
+    blocks left unread) find no room there rather than evicting one. Each is counted as a hit
+    of the tier it rests in before and after the open, the tiers in step with the index, and
+    the turn and the next exact."""
+    from conftest import damage_in_place, flipped
+    from tierkv.store import Tier
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(57, seed=92)
+    with TieredStore(None, device="cpu", block_size=BLOCK) as sizing:
+        cache = sizing.open(model, ids)
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+        block_bytes = max([meta.nbytes for meta in sizing._index.blocks.values()])
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK, device_budget=3 * block_bytes,
+                     host_budget="1GiB") as store:
+        cache = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.commit(out) == 60  # 7 blocks of 8 and a tail of 4
+        store.flush()
+        chain = store.open(model, out, session="s")._restored_keys
+        nxt = torch.cat([out, random_ids(5, seed=93)], dim=1)
+        with store._lock:
+            # Blocks 0-2 on the device (full), 3-5 in the host tier, block 6 and the tail on disk alone.
+            for key in chain:
+                meta = store._index.blocks[key]
+                if meta.resident is Tier.DEVICE:
+                    store._evict(Tier.DEVICE, meta)
+            for key in chain[:3]:
+                job = store._host.get(key)
+                store._promote(store._index.blocks[key], job, job)
+            for key in chain[6:]:
+                store._evict(Tier.HOST, store._index.blocks[key])
+        where = [store._index.blocks[key].resident for key in chain]
+        assert where == [Tier.DEVICE] * 3 + [Tier.HOST] * 3 + [None] * 2 and not store._device.fits(block_bytes)
+        damage_in_place(store._disk.env, store._disk._blocks, chain[7], lambda record: flipped(record, -20))
+        plan_again, passes = store._plan_again, []
+
+        def counting(plan: Any, found: Any, got: Any, miss: int, *args: Any) -> Any:
+            passes.append(miss)
+            return plan_again(plan, found, got, miss, *args)
+
+        store._plan_again = counting
+        hits = dict(store.stats()["hits"])
+        cache = store.open(model, nxt, session="s")
+        # The tail fails its read after block 6 was read: 56 tokens, whose window reaches block 5,
+        # left unread by a restore of 60 with blocks 0-4, which both passes leave unread.
+        assert passes == [7] and store.stats()["corrupt"] == 1
+        assert cache.restored_tokens == 56
+        assert cache.restored_from == {"device": 24, "host": 24, "disk": 8}
+        after = store.stats()["hits"]
+        assert {tier: after[tier] - hits[tier] for tier in hits} == cache.restored_from
+        # Blocks 5 and 6 promoted to the host tier (the device tier's blocks pinned): 0-4 as they were.
+        assert [store._index.blocks[key].resident for key in chain[:7]] == [Tier.DEVICE] * 3 + [Tier.HOST] * 4
+        for tier, space in ((Tier.DEVICE, store._device), (Tier.HOST, store._host)):
+            assert space.used == store._index.bytes[tier] and set(space._blocks) == set(store._index.lru[tier])
+        _exact_and_kept_whole(store, model, nxt, cache, seed=94)
+
+
 def test_a_restore_read_from_disk_in_place_holds_no_tokens_before_a_sliding_layers_window(
         tiny_model, tmp_path: Path) -> None:
     """On CPU a restore read from disk lands in a buffer the layers' keys and values then are
