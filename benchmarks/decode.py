@@ -9,6 +9,12 @@
    time grows with the context (each one copies the whole cache), and a spill that outlasts
    the quiet decode's steps would otherwise be charged for its longer context.
 
+3. A reply past a sliding window (a Mistral-like model attending over ``--window`` tokens): decode
+   time per token from ``--context`` tokens on through ``--reply`` more, TieredCache against a
+   ``DynamicCache`` of the model's layer types (which keeps the window alone), paired per step, and
+   the KV each holds on the device at the end: tierkv keeps the window and two margins of its
+   ``block_size`` there, the rest of the reply in host memory until the commit.
+
     python -m benchmarks.decode
     python -m benchmarks.decode --context 512 --steps 16 --spill-mb 20    # a quick look
     python -m benchmarks.decode --cpu          # on CPU where CUDA is present
@@ -44,6 +50,53 @@ def kv_heavy_model(device: torch.device) -> torch.nn.Module:
                                   max_position_embeddings=16384)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).to(device).eval()
+
+
+def sliding_model(device: torch.device, window: int) -> torch.nn.Module:
+    # Every layer sliding over ``window`` tokens: 8 KV heads of 64 dims on 4 layers, 16 KiB a token.
+    config = AutoConfig.for_model("mistral", vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                                  sliding_window=window, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device).eval()
+
+
+def device_kv_bytes(cache) -> int:
+    """The bytes of the device tensors a cache's layers hold (each storage once: room kept ahead
+    counted; the tokens a TieredCache's sliding layers hold in host memory not)."""
+    storages: dict[int, int] = {}
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values, *(getattr(layer, "_room", None) or ())):
+            if tensor is not None and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def reply_past_the_window(device: torch.device, context: int, reply: int, window: int,
+                          block_size: int) -> list[str]:
+    """Section 3's rows: per-token decode through a long reply, and the KV held on the device."""
+    model = sliding_model(device, window)
+    ids = torch.randint(3, 1024, (1, context), generator=torch.Generator().manual_seed(2)).to(device)
+    store = TieredStore(None, device=device, block_size=block_size)
+    caches = {"DynamicCache": DynamicCache(config=model.config), "TieredCache": store.open(model, ids)}
+    with torch.no_grad():
+        firsts = {name: model(ids, past_key_values=cache).logits[:, -1:].argmax(-1) for name, cache in caches.items()}
+    assert torch.equal(firsts["DynamicCache"], firsts["TieredCache"])
+    times = paired_steps(model, caches, firsts["DynamicCache"], reply)
+    paired = [t / d for t, d in zip(times["TieredCache"], times["DynamicCache"])]
+    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    held = {name: device_kv_bytes(cache) for name, cache in caches.items()}
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ids.new_empty(
+        0, dtype=model.dtype).element_size()
+    store.close()
+    return [f"| decode time per token through the reply, TieredCache / DynamicCache, paired per step (median) | "
+            f"{statistics.median(paired):.3f} (quartiles {quartiles[0]:.3f} - {quartiles[2]:.3f}) |",
+            f"| KV on the device after the reply, TieredCache / DynamicCache | {held['TieredCache'] / held['DynamicCache']:.2f} "
+            f"({held['TieredCache'] / 2**20:.1f} / {held['DynamicCache'] / 2**20:.1f} MiB) |",
+            f"| the same, had the sliding layers held the whole conversation | "
+            f"{per_token * (context + reply) / held['DynamicCache']:.2f} |"]
 
 
 def context_of(cache) -> int | None:
@@ -135,6 +188,9 @@ def main() -> None:
                         help="MiB of KV spilled per round (at least --context tokens' worth)")
     parser.add_argument("--spill-steps", type=at_least(1), default=2000,
                         help="decode steps at most while a spill lands (default 2000)")
+    parser.add_argument("--window", type=at_least(2), default=256, help="section 3's sliding window")
+    parser.add_argument("--reply", type=at_least(1), default=1024, help="section 3's reply, in tokens")
+    parser.add_argument("--block-size", type=at_least(1), default=256, help="section 3's store block size")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even where CUDA is present")
     args = parser.parse_args()
     device = pick_device(args.cpu)
@@ -236,6 +292,14 @@ def main() -> None:
     else:
         print(f"| the spill landed (last round) | {timing['landed'] * 1e3:.0f} ms after decoding began, "
               f"in step {timing['taken']} |")
+
+    # -- 3. a reply past a sliding window ----------------------------------------------------------------
+    print(f"\nA reply past a sliding window: every layer sliding over {args.window} tokens, 16 KiB KV/token, "
+          f"{args.context} tokens then {args.reply} decode steps, interleaved step by step; block_size "
+          f"{args.block_size}\n")
+    print("| figure | value |\n|---|---|")
+    for row in reply_past_the_window(device, args.context, args.reply, args.window, args.block_size):
+        print(row)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,15 @@ def test_reads_benchmark_compares_disk_reads_side_by_side_with_one_thread(tmp_pa
 
 
 def test_decode_benchmark_reports_its_figures(tmp_path: Path) -> None:
-    out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2")
+    out = run(tmp_path, "-m", "benchmarks.decode", "--context", "64", "--steps", "4", "--repeats", "1", "--spill-mb", "2",
+              "--window", "16", "--reply", "80", "--block-size", "8")
     assert "| decode time per token, TieredCache / DynamicCache, paired per step (median) |" in out
+    # A reply past a window of 16 in blocks of 8: the device holds room for the window (15 tokens),
+    # two margins and the new token, 32 tokens, against the 16 of DynamicCache's last concatenation;
+    # the whole conversation, 144 tokens, would be 9.00 of it.
+    assert "| KV on the device after the reply, TieredCache / DynamicCache | 2.00 " in out
+    assert "| the same, had the sliding layers held the whole conversation | 9.00 |" in out
+    assert "| decode time per token through the reply, TieredCache / DynamicCache, paired per step (median) |" in out
     during = int(re.search(r"\| decode steps during the spill, all rounds \(no spill: 4\) \| (\d+) \|", out).group(1))
     # The p50/p99 during the spill are of those steps alone, and only where there were some.
     assert ("p99 during spill" in out) == (during > 0)
