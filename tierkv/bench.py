@@ -62,6 +62,7 @@ from .cache import _WITHOUT_TIERKV
 from .demo import FirstTokenTimer
 from .events import MoveEvent
 from .interrupts import raised_by_signal_handler
+from .layout import KVLayout
 from .store import MAX_BLOCK_SIZE, TieredStore
 from .units import parse_bytes
 
@@ -127,6 +128,17 @@ def returning_turns(turns: list[Turn]) -> list[bool]:
         returning.append(t.session in seen and not t.reset)
         seen.add(t.session)
     return returning
+
+
+def stored_bytes_per_token(kv_per_token: int, layout: KVLayout | None) -> int:
+    """A token's bytes in the store's blocks, from its KV in the model's own cache: the same,
+    but where layers of other KV shapes hold an odd count of units (``layout.py``), whose blocks
+    carry one zeroed unit more, which every budget counts (DeepSeek-V3's 9 units a layer, at 3
+    layers: 28 where the model's cache holds 27, and a working set 3.7% short of what a store
+    holds)."""
+    if layout is None:
+        return kv_per_token
+    return kv_per_token * 2 * layout.slots // layout.units
 
 
 def working_set_bytes(system_tokens: int, turns: list[Turn], sessions: int, kv_per_token: int,
@@ -324,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
         # (With the first user message: the system prompt may be empty.)
         first = np.concatenate([system, turns[0].user_tokens])
         try:
-            warm.open(model, torch.tensor(first).unsqueeze(0).to(device))
+            layout = warm.open(model, torch.tensor(first).unsqueeze(0).to(device)).model_info.layout
         except ValueError as exc:
             # The library's way out (generate without a TieredCache) is no flag of this program's:
             # the way out here is another model.
@@ -336,7 +348,8 @@ def run(args: argparse.Namespace) -> dict:
     # After the refusal: the probe reads keys from every layer, which a recurrent layer lacks
     # (`--arch mamba` died in it with an AttributeError).
     kv_per_token = trace_model.kv_bytes_per_token(model)
-    ws = working_set_bytes(args.system_tokens, turns, args.sessions, kv_per_token, args.block_size)
+    stored_per_token = stored_bytes_per_token(kv_per_token, layout)
+    ws = working_set_bytes(args.system_tokens, turns, args.sessions, stored_per_token, args.block_size)
     try:
         from tqdm import tqdm
         progress = tqdm(total=len(turns) * 6, desc="chat trace", unit="turn")
@@ -420,7 +433,8 @@ def run(args: argparse.Namespace) -> dict:
     if progress is not None:
         progress.close()
     return {"args": vars(args), "device": str(device), "model": trace_model.describe(model, args.model),
-            "budget_notes": notes, "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token, "turns": len(turns), "logit_tolerance": tolerance,
+            "budget_notes": notes, "working_set_bytes": ws, "kv_bytes_per_token": kv_per_token,
+            "stored_bytes_per_token": stored_per_token, "turns": len(turns), "logit_tolerance": tolerance,
             "returning": returning_turns(turns), "results": results}
 
 
@@ -563,7 +577,8 @@ def markdown(run_: dict, summary: dict) -> str:
               "of whole blocks: a restore that uses only part of a block reads (and checksums) the whole record from "
               "disk, and a block restored through the host moves whole to the device tier, which then holds all of "
               "it; hit tokens count only the tokens used, so the moved bytes may exceed the hits' KV bytes "
-              "(kv_bytes_per_token in the JSON).",
+              "(kv_bytes_per_token in the JSON; stored_bytes_per_token, a block's, counts the zeroed unit that "
+              "blocks of layers of other KV shapes may carry).",
               "[2] To disk: bytes over the writer's time in its transactions less its waits for a CPU (it runs at a "
               "lower priority than the turns; the JSON's to_disk_wall_gb_per_s counts them). From disk: records "
               "written earlier in this run, mostly read from the page cache; a disk hit whose write was still queued is "
@@ -754,6 +769,7 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_out: st
                                                       "logit_tolerance": run_["logit_tolerance"], "working_set_bytes": run_["working_set_bytes"],
                                                       "budget_notes": run_["budget_notes"],
                                                       "kv_bytes_per_token": run_["kv_bytes_per_token"],
+                                                      "stored_bytes_per_token": run_["stored_bytes_per_token"],
                                                       **summary}, indent=2, default=str))
         written = plots(run_, out)
     except OSError as exc:
