@@ -893,6 +893,23 @@ def test_a_random_moe_model_of_the_trace_has_few_experts(arch: str) -> None:
     assert dense.to_dict() == before
 
 
+def test_a_random_model_setting_head_dim_per_layer_keeps_its_kv_of_other_shapes() -> None:
+    """``--arch gemma4_text``: its config sets head_dim per layer (512 in its full-attention layers),
+    which it refuses to read as one value, and the trace died there with transformers' traceback
+    (h125). Its layers' head_dims are scaled as the others' (64, and 128 where the family has twice
+    theirs), and its per-layer input embeddings take the trace's vocabulary, not 262,144 ids
+    (268M parameters at 4 layers of 128)."""
+    from tierkv.trace_model import _random_model
+
+    with torch.device("meta"):
+        model = _random_model("gemma4_text", 4, 512, 2048, 0, torch.float32)
+        llama = _random_model("llama", 4, 512, 2048, 0, torch.float32)
+    config = model.config
+    assert [(layer.head_dim, layer.num_key_value_heads) for layer in config.per_layer_config] == \
+        [(64, 4), (64, 4), (64, 4), (128, 4)]
+    assert sum(p.numel() for p in model.parameters()) < 2 * sum(p.numel() for p in llama.parameters())
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 written by save_pretrained: a user's own model, as --model loads it."""
@@ -919,7 +936,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # 9 units of 64 a layer: at 3 layers a block holds 28, one zeroed (layout.py), which the working
     # set counts as the store does (it counted the model's 27, 3.7% short: h125).
     (["--arch", "deepseek_v3", "--layers", "3", "--hidden", "256"], "deepseek_v3", 3 * (512 + 64) * 4),
-], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint", "deepseek-v3", "deepseek-v3-odd-units"])
+    # KV of other shapes per layer: three sliding layers of 1 KV head x 64, a full-attention one of
+    # 1 x 128 (the family's twice theirs: h125).
+    (["--arch", "gemma4_text", "--layers", "4", "--hidden", "128"], "gemma4_text", 2 * (3 * 64 + 128) * 4),
+], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint", "deepseek-v3", "deepseek-v3-odd-units", "gemma4"])
 def test_chat_trace_runs_other_models_exactly_with_their_own_kv_sizes(
         model_flags: list[str] | str, family: str, kv_per_token: int, checkpoint: Path, tmp_path: Path) -> None:
     """A serving engineer replays the trace on the model they serve (``--model``, a directory

@@ -129,12 +129,28 @@ def _load_checkpoint(name: str, dtype: torch.dtype, context: int, flag: str, gen
 def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, dtype: torch.dtype
                   ) -> torch.nn.Module:
     # The generic names: families that call them otherwise (GPT-2's n_embd, n_layer) map them.
-    config = AutoConfig.for_model(arch, vocab_size=RANDOM_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2,
-                                  num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                  num_key_value_heads=max(1, hidden // 128), max_position_embeddings=context + 64,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
+    fields = dict(vocab_size=RANDOM_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
+                  max_position_embeddings=context + 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(arch, **fields)
+    if getattr(config, "is_heterogeneous", False):
+        # A field some layers set otherwise (Gemma 4's head_dim, 512 in its full-attention layers)
+        # raises when read from the config itself (`--arch gemma4_text` died there): read from its
+        # dict, and the layers' own head_dims scaled alike (Gemma 4's full-attention layers then
+        # 128, twice the others', as 512 is 256's), so the model keeps its KV of other shapes.
+        declared = config.to_dict()
+        base = declared.get("head_dim")
+        if isinstance(base, int) and base != 64:
+            per_layer = {layer: {**fields_of, "head_dim": fields_of["head_dim"] * 64 // base}
+                         if isinstance(fields_of.get("head_dim"), int) else fields_of
+                         for layer, fields_of in (declared.get("per_layer_config") or {}).items()}
+            config = AutoConfig.for_model(arch, **fields, head_dim=64, per_layer_config=per_layer)
+    elif getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
         config.head_dim = 64
+    if isinstance(getattr(config, "vocab_size_per_layer_input", None), int):
+        # Per-layer input embeddings (Gemma 3n's, Gemma 4's) of the family's 262,144 ids: 268M
+        # parameters at 4 layers of --hidden 128, where the model has 2M besides.
+        config.vocab_size_per_layer_input = RANDOM_VOCAB
     if getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None:
         config.sliding_window = None
     if getattr(config, "kv_lora_rank", None):
