@@ -8,14 +8,16 @@ device, context)`` returns the model in eval mode on ``device``, or raises ``Mod
 with a message saying what to give instead (a checkpoint that cannot be loaded, a family that is
 not a causal LM, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
 what one token's KV weighs in the model's own cache (every layer's keys and values), so that the
-trace's working set and percentage budgets hold for any family and dtype. ``describe(model)``
+trace's working set and percentage budgets hold for any family and dtype (the bench adds the
+zeroed unit a store's blocks may carry: ``bench.stored_bytes_per_token``). ``describe(model)``
 is the one line the reports print.
 
 Random models draw their token ids from ``[3, vocab)``: ids 0-2 are their pad, bos and eos
 (a family's own defaults, e.g. Phi-3's pad 32000, lie past a 4096-token vocabulary). A global
 sliding window is switched off (so that ``--arch mistral`` replays the full attention the other
 families do; a checkpoint keeps its own window); families whose layers alternate between sliding
-and full attention (``layer_types``) are left as they are.
+and full attention (``layer_types``) are left as they are. A random model's head_dim is 64, and a
+family's layers that set their own (Gemma 4's full-attention ones) keep its ratio to it.
 """
 
 from __future__ import annotations
