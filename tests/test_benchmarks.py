@@ -939,7 +939,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # KV of other shapes per layer: three sliding layers of 1 KV head x 64, a full-attention one of
     # 1 x 128 (the family's twice theirs: h125).
     (["--arch", "gemma4_text", "--layers", "4", "--hidden", "128"], "gemma4_text", 2 * (3 * 64 + 128) * 4),
-], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint", "deepseek-v3", "deepseek-v3-odd-units", "gemma4"])
+    # KV sharing: the last 2 of 4 layers read the KV of the 2 before them (the family's 15 of 35 left
+    # none to make it at 4 layers, and the trace refused it: h125).
+    (["--arch", "gemma3n_text", "--layers", "4", "--hidden", "128"], "gemma3n_text", 2 * 2 * 64 * 4),
+], ids=["llama", "gpt2", "gpt-neox", "bf16", "checkpoint", "deepseek-v3", "deepseek-v3-odd-units", "gemma4",
+        "gemma3n"])
 def test_chat_trace_runs_other_models_exactly_with_their_own_kv_sizes(
         model_flags: list[str] | str, family: str, kv_per_token: int, checkpoint: Path, tmp_path: Path) -> None:
     """A serving engineer replays the trace on the model they serve (``--model``, a directory

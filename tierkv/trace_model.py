@@ -149,6 +149,12 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
             config = AutoConfig.for_model(arch, **fields, head_dim=64, per_layer_config=per_layer)
     elif getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
         config.head_dim = 64
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if isinstance(shared, int) and shared > layers // 2:
+        # KV sharing (Gemma 3n's last 15 of 35 layers read the KV of earlier ones): at most half
+        # the layers, as the family's checkpoints share, so some layers make KV for them (at 4
+        # layers Gemma 3n's 15 left none, and `--arch gemma3n_text` was refused as no causal LM).
+        config.num_kv_shared_layers = layers // 2
     if isinstance(getattr(config, "vocab_size_per_layer_input", None), int):
         # Per-layer input embeddings (Gemma 3n's, Gemma 4's) of the family's 262,144 ids: 268M
         # parameters at 4 layers of --hidden 128, where the model has 2M besides.
