@@ -77,8 +77,10 @@ def check_exactness(device: torch.device) -> list[str]:
     # Mistral with an 8-token window: its sliding layers hold of each restore only the blocks
     # their window reaches (the later turns restore past it), their parts waited for on CUDA.
     # DeepSeek-V3's latent attention: keys (the latent) and values (the rotary keys) of other
-    # widths, a layer of several units whose copy is waited for at its last slot (layout.py).
-    latent = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    # widths, a layer of several units whose copy is waited for at its last slot (layout.py); 3
+    # layers of 3 units of 8 (a latent of 16, rotary keys of 8): an odd count, so each block
+    # carries the zeroed unit no layer holds, as DeepSeek-V3's 61 layers of 9 units do.
+    latent = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
                   v_head_dim=16, head_dim=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                   n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)
     # Gemma 4: KV of other shapes per layer (2 KV heads x 16 sliding, 1 x 32 full) and KV sharing.
