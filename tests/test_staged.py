@@ -4,6 +4,8 @@ into them takes them back. Exactness against plain generate throughout, through 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import SLIDING, random_ids
+from conftest import SLIDING, raised_on_the_way_in, random_ids
 from tierkv import TieredStore
 from tierkv.cache import TieredSlidingLayer
 from tierkv.staged import StagedTokens
@@ -203,3 +205,97 @@ def test_staged_tokens_keep_order_replace_an_add_made_again_and_refuse_gaps() ->
     assert torch.equal(k, keys[:, :, :8]) and not staged and (staged.start, staged.end) == (0, 0)
     staged.add(20, keys[:, :, :2], values[:, :, :2])  # empty again: any token starts it
     assert (staged.start, staged.end) == (20, 22)
+
+
+def _layer_fed(upto: int, kv: tuple[torch.Tensor, torch.Tensor]) -> TieredSlidingLayer:
+    """A sliding layer (the window of conftest's shapes, margins of ``BLOCK``) fed a prompt of 20
+    tokens of ``kv``, then one token a step up to ``upto``."""
+    layer = TieredSlidingLayer(WINDOW, BLOCK)
+    for a, b in [(0, 20)] + [(t, t + 1) for t in range(20, upto)]:
+        _feed(layer, kv, a, b)
+    return layer
+
+
+def _feed(layer: TieredSlidingLayer, kv: tuple[torch.Tensor, torch.Tensor], a: int, b: int) -> None:
+    with torch.no_grad():
+        layer.update(kv[0][:, :, a:b].clone(), kv[1][:, :, a:b].clone())
+
+
+def _verify_holds(layer: TieredSlidingLayer, kv: tuple[torch.Tensor, torch.Tensor], upto: int) -> None:
+    """The layer's tokens up to ``upto``, off the device and on it, are ``kv``'s, each once."""
+    keys, values, at = layer.with_staged()
+    assert torch.equal(keys, kv[0][:, :, at:upto]) and torch.equal(values, kv[1][:, :, at:upto])
+    keys, values = layer.span(layer.held_from(), upto)
+    assert torch.equal(keys, kv[0][0, :, layer.held_from():upto])
+    assert torch.equal(values, kv[1][0, :, layer.held_from():upto])
+
+
+STEPS = {"update", "_append", "add", "_kept_below", "_off_device", "span", "_unstage", "crop", "clear"}
+
+
+@pytest.mark.parametrize("upto", [28, 37])  # the step of the first hand-off, of a later one
+@pytest.mark.parametrize("then", ["read", "again"])
+def test_a_handler_raising_anywhere_in_a_hand_off_leaves_every_token_held_once(upto: int, then: str) -> None:
+    """A signal handler's exception (or out of memory: the new room's allocation) at every point
+    of the decode step that hands tokens off the device: the layer holds each token once, read at
+    once (``DynamicCache(cache)``, a crop into them) or after the step made again. An add cut short
+    at its list's append held its chunk with the end short of it, and the add made again held those
+    tokens twice (a crop into them then attended over the wrong tokens); an add whose layer had not
+    moved its offset yet left nothing to read below it, and the read raised."""
+    kv = torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(16)), \
+        torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(17))
+    prepared = _layer_fed(upto, kv)
+    assert len(prepared._staged._chunks) == (upto > 28)  # the step fed next hands tokens off
+    held: list[TieredSlidingLayer] = []
+
+    @contextlib.contextmanager
+    def step() -> Any:
+        held[:] = [copy.deepcopy(prepared)]
+        _feed(held[0], kv, upto, upto + 1)
+        yield
+
+    def check(sent: list) -> None:
+        layer, n = held[0], upto + 1
+        if then == "read":
+            n = layer.get_seq_length()
+            _verify_holds(layer, kv, n)
+        elif layer.get_seq_length() == upto:
+            _feed(layer, kv, upto, n)  # generate()'s next forward feeds the token again
+        for t in range(n, n + 3 * BLOCK):
+            _feed(layer, kv, t, t + 1)
+        _verify_holds(layer, kv, n + 3 * BLOCK)
+        layer.crop(WINDOW - n - 3 * BLOCK)  # every token back on the device
+        assert not layer._staged
+        _verify_holds(layer, kv, WINDOW)
+
+    assert raised_on_the_way_in(step, check, within=STEPS) > 20
+
+
+def test_a_handler_raising_anywhere_in_taking_tokens_back_leaves_every_token_held_once() -> None:
+    """Alike in a crop into the tokens off the device: a handler's exception between the keys'
+    taking them back and the tokens' clear() held them twice, and the next crop into them raised
+    (``torch.cat`` of no tensors)."""
+    kv = torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(18)), \
+        torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(19))
+    prepared = _layer_fed(64, kv)
+    assert prepared._staged and prepared._offset > 30
+    held: list[TieredSlidingLayer] = []
+
+    @contextlib.contextmanager
+    def crop() -> Any:
+        held[:] = [copy.deepcopy(prepared)]
+        held[0].crop(30 - 64)
+        yield
+
+    def check(sent: list) -> None:
+        layer = held[0]
+        _verify_holds(layer, kv, layer.get_seq_length())
+        layer.crop(30 - layer.get_seq_length())
+        for t in range(30, 30 + 3 * BLOCK):
+            _feed(layer, kv, t, t + 1)
+        _verify_holds(layer, kv, 30 + 3 * BLOCK)
+        layer.crop(WINDOW - 30 - 3 * BLOCK)
+        _verify_holds(layer, kv, WINDOW)
+
+    # Points in the taking back alone: DynamicLayer's crop sets keys and values apart.
+    assert raised_on_the_way_in(crop, check, within={"_unstage", "span", "clear", "_on_device"}) > 5

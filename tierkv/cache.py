@@ -2116,8 +2116,10 @@ class TieredSlidingLayer(TieredLayer):
             staged_keys = staged_keys.expand(rows, -1, -1, -1)
             staged_values = staged_values.expand(rows, -1, -1, -1)
         joined = torch.cat((staged_keys, keys), dim=-2), torch.cat((staged_values, values), dim=-2)
-        self._keys, self._values, self._offset, self._room = joined[0], joined[1], self._staged.start, None
-        self._staged.clear()
+        # One statement, the staged tokens' holder too: a handler's exception between this and a
+        # clear() left them held twice, off the device and in front of the keys.
+        self._keys, self._values, self._offset, self._room, self._staged = \
+            joined[0], joined[1], self._staged.start, None, StagedTokens()
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pending is not None or start >= self._offset or not self._staged:

@@ -52,22 +52,26 @@ class StagedTokens:
         if keys.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(keys.device))
-        if self._chunks and at < self.end:
-            self._drop_from(at)
-        if not self._chunks:
-            self.start = at
-        self._chunks.append((at, keys.shape[-2], host_keys, host_values, event))
-        self.end = at + keys.shape[-2]
+        kept = self._kept_below(at)
+        chunks = kept + [(at, keys.shape[-2], host_keys, host_values, event)]
+        # One statement: a handler's exception between an append and the end's move left the chunk
+        # held with the end short of it, and the add made again held its tokens twice.
+        self._chunks, self.start, self.end = chunks, self.start if kept else at, at + keys.shape[-2]
 
-    def _drop_from(self, at: int) -> None:
-        kept = [(first, min(n, at - first), k, v, event) for first, n, k, v, event in self._chunks if first < at]
-        self._chunks = kept
-        self.start, self.end = (self.start, at) if kept else (0, 0)
+    def _kept_below(self, at: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.cuda.Event | None]]:
+        """The chunks before token ``at``, cut to end there; ``self`` left as it is."""
+        return [(first, min(n, at - first), k, v, event) for first, n, k, v, event in self._chunks if first < at]
 
     def span(self, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[start, stop)`` on ``device``, one tensor each for keys and values."""
         if not self.start <= start <= stop <= self.end:
             raise ValueError(f"tokens {start} to {stop} asked of tokens {self.start} to {self.end} staged")
+        if start == stop and self._chunks:
+            # None: asked by a layer whose add ran but whose offset had not moved yet (out of memory
+            # for its new room, a handler's exception), which holds those tokens on the device too.
+            _, _, k, v, _ = self._chunks[0]
+            return (torch.empty((*k.shape[:2], 0, k.shape[3]), dtype=k.dtype, device=device),
+                    torch.empty((*v.shape[:2], 0, v.shape[3]), dtype=v.dtype, device=device))
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for first, n, k, v, event in self._chunks:
