@@ -233,7 +233,8 @@ def _verify_holds(layer: TieredSlidingLayer, kv: tuple[torch.Tensor, torch.Tenso
 STEPS = {"update", "_append", "add", "_kept_below", "_off_device", "span", "_unstage", "crop", "clear"}
 
 
-@pytest.mark.parametrize("upto", [28, 37])  # the step of the first hand-off, of a later one
+# The step of the first hand-off (the window and two margins held), of a later one.
+@pytest.mark.parametrize("upto", [WINDOW - 1 + 2 * BLOCK, WINDOW - 1 + 3 * BLOCK])
 @pytest.mark.parametrize("then", ["read", "again"])
 def test_a_handler_raising_anywhere_in_a_hand_off_leaves_every_token_held_once(upto: int, then: str) -> None:
     """A signal handler's exception (or out of memory: the new room's allocation) at every point
@@ -245,7 +246,8 @@ def test_a_handler_raising_anywhere_in_a_hand_off_leaves_every_token_held_once(u
     kv = torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(16)), \
         torch.randn(1, 2, 120, 4, generator=torch.Generator().manual_seed(17))
     prepared = _layer_fed(upto, kv)
-    assert len(prepared._staged._chunks) == (upto > 28)  # the step fed next hands tokens off
+    assert len(prepared._staged._chunks) == (upto > WINDOW - 1 + 2 * BLOCK)
+    assert prepared._keys.shape[-2] == WINDOW - 1 + 2 * BLOCK  # the step fed next hands tokens off
     held: list[TieredSlidingLayer] = []
 
     @contextlib.contextmanager
@@ -299,3 +301,22 @@ def test_a_handler_raising_anywhere_in_taking_tokens_back_leaves_every_token_hel
 
     # Points in the taking back alone: DynamicLayer's crop sets keys and values apart.
     assert raised_on_the_way_in(crop, check, within={"_unstage", "span", "clear", "_on_device"}) > 5
+
+
+def test_a_decode_step_hands_off_a_margin_of_tokens_not_one_more(tiny_model, tmp_path: Path) -> None:
+    """Each decode step that hands tokens off hands a margin (the store's block size) of them, as
+    the layer's docstring says: it handed a margin and one more, which CUDA's caching host
+    allocator, rounding pinned memory up to a power of two, held in twice the bytes (a block size
+    of 256: 257 tokens in the room of 512)."""
+    model = tiny_model("mistral_window")
+    ids = random_ids(20, seed=20)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, ids)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=REPLY, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=REPLY, do_sample=False))
+        for layer in _sliding(cache):
+            counts = [(n, k.shape[-2], v.shape[-2]) for _, n, k, v, _ in layer._staged._chunks]
+            assert len(counts) >= 5 and counts == [(BLOCK, BLOCK, BLOCK)] * len(counts)
+            # What the device holds: from the window's first token, a margin and less ahead of it.
+            assert WINDOW - 1 + BLOCK < layer._keys.shape[-2] <= WINDOW - 1 + 2 * BLOCK
+        assert cache.commit(out) == out.shape[1] - 1

@@ -2047,9 +2047,12 @@ class TieredSlidingLayer(TieredLayer):
                 return None
         room = self._room
         keep = self.sliding_window - 1 + self.margin
-        if n > keep + self.margin and keys.shape[0] == 1:
-            # Past the window and two margins: the oldest tokens go off the device, the rest to a
-            # room for a margin more, so that the next cut comes before the room is full.
+        if n >= keep + self.margin and keys.shape[0] == 1:
+            # At the window and two margins: the oldest tokens go off the device, the rest to a
+            # room for a margin more, so that the next cut comes before the room is full. At, not
+            # past: a decode step then hands off a margin of tokens, not one more, which CUDA's
+            # pinned memory, rounded up to a power of two, held in twice the bytes (257 tokens of
+            # a block size of 256 in 512 tokens' room).
             cut = n - keep
             self._staged.add(self._offset, keys[:, :, :cut], values[:, :, :cut])
             size = keep + q + self.margin
