@@ -320,3 +320,14 @@ def test_a_decode_step_hands_off_a_margin_of_tokens_not_one_more(tiny_model, tmp
             # What the device holds: from the window's first token, a margin and less ahead of it.
             assert WINDOW - 1 + BLOCK < layer._keys.shape[-2] <= WINDOW - 1 + 2 * BLOCK
         assert cache.commit(out) == out.shape[1] - 1
+
+
+@pytest.mark.parametrize(("window", "margin"), [(12, BLOCK), (16 * BLOCK, BLOCK), (512, 32)])
+def test_the_margin_is_a_block_or_a_sixteenth_of_the_window_where_that_is_more(tiny_model, tmp_path: Path,
+                                                                                window: int, margin: int) -> None:
+    """A hand-off copies the window and a margin into a new room: a margin of a block alone under a
+    window of thousands copied hundreds of tokens a step."""
+    model = tiny_model("mistral_window", sliding_window=window)
+    with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
+        cache = store.open(model, random_ids(4, seed=16))
+        assert [layer.margin for layer in _sliding(cache)] == [margin] * len(cache.layers)

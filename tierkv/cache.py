@@ -1980,11 +1980,14 @@ class TieredSlidingLayer(TieredLayer):
     no later than its last block's start; a crop may not leave the layer less than a window past
     where it holds tokens from (``crop_floor``).
 
-    Tokens that fall ``margin`` (the store's block size) past its window and margin are handed
-    off the device (``_staged``, ``staged.py``) while it holds one row, ``margin`` of them at a
-    time: a reply longer than the window is held there for ``commit`` (``span``), not on the
-    device, and the layer holds at most its window and two margins past the new tokens. A crop
-    below what it holds takes them back first.
+    While it holds one row, it hands its oldest tokens off the device (``_staged``,
+    ``staged.py``) once it holds its window and two margins, ``margin`` of them at a time: a reply
+    longer than the window waits there for ``commit`` (``span``), and the layer holds at most its
+    window, two margins and the new tokens. ``margin`` is the store's block size, or a sixteenth of
+    the window where that is more: each hand-off copies the window and a margin into a new room,
+    so a decode step copies about 17 tokens at most (257 under a 4096-token window with 16-token
+    blocks) and the device holds about 1.125 windows. A crop below what it holds takes them back
+    first.
 
     Its keys and values grow in room kept ahead (``_room``), where a ``DynamicLayer`` concatenates
     its whole history at each step: a decode step then copies its new token alone, as the
@@ -2271,7 +2274,8 @@ class TieredCache(Cache):
         windows = info.windows or (None,) * info.num_layers
         layout = info.layout
         layers: list[Any] = [_SharedLayer(i) if layout is not None and not layout.holds(i) else
-                             TieredLayer() if w is None else TieredSlidingLayer(w, store.block_size) for i, w in enumerate(windows)]
+                             TieredLayer() if w is None else TieredSlidingLayer(w, max(store.block_size, w // 16))
+                             for i, w in enumerate(windows)]
         super().__init__(layers=layers)
         # The layers holding KV: those reading an earlier layer's (KV sharing) are transformers'
         # DummyLayer, which holds none, as in its own caches.
