@@ -101,7 +101,12 @@ def _off_device(tensor: torch.Tensor) -> torch.Tensor:
         # A copy of its own: a view would keep the whole room it came from alive.
         return tensor.detach().clone(memory_format=torch.contiguous_format)
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor.detach(), non_blocking=True)
+    source = tensor.detach()
+    # The room may have been allocated under another stream than this copy's (a turn run inside a
+    # `with torch.cuda.stream(...)` of the program's own): freed once the layer lets go of it, it
+    # is not handed out again until this stream's work so far, the copy among it, is done.
+    source.record_stream(torch.cuda.current_stream(tensor.device))
+    host.copy_(source, non_blocking=True)
     return host
 
 
