@@ -2111,8 +2111,10 @@ class TieredSlidingLayer(TieredLayer):
         super().crop(tokens_to_remove)
 
     def _unstage(self) -> None:
-        """The tokens handed off the device taken back in front of the ones it holds (a crop into
-        them: assisted decoding's, a generate() dropping KV it cannot vouch for)."""
+        """The tokens handed off the device taken back in front of the ones it holds: a crop into
+        them (a generate() dropping KV it cannot vouch for, the program's own crop). Assisted
+        decoding's crops of rejected candidates never reach them: the layer held a window and a
+        margin before the candidates were fed."""
         keys, values = self._keys, self._values
         assert keys is not None and values is not None
         staged_keys, staged_values = self._staged.span(self._staged.start, self._offset, keys.device)
@@ -2137,8 +2139,8 @@ class TieredSlidingLayer(TieredLayer):
         return torch.cat((keys[0], live[0]), dim=-2), torch.cat((values[0], live[1]), dim=-2)
 
     def with_staged(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """The keys and values from the first token held, off the device or on it (on it), and
-        that token (``TieredCache.__iter__``)."""
+        """The keys and values from the first token held, those handed off the device brought
+        back onto it, and that token (``TieredCache.__iter__``)."""
         keys, values = self.keys, self.values
         if not self._staged or keys is None or values is None or keys.dim() != 4:
             return keys, values, self._offset

@@ -5,7 +5,7 @@ layer: a later turn may restore any prefix of the conversation, and a prefix's w
 last tokens. Held in the layer until the commit, a reply longer than the window stayed whole on
 the device in every sliding layer (GPT-OSS's 128-token windows kept a reasoning reply of 10,000
 tokens whole in half its layers, where a ``DynamicCache`` of its layer types keeps 128). A
-``TieredSlidingLayer`` hands those tokens here as it goes, a block's worth at a time, and keeps
+``TieredSlidingLayer`` hands those tokens here as it goes, a margin of them at a time, and keeps
 its window and a margin on the device.
 
 Protocol: ``add(at, keys, values)`` takes tokens ``[at, at + n)`` of row 0, as (1, H, n, D) keys and
