@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 from tierkv import TieredStore
 
 from .micro import at_least, pick_device, sync
+from .ttft import kv_bytes
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 hf_logging.set_verbosity_error()
@@ -61,18 +62,6 @@ def sliding_model(device: torch.device, window: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
-def device_kv_bytes(cache) -> int:
-    """The bytes of the device tensors a cache's layers hold (each storage once: room kept ahead
-    counted; the tokens a TieredCache's sliding layers hold in host memory not)."""
-    storages: dict[int, int] = {}
-    for layer in cache.layers:
-        for tensor in (layer.keys, layer.values, *(getattr(layer, "_room", None) or ())):
-            if tensor is not None and tensor.numel():
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def reply_past_the_window(device: torch.device, context: int, reply: int, window: int,
                           block_size: int) -> list[str]:
     """Section 3's rows: per-token decode through a long reply, and the KV held on the device."""
@@ -86,7 +75,7 @@ def reply_past_the_window(device: torch.device, context: int, reply: int, window
     times = paired_steps(model, caches, firsts["DynamicCache"], reply)
     paired = [t / d for t, d in zip(times["TieredCache"], times["DynamicCache"])]
     quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
-    held = {name: device_kv_bytes(cache) for name, cache in caches.items()}
+    held = {name: kv_bytes(cache) for name, cache in caches.items()}  # the room kept ahead counted
     config = model.config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ids.new_empty(
         0, dtype=model.dtype).element_size()

@@ -48,6 +48,18 @@ def _sliding(cache: Any) -> list[TieredSlidingLayer]:
     return [layer for layer in cache.layers if isinstance(layer, TieredSlidingLayer)]
 
 
+def _kept_whole_and_the_next_turn_exact(store: TieredStore, model: Any, cache: Any, sequences: torch.Tensor,
+                                        seed: int) -> None:
+    """``cache``'s commit of ``sequences`` keeps all but the last token, and the next turn (2 ids
+    more, from ``seed``) restores them all, exact."""
+    assert cache.commit(sequences) == sequences.shape[1] - 1
+    later = torch.cat([sequences, random_ids(2, seed=seed)], dim=1)
+    cache = store.open(model, later, session="s")
+    assert cache.restored_tokens == sequences.shape[1] - 1
+    assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                       model.generate(later, max_new_tokens=4, do_sample=False))
+
+
 @pytest.mark.parametrize("arch", SLIDING)
 def test_a_reply_past_the_window_leaves_the_device_and_every_later_turn_is_exact(tiny_model, tmp_path: Path,
                                                                                  arch: str) -> None:
@@ -100,12 +112,7 @@ def test_a_crop_into_the_tokens_off_the_device_takes_them_back_and_goes_on_exact
         got = model.generate(again, past_key_values=cache, max_new_tokens=40, do_sample=False)
         assert torch.equal(got, model.generate(again, max_new_tokens=40, do_sample=False))
         assert layer._staged
-        assert cache.commit(got) == got.shape[1] - 1
-        later = torch.cat([got, random_ids(2, seed=8)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert cache.restored_tokens == got.shape[1] - 1
-        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                           model.generate(later, max_new_tokens=4, do_sample=False))
+        _kept_whole_and_the_next_turn_exact(store, model, cache, got, seed=8)
 
 
 def test_prompt_lookup_with_candidates_past_a_margin_is_exact_while_tokens_leave_the_device(
@@ -122,11 +129,7 @@ def test_prompt_lookup_with_candidates_past_a_margin_is_exact_while_tokens_leave
         out = model.generate(ids, past_key_values=cache, **options)
         assert torch.equal(out, model.generate(ids, **options))
         assert _sliding(cache)[0]._staged
-        assert cache.commit(out) == out.shape[1] - 1
-        later = torch.cat([out, random_ids(2, seed=10)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                           model.generate(later, max_new_tokens=4, do_sample=False))
+        _kept_whole_and_the_next_turn_exact(store, model, cache, out, seed=10)
 
 
 def test_beams_after_tokens_left_the_device_then_a_crop_into_them_in_every_row_are_exact(
@@ -153,12 +156,7 @@ def test_beams_after_tokens_left_the_device_then_a_crop_into_them_in_every_row_a
         again = model.generate(last, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(again, model.generate(last, max_new_tokens=4, do_sample=False))
         assert 3 in taken
-        assert cache.commit(again) == again.shape[1] - 1
-        later = torch.cat([again, random_ids(2, seed=14)], dim=1)
-        cache = store.open(model, later, session="s")
-        assert cache.restored_tokens == again.shape[1] - 1
-        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                           model.generate(later, max_new_tokens=4, do_sample=False))
+        _kept_whole_and_the_next_turn_exact(store, model, cache, again, seed=14)
 
 
 def test_a_dynamic_cache_made_of_it_holds_the_tokens_off_the_device_not_nan(tiny_model, tmp_path: Path) -> None:
