@@ -187,8 +187,10 @@ def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
     assert "| 4 sessions x 4 turns" in out
     assert "| disk records read side by side | ok: " in out and "helpers read on ['cpu']" in out
     assert "| a forked child drops the store | ok: the child exited 0; the parent's turn after the fork exact" in out
-    assert "| a reply of 60 tokens past a window of 8 | ok: exact True, the device holds 16 tokens of 79 per " \
-           "sliding layer, the rest in host memory |" in out
+    # The window (7 tokens) and a margin (8) at least, two margins and the new token at most.
+    held = re.search(r"\| a reply of 60 tokens past a window of 8 \| ok: exact True, the device holds (\d+) tokens of 79 "
+                     r"per sliding layer, the rest in host memory \|", out)
+    assert held and 15 <= int(held.group(1)) <= 24
     assert "(restore + prefill) / (restore alone + prefill alone)" in out
     assert "| model checks per open (2 layers: 21 tensors" in out and "x a one-token forward" in out
 
