@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Collection
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -236,6 +237,18 @@ def random_ids(length: int, seed: int = 0, low: int = 3) -> torch.Tensor:
     """``(1, length)`` token ids, reproducible, avoiding the low special ids."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (1, length), generator=g)
+
+
+def kept_whole_and_next_turn_exact(store: Any, model: torch.nn.Module, cache: Any, sequences: torch.Tensor,
+                                   seed: int, extra: int = 2) -> None:
+    """``cache``'s commit of ``sequences`` keeps all but the last token, and the next turn of session
+    "s" (``extra`` ids more, from ``seed``) restores them all and generates as plain generate does."""
+    assert cache.commit(sequences) == sequences.shape[1] - 1
+    later = torch.cat([sequences, random_ids(extra, seed=seed)], dim=1)
+    cache = store.open(model, later, session="s")
+    assert cache.restored_tokens == sequences.shape[1] - 1
+    assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
+                       model.generate(later, max_new_tokens=4, do_sample=False))
 
 
 def damage_table(path: object, table: bytes, page_number: bool = False) -> None:

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from conftest import SLIDING, VOCAB, make_model, random_ids
+from conftest import SLIDING, VOCAB, kept_whole_and_next_turn_exact, make_model, random_ids
 from tierkv import TieredStore
 
 BLOCK = 8
@@ -613,12 +613,7 @@ def _exact_and_kept_whole(store: TieredStore, model: Any, ids: torch.Tensor, cac
     the last token, and the next turn (3 ids more, from ``seed``) restores them all, exact."""
     got = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False))
-    assert cache.commit(got) == got.shape[1] - 1
-    later = torch.cat([got, random_ids(3, seed=seed)], dim=1)
-    cache = store.open(model, later, session="s")
-    assert cache.restored_tokens == got.shape[1] - 1
-    assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                       model.generate(later, max_new_tokens=4, do_sample=False))
+    kept_whole_and_next_turn_exact(store, model, cache, got, seed, extra=3)
 
 
 # An entry naming no tier with the disk holding the block is a block at rest on disk alone.

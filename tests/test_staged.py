@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import SLIDING, raised_on_the_way_in, random_ids
+from conftest import SLIDING, kept_whole_and_next_turn_exact, raised_on_the_way_in, random_ids
 from tierkv import TieredStore
 from tierkv.cache import TieredSlidingLayer
 from tierkv.staged import StagedTokens
@@ -46,18 +46,6 @@ def _most_held(cache: Any) -> list[int]:
 
 def _sliding(cache: Any) -> list[TieredSlidingLayer]:
     return [layer for layer in cache.layers if isinstance(layer, TieredSlidingLayer)]
-
-
-def _kept_whole_and_the_next_turn_exact(store: TieredStore, model: Any, cache: Any, sequences: torch.Tensor,
-                                        seed: int) -> None:
-    """``cache``'s commit of ``sequences`` keeps all but the last token, and the next turn (2 ids
-    more, from ``seed``) restores them all, exact."""
-    assert cache.commit(sequences) == sequences.shape[1] - 1
-    later = torch.cat([sequences, random_ids(2, seed=seed)], dim=1)
-    cache = store.open(model, later, session="s")
-    assert cache.restored_tokens == sequences.shape[1] - 1
-    assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=4, do_sample=False),
-                       model.generate(later, max_new_tokens=4, do_sample=False))
 
 
 @pytest.mark.parametrize("arch", SLIDING)
@@ -112,7 +100,7 @@ def test_a_crop_into_the_tokens_off_the_device_takes_them_back_and_goes_on_exact
         got = model.generate(again, past_key_values=cache, max_new_tokens=40, do_sample=False)
         assert torch.equal(got, model.generate(again, max_new_tokens=40, do_sample=False))
         assert layer._staged
-        _kept_whole_and_the_next_turn_exact(store, model, cache, got, seed=8)
+        kept_whole_and_next_turn_exact(store, model, cache, got, seed=8)
 
 
 def test_prompt_lookup_with_candidates_past_a_margin_is_exact_while_tokens_leave_the_device(
@@ -129,7 +117,7 @@ def test_prompt_lookup_with_candidates_past_a_margin_is_exact_while_tokens_leave
         out = model.generate(ids, past_key_values=cache, **options)
         assert torch.equal(out, model.generate(ids, **options))
         assert _sliding(cache)[0]._staged
-        _kept_whole_and_the_next_turn_exact(store, model, cache, out, seed=10)
+        kept_whole_and_next_turn_exact(store, model, cache, out, seed=10)
 
 
 def test_beams_after_tokens_left_the_device_then_a_crop_into_them_in_every_row_are_exact(
@@ -156,7 +144,7 @@ def test_beams_after_tokens_left_the_device_then_a_crop_into_them_in_every_row_a
         again = model.generate(last, past_key_values=cache, max_new_tokens=4, do_sample=False)
         assert torch.equal(again, model.generate(last, max_new_tokens=4, do_sample=False))
         assert 3 in taken
-        _kept_whole_and_the_next_turn_exact(store, model, cache, again, seed=14)
+        kept_whole_and_next_turn_exact(store, model, cache, again, seed=14)
 
 
 def test_a_dynamic_cache_made_of_it_holds_the_tokens_off_the_device_not_nan(tiny_model, tmp_path: Path) -> None:
@@ -178,12 +166,12 @@ def test_a_dynamic_cache_made_of_it_holds_the_tokens_off_the_device_not_nan(tiny
 
 def test_staged_tokens_keep_order_replace_an_add_made_again_and_refuse_gaps() -> None:
     staged = StagedTokens()
-    assert not staged and staged.nbytes() == 0
+    assert not staged
     keys = torch.arange(2 * 10 * 3, dtype=torch.float32).view(1, 2, 10, 3)
     values = -keys
     staged.add(4, keys[:, :, :3], values[:, :, :3])
     staged.add(7, keys[:, :, 3:7], values[:, :, 3:7])
-    assert (staged.start, staged.end) == (4, 11) and staged.nbytes() == 2 * 7 * 2 * 3 * 4
+    assert (staged.start, staged.end) == (4, 11)
     k, v = staged.span(5, 9, torch.device("cpu"))
     assert torch.equal(k, keys[:, :, 1:5]) and torch.equal(v, values[:, :, 1:5])
     # Copies of their own: the room they came from is free to be written over.
@@ -199,8 +187,8 @@ def test_staged_tokens_keep_order_replace_an_add_made_again_and_refuse_gaps() ->
         staged.add(13, keys[:, :, :1], values[:, :, :1])
     with pytest.raises(ValueError, match="asked of tokens 4 to 12"):
         staged.span(3, 6, torch.device("cpu"))
-    k, v = staged.take(torch.device("cpu"))
-    assert torch.equal(k, keys[:, :, :8]) and not staged and (staged.start, staged.end) == (0, 0)
+    staged.clear()
+    assert not staged and (staged.start, staged.end) == (0, 0)
     staged.add(20, keys[:, :, :2], values[:, :, :2])  # empty again: any token starts it
     assert (staged.start, staged.end) == (20, 22)
 

@@ -16,7 +16,7 @@ copied into pinned host memory on the current stream, with no host sync, each ch
 marked by an event; on a CPU they are copied into tensors of their own, so that the room they
 were views of is freed. ``span(start, stop, device)`` returns tokens ``[start, stop)`` (within
 ``[start, end)``) as (1, H, n, D) keys and values on ``device``, copied back after their events on
-the current stream; ``take(device)`` returns them all and holds none after. The held tokens are
+the current stream; ``clear()`` lets go of them all. The held tokens are
 one row's: a layer adds only while it holds one row, so rows it is expanded to later (beams) all
 share them.
 """
@@ -40,10 +40,6 @@ class StagedTokens:
 
     def __bool__(self) -> bool:
         return bool(self._chunks)
-
-    def nbytes(self) -> int:
-        """The bytes held."""
-        return sum([k.numel() * k.element_size() + v.numel() * v.element_size() for _, _, k, v, _ in self._chunks])
 
     def add(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._chunks and not self.start <= at <= self.end:
@@ -84,12 +80,6 @@ class StagedTokens:
         if len(keys) == 1:
             return keys[0], values[0]
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-
-    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token held, on ``device``; none held after."""
-        keys, values = self.span(self.start, self.end, device)
-        self.clear()
-        return keys, values
 
     def clear(self) -> None:
         self._chunks = []
