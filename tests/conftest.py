@@ -196,6 +196,11 @@ _SHAPES: dict[str, dict[str, object]] = {
                          layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                          laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
                          hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
+    # Chunked attention (Llama 4's): a 12-token chunk in its first layer, whose mask restarts at each
+    # chunk, a window to transformers' caches; full attention without RoPE in its second; MoE.
+    "llama4_text": dict(hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=12,
+                        no_rope_layers=[1, 0], num_local_experts=2),
     # Multi-head latent attention: the cache holds a compressed latent (kv_lora_rank 32) as its keys
     # and rotary keys (qk_rope_head_dim 8) as its values, one head each; MoE layers after the first.
     "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
@@ -208,7 +213,7 @@ ARCHITECTURES = list(_SHAPES)
 _MODEL_TYPE = {"mistral_window": "mistral", "qwen2_window": "qwen2"}
 # The shapes whose layers (some or all) attend over a sliding window.
 SLIDING = ["mistral_window", "qwen2_window", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "gemma4_text",
-           "gemma3n_text"]
+           "gemma3n_text", "llama4_text"]
 
 
 def make_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> torch.nn.Module:

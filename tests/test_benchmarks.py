@@ -1015,8 +1015,9 @@ def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str]
     # Families tierkv refuses at store.open, with the reason, before the trace starts.
     (["--arch", "bert"], "tierkv cannot serve this model: "),
     # Told to give another model, not to "generate without a TieredCache", which no flag does.
-    (["--arch", "llama4_text", "--hidden", "128"],
-     "sliding-window layers only, for now; give another --arch, such as llama"),
+    (["--arch", "deepseek_v32", "--hidden", "128"],
+     "sliding-window layers only, for now ('indexed_attention' layers, DeepSeek Sparse Attention's, keep their "
+     "indexer's keys in the cache beside the KV, which tierkv does not store); give another --arch, such as llama"),
     # A recurrent family: before, an AttributeError from the KV probe, before the refusal.
     (["--arch", "mamba", "--hidden", "128"], "['linear_attention'] layers"),
     (["--model", "{recurrent}"], "sliding-window layers only, for now; give --model a decoder-only checkpoint of "

@@ -1,5 +1,5 @@
 """Sliding-window attention (Mistral's window, Gemma 2/3's and Cohere 2's local layers, GPT-OSS's,
-Qwen2's upper layers): the layers of a ``TieredCache`` answer attention as transformers'
+Qwen2's upper layers; Llama 4's chunked attention, a window to transformers' caches): the layers of a ``TieredCache`` answer attention as transformers'
 ``DynamicSlidingWindowLayer`` does, whatever tier their prefix came from, while holding every
 token for ``commit``. Exactness through every tier, a restart and every generation mode is in
 test_exactness.py (``conftest.SLIDING`` is among its architectures)."""
@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from conftest import SLIDING, VOCAB, kept_whole_and_next_turn_exact, make_model, random_ids
+import tierkv.cache as cache_module
 from tierkv import TieredStore
 
 BLOCK = 8
@@ -41,14 +42,15 @@ def test_the_windows_change_these_models_outputs(tiny_model, arch: str) -> None:
     model = tiny_model(arch)
     assert _windows_of(model) and set(_windows_of(model)) == {12}
     ids = random_ids(40, seed=5)
+    text = model.config.get_text_config(decoder=True)
+    field = "attention_chunk_size" if getattr(text, "attention_chunk_size", None) else "sliding_window"
     with torch.no_grad():
         windowed = model(ids, use_cache=False).logits
-        text = model.config.get_text_config(decoder=True)
-        text.sliding_window = 1000
+        setattr(text, field, 1000)
         try:
             unwindowed = model(ids, use_cache=False).logits
         finally:
-            text.sliding_window = 12
+            setattr(text, field, 12)
     assert torch.equal(windowed[:, :12], unwindowed[:, :12])  # within the window: the same attention
     assert (windowed[:, 20:] - unwindowed[:, 20:]).abs().max() > 1e-4
 
@@ -179,17 +181,65 @@ def test_windows_shorter_than_a_block_or_longer_than_the_conversation_are_exact(
             ids = torch.cat([out, random_ids(4, seed=11 + turn)], dim=1)
 
 
-def test_chunked_attention_is_refused_naming_its_layers() -> None:
-    """Llama 4's chunked attention restarts its mask at each chunk: not a window tierkv serves."""
+def _llama4(chunk: int, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     config = AutoConfig.for_model("llama4_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                  intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=2)
-    model = AutoModelForCausalLM.from_config(config).eval()
+                                  intermediate_size_mlp=128, num_hidden_layers=layers, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, attention_chunk_size=chunk, num_local_experts=2,
+                                  no_rope_layers=[1] * (layers - 1) + [0])
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("tier", list(BUDGETS))
+def test_chunked_attention_restored_at_every_offset_from_a_chunk_edge_is_exact(tmp_path: Path, tier: str) -> None:
+    """Llama 4's chunked attention: to transformers' caches a window of the chunk's length (its
+    mask alone restarts at each chunk). Restores ending a token before a chunk's edge, on it and
+    after it, and a reply crossing the next edge, equal plain generate, token for token and in
+    the first step's logits, from every tier, and the layer holds only the blocks its chunk reaches."""
+    chunk = 12  # not a multiple of the block size: the chunks' edges fall inside blocks
+    model = _llama4(chunk)
+    assert [type(layer).__name__ for layer in DynamicCache(config=model.config).layers] == \
+        ["DynamicSlidingWindowLayer", "DynamicLayer"]
+    with TieredStore(tmp_path if tier == "disk" else None, device="cpu", block_size=BLOCK, **BUDGETS[tier]) as store:
+        for length in (11, 12, 13, 23, 24, 25):
+            ids = random_ids(length + 1, seed=length)
+            cache = store.open(model, ids)
+            cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+            cache = store.open(model, ids)
+            assert cache.restored_tokens == length, length  # a partial block too
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=chunk + 4, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            plain = model.generate(ids, max_new_tokens=chunk + 4, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True)
+            assert torch.equal(out.sequences, plain.sequences), length
+            torch.testing.assert_close(out.scores[0], plain.scores[0], rtol=1e-5, atol=1e-5)
+            # The chunked layer's restore: the blocks its last chunk - 1 tokens reach.
+            assert cache.layers[0].held_from() == (cache.restored_tokens - chunk + 1) // BLOCK * BLOCK
+            assert cache.layers[1].held_from() == 0
+            assert cache.commit(out.sequences) == out.sequences.shape[1] - 1
+
+
+def test_a_model_naming_chunked_layers_its_masks_do_not_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a window its masks ignore (Moshi's): chunked layers whose modeling code builds no chunked
+    mask are refused at open, naming the field to set."""
+    monkeypatch.setitem(cache_module._MASK_MAKERS, "chunked_attention", ("no_such_mask_function", "chunked"))
     with TieredStore(None, device="cpu", block_size=BLOCK) as store:
-        with pytest.raises(ValueError, match=r"\['chunked_attention'\] layers; tierkv supports decoder-only models "
-                                             "with full-attention and sliding-window layers only"):
-            store.open(model, random_ids(20))
+        with pytest.raises(ValueError, match=r"Llama4ForCausalLM's config names chunked_attention layers "
+                                             r"\(attention_chunk_size=8\), but its modeling code builds no chunked "
+                                             r"mask for them \(transformers' no_such_mask_function;") as info:
+            store.open(_llama4(8), random_ids(20))
+        assert "Set attention_chunk_size=None" in str(info.value)
         assert store.stats()["misses"] == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_chunks_under_two_tokens_are_refused_naming_the_field(chunk: int) -> None:
+    with TieredStore(None, device="cpu", block_size=BLOCK) as store:
+        model = _llama4(8)
+        model.config.attention_chunk_size = chunk
+        with pytest.raises(ValueError, match=f"chunked_attention layers with attention_chunk_size={chunk}; tierkv "
+                                             "needs a window of at least 2 tokens"):
+            store.open(model, random_ids(20))
 
 
 @pytest.mark.parametrize("family", ["t5", "mamba", "nemotron_h"])

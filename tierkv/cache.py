@@ -235,31 +235,44 @@ def _layer_types(text_config: Any) -> list[str]:
 def _declared_layer_types(text_config: Any) -> list[str]:
     if get_layer_types_and_kwargs is not None:
         return list(get_layer_types_and_kwargs(text_config)[0])
-    window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
-    types = list(getattr(text_config, "layer_types", None) or
-                 ["sliding_attention" if window is not None else "full_attention"] * text_config.num_hidden_layers)
+    # As transformers' caches read an old config without layer_types: a window first, then a chunk.
+    kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else \
+        "chunked_attention" if getattr(text_config, "attention_chunk_size", None) else "full_attention"
+    types = list(getattr(text_config, "layer_types", None) or [kind] * text_config.num_hidden_layers)
     shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
     return types[: len(types) - shared] + ["dummy"] * shared
 
 
+#: The layer types a sliding window serves, and the config field that sizes each one's window.
+#: Chunked attention (Llama 4's) is a window to transformers' caches: a ``DynamicSlidingWindowLayer``
+#: of ``attention_chunk_size`` tokens, whose last ``chunk - 1`` hold every token of the current
+#: chunk; its mask alone restarts at each chunk. Served as the window it is to the cache.
+WINDOWED = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+
+
 def _windows(text_config: Any, layer_types: list[str]) -> tuple[int | None, ...]:
-    """Each layer's sliding window, as transformers' caches size it, or None for full attention."""
-    if "sliding_attention" not in layer_types:
+    """Each layer's sliding window (a chunked layer's: its chunk), as transformers' caches size it,
+    or None for full attention."""
+    if not set(layer_types) & set(WINDOWED):
         return (None,) * len(layer_types)
     per_layer = get_layer_types_and_kwargs(text_config)[1] if get_layer_types_and_kwargs is not None else []
     windows: list[int | None] = []
     for i, kind in enumerate(layer_types):
-        window = per_layer[i].get("sliding_window") if i < len(per_layer) else text_config.sliding_window
-        windows.append(_window(window) if kind == "sliding_attention" else None)
+        field = WINDOWED.get(kind)
+        if field is None:
+            windows.append(None)
+            continue
+        window = per_layer[i].get("sliding_window") if i < len(per_layer) else getattr(text_config, field, None)
+        windows.append(_window(window, kind, field))
     return tuple(windows)
 
 
-def _window(window: Any) -> int:
+def _window(window: Any, kind: str = "sliding_attention", field: str = "sliding_window") -> int:
     # A window of 1 (each token attending to itself alone): transformers' DynamicSlidingWindowLayer
     # keeps every token then (its slice [-0:]) while its mask sizes say none, so plain generate
     # itself computes no such model as it was trained.
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-        raise ValueError(f"the model's config has sliding_attention layers with sliding_window={window!r}; "
+        raise ValueError(f"the model's config has {kind} layers with {field}={window!r}; "
                          "tierkv needs a window of at least 2 tokens (an int): give the window the checkpoint "
                          "was trained with")
     return window
@@ -536,12 +549,17 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _builds_sliding_masks(model: torch.nn.Module) -> bool:
-    """Whether the modeling code of a transformers model inside ``model`` builds sliding-window
-    masks (read from its module's source; False where no source can be read). A window is kept
-    by two hands in transformers: the mask, which windows every forward, and the cache's layer,
-    which drops what lies past the window after each forward; a model whose mask is causal alone
-    attends past its window in a forward of many tokens (a prefill), and within it after."""
+#: The transformers function that builds each WINDOWED layer type's mask, and the mask's name.
+_MASK_MAKERS = {"sliding_attention": ("create_sliding_window_causal_mask", "sliding-window"),
+                "chunked_attention": ("create_chunked_causal_mask", "chunked")}
+
+
+def _builds_masks(model: torch.nn.Module, maker: str) -> bool:
+    """Whether the modeling code of a transformers model inside ``model`` calls ``maker`` to build
+    its windowed layers' masks (read from its module's source; False where no source can be read). A
+    window is kept by two hands in transformers: the mask, which windows every forward, and the
+    cache's layer, which drops what lies past the window after each forward; a model whose mask is
+    causal alone attends past its window in a forward of many tokens (a prefill), and within it after."""
     for part in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         module = sys.modules.get(type(part).__module__)
         if module is None:
@@ -552,7 +570,7 @@ def _builds_sliding_masks(model: torch.nn.Module) -> bool:
             if raised_by_signal_handler(exc):
                 raise  # a SIGALRM timeout's, as the source was read: not a module without source
             continue
-        if "create_sliding_window_causal_mask" in source:
+        if maker in source:
             return True
     return False
 
@@ -747,11 +765,10 @@ def _static_facts(model: Any) -> _Static:
     declared = getattr(text_config, "layer_types", None)
     if isinstance(declared, (list, tuple)) and len(declared) == len(layer_types):
         layer_types = [d if t == "dummy" and d in ("mlp", "moe") else t for t, d in zip(layer_types, declared)]
-    # Sliding-window layers are served (TieredSlidingLayer); chunked attention (Llama 4's), whose
-    # mask restarts at each chunk, is not.
+    # Sliding-window and chunked layers are served (TieredSlidingLayer, WINDOWED).
     # Layers reading an earlier layer's KV ("dummy": Gemma 3n's and Gemma 4's KV sharing) hold none:
     # they take no slot of a block (layout.py), and the layers before them are served.
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention", "dummy")})
+    other = sorted({t for t in layer_types if t not in ("full_attention", *WINDOWED, "dummy")})
     if other:
         hint = ""
         if {"mlp", "moe"} & set(other):
@@ -762,14 +779,17 @@ def _static_facts(model: Any) -> _Static:
                      "cache beside the KV, which tierkv does not store)")
         raise ValueError(f"{type(model).__name__} has {other} layers; tierkv supports decoder-only models with "
                          f"full-attention and sliding-window layers only, for now{hint}{_WITHOUT_TIERKV}")
-    if "sliding_attention" in layer_types and not _builds_sliding_masks(model):
-        raise ValueError(f"{type(model).__name__}'s config names sliding_attention layers (sliding_window="
-                         f"{getattr(text_config, 'sliding_window', None)!r}), but its modeling code builds no "
-                         "sliding-window mask for them (transformers' create_sliding_window_causal_mask; Moshi "
-                         "builds a full causal one), or could not be read: transformers' own caches then keep its "
-                         "window only from its second forward on, so plain generate's output depends on how a "
-                         "conversation is fed and no restore can equal it. Set sliding_window=None in its config "
-                         "if the checkpoint attends to the whole conversation" + _WITHOUT_TIERKV)
+    for kind, field in WINDOWED.items():
+        maker, mask = _MASK_MAKERS[kind]
+        if kind in layer_types and not _builds_masks(model, maker):
+            raise ValueError(f"{type(model).__name__}'s config names {kind} layers ({field}="
+                             f"{getattr(text_config, field, None)!r}), but its modeling code builds no "
+                             f"{mask} mask for them (transformers' {maker}; Moshi builds "
+                             "a full causal one for its window), or could not be read: transformers' own caches "
+                             "then keep its window only from its second forward on, so plain generate's output "
+                             "depends on how a conversation is fed and no restore can equal it. Set "
+                             f"{field}=None in its config if the checkpoint attends to the whole conversation"
+                             + _WITHOUT_TIERKV)
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
     # model's, and its forward call the inner forward directly, without the wrapper's own hooks
     # (peft does both; so does torch.compile's module): the inner hook checks those forwards.
@@ -1971,7 +1991,7 @@ class TieredLayer(DynamicLayer):
 
 class TieredSlidingLayer(TieredLayer):
     """A layer attending over a sliding window of ``sliding_window`` tokens (Mistral's, Gemma's
-    local layers, GPT-OSS's...): to attention it answers as transformers' ``DynamicSlidingWindowLayer``
+    local layers, GPT-OSS's...; Llama 4's chunks of that many, ``WINDOWED``): to attention it answers as transformers' ``DynamicSlidingWindowLayer``
     does (the same mask sizes, and the keys and values of the window and the new tokens). It holds
     the turn's tokens, and of a restored prefix the blocks its window reaches (``_offset``: the
     tokens before them, left out): ``commit`` stores every token's KV of every layer, so that a

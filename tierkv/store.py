@@ -1013,7 +1013,7 @@ class TieredStore:
 
         Raises ``TypeError``/``ValueError`` (saying what to pass instead) for ids that are not one
         ``(1, L)`` row of the model's token ids, names that are not str, a model the store cannot
-        serve exactly (see README: chunked attention, encoder-decoder, latent attention...) or on
+        serve exactly (see README: linear attention, DeepSeek Sparse Attention, encoder-decoder...) or on
         another device than the store's, and a closed store.
         """
         started = time.perf_counter()
