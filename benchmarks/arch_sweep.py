@@ -384,6 +384,7 @@ def restart_sweep(types: list[str]) -> None:
     """Turns 0 and 1 for a batch of types in one process, turn 2 for them in another."""
     out_dir = RESULTS.parent / "restart"
     out_dir.mkdir(parents=True, exist_ok=True)
+    SCRATCH.mkdir(parents=True, exist_ok=True)  # a fresh SWEEP_RESULTS: every batch crashed in mkdtemp
     todo = [t for t in types if not (out_dir / f"{t}.json").exists()]
     while todo:
         batch, todo = todo[:10], todo[10:]
