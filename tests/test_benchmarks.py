@@ -912,6 +912,23 @@ def test_a_random_model_setting_head_dim_per_layer_keeps_its_kv_of_other_shapes(
     assert sum(p.numel() for p in model.parameters()) < 2 * sum(p.numel() for p in llama.parameters())
 
 
+@pytest.mark.parametrize("arch", ["llama4", "qwen3_5", "mllama"])
+def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags(arch: str) -> None:
+    """``--arch llama4`` (``qwen3_5``, ``mllama``): the causal LM reads a text config nested in the
+    family's, which the flags did not reach: 48 layers 5120 wide (Llama 4's 202,048-id embedding,
+    or Qwen 3.5's 248,320 of 4096), minutes to build before the trace could start or be refused.
+    Its text config takes the flags as a plain family's config does."""
+    from tierkv.trace_model import RANDOM_VOCAB, _random_model
+
+    with torch.device("meta"):
+        model = _random_model(arch, 4, 512, 2048, 0, torch.float32)
+        llama = _random_model("llama", 4, 512, 2048, 0, torch.float32)
+    text = model.config.get_text_config(decoder=True)
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (512, 4, RANDOM_VOCAB)
+    assert getattr(text, "head_dim", 64) == 64
+    assert sum(p.numel() for p in model.parameters()) < 8 * sum(p.numel() for p in llama.parameters())
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 written by save_pretrained: a user's own model, as --model loads it."""

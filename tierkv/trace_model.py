@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from .interrupts import raised_by_signal_handler
 
@@ -135,6 +135,19 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
                   num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
                   max_position_embeddings=context + 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config = AutoConfig.for_model(arch, **fields)
+    nested = getattr(config, "text_config", None)
+    if isinstance(nested, PretrainedConfig) and getattr(nested, "hidden_size", hidden) != hidden:
+        # A family whose causal LM reads a text config inside its own (Llama 4's, Qwen 3.5's, the
+        # multimodal ones): the flags size that one. Set on the outer config alone, they left it as the
+        # family's checkpoints have it: `--arch llama4` built 48 layers 5120 wide, and `--arch qwen3_5`
+        # a 248,320-id embedding 4096 wide, for minutes, before store.open refused or ran it.
+        text_fields = dict(fields)
+        if nested.to_dict().get("head_dim") not in (None, 64) and not getattr(nested, "is_heterogeneous", False):
+            text_fields["head_dim"] = 64
+        config = AutoConfig.for_model(arch, **fields, text_config=text_fields)
+        _shape(config.text_config, layers, hidden)
+        torch.manual_seed(seed)
+        return _build(arch, config, dtype)
     if getattr(config, "is_heterogeneous", False):
         # A field some layers set otherwise (Gemma 4's head_dim, 512 in its full-attention layers)
         # raises when read from the config itself (`--arch gemma4_text` died there): read from its
@@ -149,6 +162,14 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
             config = AutoConfig.for_model(arch, **fields, head_dim=64, per_layer_config=per_layer)
     elif getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
         config.head_dim = 64
+    _shape(config, layers, hidden)
+    torch.manual_seed(seed)
+    return _build(arch, config, dtype)
+
+
+def _shape(config: Any, layers: int, hidden: int) -> None:
+    """The family's other defaults that the flags' sizes leave out of scale (of the text config,
+    in a config that nests one)."""
     shared = getattr(config, "num_kv_shared_layers", None)
     if isinstance(shared, int) and shared > layers // 2:
         # KV sharing (Gemma 3n's last 15 of 35 layers read the KV of earlier ones): at most half
@@ -166,7 +187,9 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
         # num_key_value_heads is its heads'): fewer made its attention's shapes disagree.
         config.num_key_value_heads = config.num_attention_heads
     _shrink_experts(config, hidden)
-    torch.manual_seed(seed)
+
+
+def _build(arch: str, config: Any, dtype: torch.dtype) -> torch.nn.Module:
     try:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:  # not a family with a causal LM head (BERT without is_decoder, T5, ...)
