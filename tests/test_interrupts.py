@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import itertools
 import logging
 import os
 import pathlib
@@ -921,3 +922,139 @@ def test_tierkv_never_compares_with_a_function_that_answers_an_exception_with_fa
             if isinstance(node, ast.Attribute) and node.attr in ("array_equal", "array_equiv"):
                 found.append(f"{path.name}:{node.lineno}")
     assert not found, found
+
+
+def _raised_at_every_line(prepare: Any, check: Any, within: set[str]) -> int:
+    """``raised_on_the_way_in``'s loop at another grain: ``prepare()`` untraced, then the call it
+    returns with a real SIGUSR1 sent as each line of the functions named ``within`` begins
+    (``sys.settrace``), one line further each time, its handler raising ``HandlerRaised``, each
+    exception kept alive to the end; ``check(sent)`` after each, ``sent`` the (function, line). A
+    line's start is every point where CPython runs a handler between two of its statements,
+    those ``setprofile`` never reports among them (the return of a type's call: ``super()``), and
+    none inside a statement: a tuple assignment is one step here, as for a handler. Returns how
+    many lines there were."""
+    from conftest import HandlerRaised, _raise_handler_raised
+
+    main = threading.get_ident()
+    kept: list[BaseException] = []
+    previous = signal.signal(signal.SIGUSR1, _raise_handler_raised)
+    collecting = gc.isenabled()
+    gc.disable()  # no collector's callbacks run as points (see raised_on_the_way_in)
+    try:
+        point = 0
+        while True:
+            point += 1
+            seen = [0]
+            sent: list[tuple[str, int]] = []
+
+            def local(frame: Any, event: str, arg: Any, point: int = point) -> Any:
+                if event == "line":
+                    seen[0] += 1
+                    if seen[0] == point:
+                        sent.append((frame.f_code.co_name, frame.f_lineno))
+                        signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here
+                return local
+
+            def calls(frame: Any, event: str, arg: Any) -> Any:
+                return local if frame.f_code.co_name in within else None
+
+            step = prepare()
+            raised = False
+            try:
+                sys.settrace(calls)
+                try:
+                    step()
+                finally:
+                    sys.settrace(None)
+            except HandlerRaised as exc:
+                kept.append(exc)
+                raised = True
+            if not sent:
+                return point - 1
+            assert raised, f"the handler's exception at {sent} was swallowed"
+            check(sent)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        kept.clear()
+        if collecting:
+            gc.enable()
+
+
+RESET_STEPS = {"reset", "_discard_restore", "_forget_forwards", "activate_past_recording", "<dictcomp>"}
+
+
+@pytest.mark.parametrize("then", ["reset-again", "go-on"])
+# Assisted decoding's reset runs the layers' resets as cache.reset() does: its own lines alone.
+@pytest.mark.parametrize("how,held", [("reset", "pending"), ("reset", "staged"), ("assisted", "pending")])
+def test_a_handler_raising_at_any_line_of_a_reset_leaves_the_cache_whole_or_reset(tiny_model, tmp_path: pathlib.Path,
+                                                                                 held: str, then: str, how: str) -> None:
+    """A cache's reset (``cache.reset()``, or assisted decoding's ``activate_past_recording``) of a
+    restored turn, its layers still waiting for their blocks or holding a reply past a sliding
+    window off the device, cut by another signal's handler at every line: each layer is left as
+    it was or empty, ``restored_from`` adds up to ``restored_tokens``, and the restore is counted
+    as discarded once, by the reset made again; that reset's turn, or one going on without it
+    (refused where the layers were left apart), generates exact and commits whole. Before (h128):
+    cut as its discard's count returned, the reset made again counted the restore's tokens twice
+    in ``misses`` and ``discarded``; cut as ``restored_from`` was zeroed, it stayed nonzero beside
+    ``restored_tokens == 0`` for good; a sliding layer cut after clearing what it held off the
+    device kept its offset past them, and the turn going on committed none of the reply's tokens
+    past the restore; a layer cut after letting go of its keys (or pending restore) and before
+    ``is_initialized = False`` raised AttributeError at its length."""
+    from conftest import random_ids
+    from tierkv.cache import TieredSlidingLayer
+
+    model = tiny_model("mistral_window")
+    ids = random_ids(20, seed=3)
+    # Blocks of 4: a hand-off every 4 tokens once a layer holds 19 (its window of 12 and two margins).
+    store = tierkv.TieredStore(tmp_path / "kv", device="cpu", block_size=4)
+    try:
+        first = store.open(model, ids, session="s")
+        out = model.generate(ids, past_key_values=first, max_new_tokens=30, do_sample=False)
+        first.commit(out)
+        state: list[Any] = []
+        turns = itertools.count()
+
+        def prepare() -> Any:
+            # Each cut a turn of its own: a reply no commit has stored yet.
+            opened = torch.cat([out, random_ids(3, seed=next(turns))], dim=1)
+            cache = store.open(model, opened, session="s")
+            assert cache.restored_tokens > 0
+            later = opened
+            if held == "staged":
+                # A reply past the window and two margins: the sliding layers hand tokens off the
+                # device, also tokens past the restore.
+                later = model.generate(opened, past_key_values=cache, max_new_tokens=28, min_new_tokens=28,
+                                       do_sample=False)
+                assert min([layer._offset for layer in cache.layers]) > cache.restored_tokens
+            state[:] = [cache, cache.restored_tokens, store.stats(),
+                        [(layer.get_seq_length(), layer.held_from()) for layer in cache.layers],
+                        later, model.generate(later, max_new_tokens=3, do_sample=False)]
+            return cache.reset if how == "reset" else cache.activate_past_recording
+
+        def check(sent: list) -> None:
+            cache, restored, stats, before, later, plain = state
+            assert sum(cache.restored_from.values()) == cache.restored_tokens in (0, restored), sent
+            for layer, was in zip(cache.layers, before):
+                now = layer.get_seq_length(), layer.held_from()
+                assert now in (was, (0, 0)), (sent, now, was)
+                assert bool(isinstance(layer, TieredSlidingLayer) and layer._staged) == \
+                    (now == was and held == "staged"), sent
+            if then == "reset-again":
+                cache.reset()
+                after = store.stats()
+                assert after["discarded"] - stats["discarded"] == restored, sent
+                assert after["misses"] - stats["misses"] == restored, sent
+                assert cache.restored_tokens == 0 and set(cache.restored_from.values()) == {0}, sent
+            try:
+                got = model.generate(later, past_key_values=cache, max_new_tokens=3, do_sample=False)
+            except ValueError as exc:
+                # Layers left apart (the reset stopped between two): refused, saying to reset.
+                assert then == "go-on" and "cache.reset()" in str(exc), (sent, exc)
+                assert len({layer.get_seq_length() for layer in cache.layers}) > 1, sent
+                return
+            assert torch.equal(got, plain), sent
+            assert cache.commit(got) == got.shape[1] - 1, sent
+
+        assert _raised_at_every_line(prepare, check, RESET_STEPS) > 30
+    finally:
+        store.close()

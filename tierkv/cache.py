@@ -1979,13 +1979,13 @@ class TieredLayer(DynamicLayer):
         return self._offset + min(self._keys.shape[-2], self._values.shape[-2])
 
     def reset(self) -> None:
-        self._pending = None
-        self._offset = 0
         # Dropped here, not left to DynamicLayer: before transformers 5.18 it zeroed the tensors
         # in place and kept their length, so a reset cache (and assisted decoding, which resets a
         # restored one) attended over zeros, or raised on a layer still waiting for its blocks.
-        self._keys = self._values = None
-        self.is_initialized = False
+        # One statement, as the sliding layer's must be (below): cut between two of them (by a
+        # test cutting at every line), a layer kept an offset past keys it no longer held, or no
+        # keys nor pending restore while still initialized, and its length raised AttributeError (h128).
+        self._pending, self._offset, self._keys, self._values, self.is_initialized = None, 0, None, None, False
         super().reset()
 
 
@@ -2177,8 +2177,12 @@ class TieredSlidingLayer(TieredLayer):
         return self.sliding_window
 
     def reset(self) -> None:
-        self._room = None
-        self._staged.clear()
+        # In the base's one statement: cut by another signal's handler after the tokens off the
+        # device were let go of and before the base's reset (as ``super()`` returned), the layer
+        # kept its offset past them, holding them nowhere, and a turn going on from there was
+        # exact but its commit ended the chain at them (48 of 83 tokens kept; h128).
+        self._pending, self._offset, self._keys, self._values, self.is_initialized, self._room, self._staged = \
+            None, 0, None, None, False, None, StagedTokens()
         super().reset()
 
 
@@ -2892,11 +2896,10 @@ class TieredCache(Cache):
         # 5.25 passes how many recurrent states to keep (for linear-attention layers, which a
         # TieredCache never holds); 5.24 passes nothing and its base takes nothing.
         if self.get_seq_length() > 0:
+            # In reset()'s order, for its reasons.
             self._store._discard_restore(self)
             for layer in self._kv:
                 layer.reset()
-            self.restored_tokens = self._restored_held = 0
-            self.restored_from = {k: 0 for k in self.restored_from}
             self._forget_forwards()
         super().activate_past_recording(**kwargs)
 
@@ -2927,11 +2930,14 @@ class TieredCache(Cache):
 
     def reset(self) -> None:
         # The restored prefix is thrown away and computed again: no longer restored (masks over
-        # it are then allowed), and counted as missed, as for assisted decoding.
+        # it are then allowed), and counted as missed, as for assisted decoding. Each step leaves a
+        # cache that a reset made again finishes, and a state a turn can go on from: the discard
+        # first (the store's count and the cache's in one statement), restored KV still held
+        # then counting as KV the cache computed, which it equals; then the layers (a turn going
+        # on from layers left apart is refused, saying to reset); then the notes of forwards whose
+        # KV no layer holds any longer (h128).
         if self.restored_tokens:
             self._store._discard_restore(self)
-            self.restored_tokens = self._restored_held = 0
-            self.restored_from = {k: 0 for k in self.restored_from}
         super().reset()
         self._forget_forwards()
 
@@ -3001,10 +3007,9 @@ class TieredCache(Cache):
 
     def _forget_forwards(self) -> None:
         """What the hook noted of forwards whose KV the cache no longer holds."""
-        self._fed = []
-        self._masked_from = None
-        self._rows_diverged = False
-        self._dropped_from = None
+        # One statement: cut part-way, a stale note of a mask or of dropped KV made the next
+        # commit keep less, or refuse less, than it should.
+        self._fed, self._masked_from, self._rows_diverged, self._dropped_from = [], None, False, None
 
     # -- for the store ---------------------------------------------------------------------------
     def held_tokens(self) -> int:

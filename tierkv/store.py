@@ -2870,11 +2870,18 @@ class TieredStore:
             self._submit(DropRefs(sid, keys, holders=self._holders(keys), superseded=True, owner=owner))
 
     def _discard_restore(self, cache: TieredCache) -> None:
-        """The cache threw its restored prefix away (assisted decoding): those tokens are computed
-        after all. Hits stay as they were (counters only grow: metrics export them as such)."""
+        """The cache threw its restored prefix away (assisted decoding, ``cache.reset()``): those
+        tokens are computed after all, counted as missed and discarded, and the cache counts none
+        restored. Hits stay as they were (counters only grow: metrics export them as such)."""
+        zeros = dict.fromkeys(cache.restored_from, 0)
         with self._lock:
-            self._discarded += cache.restored_tokens
-            self._misses += cache.restored_tokens
+            n = cache.restored_tokens
+            # One statement, the cache's counts with the store's: a reset cut between them by
+            # another signal's handler, and made again, counted the tokens twice; cut between the
+            # cache's own, ``restored_from`` kept summing to tokens ``restored_tokens`` no longer
+            # counted, for good (h128).
+            self._discarded, self._misses, cache.restored_tokens, cache._restored_held, cache.restored_from = \
+                self._discarded + n, self._misses + n, 0, 0, zeros
 
     # -- reopen -------------------------------------------------------------------------------------
     def _load_index(self) -> None:
