@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import lmdb
 import pytest
@@ -737,3 +738,74 @@ def test_a_disk_call_of_another_thread_waits_for_the_writers_remap(stores, tmp_p
         stop.set()
         remapper.join(WAIT)
     assert remaps[0] > 100
+
+
+@pytest.mark.parametrize("budgets", [dict(), dict(device_budget=0, host_budget=0)], ids=["memory", "disk only"])
+def test_a_forget_while_an_open_reads_leaves_its_unread_blocks_counted_as_planned_and_the_turn_exact(
+        tiny_model, stores, tmp_path, budgets):
+    """A forget of another thread landing while an open reads its disk blocks (outside the store's
+    lock), after the plan that left blocks unread (no window of a model whose every layer slides
+    reaches them: ``UNREAD``) and before the open counts them. Asked by h124: are they counted as
+    restored though gone, and are their tokens then computed again? Established (h128), by
+    reading and here: from memory, the open took its read blocks' tensors under the lock before
+    the forget, and the unread ones count as the tier they rested in at the plan, as if the
+    forget had come after the open: ``restored_from`` adds up to ``restored_tokens`` and to the
+    store's hits, misses are the rest, and the prefill feeds only the tokens after the restore
+    (nothing computed again: no layer needs the unread ones). The output is exact; the commit
+    keeps nothing (the sliding layers hold no KV of the unread blocks to store them again, and
+    they are a forgotten conversation's: ``_first_forgotten``), so nothing forgotten comes back,
+    and the next turn computes the conversation. From disk, the reads that come after the
+    deletes miss, and the restore is planned again down to nothing: every token computed,
+    counted as missed, and that commit keeps them all. The counts tell no lie: no fix."""
+    model = tiny_model("mistral_window")
+    path = tmp_path / "kv"
+    store = make_store(stores, path, **budgets)
+    ids = random_ids(40, seed=1)
+    cache = store.open(model, ids, session="b")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert cache.commit(out) == 59
+    if budgets:
+        store.close()
+        store = make_store(stores, path, **budgets)  # every block on disk alone
+    nxt = torch.cat([out, random_ids(3, seed=2)], dim=1)
+    read = store._read_disk_blocks
+    planned: list[Any] = []
+
+    def forgotten_meanwhile(plan: list, found: list, *args: Any, **kwargs: Any) -> Any:
+        if not planned:
+            planned.append((sum([n for _, n in plan]), [tierkv.store.UNREAD in (where or ()) for where in found]))
+            forget = threading.Thread(target=lambda: (store.forget(session="b"), store.flush()))
+            forget.start()
+            forget.join(WAIT)
+        return read(plan, found, *args, **kwargs)
+
+    store._read_disk_blocks = forgotten_meanwhile
+    before = store.stats()
+    cache = store.open(model, nxt, session="a")
+    store._read_disk_blocks = read
+    after = store.stats()
+    tokens, unread = planned[0]
+    assert tokens == 59 and unread == [True] * 6 + [False] * 2  # the window (12) reaches the last 11 tokens
+    assert not store._index.blocks  # the forget dropped all of b's
+    restored = 0 if budgets else 59
+    assert cache.restored_tokens == sum(cache.restored_from.values()) == restored
+    assert cache.restored_from == {tier: after["hits"][tier] - before["hits"][tier] for tier in after["hits"]}
+    assert after["misses"] - before["misses"] == nxt.shape[1] - restored
+    assert cache.restored_from["disk" if budgets else "device"] == restored
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda module, args, output: fed.append(args[0].shape[1]))
+    try:
+        got = generate(model, nxt, cache, new=4)
+    finally:
+        hook.remove()
+    assert fed[0] == nxt.shape[1] - restored  # nothing restored is computed again
+    assert torch.equal(got, generate(model, nxt, new=4))
+    assert cache.commit(got) == (got.shape[1] - 1 if budgets else 0)
+    store.flush()
+    stats = store.stats()
+    assert [stats[tier]["blocks"] for tier in ("device", "host", "disk")] == \
+        ([0, 0, 9] if budgets else [0, 0, 0])  # nothing of what was forgotten comes back
+    later = torch.cat([got, random_ids(2, seed=5)], dim=1)
+    cache = store.open(model, later, session="a")
+    assert cache.restored_tokens == (got.shape[1] - 1 if budgets else 0)
+    assert torch.equal(generate(model, later, cache), generate(model, later))
