@@ -809,3 +809,34 @@ def test_a_forget_while_an_open_reads_leaves_its_unread_blocks_counted_as_planne
     cache = store.open(model, later, session="a")
     assert cache.restored_tokens == (got.shape[1] - 1 if budgets else 0)
     assert torch.equal(generate(model, later, cache), generate(model, later))
+
+
+@pytest.mark.parametrize("how", ["reset", "assisted"])
+def test_a_turn_reset_after_a_forget_of_the_blocks_it_restored_keeps_what_it_computed_again(model, stores, tmp_path,
+                                                                                            how):
+    """Another session's conversation restored by this turn, forgotten after the open: the turn's
+    commit keeps nothing while it holds KV restored from it (``_first_forgotten``). Reset
+    (``cache.reset()``, assisted decoding's), the turn computes the conversation again, its own
+    KV, and keeps it all, as a turn that restored nothing does. Before (h128), the restored
+    blocks' keys outlived the reset, and the commit kept 0 of 45 tokens."""
+    store = make_store(stores, tmp_path / "kv")
+    ids = random_ids(30, seed=1)
+    cache = store.open(model, ids, session="b")
+    out = generate(model, ids, cache, new=10)
+    assert cache.commit(out) == 39
+    nxt = torch.cat([out, random_ids(3, seed=2)], dim=1)
+    kept = []
+    for reset in (False, True):
+        cache = store.open(model, nxt, session="a")
+        assert cache.restored_tokens == 39
+        store.forget(session="b")
+        if reset:
+            cache.reset() if how == "reset" else cache.activate_past_recording()
+            assert cache.get_seq_length() == 0
+        got = generate(model, nxt, cache)
+        assert torch.equal(got, generate(model, nxt))
+        kept.append(cache.commit(got))
+        store.forget(session="a")
+        cache = store.open(model, ids, session="b")
+        assert cache.commit(generate(model, ids, cache, new=10)) == 39
+    assert kept == [0, got.shape[1] - 1]

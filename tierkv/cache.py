@@ -3006,10 +3006,15 @@ class TieredCache(Cache):
         return max([layer.held_from() for layer in self._kv])
 
     def _forget_forwards(self) -> None:
-        """What the hook noted of forwards whose KV the cache no longer holds."""
+        """What the hook noted of forwards whose KV the cache no longer holds, and the blocks the
+        store restored it from (a reset's last step: every layer emptied before it)."""
         # One statement: cut part-way, a stale note of a mask or of dropped KV made the next
-        # commit keep less, or refuse less, than it should.
-        self._fed, self._masked_from, self._rows_diverged, self._dropped_from = [], None, False, None
+        # commit keep less, or refuse less, than it should. The restored blocks' keys too: a
+        # reset turn computes the conversation again, its own, and a forget of those blocks
+        # since the open cut its commit at the first of them (``_first_forgotten``: 0 of 45
+        # tokens kept; h128), as if it still held KV restored from them.
+        self._fed, self._masked_from, self._rows_diverged, self._dropped_from, self._restored_keys = \
+            [], None, False, None, []
 
     # -- for the store ---------------------------------------------------------------------------
     def held_tokens(self) -> int:
