@@ -811,14 +811,16 @@ def test_a_forget_while_an_open_reads_leaves_its_unread_blocks_counted_as_planne
     assert torch.equal(generate(model, later, cache), generate(model, later))
 
 
-@pytest.mark.parametrize("how", ["reset", "assisted"])
+@pytest.mark.parametrize("how", ["reset", "assisted", "crop to nothing", "crop into block 0"])
 def test_a_turn_reset_after_a_forget_of_the_blocks_it_restored_keeps_what_it_computed_again(model, stores, tmp_path,
                                                                                             how):
     """Another session's conversation restored by this turn, forgotten after the open: the turn's
     commit keeps nothing while it holds KV restored from it (``_first_forgotten``). Reset
-    (``cache.reset()``, assisted decoding's), the turn computes the conversation again, its own
-    KV, and keeps it all, as a turn that restored nothing does. Before (h128), the restored
-    blocks' keys outlived the reset, and the commit kept 0 of 45 tokens."""
+    (``cache.reset()``, assisted decoding's) or cropped to nothing, the turn computes the
+    conversation again, its own KV, and keeps it all, as a turn that restored nothing does. Before
+    (h128), the restored blocks' keys outlived the reset, and the commit kept 0 of 45 tokens; so
+    too after a crop to nothing. Cropped into the first block, it still holds KV restored from a
+    forgotten block, and keeps none."""
     store = make_store(stores, tmp_path / "kv")
     ids = random_ids(30, seed=1)
     cache = store.open(model, ids, session="b")
@@ -830,7 +832,10 @@ def test_a_turn_reset_after_a_forget_of_the_blocks_it_restored_keeps_what_it_com
         cache = store.open(model, nxt, session="a")
         assert cache.restored_tokens == 39
         store.forget(session="b")
-        if reset:
+        if reset and how.startswith("crop"):
+            cache.crop((0 if how == "crop to nothing" else 1) - cache.get_seq_length())  # a count to remove
+            assert cache.get_seq_length() == (0 if how == "crop to nothing" else 1)
+        elif reset:
             cache.reset() if how == "reset" else cache.activate_past_recording()
             assert cache.get_seq_length() == 0
         got = generate(model, nxt, cache)
@@ -839,4 +844,4 @@ def test_a_turn_reset_after_a_forget_of_the_blocks_it_restored_keeps_what_it_com
         store.forget(session="a")
         cache = store.open(model, ids, session="b")
         assert cache.commit(generate(model, ids, cache, new=10)) == 39
-    assert kept == [0, got.shape[1] - 1]
+    assert kept == [0, 0 if how == "crop into block 0" else got.shape[1] - 1]

@@ -2921,6 +2921,12 @@ class TieredCache(Cache):
             for layer in self._kv:
                 layer.reset()
         self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
+        # The restored blocks the crop left no token of (block j starts at j * block_size): the
+        # turn computes those tokens again, its own KV, and a forget of those blocks since the
+        # open no longer cuts its commit at them (as after a reset; a crop to nothing kept none).
+        keys = getattr(self, "_restored_keys", None)
+        if keys:
+            self._restored_keys = keys[:-(-length // self._store.block_size)]
         if self._masked_from is not None and self._masked_from >= length:
             self._masked_from = None  # no KV left that a mask hid a token from
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)
