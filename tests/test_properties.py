@@ -377,9 +377,10 @@ test_store_machine = StoreMachine.TestCase
 
 # Windows shorter than the conversations (6 and 7 tokens, neither a multiple of BLOCK, which is
 # their hand-offs' margin): in every layer (Mistral's: blocks no window reaches are not even read)
-# or beside a full-attention layer (Gemma 3's).
+# or beside a full-attention layer (Gemma 3's; Llama 4's chunks of 7, a window to the cache).
 SLIDING_MODELS = {"mistral_window": make_model("mistral_window", seed=0, sliding_window=6),
-                  "gemma3_text": make_model("gemma3_text", seed=0, sliding_window=7)}
+                  "gemma3_text": make_model("gemma3_text", seed=0, sliding_window=7),
+                  "llama4_text": make_model("llama4_text", seed=0, attention_chunk_size=7)}
 
 
 class SlidingStoreMachine(StoreMachine):
