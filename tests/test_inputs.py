@@ -1694,6 +1694,37 @@ def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
         assert store.stats()["discarded"] == 33
 
 
+def test_a_crop_below_the_restore_counts_the_tokens_it_gives_back_once() -> None:
+    """A crop below the restored prefix gives those tokens back: computed again, they are counted
+    as discarded and missed, as a reset's are (they were not), and a reset after it counts only the
+    restored tokens still held, so each restored token is counted once however the turn throws it
+    away. Crops past the restore (prompt lookup's, each step) count nothing."""
+    model = make_model("llama")
+    ids = random_ids(30, 1)
+    with TieredStore(None, block_size=8) as store:
+        cache = store.open(model, ids, session="a")
+        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        for then in ("generate", "reset"):
+            cache = store.open(model, turn, session="a")
+            assert cache.restored_tokens == 33
+            before = store.stats()
+            cache.crop(-3)
+            cache.crop(-10)  # to 20 of the 33 restored
+            after = store.stats()
+            assert (after["discarded"] - before["discarded"], after["misses"] - before["misses"]) == (13, 13)
+            assert after["hits"] == before["hits"] and cache.restored_tokens == 33
+            if then == "reset":
+                cache.reset()
+                assert store.stats()["discarded"] - before["discarded"] == 33
+            out = model.generate(turn, past_key_values=cache, max_new_tokens=3, do_sample=False)
+            assert torch.equal(out, model.generate(turn, max_new_tokens=3, do_sample=False))
+            cache.crop(-1)  # past the restore: nothing given back
+            final = store.stats()
+            assert final["discarded"] - before["discarded"] == (13 if then == "generate" else 33)
+            assert final["misses"] - before["misses"] == (13 if then == "generate" else 33)
+
+
 @pytest.mark.parametrize("computed", [False, True])
 def test_reset_drops_the_kv_where_transformers_would_zero_it(monkeypatch: pytest.MonkeyPatch, computed: bool) -> None:
     """Before 5.18 transformers reset a ``DynamicLayer`` through its base class, which zeroes the

@@ -2920,7 +2920,8 @@ class TieredCache(Cache):
             # layers that hold tokens): reset, they take any batch, as a fresh cache's do.
             for layer in self._kv:
                 layer.reset()
-        self._restored_held = min(getattr(self, "_restored_held", self.restored_tokens), length)
+        if length < getattr(self, "_restored_held", self.restored_tokens):
+            self._store._give_back(self, length)  # not on a decode step's crop past the restore: no lock there
         # The restored blocks the crop left no token of (block j starts at j * block_size): the
         # turn computes those tokens again, its own KV, and a forget of those blocks since the
         # open no longer cuts its commit at them (as after a reset; a crop to nothing kept none).

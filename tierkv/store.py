@@ -2875,13 +2875,24 @@ class TieredStore:
         restored. Hits stay as they were (counters only grow: metrics export them as such)."""
         zeros = dict.fromkeys(cache.restored_from, 0)
         with self._lock:
-            n = cache.restored_tokens
+            # Those still held: a crop below the restore counted the ones it gave back (_give_back).
+            n = getattr(cache, "_restored_held", cache.restored_tokens)
             # One statement, the cache's counts with the store's: a reset cut between them by
             # another signal's handler, and made again, counted the tokens twice; cut between the
             # cache's own, ``restored_from`` kept summing to tokens ``restored_tokens`` no longer
             # counted, for good (h128).
             self._discarded, self._misses, cache.restored_tokens, cache._restored_held, cache.restored_from = \
                 self._discarded + n, self._misses + n, 0, 0, zeros
+
+    def _give_back(self, cache: TieredCache, length: int) -> None:
+        """A crop of ``cache`` to ``length`` tokens gave back the restored ones past it: computed
+        again, they are counted as missed and discarded, as a reset's are (a crop to nothing
+        counted none). ``restored_tokens`` stays what the open restored."""
+        with self._lock:
+            held = getattr(cache, "_restored_held", cache.restored_tokens)
+            n = max(held - max(length, 0), 0)
+            # One statement, as _discard_restore's: a crop cut part-way and made again counts once.
+            self._discarded, self._misses, cache._restored_held = self._discarded + n, self._misses + n, held - n
 
     # -- reopen -------------------------------------------------------------------------------------
     def _load_index(self) -> None:
@@ -3164,7 +3175,7 @@ class TieredStore:
         ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
         the file); ``peak_bytes`` (per tier, the most bytes at rest at any moment since the store
         opened); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
-        tokens thrown away and recomputed, by assisted decoding or ``cache.reset()``: in ``hits``
+        tokens thrown away and recomputed, by assisted decoding, ``cache.reset()`` or a crop below the restore: in ``hits``
         and in ``misses`` too), ``evictions``, ``diverged_turns`` and ``diverged_tokens`` (turns whose
         ids differed from their session's last stored conversation, ``cache.diverged_at``, and the
         stored tokens past the difference they computed again), ``corrupt``;
