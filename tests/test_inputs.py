@@ -1674,15 +1674,20 @@ def test_a_model_compiled_whole_runs_forwards_on_a_tiered_cache() -> None:
         assert store.open(compiled, torch.cat([ids, random_ids(3, 2)], 1), session="c").restored_tokens == 21
 
 
+def _a_returning_turn(store: TieredStore, model: torch.nn.Module) -> torch.Tensor:
+    """The ids of session "a"'s second turn, whose open restores 33 tokens, its first committed."""
+    ids = random_ids(30, 1)
+    cache = store.open(model, ids, session="a")
+    cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
+    return torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+
+
 def test_a_reset_cache_no_longer_counts_or_guards_what_it_restored() -> None:
     """``reset()`` throws the restored prefix away: it is computed again, so a mask over it is the
     caller's to give (it was refused as hiding restored tokens), and it is counted as discarded."""
     model = make_model("llama")
-    ids = random_ids(30, 1)
     with TieredStore(None, block_size=8) as store:
-        cache = store.open(model, ids, session="a")
-        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
-        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        turn = _a_returning_turn(store, model)
         cache = store.open(model, turn, session="a")
         assert cache.restored_tokens == 33
         cache.reset()
@@ -1700,11 +1705,8 @@ def test_a_crop_below_the_restore_counts_the_tokens_it_gives_back_once() -> None
     restored tokens still held, so each restored token is counted once however the turn throws it
     away. Crops past the restore (prompt lookup's, each step) count nothing."""
     model = make_model("llama")
-    ids = random_ids(30, 1)
     with TieredStore(None, block_size=8) as store:
-        cache = store.open(model, ids, session="a")
-        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
-        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        turn = _a_returning_turn(store, model)
         for then in ("generate", "reset"):
             cache = store.open(model, turn, session="a")
             assert cache.restored_tokens == 33
@@ -1918,11 +1920,8 @@ def test_a_mask_may_hide_restored_tokens_a_crop_gave_back() -> None:
     """Cropped below its restore, the cache computes those tokens again, under the caller's mask:
     a mask over them was refused as hiding restored KV."""
     model = make_model("llama")
-    ids = random_ids(30, 1)
     with TieredStore(None, block_size=8) as store:
-        cache = store.open(model, ids, session="a")
-        cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False))
-        turn = torch.cat([model.generate(ids, max_new_tokens=4, do_sample=False), random_ids(3, seed=9)], 1)
+        turn = _a_returning_turn(store, model)
         mask = torch.ones_like(turn)
         mask[0, 20] = 0
         cache = store.open(model, turn, session="a")

@@ -1990,15 +1990,15 @@ class TieredLayer(DynamicLayer):
 
 
 class TieredSlidingLayer(TieredLayer):
-    """A layer attending over a sliding window of ``sliding_window`` tokens (Mistral's, Gemma's
-    local layers, GPT-OSS's...; Llama 4's chunks of that many, ``WINDOWED``): to attention it answers as transformers' ``DynamicSlidingWindowLayer``
-    does (the same mask sizes, and the keys and values of the window and the new tokens). It holds
-    the turn's tokens, and of a restored prefix the blocks its window reaches (``_offset``: the
-    tokens before them, left out): ``commit`` stores every token's KV of every layer, so that a
-    later turn can restore any prefix, whose window is its last tokens, and the blocks a commit
-    stores anew start with the one the restore ends in. Cut to whole blocks, a restore is held from
-    no later than its last block's start; a crop may not leave the layer less than a window past
-    where it holds tokens from (``crop_floor``).
+    """A layer attending over a sliding window of ``sliding_window`` tokens (Mistral's, Gemma's local
+    layers, GPT-OSS's...; Llama 4's chunks of that many, ``WINDOWED``): to attention it answers as
+    transformers' ``DynamicSlidingWindowLayer`` does (the same mask sizes, and the keys and values
+    of the window and the new tokens). It holds the turn's tokens, and of a restored prefix the
+    blocks its window reaches (``_offset``: the tokens before them, left out): ``commit`` stores
+    every token's KV of every layer, so that a later turn can restore any prefix, whose window is
+    its last tokens, and the blocks a commit stores anew start with the one the restore ends in. Cut
+    to whole blocks, a restore is held from no later than its last block's start; a crop may not
+    leave the layer less than a window past where it holds tokens from (``crop_floor``).
 
     While it holds one row, it hands its oldest tokens off the device (``_staged``,
     ``staged.py``) once it holds its window and two margins, ``margin`` of them at a time: a reply
