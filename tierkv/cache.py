@@ -2335,6 +2335,8 @@ class TieredCache(Cache):
         self.diverged_at: int | None = None
         self._sid: bytes | None = None  # the session's key in the store (set by open)
         self._restored_held = self.restored_tokens  # restored KV still held: a crop below it gives it back
+        # The keys of the blocks restored, block j from token j * block_size (set by open).
+        self._restored_keys: list[bytes] = []
         # The first token whose KV commit must not keep: one a forward's attention_mask hid, or the
         # first that generate() computed with MoE experts on their decode kernel.
         self._masked_from: int | None = None
@@ -2843,7 +2845,7 @@ class TieredCache(Cache):
         # hidden token on is committed, and KV restored from unmasked turns cannot meet it.
         hidden = int(torch.nonzero(mask[0] == 0)[0, 0]) if not bool(mask[0].all()) else int(mask.shape[1])
         # Restored KV still held: after a crop below it, what was restored there is computed again.
-        if hidden < getattr(self, "_restored_held", self.restored_tokens):
+        if hidden < self._restored_held:
             raise _restored_hidden(hidden)
         return hidden
 
@@ -2920,14 +2922,12 @@ class TieredCache(Cache):
             # layers that hold tokens): reset, they take any batch, as a fresh cache's do.
             for layer in self._kv:
                 layer.reset()
-        if length < getattr(self, "_restored_held", self.restored_tokens):
-            self._store._give_back(self, length)  # not on a decode step's crop past the restore: no lock there
-        # The restored blocks the crop left no token of (block j starts at j * block_size): the
-        # turn computes those tokens again, its own KV, and a forget of those blocks since the
-        # open no longer cuts its commit at them (as after a reset; a crop to nothing kept none).
-        keys = getattr(self, "_restored_keys", None)
-        if keys:
-            self._restored_keys = keys[:-(-length // self._store.block_size)]
+        if length < self._restored_held:  # not a decode step's crop past the restore: no lock, no copy there
+            self._store._give_back(self, length)
+            # The restored blocks the crop left no token of: the turn computes those tokens again,
+            # its own KV, and a forget of those blocks since the open no longer cuts its commit
+            # at them (as after a reset; a crop to nothing kept none).
+            self._restored_keys = self._restored_keys[:-(-length // self._store.block_size)]
         if self._masked_from is not None and self._masked_from >= length:
             self._masked_from = None  # no KV left that a mask hid a token from
         self._fed = [f if f.ids is None or f.at + f.ids.numel() <= length else _crop_fed(f, length)

@@ -2876,7 +2876,7 @@ class TieredStore:
         zeros = dict.fromkeys(cache.restored_from, 0)
         with self._lock:
             # Those still held: a crop below the restore counted the ones it gave back (_give_back).
-            n = getattr(cache, "_restored_held", cache.restored_tokens)
+            n = cache._restored_held
             # One statement, the cache's counts with the store's: a reset cut between them by
             # another signal's handler, and made again, counted the tokens twice; cut between the
             # cache's own, ``restored_from`` kept summing to tokens ``restored_tokens`` no longer
@@ -2889,7 +2889,7 @@ class TieredStore:
         again, they are counted as missed and discarded, as a reset's are (a crop to nothing
         counted none). ``restored_tokens`` stays what the open restored."""
         with self._lock:
-            held = getattr(cache, "_restored_held", cache.restored_tokens)
+            held = cache._restored_held
             n = max(held - max(length, 0), 0)
             # One statement, as _discard_restore's: a crop cut part-way and made again counts once.
             self._discarded, self._misses, cache._restored_held = self._discarded + n, self._misses + n, held - n
@@ -3086,7 +3086,7 @@ class TieredStore:
             return None
         if seen < self._forgotten_blocks_floor:
             return 0  # which blocks went since is no longer known
-        for i, key in enumerate(getattr(cache, "_restored_keys", ())):
+        for i, key in enumerate(cache._restored_keys):
             if self._forgotten_blocks.get(key, -1) > seen:
                 return i
         return None

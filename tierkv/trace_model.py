@@ -146,8 +146,7 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
             text_fields["head_dim"] = 64
         config = AutoConfig.for_model(arch, **fields, text_config=text_fields)
         _shape(config.text_config, layers, hidden)
-        torch.manual_seed(seed)
-        return _build(arch, config, dtype)
+        return _build(arch, config, dtype, seed)
     if getattr(config, "is_heterogeneous", False):
         # A field some layers set otherwise (Gemma 4's head_dim, 512 in its full-attention layers)
         # raises when read from the config itself (`--arch gemma4_text` died there): read from its
@@ -163,8 +162,7 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
     elif getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
         config.head_dim = 64
     _shape(config, layers, hidden)
-    torch.manual_seed(seed)
-    return _build(arch, config, dtype)
+    return _build(arch, config, dtype, seed)
 
 
 def _shape(config: Any, layers: int, hidden: int) -> None:
@@ -189,7 +187,8 @@ def _shape(config: Any, layers: int, hidden: int) -> None:
     _shrink_experts(config, hidden)
 
 
-def _build(arch: str, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+def _build(arch: str, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
     try:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:  # not a family with a causal LM head (BERT without is_decoder, T5, ...)
