@@ -317,3 +317,55 @@ def test_the_margin_is_a_block_or_a_sixteenth_of_the_window_where_that_is_more(t
     with TieredStore(tmp_path / "kv", device="cpu", block_size=BLOCK) as store:
         cache = store.open(model, random_ids(4, seed=16))
         assert [layer.margin for layer in _sliding(cache)] == [margin] * len(cache.layers)
+
+
+@pytest.mark.parametrize(("window", "block"), [(100, 4), (120, 4), (200, 8)])
+def test_hand_offs_of_a_margin_other_than_the_block_are_exact_through_the_commit_and_a_restart(
+        tiny_model, tmp_path: Path, window: int, block: int) -> None:
+    """A window of 16 blocks or more hands tokens off a sixteenth of it at a time (6, 7 and 12
+    tokens here), so the hand-offs' edges fall inside the blocks ``commit`` stores: every hand-off
+    is a margin, the reply is plain generate's, the commit keeps every token, and the next turn,
+    after a restart, restores them all exactly (the property machine's windows are too short to
+    hand off a margin other than the block)."""
+    model = tiny_model("mistral_window", sliding_window=window)
+    margin = window // 16
+    assert margin > block and margin % block
+    ids = random_ids(20, seed=21)
+    reply = window + 4 * margin
+    budgets = dict(device="cpu", block_size=block, device_budget=0, host_budget=0)
+    with TieredStore(tmp_path / "kv", **budgets) as store:
+        cache = store.open(model, ids, session="s")
+        # min_new_tokens: the random model's eos would end the reply before the window.
+        run = dict(max_new_tokens=reply, min_new_tokens=reply, do_sample=False)
+        out = model.generate(ids, past_key_values=cache, **run)
+        assert out.shape[1] == ids.shape[1] + reply and torch.equal(out, model.generate(ids, **run))
+        for layer in _sliding(cache):
+            assert layer.margin == margin
+            counts = [(n, k.shape[-2], v.shape[-2]) for _, n, k, v, _ in layer._staged._chunks]
+            assert len(counts) >= 2 and counts == [(margin, margin, margin)] * len(counts)
+            assert layer._staged.end == layer._offset
+            assert [start for start, *_ in layer._staged._chunks if start % block]  # edges inside blocks
+            assert window - 1 + margin < layer._keys.shape[-2] <= window - 1 + 2 * margin
+        assert cache.commit(out) == out.shape[1] - 1
+    with TieredStore(tmp_path / "kv", **budgets) as store:  # every block read from disk
+        later = torch.cat([out, random_ids(3, seed=22)], dim=1)
+        cache = store.open(model, later, session="s")
+        assert cache.restored_tokens == out.shape[1] - 1
+        assert torch.equal(model.generate(later, past_key_values=cache, max_new_tokens=6, do_sample=False),
+                           model.generate(later, max_new_tokens=6, do_sample=False))
+        # The whole conversation again, and one parting from it inside the tokens handed off (the
+        # window then reaches them): each layer's keys those plain transformers computes.
+        edited = torch.cat([out[:, :4 * margin + 3], random_ids(3, seed=23)], dim=1)
+        for conversation in (later, edited):
+            reference = DynamicCache()
+            with torch.no_grad():
+                model(conversation[:, :-1], past_key_values=reference)
+            cache = store.open(model, conversation, session="s")
+            restored = cache.restored_tokens
+            assert restored >= 4 * margin
+            for i, layer in enumerate(cache.layers):
+                start, keys = layer.held_from(), layer.keys
+                assert start + keys.shape[-2] == restored and start <= max(0, restored - (window - 1))
+                assert torch.allclose(keys, reference.layers[i].keys[:, :, start:restored], atol=1e-5, rtol=1e-4)
+            assert torch.equal(model.generate(conversation, past_key_values=cache, max_new_tokens=6, do_sample=False),
+                               model.generate(conversation, max_new_tokens=6, do_sample=False))
