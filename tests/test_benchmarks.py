@@ -174,23 +174,29 @@ def test_gpu_check_fails_where_a_row_says_mismatch_or_wrong() -> None:
     assert failure("| llama float16 | disk | MISMATCH (pool fallbacks 0) | 8 | 16 |")
     assert failure("| CPU blocks reopened on CUDA | WRONG: 32 stored on CPU, 32 restored on CUDA, exact |")
     assert not failure("| llama float16 | disk | exact | 8 | 16 |")
+    assert not failure("| llama4_text bfloat16 | disk | drift (a reused DynamicCache parts from plain generate alike: "
+                       "transformers' own) | [0, 25, 35] | 45 |")
     assert not failure("| host -> device | 20.1 | 21.0 | 0.96 |")
 
 
 def test_gpu_check_dry_run_is_exact_on_cpu(tmp_path: Path) -> None:
     out = run(tmp_path, "benchmarks/gpu_check.py", "--cpu")
-    # 5 models (Llama, GPT-2, Mistral's window, DeepSeek-V3's latent attention, Gemma 4's KV of other
-    # shapes per layer) x 2 dtypes x 3 tiers, and the host-pool churn case.
-    assert out.count("| exact |") == 31 and "MISMATCH" not in out
+    # 6 models (Llama, GPT-2, Mistral's window, DeepSeek-V3's latent attention, Gemma 4's KV of other
+    # shapes per layer, Llama 4's chunks) x 2 dtypes x 3 tiers, and the host-pool churn case; Llama 4
+    # in bf16 equal to a reused DynamicCache, which parts from plain generate at its second turn.
+    assert out.count("| exact |") == 34 and "MISMATCH" not in out
+    assert out.count("| drift (a reused DynamicCache parts from plain generate alike") == 3
     assert out.count("| mistral sliding window 8 ") == 6
-    assert out.count("| deepseek_v3 latent attention ") == out.count("| gemma4_text KV of other shapes per layer") == 6
+    assert out.count("| deepseek_v3 latent attention ") == out.count("| gemma4_text KV of other shapes per layer") == \
+        out.count("| llama4_text chunked attention 8 ") == 6
     assert "| 4 sessions x 4 turns" in out
     assert "| disk records read side by side | ok: " in out and "helpers read on ['cpu']" in out
     assert "| a forked child drops the store | ok: the child exited 0; the parent's turn after the fork exact" in out
     # The window (7 tokens) and a margin (8) at least, two margins and the new token at most.
-    held = re.search(r"\| a reply of 60 tokens past a window of 8 \| ok: exact True, the device holds (\d+) tokens of 79 "
-                     r"per sliding layer, the rest in host memory \|", out)
-    assert held and 15 <= int(held.group(1)) <= 24
+    for model_type in ("mistral", "gemma4_text"):
+        held = re.search(rf"\| a reply of 60 tokens past a window of 8, {model_type} \| ok: exact True, the device holds "
+                         r"(\d+) tokens of 79 per sliding layer, the rest in host memory \|", out)
+        assert held and 15 <= int(held.group(1)) <= 24
     assert "(restore + prefill) / (restore alone + prefill alone)" in out
     assert "| model checks per open (2 layers: 21 tensors" in out and "x a one-token forward" in out
 
