@@ -935,6 +935,36 @@ def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags
     assert sum(p.numel() for p in model.parameters()) < 8 * sum(p.numel() for p in llama.parameters())
 
 
+@pytest.mark.parametrize("call", [0, 1, 2, 3, 4])
+def test_a_signal_handlers_exception_as_a_random_model_is_built_is_raised_not_taken_for_its_family(
+        monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """A ``SIGALRM`` handler's timeout as ``--arch``'s model is made (its config, the count on the
+    meta device of it and of a llama of the flags, the build) reaches the caller, not told to give
+    another ``--arch`` as a family that cannot be built (h129)."""
+    import signal
+
+    import tierkv.trace_model as trace_model
+    from conftest import HandlerTimeout, _raise_handler_timeout
+
+    calls = [0]
+
+    def cut(real):
+        def make(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == call + 1:
+                _raise_handler_timeout(signal.SIGALRM, sys._getframe())
+            return real(*args, **kwargs)
+        return make
+
+    # The calls in order: the family's config, its model on the meta device, a llama's config and
+    # model there, then the build.
+    monkeypatch.setattr(trace_model, "AutoConfig", SimpleNamespace(for_model=cut(AutoConfig.for_model)))
+    monkeypatch.setattr(trace_model, "AutoModelForCausalLM",
+                        SimpleNamespace(from_config=cut(AutoModelForCausalLM.from_config)))
+    with pytest.raises(HandlerTimeout):
+        trace_model._random_model("llama", 1, 64, 128, 0, torch.float32)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 written by save_pretrained: a user's own model, as --model loads it."""
@@ -1035,6 +1065,19 @@ def test_chat_trace_refuses_bad_model_flags_saying_what_to_give(flags: list[str]
     (["--model", "{broken}"], "could not be loaded as a causal language model"),
     (["--model", "{checkpoint}", "--context", "200"], "--context 200 is past the 128 positions the model takes"),
     (["--arch", "t5"], "--arch 't5' has no causal language model to build"),
+    # Families whose build fails otherwise than a ValueError (transformers' own defaults, a field
+    # the flags cannot set): a traceback before (h129).
+    (["--arch", "dbrx"], "--arch 'dbrx' could not be built at --layers 1 --hidden 64 (AttributeError: "),
+    (["--arch", "musicgen"], "--arch 'musicgen' could not be built at --layers 1 --hidden 64 (AttributeError: "),
+    # A config whose window cannot be switched off keeps it: refused by store.open, for its mask
+    # (a traceback of huggingface_hub's field validation before; h129).
+    (["--arch", "moshi"], "tierkv cannot serve this model: MoshiForCausalLM's config names sliding_attention "
+                          "layers"),
+    # Sub-configs the flags do not reach (BLT's byte encoder, decoder, global transformer and
+    # patcher): 4.6 billion parameters, minutes and 18 GiB to build before anything could be
+    # refused, now refused from a build on the meta device (h129).
+    (["--arch", "blt"], "parameters at --layers 1 --hidden 64, "),
+    (["--arch", "blt"], "its patcher_config, encoder_config, decoder_config, global_config are not sized by --layers"),
     # Families tierkv refuses at store.open, with the reason, before the trace starts.
     (["--arch", "bert"], "tierkv cannot serve this model: "),
     # Told to give another model, not to "generate without a TieredCache", which no flag does.

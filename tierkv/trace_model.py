@@ -6,7 +6,8 @@ Protocol: ``add_model_flags(parser)`` adds the flags; ``check_model_flags(parser
 refuses bad combinations through ``parser.error`` before anything is built; ``build_model(args,
 device, context)`` returns the model in eval mode on ``device``, or raises ``ModelFlagError``
 with a message saying what to give instead (a checkpoint that cannot be loaded, a family that is
-not a causal LM, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
+not a causal LM or cannot be built at the flags, one the flags size only in part: counted on the
+meta device first, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
 what one token's KV weighs in the model's own cache (every layer's keys and values), so that the
 trace's working set and percentage budgets hold for any family and dtype (the bench adds the
 zeroed unit a store's blocks may carry: ``bench.stored_bytes_per_token``). ``describe(model)``
@@ -134,7 +135,7 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
     fields = dict(vocab_size=RANDOM_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
                   max_position_embeddings=context + 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config = AutoConfig.for_model(arch, **fields)
+    config = _config(arch, fields)
     nested = getattr(config, "text_config", None)
     if isinstance(nested, PretrainedConfig) and getattr(nested, "hidden_size", hidden) != hidden:
         # A family whose causal LM reads a text config inside its own (Llama 4's, Qwen 3.5's, the
@@ -144,9 +145,9 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
         text_fields = dict(fields)
         if nested.to_dict().get("head_dim") not in (None, 64) and not getattr(nested, "is_heterogeneous", False):
             text_fields["head_dim"] = 64
-        config = AutoConfig.for_model(arch, **fields, text_config=text_fields)
+        config = _config(arch, fields, text_config=text_fields)
         _shape(config.text_config, layers, hidden)
-        return _build(arch, config, dtype, seed)
+        return _build(arch, config, dtype, seed, fields)
     if getattr(config, "is_heterogeneous", False):
         # A field some layers set otherwise (Gemma 4's head_dim, 512 in its full-attention layers)
         # raises when read from the config itself (`--arch gemma4_text` died there): read from its
@@ -158,11 +159,32 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
             per_layer = {layer: {**fields_of, "head_dim": fields_of["head_dim"] * 64 // base}
                          if isinstance(fields_of.get("head_dim"), int) else fields_of
                          for layer, fields_of in (declared.get("per_layer_config") or {}).items()}
-            config = AutoConfig.for_model(arch, **fields, head_dim=64, per_layer_config=per_layer)
+            config = _config(arch, fields, head_dim=64, per_layer_config=per_layer)
     elif getattr(config, "head_dim", 64) != 64:  # Gemma's 256 by default; Falcon's is a property, always 64 here
         config.head_dim = 64
     _shape(config, layers, hidden)
-    return _build(arch, config, dtype, seed)
+    return _build(arch, config, dtype, seed, fields)
+
+
+def _unbuildable(arch: str, fields: dict[str, Any], exc: BaseException) -> ModelFlagError:
+    # Every line: huggingface_hub's validation errors name the validator on the first and the
+    # reason on the next.
+    reason = " ".join([line.strip() for line in str(exc).strip().splitlines() if line.strip()]) or "no message"
+    return ModelFlagError(f"--arch {arch!r} could not be built at --layers {fields['num_hidden_layers']} --hidden "
+                          f"{fields['hidden_size']} ({type(exc).__name__}: {reason[:200]}); give another --arch, such "
+                          "as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+
+
+def _config(arch: str, fields: dict[str, Any], **more: Any) -> Any:
+    """The family's config with the flags' fields; ``ModelFlagError`` where the family refuses
+    them (huggingface_hub's validation of its fields and architecture, a field it will not take:
+    a traceback before, h129)."""
+    try:
+        return AutoConfig.for_model(arch, **fields, **more)
+    except Exception as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's, as the config was made: not a family that refuses the flags
+        raise _unbuildable(arch, fields, exc) from None
 
 
 def _shape(config: Any, layers: int, hidden: int) -> None:
@@ -179,7 +201,13 @@ def _shape(config: Any, layers: int, hidden: int) -> None:
         # parameters at 4 layers of --hidden 128, where the model has 2M besides.
         config.vocab_size_per_layer_input = RANDOM_VOCAB
     if getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None:
-        config.sliding_window = None
+        try:
+            config.sliding_window = None
+        except Exception as exc:
+            # A config whose validation takes no None there (Moshi's) keeps its window, as a
+            # checkpoint does: served or refused by store.open for what it is (its traceback before, h129).
+            if raised_by_signal_handler(exc):
+                raise
     if getattr(config, "kv_lora_rank", None):
         # Latent attention expands the latent to every query head's keys and values (DeepSeek's
         # num_key_value_heads is its heads'): fewer made its attention's shapes disagree.
@@ -187,14 +215,56 @@ def _shape(config: Any, layers: int, hidden: int) -> None:
     _shrink_experts(config, hidden)
 
 
-def _build(arch: str, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+#: A random model refused as out of scale past this many times a llama of the same flags, and
+#: past this many parameters (4 GiB in float32): a family whose sub-configs the flags do not reach.
+OUT_OF_SCALE = 32
+OUT_OF_SCALE_PARAMETERS = 10**9
+
+
+def _build(arch: str, config: Any, dtype: torch.dtype, seed: int, fields: dict[str, Any]) -> torch.nn.Module:
+    _refuse_out_of_scale(arch, config, dtype, fields)
     torch.manual_seed(seed)
     try:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:  # not a family with a causal LM head (BERT without is_decoder, T5, ...)
+        if raised_by_signal_handler(exc):
+            raise
         reason = str(exc).strip().splitlines()[0]
         raise ModelFlagError(f"--arch {arch!r} has no causal language model to build ({reason[:200]}); give a "
                              "decoder-only family such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi") from None
+    except Exception as exc:
+        # transformers' own defaults that do not build (DBRX's attention config without the
+        # rope_theta its attention reads, MusicGen's without dropout): a traceback before (h129).
+        if raised_by_signal_handler(exc):
+            raise
+        raise _unbuildable(arch, fields, exc) from None
+
+
+def _refuse_out_of_scale(arch: str, config: Any, dtype: torch.dtype, fields: dict[str, Any]) -> None:
+    """``ModelFlagError`` for a family the flags size only in part, counted on the meta device
+    (no memory, a fraction of a second): BLT's byte encoder, decoder, global transformer and
+    patcher are configs of their own, and ``--arch blt`` built 4.6 billion parameters (18 GiB,
+    minutes) before store.open could refuse or run it (h129). A family that fails to build
+    there is left to the real build, which says why."""
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            llama = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+                AutoConfig.for_model("llama", **fields)).parameters())
+    except Exception as exc:
+        if raised_by_signal_handler(exc):
+            raise
+        return
+    if n <= max(OUT_OF_SCALE * llama, OUT_OF_SCALE_PARAMETERS):
+        return
+    text = config.get_text_config(decoder=True)
+    subs = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig) and value is not text]
+    unsized = f"its {', '.join(subs)} are" if subs else "its own defaults are"
+    gib = n * torch.empty(0, dtype=dtype).element_size() / 2**30
+    raise ModelFlagError(f"--arch {arch!r} builds {n / 1e6:,.0f}M parameters at --layers {fields['num_hidden_layers']} "
+                         f"--hidden {fields['hidden_size']}, {n / llama:,.0f} times a llama of those flags "
+                         f"({gib:,.1f} GiB): {unsized} not sized by --layers and --hidden; give another --arch, such as "
+                         "llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
 
 
 def _shrink_experts(config: Any, hidden: int) -> None:
