@@ -935,6 +935,20 @@ def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags
     assert sum(p.numel() for p in model.parameters()) < 8 * sum(p.numel() for p in llama.parameters())
 
 
+@pytest.mark.parametrize("arch, hidden", [("qwen3_5", 4096), ("mllama", 4096), ("llama4", 5120), ("gemma3", 2304)])
+def test_a_nested_text_config_is_sized_by_the_flags_where_its_width_is_theirs(arch: str, hidden: int) -> None:
+    """``--hidden`` equal to the family's own text width: its text config was left as the family's
+    checkpoints have it (the flags reached it only where the widths differed): ``--arch qwen3_5
+    --layers 4 --hidden 4096`` built 32 layers and a 248,320-id embedding, 9 billion parameters,
+    and ``--arch llama4 --hidden 5120`` 48 layers, refused as out of scale (h129)."""
+    from tierkv.trace_model import RANDOM_VOCAB, _random_model
+
+    with torch.device("meta"):
+        model = _random_model(arch, 4, hidden, 2048, 0, torch.float32)
+    text = model.config.get_text_config(decoder=True)
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (hidden, 4, RANDOM_VOCAB)
+
+
 @pytest.mark.parametrize("call", [0, 1, 2, 3, 4])
 def test_a_signal_handlers_exception_as_a_random_model_is_built_is_raised_not_taken_for_its_family(
         monkeypatch: pytest.MonkeyPatch, call: int) -> None:

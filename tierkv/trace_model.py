@@ -137,13 +137,19 @@ def _random_model(arch: str, layers: int, hidden: int, context: int, seed: int, 
                   max_position_embeddings=context + 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config = _config(arch, fields)
     nested = getattr(config, "text_config", None)
-    if isinstance(nested, PretrainedConfig) and getattr(nested, "hidden_size", hidden) != hidden:
+    # Read from its dict: a field its layers set otherwise (Gemma 4's head_dim) raises when read
+    # from the config itself.
+    declared = nested.to_dict() if isinstance(nested, PretrainedConfig) else {}
+    if isinstance(nested, PretrainedConfig) and \
+            [key for key in ("hidden_size", "num_hidden_layers", "vocab_size") if declared.get(key) != fields[key]]:
         # A family whose causal LM reads a text config inside its own (Llama 4's, Qwen 3.5's, the
         # multimodal ones): the flags size that one. Set on the outer config alone, they left it as the
         # family's checkpoints have it: `--arch llama4` built 48 layers 5120 wide, and `--arch qwen3_5`
-        # a 248,320-id embedding 4096 wide, for minutes, before store.open refused or ran it.
+        # a 248,320-id embedding 4096 wide, for minutes, before store.open refused or ran it. Any of
+        # its sizes, not its width alone: at --hidden 4096, Qwen 3.5's own, its 32 layers and
+        # 248,320 ids were left so (h129).
         text_fields = dict(fields)
-        if nested.to_dict().get("head_dim") not in (None, 64) and not getattr(nested, "is_heterogeneous", False):
+        if declared.get("head_dim") not in (None, 64) and not getattr(nested, "is_heterogeneous", False):
             text_fields["head_dim"] = 64
         config = _config(arch, fields, text_config=text_fields)
         _shape(config.text_config, layers, hidden)
@@ -259,7 +265,7 @@ def _refuse_out_of_scale(arch: str, config: Any, dtype: torch.dtype, fields: dic
         return
     text = config.get_text_config(decoder=True)
     subs = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig) and value is not text]
-    unsized = f"its {', '.join(subs)} are" if subs else "its own defaults are"
+    unsized = f"its {', '.join(subs)} {'is' if len(subs) == 1 else 'are'}" if subs else "its own defaults are"
     gib = n * torch.empty(0, dtype=dtype).element_size() / 2**30
     raise ModelFlagError(f"--arch {arch!r} builds {n / 1e6:,.0f}M parameters at --layers {fields['num_hidden_layers']} "
                          f"--hidden {fields['hidden_size']}, {n / llama:,.0f} times a llama of those flags "
