@@ -232,6 +232,24 @@ def test_a_model_naming_chunked_layers_its_masks_do_not_chunk_is_refused(monkeyp
         assert store.stats()["misses"] == 0
 
 
+def test_a_signal_handlers_exception_as_a_config_is_tried_with_no_window_is_raised() -> None:
+    """The trial of a window of None (``_takes_none``, for the refusal's remedy) cut by a SIGALRM
+    handler's timeout: raised, not taken for a config that refuses None (h129)."""
+    import signal
+    import sys
+
+    from conftest import HandlerTimeout, _raise_handler_timeout
+
+    class Config:
+        sliding_window = 16
+
+        def __setattr__(self, name: str, value: object) -> None:
+            _raise_handler_timeout(signal.SIGALRM, sys._getframe())
+
+    with pytest.raises(HandlerTimeout):
+        cache_module._takes_none(Config(), "sliding_window")
+
+
 @pytest.mark.parametrize("chunk", [0, 1])
 def test_chunks_under_two_tokens_are_refused_naming_the_field(chunk: int) -> None:
     with TieredStore(None, device="cpu", block_size=BLOCK) as store:
@@ -364,7 +382,13 @@ def test_a_model_whose_masks_ignore_its_window_is_refused(monkeypatch: pytest.Mo
                                              r"\(sliding_window=16\), but its modeling code builds no sliding-window "
                                              "mask") as info:
             store.open(moshi, random_ids(20))
-        assert "Set sliding_window=None" in str(info.value)
+        # Not told to set the window to None, which its config refuses (huggingface_hub's
+        # validation: an int alone); told so instead (h129). A config that takes None is told to
+        # (Llama 4's chunk: test_a_model_naming_chunked_layers_its_masks_do_not_chunk_is_refused).
+        assert "Set sliding_window=None" not in str(info.value)
+        assert "MoshiConfig takes no sliding_window=None, so no setting of it has tierkv serve this model" \
+            in str(info.value)
+        assert moshi.config.sliding_window == 16  # the trial left the live config alone
         monkeypatch.setattr("inspect.getsource", lambda _: (_ for _ in ()).throw(OSError("no source")))
         with pytest.raises(ValueError, match="or could not be read"):
             store.open(make_model("mistral_window", seed=3), random_ids(20))

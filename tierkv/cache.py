@@ -549,6 +549,21 @@ def _cache_handed_by_position(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _takes_none(config: Any, field: str) -> bool:
+    """Whether ``config`` lets ``field`` be set to None, tried on a copy: Moshi's (huggingface_hub's
+    strict validation) takes an int alone, and a refusal told its users to set None (h129)."""
+    # A deep copy: a shallow one shares a heterogeneous config's per-layer configs, which a
+    # setattr may write through to, editing the live model's config.
+    trial = copy.deepcopy(config)
+    try:
+        setattr(trial, field, None)
+    except Exception as exc:
+        if raised_by_signal_handler(exc):
+            raise  # a SIGALRM timeout's, as the field was tried: not a config that refuses None
+        return False
+    return True
+
+
 #: The transformers function that builds each WINDOWED layer type's mask, and the mask's name.
 _MASK_MAKERS = {"sliding_attention": ("create_sliding_window_causal_mask", "sliding-window"),
                 "chunked_attention": ("create_chunked_causal_mask", "chunked")}
@@ -782,13 +797,15 @@ def _static_facts(model: Any) -> _Static:
     for kind, field in WINDOWED.items():
         maker, mask = _MASK_MAKERS[kind]
         if kind in layer_types and not _builds_masks(model, maker):
+            remedy = f"Set {field}=None in its config if the checkpoint attends to the whole conversation" \
+                if _takes_none(text_config, field) else \
+                f"{type(text_config).__name__} takes no {field}=None, so no setting of it has tierkv serve this model"
             raise ValueError(f"{type(model).__name__}'s config names {kind} layers ({field}="
                              f"{getattr(text_config, field, None)!r}), but its modeling code builds no "
                              f"{mask} mask for them (transformers' {maker}; Moshi builds "
                              "a full causal one for its window), or could not be read: transformers' own caches "
                              "then keep its window only from its second forward on, so plain generate's output "
-                             "depends on how a conversation is fed and no restore can equal it. Set "
-                             f"{field}=None in its config if the checkpoint attends to the whole conversation"
+                             f"depends on how a conversation is fed and no restore can equal it. {remedy}"
                              + _WITHOUT_TIERKV)
     # Also the transformers models inside it: a wrapper's generate() may hand off to its inner
     # model's, and its forward call the inner forward directly, without the wrapper's own hooks
