@@ -219,6 +219,35 @@ def test_chunked_attention_restored_at_every_offset_from_a_chunk_edge_is_exact(t
             assert cache.commit(out.sequences) == out.sequences.shape[1] - 1
 
 
+@pytest.mark.parametrize("chunk, block", [(5, 8), (8, 8), (7, 3), (4, 16)])
+def test_chunks_shorter_than_equal_to_or_across_blocks_are_exact_through_replies_past_several_edges(
+        tmp_path: Path, chunk: int, block: int) -> None:
+    """Chunks of other lengths than the block size (shorter, equal, not dividing it, a quarter of
+    it): restores from disk ending a token before, on and after the first two chunk edges, a reply
+    crossing three more edges (handed off the device on the way), its commit kept whole, and the
+    next turn, with more new ids than a chunk, restoring it all, each equal to plain generate
+    (checked, no fault found: h129)."""
+    model = _llama4(chunk, layers=3)
+    with TieredStore(tmp_path, device="cpu", block_size=block, **BUDGETS["disk"]) as store:
+        for length in (chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk, 2 * chunk + 1):
+            ids = random_ids(length + 1, seed=length)
+            session = f"s{length}"
+            cache = store.open(model, ids, session=session)
+            cache.commit(model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False))
+            cache = store.open(model, ids, session=session)
+            assert cache.restored_tokens == length
+            new = 3 * chunk + 1
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            assert torch.equal(out, model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False))
+            assert cache.commit(out) == out.shape[1] - 1
+            later = torch.cat([out, random_ids(chunk + 2, seed=99)], dim=1)
+            cache = store.open(model, later, session=session)
+            assert cache.restored_tokens == out.shape[1] - 1
+            assert torch.equal(
+                model.generate(later, past_key_values=cache, max_new_tokens=chunk + 2, do_sample=False),
+                model.generate(later, max_new_tokens=chunk + 2, do_sample=False)), (length, chunk, block)
+
+
 def test_a_model_naming_chunked_layers_its_masks_do_not_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """As a window its masks ignore (Moshi's): chunked layers whose modeling code builds no chunked
     mask are refused at open, naming the field to set."""
