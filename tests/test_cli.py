@@ -268,6 +268,26 @@ def test_stats_reports_what_was_stored(built: Built, copy: Callable[..., Path],
     assert table.err == ""
 
 
+def test_reports_tell_the_default_tenant_from_tenants_named_like_it(
+        model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A tenant named "(default)" showed as the default tenant's row twice in `stats`, and `clear`
+    # said "tenant (default)" for either; a name with a space at an end read as another's.
+    path = tmp_path / "kv"
+    ids = random_ids(12, seed=9)
+    with TieredStore(path, device="cpu", block_size=B) as store:
+        for tenant in (None, "(default)", "acme "):
+            cache = store.open(model, ids, session="s", tenant=tenant)
+            cache.commit(model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False))
+    assert cli.main(["stats", str(path)]) == 0
+    table = capsys.readouterr().out
+    labels = [line.split("  ")[0] for line in table.splitlines()[table.splitlines().index("") + 2:]]
+    assert sorted(labels) == sorted(["(default)", "'(default)'", "'acme '"]), table
+    assert cli.main(["clear", str(path), "--tenant", "(default)"]) == 0
+    assert "removed 2 blocks (tenant '(default)')" in capsys.readouterr().out
+    assert cli.main(["clear", str(path), "--default-tenant"]) == 0
+    assert "removed 2 blocks (tenant (default))" in capsys.readouterr().out
+
+
 def test_store_commands_read_a_path_under_home_as_tieredstore_does(
         built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # TieredStore("~/kv") is the store in the home directory; `tierkv stats "~/kv"` (no shell to

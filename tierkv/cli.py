@@ -236,9 +236,13 @@ def _progress(total: int, desc: str, unit: str) -> Any:
 
 
 def _tenant_label(tenant: str | None) -> str:
+    """How a report names ``tenant``: ``(default)`` for the default tenant (None), a name as it is,
+    quoted where it would read as another (empty, unprintable, spaces at an end, or the default
+    tenant's own label: a tenant named "(default)" showed as the default tenant's row twice)."""
     if tenant is None:
         return "(default)"
-    return tenant if tenant.isprintable() and tenant else repr(tenant)
+    plain = tenant and tenant.isprintable() and tenant == tenant.strip() and tenant != "(default)"
+    return tenant if plain else repr(tenant)
 
 
 def _emit(args: argparse.Namespace, report: dict[str, Any], text: Callable[[dict[str, Any]], str]) -> None:
