@@ -285,7 +285,7 @@ def test_chunks_under_two_tokens_are_refused_naming_the_field(chunk: int) -> Non
         model = _llama4(8)
         model.config.attention_chunk_size = chunk
         with pytest.raises(ValueError, match=f"chunked_attention layers with attention_chunk_size={chunk}; tierkv "
-                                             "needs a window of at least 2 tokens"):
+                                             "needs a chunk of at least 2 tokens .an int.: give the chunk"):
             store.open(model, random_ids(20))
 
 
@@ -534,14 +534,16 @@ def test_a_restore_past_the_window_holds_the_window_not_the_conversation(tiny_mo
                            model.generate(later, max_new_tokens=4, do_sample=False))
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen2_window"])  # the sliding layer first, and last
+# The sliding layer first, and last; Llama 4's chunked layer first, named as such in the refusal.
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen2_window", "llama4_text"])
 def test_a_crop_below_a_cut_window_is_refused_leaving_every_layer_as_it_was(tiny_model, tmp_path: Path,
                                                                           arch: str) -> None:
     model = tiny_model(arch)
     with TieredStore(None, device="cpu", block_size=BLOCK, device_budget=0, host_budget="1GiB") as store:
         cache, nxt, _ = _past_the_window(store, model, seed=53)
         assert cache.crop_floor() == 16 + 11  # still pending: the floor the cut will have
-        with pytest.raises(ValueError, match="below 27 tokens"):
+        layers = "chunked-attention" if arch == "llama4_text" else "sliding-window"
+        with pytest.raises(ValueError, match=f"its {layers} layers hold the restored conversation .* below 27 tokens"):
             cache.crop(27 - 32 - 1)
         assert cache.get_seq_length() == 32 and cache.layers[0]._pending is not None
         with torch.no_grad():

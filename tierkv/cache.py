@@ -158,6 +158,7 @@ class ModelInfo:
     # counters then: a forward that finds either moved takes the fingerprint again.
     weights_state: tuple[int, tuple[int, ...] | None] | None = None
     windows: tuple[int | None, ...] = ()
+    cut_layers: str = "sliding-window"  # what its windowed layers are, as a crop's refusal names them
     # Where each layer's keys and values lie in a block, for layers of other KV shapes (layout.py);
     # None where they are all of one shape, a slot a layer.
     layout: KVLayout | None = None
@@ -197,6 +198,7 @@ class _Static:
     prepare_classes: tuple[type, ...] = ()
     kv_dtype: torch.dtype | None = None  # see _kv_dtype
     windows: tuple[int | None, ...] = ()
+    cut_layers: str = "sliding-window"  # see _cut_layers
     layout: KVLayout | None = None  # see _kv_layout
 
     def config_current(self, model: Any) -> bool:
@@ -272,8 +274,9 @@ def _window(window: Any, kind: str = "sliding_attention", field: str = "sliding_
     # keeps every token then (its slice [-0:]) while its mask sizes say none, so plain generate
     # itself computes no such model as it was trained.
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        what = "chunk" if kind == "chunked_attention" else "window"
         raise ValueError(f"the model's config has {kind} layers with {field}={window!r}; "
-                         "tierkv needs a window of at least 2 tokens (an int): give the window the checkpoint "
+                         f"tierkv needs a {what} of at least 2 tokens (an int): give the {what} the checkpoint "
                          "was trained with")
     return window
 
@@ -842,7 +845,7 @@ def _static_facts(model: Any) -> _Static:
     # Compared at every describe (_Static.config_current): a field edited on the live config
     # (X-MOD's set_default_language, clip_qkv set by hand) changes the KV of this model object.
     return _Static(config_digest=h.digest(), num_layers=len(layer_types), sample=sample, windows=_windows(text_config, layer_types),
-                   layout=_kv_layout(text_config, layer_types),
+                   cut_layers=_cut_layers(set(layer_types)), layout=_kv_layout(text_config, layer_types),
                    position_limit=_position_limit(text_config), vocab=_vocab(model), config=config,
                    positions_from_pad=any([hasattr(m, "padding_idx") and hasattr(m, "position_embeddings") and
                                           not isinstance(m, torch.nn.Embedding) for m in model.modules()]),
@@ -1431,7 +1434,8 @@ def describe_model(model: Any, as_opened: ModelInfo | None = None) -> ModelInfo:
         h.update(static.buffers.digest(volatile))
     adapters = _adapter_state(static.adapters)
     h.update(adapters)
-    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows, layout=static.layout,
+    return ModelInfo(fingerprint=h.digest(), num_layers=static.num_layers, windows=static.windows,
+                     cut_layers=static.cut_layers, layout=static.layout,
                      config_digest=static.config_digest, device=first.device, dtype=first.dtype,
                      kv_dtype=kv_dtype,
                      position_limit=static.position_limit, masked_token=_masked_token(model), adapters=adapters,
@@ -2236,11 +2240,19 @@ def _count(tokens: Any) -> int | None:
     return None
 
 
-def _crop_refusal(floor: int, length: int) -> ValueError:
-    return ValueError(f"a crop of this TieredCache to {length} tokens: its sliding-window layers hold the "
+def _crop_refusal(floor: int, length: int, layers: str = "sliding-window") -> ValueError:
+    """``layers``: what the cut layers are, as their config names them (Llama 4's: chunked attention)."""
+    return ValueError(f"a crop of this TieredCache to {length} tokens: its {layers} layers hold the "
                       f"restored conversation from where their window reaches, and no crop below {floor} "
                       "tokens (but one to nothing) leaves them a window; call cache.reset() and run the "
                       "conversation again instead (or store.open() it anew)")
+
+
+def _cut_layers(kinds: set[str]) -> str:
+    """The windowed layer kinds among ``kinds``, as a crop's refusal names them."""
+    names = [name for kind, name in (("sliding_attention", "sliding-window"), ("chunked_attention", "chunked-attention"))
+             if kind in kinds]
+    return " and ".join(names) or "sliding-window"
 
 
 def _is_head_of(tensor: torch.Tensor, room: torch.Tensor) -> bool:
@@ -2930,7 +2942,7 @@ class TieredCache(Cache):
             # Checked before any layer is cut: a refusal part-way left the layers apart.
             length, floor = self.get_seq_length() + tokens, self.crop_floor()
             if 0 < length < floor:
-                raise _crop_refusal(floor, length)
+                raise _crop_refusal(floor, length, self.model_info.cut_layers)
         super().crop(*args, **kwargs)
         self._extends = None  # a forward prepared before the crop ran already (assisted decoding's)
         length = self.get_seq_length()
