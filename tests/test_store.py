@@ -2570,11 +2570,16 @@ def test_a_closed_store_refuses_every_operation(tiny_model, tmp_path):
         out = verify_generate(model, ids, cache, 2)
     # Leaving the `with` block closed the store.
     for call in (lambda: store.open(model, ids, session="s"), lambda: cache.commit(out),
-                 lambda: store.forget(session="s"), store.flush):
+                 lambda: store.forget(session="s"), store.flush, store.__enter__):
         with pytest.raises(ValueError, match="closed") as info:
             call()
         assert "new TieredStore" in str(info.value)
     store.close()  # closing twice is harmless
+    # A `with` block of a closed store is refused as it starts, as a closed file's is (h130: it ran
+    # on to its first call).
+    with pytest.raises(ValueError, match="closed"):
+        with store:
+            pass
     # A commit is not told to use a new store "again": no other store takes this cache, and the
     # advice led back to this error (helper-96). What it says to do instead works.
     with pytest.raises(ValueError, match=r"closed before its commit.*Commit each turn before store\.close\(\)"):

@@ -652,6 +652,9 @@ class TieredStore:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> "TieredStore":
+        if self._closed:
+            # As a closed file's: a `with` block of a closed store ran on to its first call.
+            raise ValueError("this TieredStore is closed; create a new TieredStore(path, ...) to use it again")
         return self
 
     def __exit__(self, *exc: object) -> None:
