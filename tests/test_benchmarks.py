@@ -919,13 +919,16 @@ def test_a_random_model_setting_head_dim_per_layer_keeps_its_kv_of_other_shapes(
 
 
 @pytest.mark.parametrize("arch", ["llama4", "qwen3_5", "mllama"])
-def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags(arch: str) -> None:
+def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags(monkeypatch: pytest.MonkeyPatch,
+                                                                                arch: str) -> None:
     """``--arch llama4`` (``qwen3_5``, ``mllama``): the causal LM reads a text config nested in the
     family's, which the flags did not reach: 48 layers 5120 wide (Llama 4's 202,048-id embedding,
     or Qwen 3.5's 248,320 of 4096), minutes to build before the trace could start or be refused.
     Its text config takes the flags as a plain family's config does."""
+    import tierkv.trace_model as trace_model
     from tierkv.trace_model import RANDOM_VOCAB, _random_model
 
+    monkeypatch.setattr(trace_model, "_refuse_unsupported", lambda *args: None)  # mllama's images: the sizes here
     with torch.device("meta"):
         model = _random_model(arch, 4, 512, 2048, 0, torch.float32)
         llama = _random_model("llama", 4, 512, 2048, 0, torch.float32)
@@ -936,17 +939,47 @@ def test_a_random_model_whose_config_nests_its_text_config_is_sized_by_the_flags
 
 
 @pytest.mark.parametrize("arch, hidden", [("qwen3_5", 4096), ("mllama", 4096), ("llama4", 5120), ("gemma3", 2304)])
-def test_a_nested_text_config_is_sized_by_the_flags_where_its_width_is_theirs(arch: str, hidden: int) -> None:
+def test_a_nested_text_config_is_sized_by_the_flags_where_its_width_is_theirs(monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                                             hidden: int) -> None:
     """``--hidden`` equal to the family's own text width: its text config was left as the family's
     checkpoints have it (the flags reached it only where the widths differed): ``--arch qwen3_5
     --layers 4 --hidden 4096`` built 32 layers and a 248,320-id embedding, 9 billion parameters,
     and ``--arch llama4 --hidden 5120`` 48 layers, refused as out of scale (h129)."""
+    import tierkv.trace_model as trace_model
     from tierkv.trace_model import RANDOM_VOCAB, _random_model
 
+    # Built past the refusal of images (mllama's, gemma3's: test_a_family_embedding_images_...):
+    # the sizes are what this checks.
+    monkeypatch.setattr(trace_model, "_refuse_unsupported", lambda *args: None)
     with torch.device("meta"):
         model = _random_model(arch, 4, hidden, 2048, 0, torch.float32)
     text = model.config.get_text_config(decoder=True)
     assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (hidden, 4, RANDOM_VOCAB)
+
+
+@pytest.mark.parametrize("arch, name", [("gemma3", "Gemma3ForConditionalGeneration"),
+                                        ("phi4_multimodal", "Phi4MultimodalForCausalLM")])
+def test_a_family_embedding_images_is_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                                 name: str) -> None:
+    """``--arch`` of a family store.open refuses for its images: refused from its model on the meta
+    device, as store.open words it, before the real build. Its towers are not sized by the flags:
+    Gemma 3's vision tower built 94M parameters, Phi-4's multimodal model took 20 s, before the
+    refusal."""
+    import tierkv.trace_model as trace_model
+
+    built: list[str] = []
+
+    def from_config(config: object, **kwargs: object) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        if next(model.parameters()).device.type != "meta":
+            built.append(type(model).__name__)
+        return model
+
+    monkeypatch.setattr(trace_model, "AutoModelForCausalLM", SimpleNamespace(from_config=from_config))
+    with pytest.raises(trace_model.ModelFlagError, match=f"tierkv cannot serve this model: {name} embeds images or "
+                                                         r"audio \(vision_config\).*; give another --arch"):
+        trace_model._random_model(arch, 1, 64, 128, 0, torch.float32)
+    assert built == []
 
 
 @pytest.mark.parametrize("call", [0, 1, 2, 3, 4])

@@ -6,8 +6,8 @@ Protocol: ``add_model_flags(parser)`` adds the flags; ``check_model_flags(parser
 refuses bad combinations through ``parser.error`` before anything is built; ``build_model(args,
 device, context)`` returns the model in eval mode on ``device``, or raises ``ModelFlagError``
 with a message saying what to give instead (a checkpoint that cannot be loaded, a family that is
-not a causal LM or cannot be built at the flags, one the flags size only in part: counted on the
-meta device first, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
+not a causal LM or cannot be built at the flags, one the flags size only in part or that embeds
+images or audio: counted and checked on the meta device first, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
 what one token's KV weighs in the model's own cache (every layer's keys and values), so that the
 trace's working set and percentage budgets hold for any family and dtype (the bench adds the
 zeroed unit a store's blocks may carry: ``bench.stored_bytes_per_token``). ``describe(model)``
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from .cache import _WITHOUT_TIERKV, _refuse_unsupported
 from .interrupts import raised_by_signal_handler
 
 #: ``--dtype``'s names.
@@ -250,27 +251,40 @@ def _refuse_out_of_scale(arch: str, config: Any, dtype: torch.dtype, fields: dic
     """``ModelFlagError`` for a family the flags size only in part, counted on the meta device
     (no memory, a fraction of a second): BLT's byte encoder, decoder, global transformer and
     patcher are configs of their own, and ``--arch blt`` built 4.6 billion parameters (18 GiB,
-    minutes) before store.open could refuse or run it (h129). A family that fails to build
-    there is left to the real build, which says why."""
+    minutes) before store.open could refuse or run it (h129). So too for a family that embeds
+    images or audio, which store.open refuses for that (``cache._refuse_unsupported``): its
+    towers are not sized by the flags either (Gemma 3's 94M-parameter vision tower, Phi-4's
+    multimodal model 20 s to build). A family that fails to build there is left to the real
+    build, which says why."""
     try:
         with torch.device("meta"):
-            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            model = AutoModelForCausalLM.from_config(config)
+            n = sum(p.numel() for p in model.parameters())
             llama = sum(p.numel() for p in AutoModelForCausalLM.from_config(
                 AutoConfig.for_model("llama", **fields)).parameters())
     except Exception as exc:
         if raised_by_signal_handler(exc):
             raise
         return
-    if n <= max(OUT_OF_SCALE * llama, OUT_OF_SCALE_PARAMETERS):
-        return
-    text = config.get_text_config(decoder=True)
-    subs = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig) and value is not text]
-    unsized = f"its {', '.join(subs)} {'is' if len(subs) == 1 else 'are'}" if subs else "its own defaults are"
-    gib = n * torch.empty(0, dtype=dtype).element_size() / 2**30
-    raise ModelFlagError(f"--arch {arch!r} builds {n / 1e6:,.0f}M parameters at --layers {fields['num_hidden_layers']} "
-                         f"--hidden {fields['hidden_size']}, {n / llama:,.0f} times a llama of those flags "
-                         f"({gib:,.1f} GiB): {unsized} not sized by --layers and --hidden; give another --arch, such as "
-                         "llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+    if n > max(OUT_OF_SCALE * llama, OUT_OF_SCALE_PARAMETERS):
+        text = config.get_text_config(decoder=True)
+        subs = [name for name, value in vars(config).items()
+                if isinstance(value, PretrainedConfig) and value is not text]
+        unsized = f"its {', '.join(subs)} {'is' if len(subs) == 1 else 'are'}" if subs else "its own defaults are"
+        gib = n * torch.empty(0, dtype=dtype).element_size() / 2**30
+        raise ModelFlagError(f"--arch {arch!r} builds {n / 1e6:,.0f}M parameters at --layers "
+                             f"{fields['num_hidden_layers']} --hidden {fields['hidden_size']}, {n / llama:,.0f} "
+                             f"times a llama of those flags ({gib:,.1f} GiB): {unsized} not sized by --layers and "
+                             "--hidden; give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+    try:
+        _refuse_unsupported(model, model.config, model.config.get_text_config(decoder=True))
+    except ValueError as exc:
+        if raised_by_signal_handler(exc):
+            raise
+        # As the bench words store.open's refusal of a model built.
+        reason = str(exc).removesuffix(_WITHOUT_TIERKV)
+        raise ModelFlagError(f"tierkv cannot serve this model: {reason}; give another --arch, such as llama, qwen2, "
+                             "mistral, gpt2, gpt_neox, opt or phi") from None
 
 
 def _shrink_experts(config: Any, hidden: int) -> None:
