@@ -2250,8 +2250,8 @@ def _crop_refusal(floor: int, length: int, layers: str = "sliding-window") -> Va
 
 def _cut_layers(kinds: set[str]) -> str:
     """The windowed layer kinds among ``kinds``, as a crop's refusal names them."""
-    names = [name for kind, name in (("sliding_attention", "sliding-window"), ("chunked_attention", "chunked-attention"))
-             if kind in kinds]
+    names = [name for kind, name in (("sliding_attention", "sliding-window"),
+                                     ("chunked_attention", "chunked-attention")) if kind in kinds]
     return " and ".join(names) or "sliding-window"
 
 
