@@ -140,8 +140,8 @@ def check_exactness(device: torch.device) -> list[str]:
                 store.close()
                 shutil.rmtree(path, ignore_errors=True)
                 pool_note = f" (pool fallbacks {pool['fallbacks']})" if pool else ""
-                verdict = "MISMATCH" if not ok else \
-                    "drift (a reused DynamicCache parts from plain generate alike: transformers' own)" if drift else "exact"
+                drifted = "drift (a reused DynamicCache parts from plain generate alike: transformers' own)"
+                verdict = "MISMATCH" if not ok else drifted if drift else "exact"
                 lines.append(f"| {label} {str(dtype).removeprefix('torch.')} | {tier} | "
                              f"{verdict}{pool_note} | {restored} | {after} |")
     return lines

@@ -58,7 +58,6 @@ from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
 from . import trace_model
-from .cache import _WITHOUT_TIERKV
 from .demo import FirstTokenTimer
 from .events import MoveEvent
 from .interrupts import raised_by_signal_handler
@@ -338,13 +337,9 @@ def run(args: argparse.Namespace) -> dict:
         try:
             layout = warm.open(model, torch.tensor(first).unsqueeze(0).to(device)).model_info.layout
         except ValueError as exc:
-            # The library's way out (generate without a TieredCache) is no flag of this program's:
-            # the way out here is another model.
-            reason = str(exc).removesuffix(_WITHOUT_TIERKV)
             instead = ("give --model a decoder-only checkpoint of full-attention or sliding-window layers"
-                       if args.model is not None else
-                       "give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
-            raise trace_model.ModelFlagError(f"tierkv cannot serve this model: {reason}; {instead}") from None
+                       if args.model is not None else trace_model.OTHER_ARCH)
+            raise trace_model.cannot_serve(exc, instead) from None
     # After the refusal: the probe reads keys from every layer, which a recurrent layer lacks
     # (`--arch mamba` died in it with an AttributeError).
     kv_per_token = trace_model.kv_bytes_per_token(model)

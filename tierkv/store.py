@@ -3178,8 +3178,8 @@ class TieredStore:
         ``device``/``host``/``disk``: bytes, budget and blocks at rest (disk bytes are footprints in
         the file); ``peak_bytes`` (per tier, the most bytes at rest at any moment since the store
         opened); ``hits`` (tokens per tier), ``misses`` (tokens), ``discarded`` (restored
-        tokens thrown away and recomputed, by assisted decoding, ``cache.reset()`` or a crop below the restore: in ``hits``
-        and in ``misses`` too), ``evictions``, ``diverged_turns`` and ``diverged_tokens`` (turns whose
+        tokens thrown away and recomputed, by assisted decoding, ``cache.reset()`` or a crop below
+        the restore: in ``hits`` and in ``misses`` too), ``evictions``, ``diverged_turns`` and ``diverged_tokens`` (turns whose
         ids differed from their session's last stored conversation, ``cache.diverged_at``, and the
         stored tokens past the difference they computed again), ``corrupt``;
         ``disk_errors`` (disk operations that failed: each block write, delete or reference of a

@@ -7,11 +7,11 @@ refuses bad combinations through ``parser.error`` before anything is built; ``bu
 device, context)`` returns the model in eval mode on ``device``, or raises ``ModelFlagError``
 with a message saying what to give instead (a checkpoint that cannot be loaded, a family that is
 not a causal LM or cannot be built at the flags, one the flags size only in part or that embeds
-images or audio: counted and checked on the meta device first, a context past the model's positions). ``kv_bytes_per_token(model)`` measures
-what one token's KV weighs in the model's own cache (every layer's keys and values), so that the
-trace's working set and percentage budgets hold for any family and dtype (the bench adds the
-zeroed unit a store's blocks may carry: ``bench.stored_bytes_per_token``). ``describe(model)``
-is the one line the reports print.
+images or audio: counted and checked on the meta device first, a context past the model's
+positions). ``kv_bytes_per_token(model)`` measures what one token's KV weighs in the model's own
+cache (every layer's keys and values), so that the trace's working set and percentage budgets hold
+for any family and dtype (the bench adds the zeroed unit a store's blocks may carry:
+``bench.stored_bytes_per_token``). ``describe(model)`` is the one line the reports print.
 
 Random models draw their token ids from ``[3, vocab)``: ids 0-2 are their pad, bos and eos
 (a family's own defaults, e.g. Phi-3's pad 32000, lie past a 4096-token vocabulary). A global
@@ -42,6 +42,16 @@ RANDOM_VOCAB = 4096
 
 class ModelFlagError(ValueError):
     """The model flags name no model the trace can run; the message says what to give instead."""
+
+
+#: What a refusal of ``--arch`` tells to give instead.
+OTHER_ARCH = "give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi"
+
+
+def cannot_serve(exc: ValueError, instead: str = OTHER_ARCH) -> ModelFlagError:
+    """store.open's refusal of a model, as the benchmarks word it: the library's way out (generate
+    without a TieredCache) is no flag of theirs; the way out there is another model."""
+    return ModelFlagError(f"tierkv cannot serve this model: {str(exc).removesuffix(_WITHOUT_TIERKV)}; {instead}")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, layers: int, hidden: int) -> None:
@@ -178,8 +188,7 @@ def _unbuildable(arch: str, fields: dict[str, Any], exc: BaseException) -> Model
     # reason on the next.
     reason = " ".join([line.strip() for line in str(exc).strip().splitlines() if line.strip()]) or "no message"
     return ModelFlagError(f"--arch {arch!r} could not be built at --layers {fields['num_hidden_layers']} --hidden "
-                          f"{fields['hidden_size']} ({type(exc).__name__}: {reason[:200]}); give another --arch, such "
-                          "as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+                          f"{fields['hidden_size']} ({type(exc).__name__}: {reason[:200]}); {OTHER_ARCH}")
 
 
 def _config(arch: str, fields: dict[str, Any], **more: Any) -> Any:
@@ -229,7 +238,7 @@ OUT_OF_SCALE_PARAMETERS = 10**9
 
 
 def _build(arch: str, config: Any, dtype: torch.dtype, seed: int, fields: dict[str, Any]) -> torch.nn.Module:
-    _refuse_out_of_scale(arch, config, dtype, fields)
+    _refuse_on_meta(arch, config, dtype, fields)
     torch.manual_seed(seed)
     try:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -247,7 +256,7 @@ def _build(arch: str, config: Any, dtype: torch.dtype, seed: int, fields: dict[s
         raise _unbuildable(arch, fields, exc) from None
 
 
-def _refuse_out_of_scale(arch: str, config: Any, dtype: torch.dtype, fields: dict[str, Any]) -> None:
+def _refuse_on_meta(arch: str, config: Any, dtype: torch.dtype, fields: dict[str, Any]) -> None:
     """``ModelFlagError`` for a family the flags size only in part, counted on the meta device
     (no memory, a fraction of a second): BLT's byte encoder, decoder, global transformer and
     patcher are configs of their own, and ``--arch blt`` built 4.6 billion parameters (18 GiB,
@@ -275,16 +284,13 @@ def _refuse_out_of_scale(arch: str, config: Any, dtype: torch.dtype, fields: dic
         raise ModelFlagError(f"--arch {arch!r} builds {n / 1e6:,.0f}M parameters at --layers "
                              f"{fields['num_hidden_layers']} --hidden {fields['hidden_size']}, {n / llama:,.0f} "
                              f"times a llama of those flags ({gib:,.1f} GiB): {unsized} not sized by --layers and "
-                             "--hidden; give another --arch, such as llama, qwen2, mistral, gpt2, gpt_neox, opt or phi")
+                             f"--hidden; {OTHER_ARCH}")
     try:
         _refuse_unsupported(model, model.config, model.config.get_text_config(decoder=True))
     except ValueError as exc:
         if raised_by_signal_handler(exc):
             raise
-        # As the bench words store.open's refusal of a model built.
-        reason = str(exc).removesuffix(_WITHOUT_TIERKV)
-        raise ModelFlagError(f"tierkv cannot serve this model: {reason}; give another --arch, such as llama, qwen2, "
-                             "mistral, gpt2, gpt_neox, opt or phi") from None
+        raise cannot_serve(exc) from None
 
 
 def _shrink_experts(config: Any, hidden: int) -> None:
